@@ -1,0 +1,52 @@
+"""cgraw: CUDA graphs for ordinary torch and CuPy code, in pure Python on cuda-python.
+
+Importing cgraw makes no CUDA call: the driver is loaded on first use, and a machine without
+one gets a single ``cgraw.CudaUnavailableError``.
+"""
+
+from cgraw.capture import capture
+from cgraw.device import Device
+from cgraw.errors import (
+    AllocatorError,
+    CaptureError,
+    CgrawError,
+    CudaError,
+    CudaUnavailableError,
+    InvalidFree,
+    OutOfMemoryError,
+    PoolClosed,
+    PoolExhausted,
+    ResourceLeakWarning,
+    SnapshotMismatch,
+    TreeError,
+)
+from cgraw.graph import Graph, NodeInfo
+from cgraw.memory import DevicePool
+from cgraw.stream import Event, Stream
+from cgraw.tensor import Tensor, from_dlpack
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllocatorError",
+    "CaptureError",
+    "CgrawError",
+    "CudaError",
+    "CudaUnavailableError",
+    "Device",
+    "DevicePool",
+    "Event",
+    "Graph",
+    "InvalidFree",
+    "NodeInfo",
+    "OutOfMemoryError",
+    "PoolClosed",
+    "PoolExhausted",
+    "ResourceLeakWarning",
+    "SnapshotMismatch",
+    "Stream",
+    "Tensor",
+    "TreeError",
+    "capture",
+    "from_dlpack",
+]

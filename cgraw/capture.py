@@ -1,0 +1,253 @@
+"""``cgraw.capture()``: record torch, CuPy or mixed code as a CUDA graph.
+
+Layer L6 (public API): composes the pool, the capture stream, the framework adapters and
+``Graph``. Capture goes through the driver (``cuStreamBeginCapture``/``cuStreamEndCapture``,
+``cuGraphInstantiateWithParams``); torch's and CuPy's own graph APIs are never used.
+
+Exit rules (after Warp's ScopedCapture): the capture is always ended and a partial graph
+destroyed; on failure the pool is restored to its state before the capture; a failure that is
+the capture's (host sync, RNG, cuBLAS in CuPy, an invalidated capture) becomes one
+``CaptureError`` chained to the original; a user's own exception propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from cgraw import _cuda
+from cgraw.device import Device
+from cgraw.errors import CaptureError
+from cgraw.graph import Graph
+from cgraw.interop import cupy as _icupy
+from cgraw.interop import torch as _itorch
+from cgraw.memory import DevicePool, capture_guard_enter, capture_guard_exit
+
+log = logging.getLogger("cgraw")
+
+_MODES = ("global", "thread_local", "relaxed")
+_tls = threading.local()
+
+
+class capture:
+    """Context manager that records the work of its block into a ``Graph``.
+
+    Example::
+
+        with cgraw.capture() as g:
+            y = torch.sin(x) * 2          # x: a tensor made before the capture
+        g.replay()                        # y now holds sin(x) * 2 for the current x
+
+    Args:
+        pool: a ``DevicePool`` shared by several graphs (replay them in capture order, never
+            concurrently). By default each graph gets its own pool, reserved until the graph
+            and its outputs are gone.
+        mode: ``"thread_local"`` (default), ``"global"`` or ``"relaxed"``: which unsafe calls of
+            other threads invalidate the capture (CUDA stream-capture modes).
+        device: the device to capture on; the current one by default.
+        warmup: a callable run once on the capture stream, with the pool's routing, right before
+            capture starts: put lazy first-use work there (cuBLAS handles, kernel caches).
+        upload: upload the executable at instantiation so the first replay is fast.
+        frameworks: which of ``"torch"`` and ``"cupy"`` to route; by default each one the
+            process has imported.
+        warm_cublas: run a tiny torch matmul before capture so cuBLAS is initialised.
+    """
+
+    def __init__(self, *, pool: DevicePool | None = None, mode: str = "thread_local", device=None,
+                 warmup=None, upload: bool = True, frameworks=None, warm_cublas: bool = True):
+        if mode not in _MODES:
+            raise ValueError(f"{mode=} must be one of {_MODES}")
+        if pool is not None and not isinstance(pool, DevicePool):
+            raise TypeError(f"pool must be a cgraw.DevicePool, not {type(pool).__name__}")
+        if warmup is not None and not callable(warmup):
+            raise TypeError("warmup must be a callable taking no arguments")
+        self.pool = pool
+        self.mode = mode
+        self.device = device
+        self.warmup = warmup
+        self.upload = upload
+        self.frameworks = frameworks
+        self.warm_cublas = warm_cublas
+        self.graph: Graph | None = None
+        self._adapters: list = []
+        self._owners: list = []
+        self._snapshot = None
+        self._t0 = 0.0
+
+    def __enter__(self) -> Graph:
+        if getattr(_tls, "active", None) is not None:
+            raise CaptureError("cuStreamBeginCapture", 0, "NESTED_CAPTURE",
+                               "a cgraw.capture() is already running on this thread",
+                               "end the outer capture first; nested captures are not supported")
+        dev = self._device()
+        dev.set_current()
+        pool = self.pool if self.pool is not None else DevicePool(dev, name="graph")
+        if pool.device is not dev:
+            raise ValueError(f"pool is on device {pool.device.ordinal}, capture on device {dev.ordinal}")
+        stream = pool.capture_stream
+        self.graph = Graph._pending(dev, pool, stream)
+        self._adapters = self._make_adapters(pool, stream)
+
+        # Work queued before the capture (inputs being written) must finish before the graph's
+        # first node: the capture stream waits on the legacy stream and the frameworks' current streams.
+        for ptr in {0, *(p for a in self._adapters for p in a.producer_streams())}:
+            if ptr != stream.ptr:
+                stream.wait(_event_on(dev, ptr))
+        self._snapshot = pool.snapshot()
+        entered = []
+        try:
+            for a in self._adapters:
+                a.enter()
+                entered.append(a)
+            if self.warmup is not None:
+                self.warmup()
+            capture_guard_enter()
+            try:
+                _cuda.stream_begin_capture(stream.handle, _cuda.CAPTURE_MODES[self.mode])
+            except BaseException:
+                capture_guard_exit()
+                raise
+        except BaseException:
+            for a in reversed(entered):
+                a.exit()
+            raise
+        _tls.active = self
+        self._t0 = time.perf_counter()
+        return self.graph
+
+    def __exit__(self, exc_type, exc, tb):
+        graph = self.graph
+        stream = graph.capture_stream
+        _tls.active = None
+        status, capture_id = 0, 0
+        try:
+            status, capture_id = _cuda.stream_capture_info(stream.handle)
+        except Exception:
+            pass
+        unjoined: list[int] = []
+        if status == 1 and exc_type is None and _has_unjoined_work(stream):
+            # name the culprits while they are still capturing (EndCapture takes them out)
+            unjoined = _itorch.side_streams(capture_id, stream.ptr, _cuda.stream_capture_info)
+        err, cugraph = _cuda.stream_end_capture_raw(stream.handle)
+        capture_guard_exit()
+        capture_ms = (time.perf_counter() - self._t0) * 1e3
+        exit_error = None
+        for a in reversed(self._adapters):
+            try:
+                a.exit()
+            except BaseException as e:  # keep unwinding the others
+                exit_error = exit_error or e
+        self._adapters = []
+
+        if exc_type is not None or err or exit_error is not None:
+            if cugraph is not None:
+                _cuda.destroy_quietly(_cuda.drv.cuGraphDestroy, cugraph, "graph")
+            self._restore_pool()
+            graph.close()
+            if exc_type is not None:
+                message = self._classify(exc, err, status)
+                if message is None:
+                    return False  # the user's own exception, unchanged
+                raise CaptureError("cuStreamEndCapture", int(err), _err_name(err), message) from exc
+            if err:
+                raise self._end_error(err, unjoined)
+            raise exit_error
+
+        graph.capture_ms = capture_ms
+        t0 = time.perf_counter()
+        graph._finish(cugraph, upload=self.upload)
+        graph.instantiate_ms = (time.perf_counter() - t0) * 1e3
+        self._owners = []
+        log.debug("cgraw: captured %d nodes in %.2f ms, instantiated in %.2f ms",
+                  graph.num_nodes, capture_ms, graph.instantiate_ms)
+        return False
+
+    # ------------------------------------------------------------------ helpers
+
+    def _device(self) -> Device:
+        if self.device is None:
+            if self.pool is not None:
+                return self.pool.device
+            return Device.current()
+        return self.device if isinstance(self.device, Device) else Device(int(self.device))
+
+    def _make_adapters(self, pool, stream) -> list:
+        wanted = self.frameworks
+        out = []
+        if (wanted is None and _itorch.torch_module() is not None) or (wanted is not None and "torch" in wanted):
+            if _itorch.torch_module() is None:
+                raise ImportError("frameworks=('torch',) but torch is not imported")
+            out.append(_itorch.TorchRouting(pool, stream, warm_cublas=self.warm_cublas))
+        if (wanted is None and _icupy.cupy_module() is not None) or (wanted is not None and "cupy" in wanted):
+            if _icupy.cupy_module() is None:
+                raise ImportError("frameworks=('cupy',) but cupy is not imported")
+            out.append(_icupy.CupyRouting(pool, stream, self._owners))
+        return out
+
+    def _restore_pool(self) -> None:
+        """Put the pool back as it was before the capture; blocks handed out since are disowned."""
+        pool = self.graph.pool
+        if self._snapshot is None or pool.closed:
+            return
+        for r in self._owners:
+            owner = r()
+            if owner is not None:
+                owner.disown()
+        self._owners = []
+        pool.restore(self._snapshot)
+
+    def _classify(self, exc, err, status) -> str | None:
+        for cls in (_itorch.TorchRouting, _icupy.CupyRouting):
+            msg = cls.classify(exc)
+            if msg is not None:
+                return msg
+        if isinstance(exc, CaptureError) or (isinstance(exc, _cuda.CudaError) and exc.code in _cuda._CAPTURE_CODES):
+            return f"the capture failed: {exc}"
+        if status == 2 or err == _cuda.CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                return None
+            if isinstance(exc, RuntimeError) and "cuda" in str(exc).lower():
+                return f"the capture was invalidated by an operation that cannot be captured: {exc}"
+        return None
+
+    @staticmethod
+    def _end_error(err, unjoined: list[int]) -> CaptureError:
+        e = _cuda.make_error(err, "cuStreamEndCapture")
+        if err == _cuda.CUresult.CUDA_ERROR_STREAM_CAPTURE_UNJOINED:
+            names = ", ".join(f"0x{p:x}" for p in unjoined) or "(a stream cgraw could not identify)"
+            return CaptureError(e.call, e.code, e.name,
+                                f"side stream(s) {names} forked into the capture were not joined back",
+                                "make the capture stream wait on each side stream (an event, or "
+                                "torch.cuda.current_stream().wait_stream(side)) before the block ends")
+        return e if isinstance(e, CaptureError) else CaptureError(e.call, e.code, e.name, e.description, e.hint)
+
+
+def _has_unjoined_work(stream) -> bool:
+    """True if the graph being captured has a leaf node the origin stream does not depend on,
+    i.e. work forked to a side stream that was never joined back."""
+    try:
+        graph, deps = _cuda.stream_capture_graph(stream.handle)
+        nodes = _cuda.graph_get_nodes(graph)
+        if not nodes:
+            return False
+        has_succ = {_cuda.native(a) for a, _ in _cuda.graph_get_edges(graph)}
+        dep_set = {_cuda.native(d) for d in deps}
+        return any(_cuda.native(n) not in has_succ and _cuda.native(n) not in dep_set for n in nodes)
+    except Exception:  # diagnosis only: never let it break the capture's exit
+        return False
+
+
+def _event_on(dev: Device, stream_ptr: int):
+    from cgraw.stream import Event
+
+    ev = Event.create(dev)
+    _cuda.event_record(ev.handle, _cuda.drv.CUstream(stream_ptr))
+    return ev
+
+
+def _err_name(err) -> str:
+    try:
+        return _cuda.CUresult(int(err)).name
+    except ValueError:
+        return str(err)

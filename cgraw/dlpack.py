@@ -1,0 +1,491 @@
+"""DLPack 1.x structs, capsule export (producer) and capsule import (consumer).
+
+Layer L2. Imports only the stdlib, ctypes and numpy: it makes NO CUDA calls and must not import
+cuda.bindings, torch or cupy. Stream synchronisation is the exporter's job (``array.py``); this
+module only builds and parses capsules. Producer lifetime: each exported struct, its shape and
+strides and the caller's ``owner`` live in ``_live`` (keyed by struct address) until the deleter
+runs, either from the consumer or from the destructor of a capsule nobody consumed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import sys
+import warnings
+import weakref
+from ctypes import CFUNCTYPE, POINTER, PYFUNCTYPE, c_char_p, c_int32, c_int64, c_uint8, c_uint16
+from ctypes import c_uint32, c_uint64, c_void_p, py_object
+from typing import Callable
+
+import numpy as np
+
+# Version written into versioned capsules. We follow the 1.2 rule (strides never NULL when
+# ndim != 0) and use no 1.3-only feature; consumers check only the major version.
+DLPACK_VERSION = (1, 2)
+
+kDLCPU = 1
+kDLCUDA = 2
+kDLCUDAHost = 3
+kDLCUDAManaged = 13
+
+kDLInt = 0
+kDLUInt = 1
+kDLFloat = 2
+kDLBfloat = 4
+kDLComplex = 5
+kDLBool = 6
+
+READ_ONLY = 1
+IS_COPIED = 2
+IS_SUBBYTE_TYPE_PADDED = 4
+
+
+class DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", c_uint32), ("minor", c_uint32)]
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", c_int32), ("device_id", c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", c_uint8), ("bits", c_uint8), ("lanes", c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", c_void_p),
+        ("device", DLDevice),
+        ("ndim", c_int32),
+        ("dtype", DLDataType),
+        ("shape", POINTER(c_int64)),
+        ("strides", POINTER(c_int64)),
+        ("byte_offset", c_uint64),
+    ]
+
+
+# Both deleters take the struct pointer; declaring it void* lets one callback serve both kinds.
+DLDeleter = CFUNCTYPE(None, c_void_p)
+
+
+class DLManagedTensor(ctypes.Structure):
+    """Legacy (pre-1.0, capsule name "dltensor") managed tensor."""
+
+    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", c_void_p), ("deleter", DLDeleter)]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    """DLPack >= 1.0 managed tensor (capsule name "dltensor_versioned")."""
+
+    _fields_ = [
+        ("version", DLPackVersion),
+        ("manager_ctx", c_void_p),
+        ("deleter", DLDeleter),
+        ("flags", c_uint64),
+        ("dl_tensor", DLTensor),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# dtypes
+
+_DL_TO_NP: dict[tuple[int, int, int], object] = {(kDLBool, 8, 1): np.dtype(np.bool_)}
+for _t in (np.int8, np.int16, np.int32, np.int64):
+    _DL_TO_NP[(kDLInt, np.dtype(_t).itemsize * 8, 1)] = np.dtype(_t)
+for _t in (np.uint8, np.uint16, np.uint32, np.uint64):
+    _DL_TO_NP[(kDLUInt, np.dtype(_t).itemsize * 8, 1)] = np.dtype(_t)
+for _t in (np.float16, np.float32, np.float64):
+    _DL_TO_NP[(kDLFloat, np.dtype(_t).itemsize * 8, 1)] = np.dtype(_t)
+for _t in (np.complex64, np.complex128):
+    _DL_TO_NP[(kDLComplex, np.dtype(_t).itemsize * 8, 1)] = np.dtype(_t)
+_DL_TO_NP[(kDLBfloat, 16, 1)] = "bfloat16"
+
+# Fast-path lookup: canonical dtypes, scalar types and names all hit one dict.
+_NP_TO_DL: dict[object, tuple[int, int, int]] = {}
+for _key, _dt in _DL_TO_NP.items():
+    _NP_TO_DL[_dt] = _key
+    if _dt != "bfloat16":
+        _NP_TO_DL[_dt.type] = _key
+        _NP_TO_DL[_dt.name] = _key
+del _t, _key, _dt
+
+_SUPPORTED = "bool, int8-64, uint8-64, float16/32/64, complex64/128, bfloat16"
+_CODE_NAMES = {kDLInt: "int", kDLUInt: "uint", kDLFloat: "float", 3: "opaque handle",
+               kDLBfloat: "bfloat", kDLComplex: "complex", kDLBool: "bool"}
+
+
+def to_dl_dtype(dtype) -> tuple[int, int, int]:
+    """Map a numpy dtype (or scalar type, or name, or "bfloat16") to DLPack ``(code, bits, lanes)``.
+
+    Raises:
+        TypeError: the dtype has no DLPack equivalent here (structured, object, non-native byte
+            order, longdouble, datetime, ...).
+    """
+    try:
+        return _NP_TO_DL[dtype]
+    except (KeyError, TypeError):
+        return _to_dl_dtype_slow(dtype)
+
+
+def _to_dl_dtype_slow(dtype) -> tuple[int, int, int]:
+    if dtype is None:  # np.dtype(None) would silently mean float64
+        raise TypeError(f"unsupported dtype for DLPack: None (supported: {_SUPPORTED})")
+    try:
+        dt = np.dtype(dtype)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"unsupported dtype for DLPack: {dtype!r} (supported: {_SUPPORTED})") from e
+    if dt.name == "bfloat16" and dt.itemsize == 2:  # e.g. ml_dtypes.bfloat16
+        return (kDLBfloat, 16, 1)
+    key = _NP_TO_DL.get(dt) if dt.isnative else None
+    if key is None:
+        why = " (non-native byte order)" if not dt.isnative else ""
+        raise TypeError(f"unsupported dtype for DLPack: {dt!r}{why} (supported: {_SUPPORTED})")
+    return key
+
+
+def from_dl_dtype(code: int, bits: int, lanes: int = 1):
+    """Map DLPack ``(code, bits, lanes)`` to a numpy dtype, or the string "bfloat16".
+
+    Raises:
+        TypeError: vector lanes, sub-byte, fp8/fp6/fp4 or other types numpy cannot represent.
+    """
+    try:
+        return _DL_TO_NP[(code, bits, lanes)]
+    except KeyError:
+        kind = _CODE_NAMES.get(code, "fp8/fp6/fp4 or unknown")
+        raise TypeError(
+            f"unsupported DLPack dtype code={code} ({kind}), bits={bits}, lanes={lanes} "
+            f"(supported: {_SUPPORTED}, lanes=1)"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Python C-API through private prototypes (never mutate the shared ctypes.pythonapi attributes).
+
+_capsule_new = PYFUNCTYPE(py_object, c_void_p, c_char_p, c_void_p)(("PyCapsule_New", ctypes.pythonapi))
+_capsule_is_valid = PYFUNCTYPE(ctypes.c_int, c_void_p, c_char_p)(("PyCapsule_IsValid", ctypes.pythonapi))
+_capsule_get_pointer = PYFUNCTYPE(c_void_p, c_void_p, c_char_p)(("PyCapsule_GetPointer", ctypes.pythonapi))
+_capsule_get_pointer_obj = PYFUNCTYPE(c_void_p, py_object, c_char_p)(("PyCapsule_GetPointer", ctypes.pythonapi))
+_capsule_get_name = PYFUNCTYPE(c_char_p, py_object)(("PyCapsule_GetName", ctypes.pythonapi))
+_capsule_set_name = PYFUNCTYPE(ctypes.c_int, py_object, c_char_p)(("PyCapsule_SetName", ctypes.pythonapi))
+
+
+def _immortal(obj):
+    """Leak one reference so ``obj`` outlives module teardown (capsules may die after it)."""
+    ctypes.pythonapi.Py_IncRef(py_object(obj))
+    return obj
+
+
+# Capsule names must stay allocated for the life of the process (C keeps the char*).
+_NAME_V = _immortal(b"dltensor_versioned")
+_NAME = _immortal(b"dltensor")
+_USED_V = _immortal(b"used_dltensor_versioned")
+_USED = _immortal(b"used_dltensor")
+
+_CapsuleType = type(_capsule_new(id(_NAME), b"cgraw.dlpack.probe", None))
+
+
+# ---------------------------------------------------------------------------------------------
+# Producer
+
+# Struct address -> (struct buffer, owner, on_release). The buffer holds the managed tensor
+# followed by shape[ndim] and strides[ndim]; popping the entry frees it and drops the owner.
+_live: dict[int, tuple] = {}
+
+
+def live_exports() -> int:
+    """Number of exported capsules whose deleter has not run yet (leak checks in tests)."""
+    return len(_live)
+
+
+def _report(what: str, exc: BaseException) -> None:
+    try:
+        if not sys.is_finalizing():
+            warnings.warn(f"cgraw.dlpack: {what} raised {exc!r}; ignored", RuntimeWarning, stacklevel=2)
+    except BaseException:  # warnings escalated to errors must not escape a C callback
+        pass
+
+
+def _release(addr: int) -> None:
+    """Run the producer side of the deleter for the struct at ``addr``; never raises."""
+    try:
+        if sys.is_finalizing():
+            return
+        entry = _live.pop(addr, None)
+        if entry is None or entry[2] is None:
+            return
+        try:
+            entry[2]()
+        except BaseException as e:
+            _report("DLPack on_release callback", e)
+    except BaseException:
+        pass
+
+
+def _destroy_versioned(cap) -> None:
+    # Only an unconsumed capsule still carries the unused name; a consumer renamed it otherwise.
+    try:
+        if cap and _capsule_is_valid(cap, _NAME_V):
+            _release(_capsule_get_pointer(cap, _NAME_V))
+    except BaseException:
+        pass
+
+
+def _destroy_legacy(cap) -> None:
+    try:
+        if cap and _capsule_is_valid(cap, _NAME):
+            _release(_capsule_get_pointer(cap, _NAME))
+    except BaseException:
+        pass
+
+
+_CapsuleDestructor = CFUNCTYPE(None, c_void_p)
+_DELETER = _immortal(DLDeleter(_release))
+_DESTRUCTOR_V = _immortal(_CapsuleDestructor(_destroy_versioned))
+_DESTRUCTOR = _immortal(_CapsuleDestructor(_destroy_legacy))
+_DELETER_ADDR = ctypes.cast(_DELETER, c_void_p).value
+_DESTRUCTOR_V_ADDR = ctypes.cast(_DESTRUCTOR_V, c_void_p).value
+_DESTRUCTOR_ADDR = ctypes.cast(_DESTRUCTOR, c_void_p).value
+
+# struct.Struct layouts mirroring the ctypes structs ('@' = native sizes and alignment):
+# versioned: version(II) manager_ctx deleter flags | data device(ii) ndim dtype(BBH) shape strides byte_offset
+# legacy:    data device(ii) ndim dtype(BBH) shape strides byte_offset | manager_ctx deleter
+_HEAD_V = "@IIPPQPiiiBBHPPQ"
+_HEAD = "@PiiiBBHPPQPP"
+if struct.calcsize(_HEAD_V) != ctypes.sizeof(DLManagedTensorVersioned) or struct.calcsize(
+    _HEAD
+) != ctypes.sizeof(DLManagedTensor):  # pragma: no cover - exotic ABI
+    raise ImportError("cgraw.dlpack: struct layout does not match the ctypes DLPack mirrors")
+
+_layouts_v: dict[int, tuple] = {}
+_layouts: dict[int, tuple] = {}
+
+
+def _layout(ndim: int, versioned: bool) -> tuple:
+    """(buffer type, packer, offset of shape) for one (ndim, kind); cached."""
+    head = _HEAD_V if versioned else _HEAD
+    base = struct.calcsize(head)  # already 8-aligned, so shape follows directly
+    packer = struct.Struct(f"{head}{ndim}q{ndim}q")
+    buf_type = c_int64 * (packer.size // 8)
+    entry = (buf_type, packer, base)
+    (_layouts_v if versioned else _layouts)[ndim] = entry
+    return entry
+
+
+def make_capsule(
+    ptr: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dtype,
+    device: tuple[int, int],
+    *,
+    owner: object,
+    versioned: bool,
+    readonly: bool = False,
+    on_release: Callable[[], None] | None = None,
+    byte_offset: int = 0,
+):
+    """Export memory as a DLPack PyCapsule without copying.
+
+    Args:
+        ptr: data pointer (ignored for size-0 tensors, which get data=NULL per the spec).
+        shape, strides: per-dimension extents and strides, strides in ELEMENTS (never NULL).
+        dtype: anything ``to_dl_dtype`` accepts.
+        device: ``(device_type, device_id)``, e.g. ``(kDLCUDA, 0)``.
+        owner: kept alive until the deleter runs.
+        versioned: "dltensor_versioned" (DLPack 1.x struct) if true, else legacy "dltensor".
+        readonly: sets the READ_ONLY flag. Legacy capsules cannot express it and ignore it.
+        on_release: called exactly once when the consumer (or the unconsumed capsule's
+            destructor) releases the tensor; exceptions become a RuntimeWarning.
+        byte_offset: added to ``ptr`` by the consumer.
+
+    Raises:
+        ValueError: ``len(shape) != len(strides)`` or a field does not fit its C type.
+        TypeError: unsupported dtype.
+    """
+    ndim = len(shape)
+    if len(strides) != ndim:
+        raise ValueError(f"len(shape)={ndim} != len(strides)={len(strides)}")
+    try:
+        code, bits, lanes = _NP_TO_DL[dtype]
+    except (KeyError, TypeError):
+        code, bits, lanes = _to_dl_dtype_slow(dtype)
+    try:
+        buf_type, packer, shape_off = (_layouts_v if versioned else _layouts)[ndim]
+    except KeyError:
+        buf_type, packer, shape_off = _layout(ndim, versioned)
+    buf = buf_type()
+    addr = ctypes.addressof(buf)
+    if ndim:
+        shape_ptr = addr + shape_off
+        strides_ptr = shape_ptr + 8 * ndim
+        if 0 in shape:
+            ptr = 0
+    else:
+        shape_ptr = strides_ptr = 0
+    dev_type, dev_id = device
+    try:
+        if versioned:
+            packer.pack_into(
+                buf, 0, 1, DLPACK_VERSION[1], 0, _DELETER_ADDR, READ_ONLY if readonly else 0,
+                ptr, dev_type, dev_id, ndim, code, bits, lanes, shape_ptr, strides_ptr,
+                byte_offset, *shape, *strides,
+            )
+        else:
+            packer.pack_into(
+                buf, 0, ptr, dev_type, dev_id, ndim, code, bits, lanes, shape_ptr, strides_ptr,
+                byte_offset, 0, _DELETER_ADDR, *shape, *strides,
+            )
+    except struct.error as e:
+        raise ValueError(
+            f"cannot export DLPack tensor ({e}): {ptr=} {shape=} {strides=} {device=} {byte_offset=}"
+        ) from None
+    _live[addr] = (buf, owner, on_release)
+    try:
+        if versioned:
+            return _capsule_new(addr, _NAME_V, _DESTRUCTOR_V_ADDR)
+        return _capsule_new(addr, _NAME, _DESTRUCTOR_ADDR)
+    except BaseException:
+        del _live[addr]
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Consumer
+
+_OFF_DELETER_V = DLManagedTensorVersioned.deleter.offset
+_OFF_DELETER = DLManagedTensor.deleter.offset
+
+
+def _call_deleter(deleter_addr: int | None, addr: int) -> None:
+    if not deleter_addr:
+        return
+    try:
+        if deleter_addr == _DELETER_ADDR:  # our own export: skip the C round trip
+            _release(addr)
+        else:
+            DLDeleter(deleter_addr)(addr)
+    except BaseException as e:
+        _report("DLPack deleter", e)
+
+
+class DLPackView:
+    """An imported DLPack tensor: a borrowed pointer plus metadata, owning the producer's deleter.
+
+    ``release()`` calls the producer's deleter exactly once; garbage collection does the same.
+    ``ptr`` already includes ``byte_offset``; ``strides`` are in elements.
+    """
+
+    __slots__ = ("ptr", "shape", "strides", "dtype", "device", "readonly", "versioned",
+                 "_finalizer", "__weakref__")
+
+    def release(self) -> None:
+        """Call the producer's deleter (idempotent). ``ptr`` must not be used afterwards."""
+        self._finalizer()
+
+    @property
+    def is_released(self) -> bool:
+        return not self._finalizer.alive
+
+    def __repr__(self) -> str:
+        return (f"DLPackView(ptr={self.ptr:#x}, shape={self.shape}, strides={self.strides}, "
+                f"dtype={self.dtype}, device={self.device}, readonly={self.readonly}, "
+                f"versioned={self.versioned}, released={self.is_released})")
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def parse_capsule(capsule) -> DLPackView:
+    """Take ownership of a "dltensor_versioned" or "dltensor" capsule and describe its tensor.
+
+    The capsule is renamed to its "used_" name, so its producer's destructor no longer frees it.
+
+    Raises:
+        TypeError: not a PyCapsule, or not a DLPack one; unsupported dtype (tensor released).
+        ValueError: the capsule was already consumed.
+        BufferError: unsupported major version (the deleter has been called).
+    """
+    if type(capsule) is not _CapsuleType:
+        raise TypeError(f"expected a DLPack PyCapsule, got {type(capsule).__name__}")
+    name = _capsule_get_name(capsule)
+    if name == _NAME_V:
+        versioned = True
+    elif name == _NAME:
+        versioned = False
+    elif name in (_USED_V, _USED):
+        raise ValueError(f"DLPack capsule {name.decode()!r} was already consumed; "
+                         "call __dlpack__() again for a fresh one")
+    else:
+        raise TypeError(f"not a DLPack capsule: name {name!r}")
+    addr = _capsule_get_pointer_obj(capsule, name)
+    _capsule_set_name(capsule, _USED_V if versioned else _USED)  # ownership is ours from here
+    if versioned:
+        deleter_addr = c_void_p.from_address(addr + _OFF_DELETER_V).value
+        managed = DLManagedTensorVersioned.from_address(addr)
+        major = managed.version.major
+        if major != 1:
+            _call_deleter(deleter_addr, addr)
+            raise BufferError(f"unsupported DLPack major version {major}.{managed.version.minor} "
+                              f"(this consumer supports {DLPACK_VERSION[0]}.x)")
+        flags, t = managed.flags, managed.dl_tensor
+    else:
+        deleter_addr = c_void_p.from_address(addr + _OFF_DELETER).value
+        flags, t = 0, DLManagedTensor.from_address(addr).dl_tensor
+
+    view = DLPackView()
+    view._finalizer = weakref.finalize(view, _call_deleter, deleter_addr, addr)
+    try:
+        ndim = t.ndim
+        shape = tuple(t.shape[:ndim]) if ndim else ()
+        view.shape = shape
+        view.strides = tuple(t.strides[:ndim]) if ndim and t.strides else _contiguous_strides(shape)
+        view.dtype = from_dl_dtype(t.dtype.code, t.dtype.bits, t.dtype.lanes)
+        view.ptr = (t.data or 0) + t.byte_offset
+        view.device = (t.device.device_type, t.device.device_id)
+        view.readonly = bool(flags & READ_ONLY)
+        view.versioned = versioned
+    except BaseException:
+        view.release()
+        raise
+    return view
+
+
+# ---------------------------------------------------------------------------------------------
+# Array-API protocol helpers
+
+
+def normalize_consumer_stream(stream) -> int | None:
+    """Normalise the ``stream=`` a consumer passed to ``__dlpack__`` for a CUDA producer.
+
+    Returns 1 for the legacy default stream (``None`` or 1), 2 for the per-thread default stream,
+    the stream pointer for values > 2, and ``None`` for -1 ("do not synchronize").
+
+    Raises:
+        ValueError: 0 (ambiguous, disallowed for CUDA) or another negative value.
+        TypeError: not an int or None.
+    """
+    if stream is None:
+        return 1
+    if isinstance(stream, bool) or not hasattr(type(stream), "__index__"):
+        raise TypeError(f"stream must be an int or None, got {type(stream).__name__}")
+    s = stream.__index__()
+    if s > 0:
+        return s
+    if s == -1:
+        return None
+    if s == 0:
+        raise ValueError("stream=0 is disallowed for CUDA by the DLPack/array-API spec; "
+                         "pass 1 (legacy default), 2 (per-thread default) or a stream pointer")
+    raise ValueError(f"invalid stream={s}; expected None, -1, 1, 2 or a stream pointer")
+
+
+def wants_versioned(max_version) -> bool:
+    """True iff the consumer's ``max_version`` asks for a DLPack >= 1.0 versioned capsule."""
+    return max_version is not None and max_version[0] >= 1

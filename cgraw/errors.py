@@ -1,0 +1,85 @@
+"""cgraw's exception types.
+
+Layer L0: imports only ``allocator.errors``. ``CudaError`` carries the driver call, the error
+name and code, the driver's explanation and, where the cause is usually the same, a hint.
+"""
+
+from __future__ import annotations
+
+from allocator.errors import (
+    AllocatorError,
+    InvalidFree,
+    PoolClosed,
+    PoolExhausted,
+    SnapshotMismatch,
+)
+
+__all__ = [
+    "AllocatorError",
+    "CaptureError",
+    "CgrawError",
+    "CudaError",
+    "CudaUnavailableError",
+    "InvalidFree",
+    "OutOfMemoryError",
+    "PoolClosed",
+    "PoolExhausted",
+    "ResourceLeakWarning",
+    "SnapshotMismatch",
+    "TreeError",
+]
+
+
+class CgrawError(Exception):
+    """Base class of cgraw's own errors."""
+
+
+class CudaUnavailableError(CgrawError, RuntimeError):
+    """No CUDA driver or no CUDA device was found on this machine."""
+
+
+class CudaError(CgrawError, RuntimeError):
+    """A CUDA driver call failed.
+
+    Attributes:
+        call: the driver function, for example ``"cuStreamEndCapture"``.
+        code: the integer ``CUresult``.
+        name: the error's name, for example ``"CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"``.
+        hint: the usual cause and fix, or ``""``.
+    """
+
+    def __init__(self, call: str, code: int, name: str, description: str = "", hint: str = ""):
+        self.call = call
+        self.code = int(code)
+        self.name = name
+        self.description = description
+        self.hint = hint
+        msg = f"{call}: {name}"
+        if description:
+            msg += f": {description}"
+        if hint:
+            msg += f" (hint: {hint})"
+        super().__init__(msg)
+
+    def __reduce__(self):
+        return (type(self), (self.call, self.code, self.name, self.description, self.hint))
+
+
+class CaptureError(CudaError):
+    """A stream capture was invalidated, or the captured work cannot be made into a graph."""
+
+
+class OutOfMemoryError(CudaError, MemoryError):
+    """The driver could not allocate device memory (``CUDA_ERROR_OUT_OF_MEMORY``).
+
+    It is a ``MemoryError``, so ``except MemoryError`` catches it; a pool turns it into
+    ``PoolExhausted`` with the pool's figures, chained to this error.
+    """
+
+
+class TreeError(CgrawError, RuntimeError):
+    """A graph-tree invariant was violated."""
+
+
+class ResourceLeakWarning(ResourceWarning):
+    """A CUDA handle could not be released cleanly; the test suite turns this into an error."""

@@ -1,0 +1,146 @@
+"""CPU tier: the CUDA call layer's error mapping, import hygiene and the layered import stack."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from cgraw import _cuda
+from cgraw.errors import CaptureError, CudaError, OutOfMemoryError
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+R = _cuda.CUresult
+
+
+def test_check_returns_values():
+    assert _cuda.check((R.CUDA_SUCCESS,), "cuX") is None
+    assert _cuda.check((R.CUDA_SUCCESS, 7), "cuX") == 7
+    assert _cuda.check((R.CUDA_SUCCESS, 7, 8), "cuX") == (7, 8)
+
+
+@pytest.mark.parametrize(
+    "code, cls, hint_word",
+    [
+        (R.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, CaptureError, "host synchronisation"),
+        (R.CUDA_ERROR_STREAM_CAPTURE_UNJOINED, CaptureError, "joined"),
+        (R.CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD, CaptureError, "thread"),
+        (R.CUDA_ERROR_OUT_OF_MEMORY, OutOfMemoryError, "memory"),
+        (R.CUDA_ERROR_INVALID_VALUE, CudaError, ""),
+    ],
+)
+def test_check_raises_named_errors(code, cls, hint_word):
+    with pytest.raises(cls) as ei:
+        _cuda.check((code, None), "cuStreamEndCapture")
+    e = ei.value
+    assert type(e) is cls
+    assert e.call == "cuStreamEndCapture" and e.code == int(code) and e.name == code.name
+    assert str(e).startswith(f"cuStreamEndCapture: {code.name}")
+    assert hint_word in e.hint
+
+
+def test_out_of_memory_is_memory_error():
+    e = _cuda.make_error(R.CUDA_ERROR_OUT_OF_MEMORY, "cuMemAlloc")
+    assert isinstance(e, MemoryError) and isinstance(e, CudaError)
+
+
+def test_unknown_code_still_named():
+    e = _cuda.make_error(123456, "cuFoo")
+    assert "123456" in e.name and e.call == "cuFoo"
+
+
+def test_import_makes_no_driver_call():
+    code = (
+        "import sys, cgraw, allocator\n"
+        "from cgraw import _cuda\n"
+        "assert not _cuda._initialised and _cuda._init_error is None\n"
+        "assert 'torch' not in sys.modules and 'cupy' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_first_use_without_driver_gives_one_clear_error():
+    ok, reason = _cuda.driver_available()
+    if ok:
+        pytest.skip("a CUDA driver is present on this machine")
+    import cgraw
+
+    with pytest.raises(cgraw.CudaUnavailableError, match="no CUDA driver|no CUDA device"):
+        cgraw.Device(0).set_current()
+    with pytest.raises(cgraw.CudaUnavailableError):
+        cgraw.DevicePool(0).malloc(1024)
+
+
+def test_allocator_imports_alone():
+    code = "import sys, allocator\nassert not any(m == 'cgraw' or m.startswith('cuda') for m in sys.modules)\nprint('ok')"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+# The one-way stack: a module may import only from its own or lower layers.
+LAYER = {
+    "allocator": 0,
+    "cgraw._env": 1, "cgraw.errors": 1, "cgraw._cuda": 1, "cgraw.dlpack": 1,
+    "cgraw.device": 2, "cgraw.stream": 3,
+    "cgraw.memory": 4, "cgraw.tensor": 5,
+    "cgraw.graph": 6,
+    "cgraw.interop": 7,
+    "cgraw.capture": 8,
+    "cgraw": 99,
+}
+
+
+def _layer(mod: str) -> int | None:
+    parts = mod.split(".")
+    for i in range(len(parts), 0, -1):
+        key = ".".join(parts[:i])
+        if key in LAYER:
+            return LAYER[key]
+    return None
+
+
+def _modules():
+    for path in sorted((ROOT / "cgraw").rglob("*.py")) + sorted((ROOT / "allocator").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts)
+        if name.endswith(".__init__"):
+            name = name[: -len(".__init__")]
+        yield name, path
+
+
+@pytest.mark.parametrize("name,path", list(_modules()), ids=lambda x: str(x) if isinstance(x, str) else "")
+def test_import_stack(name, path):
+    tree = ast.parse(path.read_text())
+    mine = _layer(name)
+    assert mine is not None, f"{name} has no layer in the table"
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module in ("cgraw", "cgraw.interop"):  # from cgraw import _cuda -> cgraw._cuda
+                targets = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                targets = [node.module]
+        for t in targets:
+            if name.startswith("allocator"):
+                assert not t.startswith(("cgraw", "cuda", "torch", "cupy")), f"{name} imports {t}"
+            if t.startswith("cuda.bindings"):
+                assert name == "cgraw._cuda", f"only cgraw._cuda may import cuda.bindings ({name} does)"
+            if t in ("torch", "cupy") or t.startswith(("torch.", "cupy.")):
+                assert name.startswith("cgraw.interop") or name == "cgraw.memory", f"{name} imports {t} eagerly"
+            theirs = _layer(t)
+            if theirs is not None and name != "cgraw":
+                assert theirs <= mine, f"{name} (layer {mine}) imports {t} (layer {theirs})"
+
+
+def test_modules_stay_small():
+    for name, path in _modules():
+        n = len(path.read_text().splitlines())
+        assert n <= 650, f"{name} has {n} lines; split it"
