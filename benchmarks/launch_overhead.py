@@ -202,31 +202,6 @@ def replay_cost(rep: Report) -> dict:
     return out
 
 
-def eager_torch_untouched(rep: Report) -> dict:
-    """Eager torch op cost before any cgraw capture and after several (routing is capture-only)."""
-    import torch
-
-    import cgraw
-
-    x = torch.randn(NUMEL, device="cuda")
-    sync = torch.cuda.synchronize
-
-    def op():
-        return x * 1.0001  # allocates: exercises torch's caching allocator
-
-    before = host_sync_us(op, sync, loops=2000)["median_us"]
-    graphs = []
-    for _ in range(4):
-        with cgraw.capture() as g:
-            _ = x * 2.0
-        graphs.append(g)
-    after = host_sync_us(op, sync, loops=2000)["median_us"]
-    before2 = host_sync_us(op, sync, loops=2000)["median_us"]
-    rep.add(workload="eager_torch_alloc_op", before_us=before, after_us=after, again_us=before2,
-            slowdown=after / before)
-    return {"before_us": before, "after_us": after, "slowdown": after / before}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.launch_overhead")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
@@ -244,7 +219,6 @@ def main(argv=None) -> int:
             rep.peer_missing("torch", str(exc))
         else:
             extra["replay_1node"] = replay_cost(rep)
-            extra["eager_torch"] = eager_torch_untouched(rep)
             torch_chain(rep, sizes, args.reps)
     if "cupy" in fws:
         try:

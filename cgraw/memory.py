@@ -31,7 +31,7 @@ class CudaSource:
     def __init__(self, device: Device):
         self.device = device
         self.reserved_bytes = 0
-        self.segments = 0
+        self.segments: dict[int, int] = {}  # base -> nbytes of every segment held from the driver
 
     def reserve(self, nbytes: int) -> int:
         self.device.set_current()
@@ -41,14 +41,21 @@ class CudaSource:
         finally:
             _cuda.thread_exchange_capture_mode(prev)
         self.reserved_bytes += nbytes
-        self.segments += 1
+        self.segments[ptr] = nbytes
         return ptr
 
     def release(self, addr: int, nbytes: int) -> None:
         self.device.set_current()
         _cuda.mem_free(addr)
         self.reserved_bytes -= nbytes
-        self.segments -= 1
+        del self.segments[addr]
+
+    def release_all_quietly(self) -> None:
+        """Finalizer of a pool that was never closed: give every segment back. Never raises."""
+        for addr in list(self.segments):
+            _cuda.destroy_quietly(_cuda.drv.cuMemFree, addr, "mem")
+        self.segments.clear()
+        self.reserved_bytes = 0
 
 
 class CudaStreamEvents:
@@ -109,7 +116,11 @@ class DevicePool(allocator.Pool):
         elif not isinstance(device, Device):
             device = Device(int(device))
         self.device = device
-        super().__init__(CudaSource(device), limit=limit, events=CudaStreamEvents(device), name=name)
+        source = CudaSource(device)
+        super().__init__(source, limit=limit, events=CudaStreamEvents(device), name=name)
+        # a pool nobody closed returns its memory when it is collected (the finalizer holds the
+        # source, never the pool)
+        self._finalizer = weakref.finalize(self, source.release_all_quietly)
         self.torch_state = None  # (torch MemPool, its cgraw sub-pool), set by interop.torch
         self.consumer_holds: dict[int, int] = {}  # ptr -> DLPack exports not yet released
         self._capture_stream: Stream | None = None

@@ -390,3 +390,28 @@ def test_tensor_consumer_stream_waits(pool):
     del tt, t
     gc.collect()
     s.close()
+
+
+def test_private_pool_memory_returns_when_graph_and_outputs_die(device):
+    import weakref
+
+    mp = cp.get_default_memory_pool()  # CuPy's own cache would hide what cgraw gives back
+    x = cp.asarray(rng.standard_normal(16 << 20).astype(np.float32))  # 64 MiB input
+    mp.free_all_blocks()
+    free0, _ = device.mem_get_info()
+    with cgraw.capture(frameworks=("cupy",)) as g:
+        y = cp.exp(x) + 1.0
+    free1, _ = device.mem_get_info()
+    assert free0 - free1 >= 60 << 20  # y's 64 MiB came from the graph's own pool
+    x[...] = cp.asarray(rng.standard_normal(16 << 20).astype(np.float32))
+    g.replay()
+    assert cp.array_equal(y, cp.exp(x) + 1.0)
+    pool_ref = weakref.ref(g.pool)
+    mp.free_all_blocks()
+    free1, _ = device.mem_get_info()
+    del g, y
+    gc.collect()
+    assert pool_ref() is None
+    mp.free_all_blocks()
+    free2, _ = device.mem_get_info()
+    assert free2 - free1 >= 60 << 20

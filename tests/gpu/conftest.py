@@ -1,0 +1,19 @@
+"""GPU-tier fixtures: every GPU test must leave no graph or executable graph behind."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_graphs():
+    from cgraw import _cuda
+
+    gc.collect()
+    before = {k: _cuda.live_handles[k] for k in ("graph", "graph_exec")}
+    yield
+    gc.collect()
+    after = {k: _cuda.live_handles[k] for k in ("graph", "graph_exec")}
+    assert after == before, f"graph handles leaked: before {before}, after {after}"
