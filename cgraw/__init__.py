@@ -21,9 +21,20 @@ from cgraw.errors import (
     TreeError,
 )
 from cgraw.graph import Graph, NodeInfo
+from cgraw.graphed import (
+    GraphedFunction,
+    graphed,
+    mark_static,
+    mark_step_begin,
+    report,
+    reset,
+    tree_text,
+    unsafe,
+)
 from cgraw.memory import DevicePool
 from cgraw.stream import Event, Stream
 from cgraw.tensor import Tensor, from_dlpack
+from cgraw.tree import config
 
 __version__ = "0.1.0"
 
@@ -37,6 +48,7 @@ __all__ = [
     "DevicePool",
     "Event",
     "Graph",
+    "GraphedFunction",
     "InvalidFree",
     "NodeInfo",
     "OutOfMemoryError",
@@ -48,5 +60,13 @@ __all__ = [
     "Tensor",
     "TreeError",
     "capture",
+    "config",
     "from_dlpack",
+    "graphed",
+    "mark_static",
+    "mark_step_begin",
+    "report",
+    "reset",
+    "tree_text",
+    "unsafe",
 ]

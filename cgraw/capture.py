@@ -55,7 +55,8 @@ class capture:
     """
 
     def __init__(self, *, pool: DevicePool | None = None, mode: str = "thread_local", device=None,
-                 warmup=None, upload: bool = True, frameworks=None, warm_cublas: bool = True):
+                 warmup=None, upload: bool = True, frameworks=None, warm_cublas: bool = True,
+                 _tree: bool = False, _route: str = "thread"):
         if mode not in _MODES:
             raise ValueError(f"{mode=} must be one of {_MODES}")
         if pool is not None and not isinstance(pool, DevicePool):
@@ -69,6 +70,10 @@ class capture:
         self.upload = upload
         self.frameworks = frameworks
         self.warm_cublas = warm_cublas
+        # a graph-tree recording: cuBLAS workspaces are scratch inside the recording, and memory
+        # handed out is managed by the tree's checkpoints, not by the arrays' lifetimes
+        self._tree = _tree
+        self._route = _route
         self.graph: Graph | None = None
         self._adapters: list = []
         self._owners: list = []
@@ -158,6 +163,11 @@ class capture:
         t0 = time.perf_counter()
         graph._finish(cugraph, upload=self.upload)
         graph.instantiate_ms = (time.perf_counter() - t0) * 1e3
+        if self._tree:
+            for r in self._owners:
+                owner = r()
+                if owner is not None:
+                    owner.disown()
         self._owners = []
         log.debug("cgraw: captured %d nodes in %.2f ms, instantiated in %.2f ms",
                   graph.num_nodes, capture_ms, graph.instantiate_ms)
@@ -178,7 +188,8 @@ class capture:
         if (wanted is None and _itorch.torch_module() is not None) or (wanted is not None and "torch" in wanted):
             if _itorch.torch_module() is None:
                 raise ImportError("frameworks=('torch',) but torch is not imported")
-            out.append(_itorch.TorchRouting(pool, stream, warm_cublas=self.warm_cublas))
+            out.append(_itorch.TorchRouting(pool, stream, warm_cublas=self.warm_cublas,
+                                            clear_workspaces=self._tree, route=self._route))
         if (wanted is None and _icupy.cupy_module() is not None) or (wanted is not None and "cupy" in wanted):
             if _icupy.cupy_module() is None:
                 raise ImportError("frameworks=('cupy',) but cupy is not imported")

@@ -91,8 +91,14 @@ def mempool_for(pool):
 class TorchRouting:
     """Brackets a capture for torch: pool routing, current stream, cuBLAS warm-up."""
 
-    def __init__(self, pool, stream, *, warm_cublas: bool = True):
+    def __init__(self, pool, stream, *, warm_cublas: bool = True, clear_workspaces: bool = False,
+                 route: str = "thread"):
         self.torch = sys.modules["torch"]
+        self.clear_workspaces = clear_workspaces
+        # "thread": this thread's allocations, side streams included (torch.cuda.use_mem_pool).
+        # "stream": allocations on the capture stream from any thread, which is where autograd's
+        # device thread runs a backward pass; side streams are then not routed.
+        self.route = route
         self.pool = pool
         self.stream = stream
         self.warm_cublas = warm_cublas
@@ -108,11 +114,19 @@ class TorchRouting:
         dev = self.pool.device.ordinal
         mp = mempool_for(self.pool)
         ext = torch.cuda.ExternalStream(self.stream.ptr, device=torch.device("cuda", dev))
-        self._pool_ctx = torch.cuda.use_mem_pool(mp, device=dev)
-        self._pool_ctx.__enter__()
+        if self.route == "thread":
+            self._pool_ctx = torch.cuda.use_mem_pool(mp, device=dev)
+            self._pool_ctx.__enter__()
         try:
             self._stream_ctx = torch.cuda.stream(ext)
             self._stream_ctx.__enter__()
+            if self.route == "stream":
+                torch._C._cuda_beginAllocateCurrentStreamToPool(dev, mp.id)
+                self._pool_ctx = _StreamRouting(torch, dev, mp.id)
+            if self.clear_workspaces:
+                # workspaces made next land in the pool and are freed after the capture: scratch
+                # memory of this recording only (as torch's own graph trees do)
+                torch._C._cuda_clearCublasWorkspaces()
             if self.warm_cublas:
                 # creates this thread's cuBLAS handle and the capture stream's workspace (in the pool)
                 a = torch.ones((2, 2), device=torch.device("cuda", dev))
@@ -127,9 +141,13 @@ class TorchRouting:
                 self._stream_ctx.__exit__(None, None, None)
         finally:
             self._stream_ctx = None
-            if self._pool_ctx is not None:
-                ctx, self._pool_ctx = self._pool_ctx, None
-                ctx.__exit__(None, None, None)
+            try:
+                if self.clear_workspaces:
+                    self.torch._C._cuda_clearCublasWorkspaces()
+            finally:
+                if self._pool_ctx is not None:
+                    ctx, self._pool_ctx = self._pool_ctx, None
+                    ctx.__exit__(None, None, None)
 
     @staticmethod
     def classify(exc: BaseException) -> str | None:
@@ -145,6 +163,19 @@ class TorchRouting:
                 or "stream capture" in msg.lower() and "invalidated" in msg.lower()):
             return HOST_SYNC
         return None
+
+
+class _StreamRouting:
+    """Undoes ``_cuda_beginAllocateCurrentStreamToPool`` the way ``use_mem_pool`` undoes its own."""
+
+    def __init__(self, torch, dev: int, pool_id):
+        self.torch, self.dev, self.pool_id = torch, dev, pool_id
+
+    def __exit__(self, *exc):
+        try:
+            self.torch._C._cuda_endAllocateToPool(self.dev, self.pool_id)
+        finally:
+            self.torch._C._cuda_releasePool(self.dev, self.pool_id)
 
 
 def side_streams(capture_id: int, origin_ptr: int, stream_capture_info) -> list[int]:

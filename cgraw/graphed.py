@@ -1,0 +1,171 @@
+"""``@cgraw.graphed`` and the functions around it: one graph tree per device.
+
+Layer L6 (public API). ``tree`` holds the decisions and ``treeexec`` the CUDA work; this module
+keeps the per-device registry and the user-facing helpers (``mark_step_begin``, ``mark_static``,
+``unsafe``, ``report``, ``reset``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import sys
+import threading
+
+from cgraw.capture import _tls as _capture_tls
+from cgraw.device import Device
+from cgraw.errors import CaptureError
+from cgraw.tree import TreeManager, config
+from cgraw.treeexec import CudaBackend, mark_static
+
+_lock = threading.Lock()
+_managers: dict[int, TreeManager] = {}  # device ordinal -> tree; guarded by _lock
+_ids = itertools.count()
+
+
+def _manager(ordinal: int) -> TreeManager:
+    mgr = _managers.get(ordinal)
+    if mgr is None:
+        with _lock:
+            mgr = _managers.get(ordinal)
+            if mgr is None:
+                dev = Device(ordinal).set_current()
+                mgr = _managers[ordinal] = TreeManager(CudaBackend(dev), device_index=ordinal)
+    return mgr
+
+
+class GraphedFunction:
+    """A function whose calls are warmed up, recorded and replayed by its device's graph tree."""
+
+    def __init__(self, fn, *, static_argnums=(), mutates=()):
+        if not callable(fn):
+            raise TypeError(f"cgraw.graphed needs a callable, not {type(fn).__name__}")
+        self.fn = fn
+        self.name = getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
+        self.fn_id = next(_ids)
+        self.static_argnums = frozenset(_ints("static_argnums", static_argnums))
+        self.mutates = tuple(_ints("mutates", mutates))
+        reason = getattr(fn, "_cgraw_unsafe", None)
+        self.unsafe_reason = None if reason is None else f"marked @cgraw.unsafe ({reason})"
+        self.runs_backward = False  # set at warm-up when a backward pass ran inside
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        return _manager(_device_of(args, kwargs)).call(self, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<cgraw.graphed {self.name}>"
+
+
+def graphed(fn=None, *, static_argnums=(), mutates=()):
+    """Make ``fn`` a graphed function: ``@cgraw.graphed`` or ``cgraw.graphed(fn, static_argnums=(0,))``.
+
+    Args:
+        static_argnums: positions read in place (never copied); their addresses are checked on
+            every call and a change re-records.
+        mutates: positions of eager inputs the function writes in place (found at warm-up by
+            comparing contents too); they are copied back after each replay.
+    """
+    if fn is None:
+        return lambda f: GraphedFunction(f, static_argnums=static_argnums, mutates=mutates)
+    return GraphedFunction(fn, static_argnums=static_argnums, mutates=mutates)
+
+
+def unsafe(fn=None, *, reason: str = "must not be captured"):
+    """Mark a function that must never be captured.
+
+    Graphed directly, it always runs eagerly. Called inside a capture (from a graphed function
+    or ``cgraw.capture()``), it raises ``CaptureError``, so the graphed function runs eagerly.
+    """
+    if fn is None:
+        return lambda f: unsafe(f, reason=reason)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if getattr(_capture_tls, "active", None) is not None:
+            raise CaptureError("cuStreamBeginCapture", 0, "UNSAFE_FUNCTION",
+                               f"calls @cgraw.unsafe function {fn.__qualname__!r} ({reason})")
+        return fn(*args, **kwargs)
+
+    wrapper._cgraw_unsafe = reason
+    return wrapper
+
+
+def mark_step_begin() -> None:
+    """Begin a new generation on every device: outputs handed out so far become invalid."""
+    for mgr in list(_managers.values()):
+        mgr.mark_step_begin()
+
+
+def report(*, file=None) -> str:
+    """Per function: recordings, re-records and why, replays, skips and why, capture and
+    instantiate time; per tree: pool bytes and the tree itself. Printed and returned."""
+    lines = []
+    for ordinal, mgr in sorted(_managers.items()):
+        pool = mgr.backend.pool
+        st = pool.stats() if not pool.closed else None
+        torch_bytes = pool.torch_reserved_bytes if not pool.closed else 0
+        lines.append(f"device {ordinal}: pool reserved {_mib(st.reserved_bytes if st else 0)} "
+                     f"(+{_mib(torch_bytes)} through torch), {len(mgr.nodes())} tree node(s)")
+        for s in mgr.stats.values():
+            lines.append(f"  {s.name}: {s.recordings} recording(s), {s.rerecords} re-record(s), "
+                         f"{s.replays} replay(s), {s.warmups} warm-up(s), {s.eager_calls} eager call(s), "
+                         f"{s.variants} input signature(s), capture {s.capture_ms:.1f} ms, "
+                         f"instantiate {s.instantiate_ms:.1f} ms")
+            for r in s.rerecord_reasons[-5:]:
+                lines.append(f"    re-recorded: {r}")
+            for r, n in s.skip_reasons.items():
+                lines.append(f"    skipped {n}x: {r}")
+        for n in mgr.nodes():
+            if n.recording is not None:
+                lines.append(f"    node {n.fn.name} depth {n.depth}: {mgr.backend.num_nodes(n.recording)} graph nodes")
+        lines.append(mgr.describe())
+    text = "\n".join(lines) if lines else "cgraw: no graphed function has run"
+    print(text, file=file or sys.stdout)
+    return text
+
+
+def tree_text(device: int = 0) -> str:
+    """The tree of ``device`` as text: which recording follows which."""
+    mgr = _managers.get(device)
+    return mgr.describe() if mgr is not None else f"no graph tree on device {device}"
+
+
+def reset() -> None:
+    """Free every tree, its recordings and its pool (torch's cache is emptied to return them)."""
+    with _lock:
+        mgrs = list(_managers.values())
+        _managers.clear()
+    for mgr in mgrs:
+        mgr.reset()
+
+
+def _device_of(args, kwargs) -> int:
+    for a in itertools.chain(args, kwargs.values() if kwargs else ()):
+        m = type(a).__module__
+        if m.startswith("torch") and hasattr(a, "get_device"):
+            d = a.get_device()
+            if d >= 0:
+                return d
+        elif m.startswith("cupy") and hasattr(a, "device"):
+            return a.device.id
+    return Device.current().ordinal
+
+
+def _ints(name, values) -> list[int]:
+    if isinstance(values, int):
+        values = (values,)
+    out = []
+    for v in values:
+        if not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must hold non-negative ints, got {v!r}")
+        out.append(v)
+    return out
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+__all__ = ["GraphedFunction", "config", "graphed", "mark_static", "mark_step_begin", "report", "reset",
+           "tree_text", "unsafe"]

@@ -1,0 +1,354 @@
+"""Graph trees: the decisions of ``@cgraw.graphed`` (warm up, record, replay, re-record, skip).
+
+Layer L4: pure bookkeeping. It knows nothing of CUDA, torch or CuPy; a *backend* does the work
+(``cgraw.treeexec.CudaBackend`` on a GPU, a fake one in the CPU tests).
+
+Why a tree. Graphed functions share one memory pool per device. A CUDA graph bakes in every
+address it touches, so a graph recorded after graph A must allocate around A's outputs, which are
+still live when it runs. Calls of graphed functions in sequence therefore form *paths*: A then B,
+or A then B'. Each distinct path is recorded once, as a chain of nodes from a root. B and B' are
+siblings: they never run in the same pass, so B' may reuse B's memory. To record B' after A was
+replayed, the pool's bookkeeping is restored to the checkpoint taken at the end of A's recording;
+this is what keeps memory at max(A+B, A+B') rather than the sum.
+
+Lifecycle of a node (one function on one path, one input signature):
+- first call: WARMED. The function runs eagerly (lazy first-use work happens then).
+- second call: RECORDED. The pool is restored to the parent's checkpoint, the function is
+  captured, the graph replayed once for this call's result, and a checkpoint taken.
+- later calls: replay. If a static input or a tree output moved, the node is re-recorded and its
+  descendants are dropped.
+- a function that cannot be captured is SKIPPED: it runs eagerly from then on, with its reason
+  logged once and shown by ``cgraw.report()``.
+
+Generations. A generation is one pass through the tree from a root. It begins at
+``cgraw.mark_step_begin()``, or automatically when a *root function* (one that has begun a
+generation before) is called while a path is under way: each call of the model's entry point
+starts a new step (the inference rule). Outputs handed out in a generation are only valid until
+the next one begins; then the backend poisons them (torch) or clones them
+(``config.generation_cloning = "user_visible"``).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+from cgraw.errors import CgrawError, TreeError
+
+log = logging.getLogger("cgraw")
+
+
+class NodeState(enum.Enum):
+    WARMED = "warmed"
+    RECORDED = "recorded"
+    SKIPPED = "skipped"
+
+
+@dataclass
+class Config:
+    """Process-wide settings of graphed functions (``cgraw.config``)."""
+
+    dynamic_shape_warn_limit: int = 8
+    skip_dynamic_graphs: bool = False
+    generation_cloning: str | None = None  # None or "user_visible"
+    warm_cublas: bool = True
+
+    def __setattr__(self, name, value):
+        if name not in self.__dataclass_fields__:
+            raise AttributeError(f"cgraw.config has no setting {name!r}")
+        if name == "generation_cloning" and value not in (None, "user_visible"):
+            raise ValueError(f"generation_cloning={value!r} must be None or 'user_visible'")
+        object.__setattr__(self, name, value)
+
+
+config = Config()
+
+
+@dataclass
+class FunctionStats:
+    """What happened to one graphed function (``cgraw.report()``)."""
+
+    name: str
+    warmups: int = 0
+    recordings: int = 0
+    rerecords: int = 0
+    rerecord_reasons: list = field(default_factory=list)
+    replays: int = 0
+    eager_calls: int = 0
+    skip_reasons: dict = field(default_factory=dict)  # reason -> count
+    capture_ms: float = 0.0
+    instantiate_ms: float = 0.0
+    variants: int = 0  # distinct input signatures seen
+
+
+class TreeNode:
+    """One function on one path with one input signature. Parents are held weakly."""
+
+    __slots__ = ("fn", "key", "_parent", "children", "state", "recording", "checkpoint", "depth",
+                 "skip_reason", "mutated", "__weakref__")
+
+    def __init__(self, fn, key, parent: "TreeNode | None"):
+        self.fn = fn
+        self.key = key
+        self._parent = None if parent is None else weakref.ref(parent)
+        self.children: dict = {}
+        self.state = NodeState.WARMED
+        self.recording = None
+        self.checkpoint = None
+        self.depth = 0 if parent is None else parent.depth + 1
+        self.skip_reason: str | None = None
+        self.mutated: tuple = ()
+
+    @property
+    def parent(self) -> "TreeNode | None":
+        return None if self._parent is None else self._parent()
+
+    def path(self) -> list["TreeNode"]:
+        """Nodes from the root to this one."""
+        out = []
+        n = self
+        while n is not None:
+            out.append(n)
+            n = n.parent
+        out.reverse()
+        return out
+
+    def __repr__(self) -> str:
+        return f"<TreeNode {self.fn.name} {self.state.value} depth={self.depth}>"
+
+
+class SkipCall(Exception):
+    """Raised by a backend: this call cannot be graphed; run it eagerly. The message is the reason."""
+
+
+class TreeManager:
+    """The tree of one device: roots, the current path, generations and the pool's checkpoints.
+
+    Calls must come from the thread that created the manager (captures are thread-local); another
+    thread gets a clear error.
+    """
+
+    def __init__(self, backend, *, device_index: int = 0):
+        self.backend = backend
+        self.device_index = device_index
+        self.roots: dict = {}
+        self.root_fns: set = set()
+        self.current: TreeNode | None = None  # the node executed last in this generation
+        self.generation = 0
+        self.pool_state: TreeNode | None = None  # whose checkpoint the pool's bookkeeping equals
+        self.root_checkpoint = backend.snapshot()
+        self.tree_outputs: dict[int, TreeNode] = {}  # data pointer -> node, this generation
+        self.handed_out: list = []  # (function name, output) handed out in this generation
+        self.stats: dict[int, FunctionStats] = {}
+        self.owner_thread = threading.get_ident()
+        self._keys_seen: dict[int, set] = {}
+
+    # ------------------------------------------------------------------ generations
+
+    def mark_step_begin(self) -> None:
+        """End the current generation: outputs handed out so far become invalid."""
+        self.generation += 1
+        handed, self.handed_out = self.handed_out, []
+        self.backend.end_generation(handed, config.generation_cloning)
+        self.tree_outputs = {}
+        self.current = None
+
+    # ------------------------------------------------------------------ the call
+
+    def call(self, fn, args, kwargs):
+        if threading.get_ident() != self.owner_thread:
+            raise CgrawError(
+                f"graphed function {fn.name!r} called from a thread other than the one that owns "
+                f"device {self.device_index}'s graph tree; cgraw trees are single-threaded: call "
+                "graphed functions from one thread, or use cgraw.capture() on the other"
+            )
+        st = self.stats.get(fn.fn_id)
+        if st is None:
+            st = self.stats[fn.fn_id] = FunctionStats(fn.name)
+        if fn.fn_id in self.root_fns and self.current is not None:
+            self.mark_step_begin()  # the inference rule: a root function begins a new step
+        if fn.unsafe_reason is not None:
+            return self._eager(fn, st, fn.unsafe_reason, args, kwargs)
+        try:
+            call = self.backend.inspect(fn, args, kwargs, self.tree_outputs)
+        except SkipCall as exc:
+            return self._eager(fn, st, str(exc), args, kwargs)
+        parent = self.current
+        siblings = self.roots if parent is None else parent.children
+        node = siblings.get((fn.fn_id, call.key))
+        if parent is None:
+            self.root_fns.add(fn.fn_id)
+        if node is None:
+            node = TreeNode(fn, call.key, parent)
+            siblings[(fn.fn_id, call.key)] = node
+            if self._new_variant(fn, st, call.key):
+                node.state = NodeState.SKIPPED
+                node.skip_reason = "dynamic shapes: more input signatures than config.dynamic_shape_warn_limit"
+            else:
+                st.warmups += 1
+                self.current = node
+                out, node.mutated = self.backend.warmup(fn, call, args, kwargs)
+                self.handed_out.append((fn.name, out))
+                return out
+        if node.state is NodeState.SKIPPED:
+            self.current = node
+            return self._eager(fn, st, node.skip_reason, args, kwargs)
+        if node.state is NodeState.WARMED:
+            return self._record(node, fn, st, call, args, kwargs)
+        reason = self.backend.moved(node.recording, call)
+        if reason is not None:
+            st.rerecords += 1
+            st.rerecord_reasons.append(reason)
+            log.info("cgraw: re-recording %s: %s", fn.name, reason)
+            self._drop_subtree_of(node)
+            return self._record(node, fn, st, call, args, kwargs)
+        out = self.backend.replay(node.recording, call)
+        st.replays += 1
+        self.current = node
+        self._register(node, out)
+        return out
+
+    # ------------------------------------------------------------------ helpers
+
+    def _record(self, node: TreeNode, fn, st: FunctionStats, call, args, kwargs):
+        parent = node.parent
+        anchor = _recorded_ancestor(parent)
+        if self.pool_state is not anchor:
+            self._restore_to(anchor)
+        try:
+            rec = self.backend.record(fn, call, args, kwargs, node.mutated)
+        except SkipCall as exc:
+            node.state = NodeState.SKIPPED
+            node.skip_reason = str(exc)
+            self._restore_to(anchor)  # the failed capture may have left blocks behind
+            self.current = node
+            return self._eager(fn, st, node.skip_reason, args, kwargs)
+        node.recording = rec
+        node.state = NodeState.RECORDED
+        node.checkpoint = self.backend.snapshot()
+        self.pool_state = node
+        st.recordings += 1
+        st.capture_ms += rec.capture_ms
+        st.instantiate_ms += rec.instantiate_ms
+        out = self.backend.replay(rec, call)  # recording computes nothing: replay for this call
+        self.current = node
+        self._register(node, out)
+        return out
+
+    def _eager(self, fn, st: FunctionStats, reason: str, args, kwargs):
+        if reason not in st.skip_reasons:
+            log.warning("cgraw: skipping cudagraphs for %s: %s", fn.name, reason)
+        st.skip_reasons[reason] = st.skip_reasons.get(reason, 0) + 1
+        st.eager_calls += 1
+        return fn.fn(*args, **kwargs)
+
+    def _register(self, node: TreeNode, out) -> None:
+        for ptr in self.backend.output_ptrs(node.recording):
+            self.tree_outputs[ptr] = node
+        self.handed_out.append((node.fn.name, out))
+
+    def _new_variant(self, fn, st: FunctionStats, key) -> bool:
+        """Count input signatures per function; True when this one must run eagerly."""
+        seen = self._keys_seen.setdefault(fn.fn_id, set())
+        if key in seen:
+            return False
+        seen.add(key)
+        st.variants = len(seen)
+        limit = config.dynamic_shape_warn_limit
+        if len(seen) > limit and config.skip_dynamic_graphs:
+            return True
+        if len(seen) == limit + 1:
+            log.warning("cgraw: %s has been called with %d input signatures (dynamic shapes); each one "
+                        "is recorded separately. Pad inputs to a few shapes, or set "
+                        "cgraw.config.skip_dynamic_graphs = True", fn.name, len(seen))
+        return False
+
+    def _restore_to(self, anchor: TreeNode | None) -> None:
+        """Make the pool's bookkeeping the checkpoint at the end of ``anchor``'s recording."""
+        path = set() if anchor is None else {id(n) for n in anchor.path()}
+        on_path, off_path = [], []
+        for n in self.nodes():
+            if n.state is NodeState.RECORDED and n.recording is not None:
+                (on_path if id(n) in path else off_path).append(n.recording)
+        snap = self.root_checkpoint if anchor is None else anchor.checkpoint
+        self.backend.restore(snap, on_path, off_path)
+        self.pool_state = anchor
+
+    def _drop_subtree_of(self, node: TreeNode) -> None:
+        """A node is re-recorded: its old recording and its descendants' recordings go. The
+        descendants stay in the tree as WARMED nodes and are recorded again when a call reaches
+        them."""
+        for n in _walk(node):
+            if n.recording is not None:
+                self.backend.discard(n.recording)
+                n.recording = None
+                n.checkpoint = None
+            if n is not node and n.state is NodeState.RECORDED:
+                n.state = NodeState.WARMED
+        if self.pool_state is not None and not _alive_in_tree(self.pool_state, self):
+            self.pool_state = _UNKNOWN
+
+    def nodes(self) -> list[TreeNode]:
+        out = []
+        for r in self.roots.values():
+            out.extend(_walk(r))
+        return out
+
+    def reset(self) -> None:
+        """Drop every node and recording; the backend frees the pool."""
+        for n in self.nodes():
+            if n.recording is not None:
+                self.backend.discard(n.recording)
+                n.recording = None
+        self.roots.clear()
+        self.root_fns.clear()
+        self.current = None
+        self.tree_outputs = {}
+        self.handed_out = []
+        self.backend.close()
+
+    def describe(self) -> str:
+        """A text view of the tree: which node follows which."""
+        lines = [f"cgraw tree on device {self.device_index}: generation {self.generation}"]
+
+        def visit(n: TreeNode, indent: str):
+            extra = f" ({n.skip_reason})" if n.state is NodeState.SKIPPED else ""
+            nn = "" if n.recording is None else f", {self.backend.num_nodes(n.recording)} graph nodes"
+            lines.append(f"{indent}{n.fn.name} [{n.state.value}{nn}]{extra}")
+            for c in n.children.values():
+                visit(c, indent + "  ")
+
+        for r in self.roots.values():
+            visit(r, "  ")
+        return "\n".join(lines)
+
+
+class _Unknown:
+    """Marker: the pool's bookkeeping matches no live node (force a restore before recording)."""
+
+
+_UNKNOWN = _Unknown()
+
+
+def _walk(node: TreeNode):
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        stack.extend(n.children.values())
+
+
+def _recorded_ancestor(node: TreeNode | None) -> TreeNode | None:
+    while node is not None and node.state is not NodeState.RECORDED:
+        node = node.parent
+    return node
+
+
+def _alive_in_tree(node: TreeNode, mgr: TreeManager) -> bool:
+    return any(n is node for n in mgr.nodes()) and node.recording is not None
+
+
+__all__ = ["Config", "FunctionStats", "NodeState", "SkipCall", "TreeError", "TreeManager", "TreeNode", "config"]

@@ -1,0 +1,468 @@
+"""The CUDA backend of graph trees: inspect a call's inputs, warm up, record, replay, restore.
+
+Layer L6 (beside ``capture``): uses ``capture``, ``memory``, ``graph`` and the framework
+adapters; ``tree`` drives it. Inputs are classified per call:
+- *static*: torch ``nn.Parameter``s, the parameters and buffers of an ``nn.Module`` argument,
+  anything passed to ``cgraw.mark_static``, and positions in ``static_argnums``. Read in place;
+  their address is checked on every call.
+- *tree outputs*: outputs of earlier graphed calls in this generation. Read in place; checked too.
+- *eager*: everything else. Copied into a placeholder by a memcpy node at the start of the graph,
+  whose source pointer is patched before a launch only when it changed.
+Eager inputs found mutated at warm-up are copied back by a memcpy node at the end of the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from cgraw import _cuda
+from cgraw.capture import capture
+from cgraw.errors import CaptureError
+from cgraw.memory import DevicePool
+from cgraw.tree import SkipCall
+
+log = logging.getLogger("cgraw")
+
+EAGER, STATIC, TREE = 0, 1, 2
+OVERWRITTEN = (
+    "accessing tensor output of a cgraw graph that has been overwritten by a subsequent run "
+    "(output of graphed function {name!r}); clone it (.clone()) before the graphed functions run "
+    "again, or call cgraw.mark_step_begin() where a new step begins"
+)
+
+_static_ids: dict[int, object] = {}  # id(tensor) -> weakref, filled by mark_static
+
+
+def mark_static(x):
+    """Mark a tensor or array as a static input of graphed functions (read in place, never copied)."""
+    import weakref
+
+    key = id(x)
+    _static_ids[key] = weakref.ref(x, lambda _r, k=key: _static_ids.pop(k, None))
+    return x
+
+
+class Call:
+    """One call's inputs: the signature ``key``, tensor ``leaves`` with their kinds and pointers."""
+
+    __slots__ = ("key", "leaves", "kinds", "ptrs", "arg_spans")
+
+    def __init__(self, key, leaves, kinds, ptrs, arg_spans):
+        self.key = key
+        self.leaves = leaves
+        self.kinds = kinds
+        self.ptrs = ptrs
+        self.arg_spans = arg_spans  # (first leaf, leaf count) of each positional argument
+
+
+class Recording:
+    """A recorded node: the graph, its input copies, its outputs and what keeps them alive."""
+
+    __slots__ = ("graph", "exec_rt", "copies_in", "slow_in", "copies_back", "fixed", "out_leaves",
+                 "out_spec", "out_ptrs", "storages", "keep", "capture_ms", "instantiate_ms", "name")
+
+
+class CudaBackend:
+    """Does the work of one device's ``TreeManager``."""
+
+    def __init__(self, device):
+        self.device = device
+        self.pool = DevicePool(device, name=f"tree{device.ordinal}")
+        self._torch = None
+        if "torch" in sys.modules:
+            from cgraw.interop.torch import mempool_for
+
+            self._torch = sys.modules["torch"]
+            self.mempool = mempool_for(self.pool)
+
+    # ------------------------------------------------------------------ inputs
+
+    def inspect(self, fn, args, kwargs, tree_outputs) -> Call:
+        leaves, key_parts, kinds, ptrs = [], [], [], []
+        dev = None
+        static_pos = fn.static_argnums
+        spans = []
+        for i, a in enumerate(args):
+            first = len(leaves)
+            _flatten(a, leaves, key_parts, kinds, ptrs, STATIC if i in static_pos else None)
+            spans.append((first, len(leaves) - first))
+        if kwargs:
+            for k in sorted(kwargs):
+                key_parts.append(k)
+                _flatten(kwargs[k], leaves, key_parts, kinds, ptrs, None)
+        for j, t in enumerate(leaves):
+            d = _device_index(t)
+            if d < 0:
+                raise SkipCall("CPU tensors or ops: an input lives on the CPU")
+            if dev is None:
+                dev = d
+            elif d != dev:
+                raise SkipCall("tensors on several devices")
+            if kinds[j] is None:
+                p = ptrs[j]
+                if id(t) in _static_ids:
+                    kinds[j] = STATIC
+                elif p in tree_outputs:
+                    kinds[j] = TREE
+                else:
+                    kinds[j] = EAGER
+        if dev is not None and dev != self.device.ordinal:
+            raise SkipCall(f"inputs on device {dev}, but this tree is on device {self.device.ordinal}")
+        return Call(tuple(key_parts) + tuple(kinds), leaves, kinds, ptrs, spans)
+
+    def moved(self, rec: Recording, call: Call) -> str | None:
+        ptrs = call.ptrs
+        for j, p in rec.fixed:
+            if ptrs[j] != p:
+                what = "static input" if call.kinds[j] == STATIC else "tree-output input"
+                return f"{what} {j} moved from 0x{p:x} to 0x{ptrs[j]:x}"
+        return None
+
+    # ------------------------------------------------------------------ warm-up, record, replay
+
+    def warmup(self, fn, call: Call, args, kwargs):
+        """Run eagerly; report which eager inputs the function mutated (compared by content)."""
+        before = [(j, _clone(t)) for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER]
+        torch = self._torch
+        if torch is not None:
+            # a backward pass unpacks saved tensors: then the recording must route allocations
+            # by stream, where autograd's device thread allocates, rather than by thread
+            def unpacked(x):
+                fn.runs_backward = True
+                return x
+
+            with torch.autograd.graph.saved_tensors_hooks(lambda x: x, unpacked):
+                out = fn.fn(*args, **kwargs)
+        else:
+            out = fn.fn(*args, **kwargs)
+        mutated = tuple(j for j, copy in before if not _equal(copy, call.leaves[j]))
+        for j in mutated:
+            if not _is_contiguous(call.leaves[j]):
+                log.warning("cgraw: %s mutates non-contiguous eager input %d", fn.name, j)
+        declared = tuple(j for i in fn.mutates if i < len(call.arg_spans)
+                         for j in range(call.arg_spans[i][0], sum(call.arg_spans[i])) if call.kinds[j] == EAGER)
+        return out, mutated + tuple(j for j in declared if j not in mutated)
+
+    def record(self, fn, call: Call, args, kwargs, mutated) -> Recording:
+        leaves, kinds = call.leaves, call.kinds
+        for j in mutated:
+            if kinds[j] == EAGER and not _is_contiguous(leaves[j]):
+                raise SkipCall("skipping cudagraphs due to mutated inputs (a non-contiguous eager input)")
+        rec = Recording()
+        rec.name = fn.name
+        cap = capture(pool=self.pool, device=self.device, warm_cublas=_config().warm_cublas, _tree=True,
+                      _route="stream" if fn.runs_backward else "thread")
+        placeholders = {}
+        try:
+            with cap as g:
+                stream = g.capture_stream.handle
+                for j, t in enumerate(leaves):
+                    if kinds[j] == EAGER:
+                        ph = _empty_like(t)
+                        placeholders[j] = ph
+                        if _is_contiguous(t):
+                            _cuda.memcpy_dtod_async(_ptr(ph), call.ptrs[j], _nbytes(t), stream)
+                        else:
+                            _copy_into(ph, t)
+                new_args, new_kwargs = _replace(args, kwargs, leaves, placeholders)
+                out = fn.fn(*new_args, **new_kwargs)
+                for j in mutated:
+                    if kinds[j] == EAGER:
+                        _cuda.memcpy_dtod_async(call.ptrs[j], _ptr(placeholders[j]), _nbytes(leaves[j]), stream)
+        except CaptureError as exc:
+            raise SkipCall(_skip_reason(exc)) from exc
+        rec.graph = g
+        rec.exec_rt = _cuda.rt_exec_handle(g._exec)
+        rec.capture_ms, rec.instantiate_ms = g.capture_ms, g.instantiate_ms
+        memcpys = _memcpy_nodes(g)
+        rec.copies_in, rec.slow_in, rec.copies_back = [], [], []
+        for j, ph in placeholders.items():
+            dst, t = _ptr(ph), leaves[j]
+            if _is_contiguous(t):
+                node = memcpys.get((dst, call.ptrs[j]))
+                if node is None:
+                    raise SkipCall("could not find the input-copy node in the captured graph")
+                rec.copies_in.append([j, _cuda.rt_node_handle(node), dst, _nbytes(t), call.ptrs[j]])
+            else:
+                rec.slow_in.append((j, ph))
+        for j in mutated:
+            if kinds[j] == EAGER:
+                src = _ptr(placeholders[j])
+                node = memcpys.get((call.ptrs[j], src))
+                rec.copies_back.append([j, _cuda.rt_node_handle(node), src, _nbytes(leaves[j]), call.ptrs[j]])
+        rec.fixed = [(j, call.ptrs[j]) for j in range(len(leaves)) if kinds[j] != EAGER]
+        out_leaves: list = []
+        rec.out_spec = _spec(out, out_leaves)
+        rec.out_leaves = out_leaves
+        rec.out_ptrs = [_ptr(t) for t in out_leaves if _is_tensor(t)]
+        rec.keep = (list(placeholders.values()), out)
+        rec.storages = _storages(list(placeholders.values()) + out_leaves)
+        return rec
+
+    def replay(self, rec: Recording, call: Call):
+        ptrs = call.ptrs
+        for c in rec.copies_in:
+            p = ptrs[c[0]]
+            if p != c[4]:
+                err = _cuda.memcpy_node_set_1d_raw(rec.exec_rt, c[1], c[2], p, c[3], _cuda.MEMCPY_D2D)[0]
+                if err:
+                    raise _cuda.rt_error(err, "cudaGraphExecMemcpyNodeSetParams1D")
+                c[4] = p
+        for c in rec.copies_back:
+            p = ptrs[c[0]]
+            if p != c[4]:
+                err = _cuda.memcpy_node_set_1d_raw(rec.exec_rt, c[1], p, c[2], c[3], _cuda.MEMCPY_D2D)[0]
+                if err:
+                    raise _cuda.rt_error(err, "cudaGraphExecMemcpyNodeSetParams1D")
+                c[4] = p
+        for j, ph in rec.slow_in:
+            _copy_into(ph, call.leaves[j])
+        rec.graph.replay()
+        spec = rec.out_spec
+        if spec is _SINGLE:
+            return _alias(rec.out_leaves[0])
+        return _unflatten(spec, iter([_alias(t) for t in rec.out_leaves]))
+
+    def output_ptrs(self, rec: Recording):
+        return rec.out_ptrs
+
+    def num_nodes(self, rec: Recording) -> int:
+        return rec.graph.num_nodes
+
+    def discard(self, rec: Recording) -> None:
+        rec.graph.close()
+        rec.keep = None
+
+    # ------------------------------------------------------------------ pool checkpoints
+
+    def snapshot(self):
+        torch_state = None
+        if self._torch is not None:
+            torch_state = self._torch._C._cuda_getCheckpointState(self.device.ordinal, self.mempool.id)
+        return (self.pool.snapshot(), torch_state)
+
+    def restore(self, snap, on_path: list, off_path: list) -> None:
+        cg, torch_state = snap
+        self.pool.restore(cg)
+        if self._torch is not None and torch_state is not None:
+            stale = [s for r in off_path for s in r.storages]
+            live = [s for r in on_path for s in r.storages]
+            self._torch._C._cuda_setCheckpointPoolState(self.device.ordinal, torch_state, stale, live)
+
+    # ------------------------------------------------------------------ generations
+
+    def end_generation(self, handed: list, cloning: str | None) -> None:
+        torch = self._torch
+        if torch is None:
+            return
+        for name, out in handed:
+            leaves: list = []
+            _spec(out, leaves)
+            for t in leaves:
+                if isinstance(t, torch.Tensor):
+                    if cloning == "user_visible":
+                        with torch.no_grad():
+                            t.set_(t.clone())
+                    else:
+                        torch._C._set_storage_access_error_msg(t, OVERWRITTEN.format(name=name))
+
+    def close(self) -> None:
+        self.pool.close()
+        if self._torch is not None:
+            self.mempool = None
+            self.pool.torch_state = None
+            self._torch.cuda.empty_cache()  # torch hands the tree's segments back to cgraw
+
+
+# ---------------------------------------------------------------------- framework helpers
+
+_SINGLE = object()
+
+
+def _config():
+    from cgraw.tree import config
+
+    return config
+
+
+def _is_tensor(x) -> bool:
+    m = type(x).__module__
+    return (m.startswith("torch") and hasattr(x, "data_ptr")) or (m.startswith("cupy") and hasattr(x, "data"))
+
+
+def _flatten(a, leaves, key, kinds, ptrs, forced) -> None:
+    t = type(a)
+    mod = t.__module__
+    if mod.startswith("torch"):
+        torch = sys.modules["torch"]
+        if isinstance(a, torch.Tensor):
+            leaves.append(a)
+            key.append((a.shape, a.stride(), a.dtype))
+            kinds.append(STATIC if forced is not None or isinstance(a, torch.nn.Parameter) else None)
+            ptrs.append(a.data_ptr())
+            return
+        if isinstance(a, torch.nn.Module):
+            key.append(("module", id(a)))
+            for x in list(a.parameters()) + list(a.buffers()):
+                _flatten(x, leaves, key, kinds, ptrs, STATIC)
+            return
+    elif mod.startswith("cupy") and hasattr(a, "data") and hasattr(a, "strides"):
+        leaves.append(a)
+        key.append((a.shape, a.strides, a.dtype.str))
+        kinds.append(forced)
+        ptrs.append(int(a.data.ptr))
+        return
+    if t in (tuple, list):
+        key.append((t, len(a)))
+        for x in a:
+            _flatten(x, leaves, key, kinds, ptrs, forced)
+        return
+    if t is dict:
+        key.append((dict, tuple(sorted(a))))
+        for k in sorted(a):
+            _flatten(a[k], leaves, key, kinds, ptrs, forced)
+        return
+    try:
+        hash(a)
+    except TypeError:
+        raise SkipCall(f"an argument of type {t.__name__} is neither a tensor nor hashable") from None
+    key.append((t, a))
+
+
+def _replace(args, kwargs, leaves, placeholders):
+    """Rebuild args/kwargs with placeholders in place of the eager leaves."""
+    if not placeholders:
+        return args, kwargs
+    counter = {"i": -1}
+
+    def sub(a):
+        if _is_tensor(a):
+            counter["i"] += 1
+            j = counter["i"]
+            return placeholders.get(j, a)
+        t = type(a)
+        if t.__module__.startswith("torch") and isinstance(a, sys.modules["torch"].nn.Module):
+            counter["i"] += len(list(a.parameters())) + len(list(a.buffers()))
+            return a
+        if t in (tuple, list):
+            return t(sub(x) for x in a)
+        if t is dict:
+            return {k: sub(a[k]) for k in sorted(a)}
+        return a
+
+    new_args = tuple(sub(a) for a in args)
+    new_kwargs = {k: sub(kwargs[k]) for k in sorted(kwargs)} if kwargs else kwargs
+    return new_args, new_kwargs
+
+
+def _spec(out, leaves: list):
+    """Flatten an output structure; returns a spec for ``_unflatten``."""
+    if _is_tensor(out):
+        leaves.append(out)
+        return _SINGLE if len(leaves) == 1 else ("t",)
+    t = type(out)
+    if t in (tuple, list):
+        return (t, [_spec_inner(x, leaves) for x in out])
+    if t is dict:
+        return (dict, [(k, _spec_inner(v, leaves)) for k, v in out.items()])
+    return ("v", out)
+
+
+def _spec_inner(x, leaves):
+    if _is_tensor(x):
+        leaves.append(x)
+        return ("t",)
+    return _spec(x, leaves)
+
+
+def _unflatten(spec, it):
+    kind = spec[0]
+    if kind == "t":
+        return next(it)
+    if kind == "v":
+        return spec[1]
+    if kind is dict:
+        return {k: _unflatten(s, it) for k, s in spec[1]}
+    return kind(_unflatten(s, it) for s in spec[1])
+
+
+def _alias(t):
+    """A new object over the same memory: each call's outputs are distinct objects."""
+    if type(t).__module__.startswith("torch"):
+        return t.detach()
+    return t.view()
+
+
+def _ptr(t) -> int:
+    return t.data_ptr() if type(t).__module__.startswith("torch") else int(t.data.ptr)
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if type(t).__module__.startswith("torch") else t.nbytes
+
+
+def _device_index(t) -> int:
+    if type(t).__module__.startswith("torch"):
+        return t.get_device()
+    return t.device.id
+
+
+def _is_contiguous(t) -> bool:
+    if type(t).__module__.startswith("torch"):
+        return t.is_contiguous()
+    return t.flags.c_contiguous
+
+
+def _empty_like(t):
+    if type(t).__module__.startswith("torch"):
+        return sys.modules["torch"].empty(t.shape, dtype=t.dtype, device=t.device)
+    return sys.modules["cupy"].empty(t.shape, dtype=t.dtype)
+
+
+def _copy_into(dst, src) -> None:
+    if type(dst).__module__.startswith("torch"):
+        dst.copy_(src)
+    else:
+        dst[...] = src
+
+
+def _clone(t):
+    return t.clone() if type(t).__module__.startswith("torch") else t.copy()
+
+
+def _equal(a, b) -> bool:
+    if type(a).__module__.startswith("torch"):
+        return bool(sys.modules["torch"].equal(a, b))
+    return bool(sys.modules["cupy"].array_equal(a, b))
+
+
+def _storages(objs) -> list[int]:
+    """torch storages (as ``StorageImpl*`` ints) of the torch tensors among ``objs``, once each."""
+    out, seen = [], set()
+    for t in objs:
+        if type(t).__module__.startswith("torch") and hasattr(t, "untyped_storage"):
+            s = t.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                out.append(s._cdata)
+    return out
+
+
+def _memcpy_nodes(g) -> dict:
+    """(dst, src) -> node handle of every memcpy node of the graph."""
+    out = {}
+    for h in _cuda.graph_get_nodes(g._graph):
+        if int(_cuda.graph_node_get_type(h)) == int(_cuda.NodeType.CU_GRAPH_NODE_TYPE_MEMCPY):
+            out[_cuda.graph_memcpy_node_dst_src(h)] = h
+    return out
+
+
+def _skip_reason(exc: CaptureError) -> str:
+    text = exc.description or str(exc)
+    if "host synchronisation" in text:
+        return "host synchronisation during capture (" + text + ")"
+    if "random numbers" in text:
+        return "torch random numbers (" + text + ")"
+    return text
+

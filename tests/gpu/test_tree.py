@@ -1,0 +1,339 @@
+"""GPU tier for graph trees (@cgraw.graphed): every call is compared with eager execution on
+fresh random inputs."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import random
+
+import numpy as np
+import pytest
+
+import cgraw
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+cp = pytest.importorskip("cupy")
+
+rng = np.random.default_rng()
+
+
+def trand(*shape):
+    return torch.randn(*shape, device="cuda")
+
+
+@pytest.fixture(autouse=True)
+def fresh_trees():
+    cgraw.reset()
+    yield
+    cgraw.mark_step_begin()
+    cgraw.reset()
+    gc.collect()
+
+
+def _mgr():
+    from cgraw.graphed import _managers
+
+    return _managers[0]
+
+
+def _stats(f):
+    return _mgr().stats[f.fn_id]
+
+
+def test_lifecycle_warmup_record_replay():
+    def body(x, w):
+        return torch.relu(x @ w) + 1.0
+
+    f = cgraw.graphed(body)
+    for i in range(6):
+        x, w = trand(32, 64), trand(64, 16)
+        y = f(x, w)
+        torch.testing.assert_close(y, body(x, w), rtol=1e-5, atol=1e-5)
+    s = _stats(f)
+    assert (s.warmups, s.recordings, s.replays) == (1, 1, 4)
+
+
+def test_seed_four_graphs_tree_and_max_of_paths_memory():
+    n = 4 << 20  # 16 MiB tensors, so each branch's memory is visible in the pool
+
+    def e1(x):
+        return x * x * x
+
+    def e2(y):
+        return torch.sin(y) * 2.0
+
+    def e3(y):
+        return torch.cos(y.abs()) + 1.0
+
+    def e4(z):
+        return z * 3.0 + 1.0
+
+    g1, g2, g3, g4 = (cgraw.graphed(fn) for fn in (e1, e2, e3, e4))
+
+    def step(x, branch):
+        y = g1(x)
+        z = g2(y) if branch else g3(y)
+        return g4(z)
+
+    def eager(x, branch):
+        y = e1(x)
+        return e4(e2(y) if branch else e3(y))
+
+    # one path only: the memory of a single branch
+    for _ in range(4):
+        x = trand(n)
+        torch.testing.assert_close(step(x, True), eager(x, True))
+    one_path = _mgr().backend.pool.torch_reserved_bytes + _mgr().backend.pool.stats().reserved_bytes
+    branches = [True, False] * 4
+    random.shuffle(branches)
+    for b in branches + [False, True, False]:
+        x = trand(n)
+        torch.testing.assert_close(step(x, b), eager(x, b))
+    both = _mgr().backend.pool.torch_reserved_bytes + _mgr().backend.pool.stats().reserved_bytes
+    assert both <= 1.1 * one_path, (both, one_path)
+    # the tree is 1 -> 2 -> 4 and 1 -> 3 -> 4
+    mgr = _mgr()
+    assert len(mgr.roots) == 1
+    (root,) = mgr.roots.values()
+    assert root.fn is g1
+    kids = {c.fn for c in root.children.values()}
+    assert kids == {g2, g3}
+    for c in root.children.values():
+        assert [gc_.fn for gc_ in c.children.values()] == [g4]
+        assert all(gc_.recording is not None for gc_ in c.children.values())
+    text = cgraw.tree_text(0)
+    assert "e1" in text and "e2" in text and "e3" in text and "e4" in text
+
+
+def test_my_model_overwritten_output_raises():
+    def my_model(x):
+        return torch.matmul(x, x)
+
+    f = cgraw.graphed(my_model)
+    x = trand(10, 10)
+    for _ in range(2):  # warm-up, then record: the next calls replay
+        f(x)
+    y1 = f(x)
+    y2 = f(x)
+    with pytest.raises(RuntimeError, match="overwritten by a subsequent run") as ei:
+        print(y1)
+    assert "my_model" in str(ei.value) and "mark_step_begin" in str(ei.value)
+    torch.testing.assert_close(y2, x @ x)
+
+
+def test_mark_step_begin_and_generation_cloning():
+    def body(x):
+        return x + 1.0
+
+    f = cgraw.graphed(body)
+    x = trand(100)
+    for _ in range(3):
+        f(x)
+    cgraw.config.generation_cloning = "user_visible"
+    try:
+        y1 = f(x)
+        v1 = (x + 1.0).clone()
+        x.copy_(trand(100))
+        cgraw.mark_step_begin()
+        y2 = f(x)
+        torch.testing.assert_close(y1, v1)  # cloned out of the pool, still readable
+        torch.testing.assert_close(y2, x + 1.0)
+    finally:
+        cgraw.config.generation_cloning = None
+
+
+def test_input_mutation_static_tree_output_and_eager():
+    p = torch.nn.Parameter(trand(256), requires_grad=False)
+
+    def upd(p, g):
+        p.add_(g)
+        return p.sum()
+
+    fu = cgraw.graphed(upd)
+    ref = p.detach().clone()
+    for _ in range(5):
+        g = trand(256)
+        fu(p, g)
+        ref += g
+        torch.testing.assert_close(p.detach(), ref)
+
+    def make(x):
+        return x * 2.0
+
+    def mut(y):
+        y.add_(2.0)
+        return y * 1.0
+
+    fm, fmu = cgraw.graphed(make), cgraw.graphed(mut)
+    for _ in range(5):
+        cgraw.mark_step_begin()
+        x = trand(64)
+        y = fm(x)
+        out = fmu(y)  # y is a tree output: mutated in place
+        torch.testing.assert_close(y, x * 2.0 + 2.0)
+        torch.testing.assert_close(out, x * 2.0 + 2.0)
+
+    def mut_eager(x):
+        x.mul_(2.0)
+        return x + 1.0
+
+    fe = cgraw.graphed(mut_eager)
+    for _ in range(5):
+        cgraw.mark_step_begin()
+        x = trand(128)
+        x0 = x.clone()
+        out = fe(x)
+        torch.testing.assert_close(x, x0 * 2.0)  # the mutation reached the caller's tensor
+        torch.testing.assert_close(out, x0 * 2.0 + 1.0)
+
+
+def test_cupy_graphed_and_mixed():
+    def body(a):
+        return cp.tanh(a) * 2.0 + a
+
+    f = cgraw.graphed(body)
+    for _ in range(5):
+        a = cp.asarray(rng.standard_normal(1000).astype(np.float32))
+        assert cp.array_equal(f(a), body(a))
+
+    def mixed(t):
+        c = cp.exp(cp.from_dlpack(t))
+        return torch.from_dlpack(c).sum(0)
+
+    fm = cgraw.graphed(mixed)
+    for _ in range(5):
+        cgraw.mark_step_begin()
+        t = trand(50, 20)
+        torch.testing.assert_close(fm(t), torch.exp(t).sum(0), rtol=1e-5, atol=1e-4)
+
+
+def test_dynamic_shapes_and_limits(caplog):
+    def body(x):
+        return x.softmax(-1)
+
+    f = cgraw.graphed(body)
+    for n in (4, 8, 4, 8, 4, 8):
+        x = trand(n, 16)
+        torch.testing.assert_close(f(x), body(x))
+    assert _stats(f).variants == 2 and _stats(f).recordings == 2
+    old = cgraw.config.dynamic_shape_warn_limit
+    cgraw.config.dynamic_shape_warn_limit = 2
+    try:
+        with caplog.at_level(logging.WARNING, logger="cgraw"):
+            x = trand(12, 16)
+            torch.testing.assert_close(f(x), body(x))
+        assert "input signatures" in caplog.text
+        cgraw.config.skip_dynamic_graphs = True
+        x = trand(20, 16)
+        torch.testing.assert_close(f(x), body(x))
+        x = trand(20, 16)
+        torch.testing.assert_close(f(x), body(x))
+        assert any("dynamic shapes" in r for r in _stats(f).skip_reasons)
+    finally:
+        cgraw.config.dynamic_shape_warn_limit = old
+        cgraw.config.skip_dynamic_graphs = False
+
+
+@pytest.mark.parametrize("kind", ["item", "cpu_input", "rng", "unsafe"])
+def test_skips_run_eagerly_with_reason(kind, caplog):
+    @cgraw.unsafe
+    def host_side(x):
+        return x * 2.0
+
+    bodies = {
+        "item": lambda x: x * float((x > 0).sum().item()),
+        "cpu_input": lambda x: x * 2.0,
+        "rng": lambda x: x + torch.rand_like(x) * 0.0,
+        "unsafe": lambda x: host_side(x) + 1.0,
+    }
+    body = bodies[kind]
+    f = cgraw.graphed(body)
+    with caplog.at_level(logging.WARNING, logger="cgraw"):
+        for _ in range(4):
+            cgraw.mark_step_begin()
+            x = torch.randn(64) if kind == "cpu_input" else trand(64)
+            torch.testing.assert_close(f(x), body(x))
+    s = _stats(f)
+    assert s.eager_calls >= 2 and s.recordings == 0
+    reasons = " ".join(s.skip_reasons)
+    expect = {"item": "host synchronisation", "cpu_input": "CPU tensors", "rng": "random",
+              "unsafe": "unsafe"}[kind]
+    assert expect in reasons, reasons
+    assert caplog.text.count("skipping cudagraphs") == 1
+    assert expect in cgraw.report()
+
+
+def test_static_argnums_address_change_rerecords():
+    def body(x, w):
+        return x @ w
+
+    f = cgraw.graphed(body, static_argnums=(1,))
+    w1, w2 = trand(32, 32), trand(32, 32)
+    for w in (w1, w1, w1, w2, w2, w1):
+        x = trand(8, 32)
+        torch.testing.assert_close(f(x, w), x @ w, rtol=1e-5, atol=1e-5)
+    s = _stats(f)
+    assert s.rerecords == 2 and "moved" in s.rerecord_reasons[0]
+
+
+def test_training_step_matches_eager():
+    torch.manual_seed(0)
+
+    def make():
+        torch.manual_seed(1234)
+        m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)).cuda()
+        return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+    m_e, opt_e = make()
+    m_g, opt_g = make()
+
+    def step(model, opt, x, y):
+        opt.zero_grad(set_to_none=False)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    g = cgraw.graphed(lambda x, y: step(m_g, opt_g, x, y))
+    for _ in range(20):
+        x, y = trand(16, 32), trand(16, 4)
+        le = step(m_e, opt_e, x, y)
+        lg = g(x, y)
+        torch.testing.assert_close(lg, le, rtol=1e-4, atol=1e-5)
+    for pe, pg in zip(m_e.parameters(), m_g.parameters()):
+        torch.testing.assert_close(pg, pe, rtol=1e-4, atol=1e-5)
+    assert _mgr().stats[g.fn_id].recordings == 1
+
+
+def test_report_and_reset():
+    f = cgraw.graphed(lambda x: x * 5.0)
+    for _ in range(3):
+        x = trand(10)
+        torch.testing.assert_close(f(x), x * 5.0)
+    text = cgraw.report()
+    assert "1 recording(s)" in text and "replay" in text
+    cgraw.mark_step_begin()
+    cgraw.reset()
+    x = trand(10)
+    torch.testing.assert_close(f(x), x * 5.0)  # a fresh tree warms up again
+
+
+def test_other_thread_is_refused():
+    import threading
+
+    f = cgraw.graphed(lambda x: x + 1.0)
+    f(trand(4))
+    err = {}
+
+    def other():
+        try:
+            f(trand(4))
+        except cgraw.CgrawError as e:
+            err["e"] = str(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert "thread" in err.get("e", "")
