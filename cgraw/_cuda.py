@@ -489,7 +489,7 @@ NodeType = drv.CUgraphNodeType
 def graph_memcpy_node_dst_src(node) -> tuple[int, int]:
     """``(dst, src)`` device addresses of a 1-D memcpy node."""
     p = check(drv.cuGraphMemcpyNodeGetParams(node), "cuGraphMemcpyNodeGetParams")
-    return native(p.dstDevice), native(p.srcDevice)
+    return int(p.dstDevice), int(p.srcDevice)  # CUdeviceptr is an integer type
 
 
 # Per-call input copies are memcpy nodes whose pointers are patched before a launch. The runtime's

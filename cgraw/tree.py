@@ -226,6 +226,9 @@ class TreeManager:
             self._restore_to(anchor)  # the failed capture may have left blocks behind
             self.current = node
             return self._eager(fn, st, node.skip_reason, args, kwargs)
+        except BaseException:
+            self.pool_state = _UNKNOWN  # the pool may hold the failed recording's blocks
+            raise
         node.recording = rec
         node.state = NodeState.RECORDED
         node.checkpoint = self.backend.snapshot()

@@ -161,6 +161,8 @@ class CudaBackend:
                     if kinds[j] == EAGER:
                         ph = _empty_like(t)
                         placeholders[j] = ph
+                        if not _nbytes(t):
+                            continue  # nothing to copy
                         if _is_contiguous(t):
                             _cuda.memcpy_dtod_async(_ptr(ph), call.ptrs[j], _nbytes(t), stream)
                         else:
@@ -168,10 +170,18 @@ class CudaBackend:
                 new_args, new_kwargs = _replace(args, kwargs, leaves, placeholders)
                 out = fn.fn(*new_args, **new_kwargs)
                 for j in mutated:
-                    if kinds[j] == EAGER:
+                    if kinds[j] == EAGER and _nbytes(leaves[j]):
                         _cuda.memcpy_dtod_async(call.ptrs[j], _ptr(placeholders[j]), _nbytes(leaves[j]), stream)
         except CaptureError as exc:
             raise SkipCall(_skip_reason(exc)) from exc
+        try:
+            return self._finish_recording(rec, g, call, placeholders, mutated, out)
+        except BaseException:
+            g.close()
+            raise
+
+    def _finish_recording(self, rec, g, call, placeholders, mutated, out) -> Recording:
+        leaves, kinds = call.leaves, call.kinds
         rec.graph = g
         rec.exec_rt = _cuda.rt_exec_handle(g._exec)
         rec.capture_ms, rec.instantiate_ms = g.capture_ms, g.instantiate_ms
@@ -179,6 +189,8 @@ class CudaBackend:
         rec.copies_in, rec.slow_in, rec.copies_back = [], [], []
         for j, ph in placeholders.items():
             dst, t = _ptr(ph), leaves[j]
+            if not _nbytes(t):
+                continue
             if _is_contiguous(t):
                 node = memcpys.get((dst, call.ptrs[j]))
                 if node is None:
@@ -187,9 +199,11 @@ class CudaBackend:
             else:
                 rec.slow_in.append((j, ph))
         for j in mutated:
-            if kinds[j] == EAGER:
+            if kinds[j] == EAGER and _nbytes(leaves[j]):
                 src = _ptr(placeholders[j])
                 node = memcpys.get((call.ptrs[j], src))
+                if node is None:
+                    raise SkipCall("could not find the copy-back node in the captured graph")
                 rec.copies_back.append([j, _cuda.rt_node_handle(node), src, _nbytes(leaves[j]), call.ptrs[j]])
         rec.fixed = [(j, call.ptrs[j]) for j in range(len(leaves)) if kinds[j] != EAGER]
         out_leaves: list = []

@@ -1,0 +1,411 @@
+"""A CPU stand-in for ``cgraw.treeexec.CudaBackend``, driving ``cgraw.tree.TreeManager`` in tests.
+
+Device memory is simulated: a ``FakeT`` ("tensor") is an address range whose contents (a float64
+numpy array) live in ``Memory``. Writing a range wipes every *other* range it overlaps, so a graph
+that clobbers a live output is caught when that output is read (``Clobbered``).
+
+Graphed test functions are plain Python over ``FakeT``; they allocate results with ``new(values)``
+and may drop temporaries with ``release(t)`` and write inputs in place with ``assign(t, values)``.
+What those do depends on the backend's mode:
+
+- eager (warm-up, ``TreeManager._eager``, reference runs): a fresh address outside the pool;
+- capture (``record``): a block of the tree's ``allocator.Pool``; nothing is computed (outputs
+  hold NaN, as a captured graph has not run yet); ``release`` frees the block;
+- replay: the n-th allocation of the capture returns the same address and the value is computed
+  from the current inputs, which is what a replayed graph does.
+
+Like the CUDA backend, ``record`` copies eager inputs into pool placeholders, reads static and
+tree-output inputs in place (their addresses are checked by ``moved``) and copies mutated eager
+inputs back after a replay.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import numpy as np
+
+from allocator import IntRangeSource, Pool
+from cgraw.tree import SkipCall
+
+EAGER, STATIC, TREE = 0, 1, 2
+EAGER_BASE = 1 << 56  # eager addresses: far above anything the pool's IntRangeSource hands out
+_ACTIVE: list = []  # the backend that new()/release()/assign() talk to (the latest one created)
+
+
+class Clobbered(AssertionError):
+    """A read of memory that something else has overwritten (or that was never written)."""
+
+
+class Memory:
+    """Simulated device memory: ``ptr -> (nbytes, contents)``, pool and eager ranges apart."""
+
+    def __init__(self) -> None:
+        self.pool_cells: dict[int, tuple[int, np.ndarray]] = {}
+        self.eager_cells: dict[int, tuple[int, np.ndarray]] = {}
+
+    def _cells(self, ptr: int) -> dict:
+        return self.eager_cells if ptr >= EAGER_BASE else self.pool_cells
+
+    def write(self, ptr: int, nbytes: int, value: np.ndarray) -> None:
+        value = np.asarray(value, dtype=np.float64)
+        assert value.nbytes == nbytes, f"writing {value.nbytes} bytes into a {nbytes}-byte range"
+        cells = self._cells(ptr)
+        end = ptr + nbytes
+        for q, (n, _) in list(cells.items()):
+            if q != ptr and q < end and ptr < q + n:
+                del cells[q]  # overwritten (partly): its old contents are gone
+        cells[ptr] = (nbytes, value.copy())
+
+    def read(self, ptr: int, nbytes: int) -> np.ndarray:
+        cell = self._cells(ptr).get(ptr)
+        if cell is None or cell[0] != nbytes:
+            raise Clobbered(f"memory 0x{ptr:x}+{nbytes} was overwritten by another range")
+        return cell[1].copy()
+
+    def drop(self, ptr: int) -> None:
+        self._cells(ptr).pop(ptr, None)
+
+
+class FakeT:
+    """A device "tensor": ``nbytes`` float64 bytes at ``ptr``; ``.value`` reads them."""
+
+    __slots__ = ("ptr", "nbytes", "mem", "__weakref__")
+
+    def __init__(self, ptr: int, nbytes: int, mem: Memory):
+        self.ptr, self.nbytes, self.mem = ptr, nbytes, mem
+
+    @property
+    def n(self) -> int:
+        return self.nbytes // 8
+
+    @property
+    def value(self) -> np.ndarray:
+        return self.mem.read(self.ptr, self.nbytes)
+
+    def __repr__(self) -> str:
+        return f"FakeT(0x{self.ptr:x}, {self.nbytes})"
+
+
+class FakeFn:
+    """Stands in for ``cgraw.graphed.GraphedFunction``; calling it goes through ``mgr``."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, fn, mgr=None, *, name=None, static_argnums=(), mutates=(), unsafe_reason=None):
+        self.fn = fn
+        self.mgr = mgr
+        self.name = name or fn.__name__
+        self.fn_id = next(self._ids)
+        self.static_argnums = frozenset(static_argnums)
+        self.mutates = tuple(mutates)
+        self.unsafe_reason = unsafe_reason
+
+    def __call__(self, *args, **kwargs):
+        return self.mgr.call(self, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<FakeFn {self.name}>"
+
+
+class FakeCall:
+    """One call's inputs (as ``treeexec.Call``), plus the arguments, which a replay re-runs on."""
+
+    __slots__ = ("key", "leaves", "kinds", "ptrs", "arg_spans", "args", "kwargs")
+
+    def __init__(self, key, leaves, kinds, ptrs, arg_spans, args, kwargs):
+        self.key, self.leaves, self.kinds, self.ptrs, self.arg_spans = key, leaves, kinds, ptrs, arg_spans
+        self.args, self.kwargs = tuple(args), dict(kwargs or {})
+
+
+class FakeRecording:
+    """One captured node: placeholders, the capture's allocations, what stays live, the outputs."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, fn, call: FakeCall, mutated: tuple):
+        self.id = next(self._ids)
+        self.fn = fn
+        self.name = fn.name
+        self.mutated = tuple(j for j in mutated if call.kinds[j] == EAGER)
+        self.placeholders: dict[int, tuple[int, int]] = {}  # leaf index -> (ptr, nbytes)
+        self.allocs: list[tuple[int, int]] = []  # (ptr, nbytes) in capture order
+        self.live: dict[int, int] = {}  # ptr -> block size, blocks held after the capture
+        self.fixed: list[tuple[int, int]] = []
+        self.out_ptrs: list[int] = []
+        self.discarded = False
+        self.replays = 0
+        self.capture_ms = 0.5
+        self.instantiate_ms = 0.25
+
+    def __repr__(self) -> str:
+        return f"<FakeRecording #{self.id} {self.name}{' discarded' if self.discarded else ''}>"
+
+
+def leaves_of(obj) -> list:
+    """``FakeT`` leaves of a (nested tuple/list/dict) structure, in order."""
+    if isinstance(obj, FakeT):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for x in obj for t in leaves_of(x)]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj) for t in leaves_of(obj[k])]
+    return []
+
+
+def _substitute(obj, it_index, subs):
+    if isinstance(obj, FakeT):
+        j = it_index[0]
+        it_index[0] += 1
+        return subs.get(j, obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_substitute(x, it_index, subs) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _substitute(obj[k], it_index, subs) for k in sorted(obj)}
+    return obj
+
+
+class FakeTreeBackend:
+    """The backend protocol of ``TreeManager`` over ``allocator.Pool(IntRangeSource())``.
+
+    Hooks for tests: ``inspect_skip`` / ``record_skip`` (fn name -> reason: raise ``SkipCall``),
+    ``record_error`` (fn name -> exception raised by ``record`` before it allocates, once), ``force_moved``
+    (fn name -> reason for ``moved``). ``log`` lists every protocol call in order.
+    """
+
+    def __init__(self, **pool_kwargs) -> None:
+        self.source = IntRangeSource()
+        self.pool = Pool(self.source, name="fake-tree", **pool_kwargs)
+        self.mem = Memory()
+        self.mode = "eager"
+        self._cursor: list = []  # replay: the recording's allocations still to hand out
+        self._capture: FakeRecording | None = None
+        self._eager_next = EAGER_BASE
+        self.log: list[tuple] = []
+        self.recordings: list[FakeRecording] = []
+        self.inspect_skip: dict[str, str] = {}
+        self.record_skip: dict[str, str] = {}
+        self.record_error: dict[str, BaseException] = {}
+        self.force_moved: dict[str, str] = {}
+        self.inspected: list[tuple[str, dict]] = []  # (fn name, copy of tree_outputs) per inspect
+        self.generations: list[tuple[list, object]] = []  # (handed, cloning) per end_generation
+        self.restores: list[tuple] = []  # (snap, on_path, off_path)
+        self.discards: list[FakeRecording] = []
+        self.closed = 0
+        self.max_source_reserved = 0
+        _ACTIVE.append(self)
+        del _ACTIVE[:-1]
+
+    # ------------------------------------------------------------------ allocation for test code
+
+    def new(self, value) -> FakeT:
+        value = np.asarray(value, dtype=np.float64).ravel()
+        nbytes = value.nbytes
+        if self.mode == "eager":
+            ptr = self._eager_next
+            self._eager_next += -(-nbytes // 512) * 512 + 512
+            t = FakeT(ptr, nbytes, self.mem)
+            self.mem.write(ptr, nbytes, value)
+            weakref.finalize(t, self.mem.drop, ptr)
+            return t
+        if self.mode == "capture":
+            block = self.pool.malloc(nbytes)
+            rec = self._capture
+            rec.allocs.append((block.ptr, nbytes))
+            rec.live[block.ptr] = block.size
+            self.mem.write(block.ptr, nbytes, np.full(value.shape, np.nan))  # nothing ran yet
+            return FakeT(block.ptr, nbytes, self.mem)
+        assert self.mode == "replay"
+        ptr, n = self._cursor.pop(0)
+        assert n == nbytes, f"replay allocates {nbytes} bytes where the capture allocated {n}"
+        self.mem.write(ptr, nbytes, value)
+        return FakeT(ptr, nbytes, self.mem)
+
+    def release(self, t: FakeT) -> None:
+        if self.mode == "capture" and t.ptr in self._capture.live and t.ptr in dict(self._capture.allocs):
+            del self._capture.live[t.ptr]
+            self.pool.free(t.ptr)
+
+    def assign(self, t: FakeT, value) -> None:
+        value = np.asarray(value, dtype=np.float64).ravel()
+        if self.mode == "capture":
+            value = np.full(value.shape, np.nan)
+        self.mem.write(t.ptr, t.nbytes, value)
+
+    def tensor(self, values) -> FakeT:
+        """An eager input tensor holding ``values``."""
+        mode, self.mode = self.mode, "eager"
+        try:
+            return self.new(values)
+        finally:
+            self.mode = mode
+
+    # ------------------------------------------------------------------ the protocol
+
+    def snapshot(self):
+        self.log.append(("snapshot",))
+        return self.pool.snapshot()
+
+    def restore(self, snap, on_path: list, off_path: list) -> None:
+        self.log.append(("restore", snap))
+        self.restores.append((snap, list(on_path), list(off_path)))
+        live = dict(snap.live)
+        for rec in on_path:  # what stays in use must be live in the checkpoint
+            assert not rec.discarded, f"{rec} is on the path but was discarded"
+            for ptr, size in rec.live.items():
+                assert live.get(ptr) == size, f"{rec}: block 0x{ptr:x} not live in the checkpoint"
+        assert not set(map(id, on_path)) & set(map(id, off_path))
+        self.pool.restore(snap)
+
+    def inspect(self, fn, args, kwargs, tree_outputs) -> FakeCall:
+        self.log.append(("inspect", fn.name))
+        self.inspected.append((fn.name, dict(tree_outputs)))
+        if fn.name in self.inspect_skip:
+            raise SkipCall(self.inspect_skip[fn.name])
+        leaves, key, kinds, ptrs, spans = [], [], [], [], []
+
+        def flat(a, forced):
+            if isinstance(a, FakeT):
+                leaves.append(a)
+                key.append(("t", a.nbytes))
+                kinds.append(forced)
+                ptrs.append(a.ptr)
+            elif isinstance(a, np.ndarray):
+                raise SkipCall("CPU tensors or ops: an input lives on the CPU")
+            elif type(a) in (tuple, list):
+                key.append((type(a), len(a)))
+                for x in a:
+                    flat(x, forced)
+            elif type(a) is dict:
+                key.append((dict, tuple(sorted(a))))
+                for k in sorted(a):
+                    flat(a[k], forced)
+            else:
+                try:
+                    hash(a)
+                except TypeError:
+                    raise SkipCall(f"an argument of type {type(a).__name__} is neither a tensor "
+                                   "nor hashable") from None
+                key.append((type(a), a))
+
+        for i, a in enumerate(args):
+            first = len(leaves)
+            flat(a, STATIC if i in fn.static_argnums else None)
+            spans.append((first, len(leaves) - first))
+        for k in sorted(kwargs or {}):
+            key.append(k)
+            flat(kwargs[k], None)
+        for j, p in enumerate(ptrs):
+            if kinds[j] is None:
+                kinds[j] = TREE if p in tree_outputs else EAGER
+        return FakeCall(tuple(key) + tuple(kinds), leaves, kinds, ptrs, spans, args, kwargs)
+
+    def warmup(self, fn, call: FakeCall, args, kwargs):
+        self.log.append(("warmup", fn.name))
+        before = [(j, t.value) for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER]
+        assert self.mode == "eager"
+        out = fn.fn(*args, **kwargs)
+        mutated = tuple(j for j, v in before if not np.array_equal(v, call.leaves[j].value))
+        declared = tuple(j for i in fn.mutates if i < len(call.arg_spans)
+                         for j in range(call.arg_spans[i][0], sum(call.arg_spans[i]))
+                         if call.kinds[j] == EAGER and j not in mutated)
+        return out, mutated + declared
+
+    def _run(self, rec: FakeRecording, call: FakeCall, args, kwargs):
+        subs = {j: FakeT(p, n, self.mem) for j, (p, n) in rec.placeholders.items()}
+        new_args = _substitute(tuple(args), [0], subs)
+        new_kwargs = _substitute(dict(kwargs or {}), [len(leaves_of(tuple(args)))], subs)
+        return rec.fn.fn(*new_args, **new_kwargs)
+
+    def record(self, fn, call: FakeCall, args, kwargs, mutated) -> FakeRecording:
+        self.log.append(("record", fn.name))
+        if fn.name in self.record_error:  # e.g. the user's function raising: nothing allocated
+            raise self.record_error.pop(fn.name)
+        rec = FakeRecording(fn, call, mutated)
+        for j, t in enumerate(call.leaves):
+            if call.kinds[j] == EAGER:
+                block = self.pool.malloc(t.nbytes)
+                rec.placeholders[j] = (block.ptr, t.nbytes)
+                rec.live[block.ptr] = block.size
+                self.mem.write(block.ptr, t.nbytes, np.full(t.nbytes // 8, np.nan))
+        if fn.name in self.record_skip:  # a failed capture: its blocks are left behind
+            raise SkipCall(self.record_skip[fn.name])
+        self.mode, self._capture = "capture", rec
+        try:
+            out = self._run(rec, call, args, kwargs)
+        finally:
+            self.mode, self._capture = "eager", None
+        rec.fixed = [(j, call.ptrs[j]) for j in range(len(call.leaves)) if call.kinds[j] != EAGER]
+        rec.out_ptrs = [t.ptr for t in leaves_of(out)]
+        self.recordings.append(rec)
+        return rec
+
+    def replay(self, rec: FakeRecording, call: FakeCall):
+        self.log.append(("replay", rec.name))
+        assert not rec.discarded, f"replay of discarded {rec}"
+        for j, (p, n) in rec.placeholders.items():  # the graph's copy-in nodes
+            self.mem.write(p, n, call.leaves[j].value)
+        self.mode, self._cursor = "replay", list(rec.allocs)
+        try:
+            out = self._run(rec, call, call.args, call.kwargs)
+            assert not self._cursor, f"replay of {rec} allocated less than its capture"
+        finally:
+            self.mode, self._cursor = "eager", []
+        for j in rec.mutated:  # the graph's copy-back nodes
+            p, n = rec.placeholders[j]
+            self.mem.write(call.ptrs[j], n, self.mem.read(p, n))
+        rec.replays += 1
+        self.max_source_reserved = max(self.max_source_reserved, self.source.reserved_bytes)
+        return out
+
+    def moved(self, rec: FakeRecording, call: FakeCall):
+        self.log.append(("moved", rec.name))
+        if rec.name in self.force_moved:
+            return self.force_moved.pop(rec.name)
+        for j, p in rec.fixed:
+            if call.ptrs[j] != p:
+                what = "static input" if call.kinds[j] == STATIC else "tree-output input"
+                return f"{what} {j} moved from 0x{p:x} to 0x{call.ptrs[j]:x}"
+        return None
+
+    def output_ptrs(self, rec: FakeRecording):
+        return list(rec.out_ptrs)
+
+    def num_nodes(self, rec: FakeRecording) -> int:
+        return len(rec.placeholders) + len(rec.allocs) + len(rec.mutated) + 1
+
+    def discard(self, rec: FakeRecording) -> None:
+        self.log.append(("discard", rec.name))
+        assert not rec.discarded, f"{rec} discarded twice"
+        rec.discarded = True
+        self.discards.append(rec)
+
+    def end_generation(self, handed: list, cloning) -> None:
+        self.log.append(("end_generation", len(handed)))
+        self.generations.append((list(handed), cloning))
+
+    def close(self) -> None:
+        self.log.append(("close",))
+        self.closed += 1
+        self.pool.close()
+
+    # ------------------------------------------------------------------ queries for tests
+
+    def count(self, what: str, name: str | None = None) -> int:
+        return sum(1 for e in self.log if e[0] == what and (name is None or e[1] == name))
+
+
+def new(value) -> FakeT:
+    """Allocate a result holding ``value`` (use inside graphed test functions)."""
+    return _ACTIVE[-1].new(value)
+
+
+def release(t: FakeT) -> None:
+    """Drop a temporary (inside graphed test functions)."""
+    _ACTIVE[-1].release(t)
+
+
+def assign(t: FakeT, value) -> None:
+    """Write ``value`` into ``t`` in place (inside graphed test functions)."""
+    _ACTIVE[-1].assign(t, value)
