@@ -223,7 +223,9 @@ class TreeManager:
         except SkipCall as exc:
             node.state = NodeState.SKIPPED
             node.skip_reason = str(exc)
-            self._restore_to(anchor)  # the failed capture may have left blocks behind
+            # a failed capture put the pool back itself; a recording that failed after its capture
+            # left blocks behind, so the next recording must restore first
+            self.pool_state = _UNKNOWN if getattr(exc, "dirty", False) else anchor
             self.current = node
             return self._eager(fn, st, node.skip_reason, args, kwargs)
         except BaseException:

@@ -13,6 +13,7 @@ Eager inputs found mutated at warm-up are copied back by a memcpy node at the en
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 
@@ -59,7 +60,7 @@ class Call:
 class Recording:
     """A recorded node: the graph, its input copies, its outputs and what keeps them alive."""
 
-    __slots__ = ("graph", "exec_rt", "copies_in", "slow_in", "copies_back", "fixed", "out_leaves",
+    __slots__ = ("graph", "exec_rt", "copies_in", "slow_in", "copies_back", "fixed", "kinds", "out_leaves",
                  "out_spec", "out_ptrs", "storages", "keep", "capture_ms", "instantiate_ms", "name")
 
 
@@ -109,9 +110,13 @@ class CudaBackend:
                     kinds[j] = EAGER
         if dev is not None and dev != self.device.ordinal:
             raise SkipCall(f"inputs on device {dev}, but this tree is on device {self.device.ordinal}")
-        return Call(tuple(key_parts) + tuple(kinds), leaves, kinds, ptrs, spans)
+        # the kinds are not part of the key: the first call of a path sees warm-up outputs (eager)
+        # where later calls see tree outputs; a recording checks its kinds in moved()
+        return Call(tuple(key_parts), leaves, kinds, ptrs, spans)
 
     def moved(self, rec: Recording, call: Call) -> str | None:
+        if call.kinds != rec.kinds:
+            return f"input kinds changed (0 eager, 1 static, 2 tree output): {rec.kinds} -> {call.kinds}"
         ptrs = call.ptrs
         for j, p in rec.fixed:
             if ptrs[j] != p:
@@ -154,6 +159,7 @@ class CudaBackend:
         cap = capture(pool=self.pool, device=self.device, warm_cublas=_config().warm_cublas, _tree=True,
                       _route="stream" if fn.runs_backward else "thread")
         placeholders = {}
+        reason = None
         try:
             with cap as g:
                 stream = g.capture_stream.handle
@@ -173,11 +179,18 @@ class CudaBackend:
                     if kinds[j] == EAGER and _nbytes(leaves[j]):
                         _cuda.memcpy_dtod_async(call.ptrs[j], _ptr(placeholders[j]), _nbytes(leaves[j]), stream)
         except CaptureError as exc:
-            raise SkipCall(_skip_reason(exc)) from exc
+            reason = _skip_reason(exc)
+        if reason is not None:
+            # raised outside the except block, so no traceback keeps the failed capture's tensors
+            # alive: torch's pool gets their blocks back as they die
+            placeholders.clear()
+            raise SkipCall(reason)
         try:
             return self._finish_recording(rec, g, call, placeholders, mutated, out)
-        except BaseException:
+        except BaseException as exc:
             g.close()
+            if isinstance(exc, SkipCall):
+                exc.dirty = True  # the capture's blocks are in the pool: restore before recording
             raise
 
     def _finish_recording(self, rec, g, call, placeholders, mutated, out) -> Recording:
@@ -206,6 +219,7 @@ class CudaBackend:
                     raise SkipCall("could not find the copy-back node in the captured graph")
                 rec.copies_back.append([j, _cuda.rt_node_handle(node), src, _nbytes(leaves[j]), call.ptrs[j]])
         rec.fixed = [(j, call.ptrs[j]) for j in range(len(leaves)) if kinds[j] != EAGER]
+        rec.kinds = list(kinds)
         out_leaves: list = []
         rec.out_spec = _spec(out, out_leaves)
         rec.out_leaves = out_leaves
@@ -260,8 +274,13 @@ class CudaBackend:
         cg, torch_state = snap
         self.pool.restore(cg)
         if self._torch is not None and torch_state is not None:
-            stale = [s for r in off_path for s in r.storages]
-            live = [s for r in on_path for s in r.storages]
+            # Storages of recordings off the path lose their deleters (their blocks are free in the
+            # checkpoint); those on the path that lost them earlier get them back. torch rejects a
+            # storage already in the wanted state, hence the filters.
+            gc.collect()  # dead tensors caught in reference cycles must give their blocks back first
+            has_deleter = self._torch._C._has_Standard_Deleter
+            stale = [s for r in off_path for s in r.storages if has_deleter(s)]
+            live = [s for r in on_path for s in r.storages if not has_deleter(s)]
             self._torch._C._cuda_setCheckpointPoolState(self.device.ordinal, torch_state, stale, live)
 
     # ------------------------------------------------------------------ generations
