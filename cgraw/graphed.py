@@ -23,12 +23,17 @@ _managers: dict[int, TreeManager] = {}  # device ordinal -> tree; guarded by _lo
 _ids = itertools.count()
 
 
+_tensor_type = [None]  # [torch.Tensor] once torch is loaded
+
+
 def _manager(ordinal: int) -> TreeManager:
     mgr = _managers.get(ordinal)
     if mgr is None:
         with _lock:
             mgr = _managers.get(ordinal)
             if mgr is None:
+                if _tensor_type[0] is None and "torch" in sys.modules:
+                    _tensor_type[0] = sys.modules["torch"].Tensor
                 dev = Device(ordinal).set_current()
                 mgr = _managers[ordinal] = TreeManager(CudaBackend(dev), device_index=ordinal)
     return mgr
@@ -51,6 +56,14 @@ class GraphedFunction:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
+        if args:
+            a = args[0]
+            if type(a) is _tensor_type[0]:  # fast path: a torch tensor first
+                d = a.get_device()
+                if d >= 0:
+                    mgr = _managers.get(d)
+                    if mgr is not None:
+                        return mgr.call(self, args, kwargs)
         return _manager(_device_of(args, kwargs)).call(self, args, kwargs)
 
     def __repr__(self) -> str:

@@ -61,7 +61,7 @@ class Recording:
     """A recorded node: the graph, its input copies, its outputs and what keeps them alive."""
 
     __slots__ = ("graph", "exec_rt", "copies_in", "slow_in", "copies_back", "fixed", "kinds", "out_leaves",
-                 "out_spec", "out_ptrs", "storages", "keep", "capture_ms", "instantiate_ms", "name")
+                 "alias0", "out_spec", "out_ptrs", "storages", "keep", "capture_ms", "instantiate_ms", "name")
 
 
 class CudaBackend:
@@ -71,10 +71,14 @@ class CudaBackend:
         self.device = device
         self.pool = DevicePool(device, name=f"tree{device.ordinal}")
         self._torch = None
+        self._tensor = _NoType  # torch.Tensor when torch is loaded: exact-type fast paths
+        self._messages: dict[str, str] = {}
         if "torch" in sys.modules:
             from cgraw.interop.torch import mempool_for
 
             self._torch = sys.modules["torch"]
+            self._tensor = self._torch.Tensor
+            self._poison = self._torch._C._set_storage_access_error_msg
             self.mempool = mempool_for(self.pool)
 
     # ------------------------------------------------------------------ inputs
@@ -84,8 +88,16 @@ class CudaBackend:
         dev = None
         static_pos = fn.static_argnums
         spans = []
+        T = self._tensor
         for i, a in enumerate(args):
             first = len(leaves)
+            if type(a) is T and i not in static_pos:  # the common case, without generic dispatch
+                leaves.append(a)
+                key_parts.append((a.shape, a.stride(), a.dtype))
+                kinds.append(None)
+                ptrs.append(a.data_ptr())
+                spans.append((first, 1))
+                continue
             _flatten(a, leaves, key_parts, kinds, ptrs, STATIC if i in static_pos else None)
             spans.append((first, len(leaves) - first))
         if kwargs:
@@ -93,7 +105,7 @@ class CudaBackend:
                 key_parts.append(k)
                 _flatten(kwargs[k], leaves, key_parts, kinds, ptrs, None)
         for j, t in enumerate(leaves):
-            d = _device_index(t)
+            d = t.get_device() if type(t) is T else _device_index(t)
             if d < 0:
                 raise SkipCall("CPU tensors or ops: an input lives on the CPU")
             if dev is None:
@@ -224,6 +236,8 @@ class CudaBackend:
         rec.out_spec = _spec(out, out_leaves)
         rec.out_leaves = out_leaves
         rec.out_ptrs = [_ptr(t) for t in out_leaves if _is_tensor(t)]
+        # one output: its alias maker, bound once (t.detach for torch, a.view for CuPy)
+        rec.alias0 = _alias_maker(out_leaves[0]) if rec.out_spec is _SINGLE else None
         rec.keep = (list(placeholders.values()), out)
         rec.storages = _storages(list(placeholders.values()) + out_leaves)
         return rec
@@ -247,10 +261,10 @@ class CudaBackend:
         for j, ph in rec.slow_in:
             _copy_into(ph, call.leaves[j])
         rec.graph.replay()
-        spec = rec.out_spec
-        if spec is _SINGLE:
-            return _alias(rec.out_leaves[0])
-        return _unflatten(spec, iter([_alias(t) for t in rec.out_leaves]))
+        alias0 = rec.alias0
+        if alias0 is not None:
+            return alias0()
+        return _unflatten(rec.out_spec, iter([_alias(t) for t in rec.out_leaves]))
 
     def output_ptrs(self, rec: Recording):
         return rec.out_ptrs
@@ -289,16 +303,23 @@ class CudaBackend:
         torch = self._torch
         if torch is None:
             return
+        T, poison, messages = self._tensor, self._poison, self._messages
         for name, out in handed:
+            if type(out) is T and cloning is None:  # the common case: one tensor
+                msg = messages.get(name)
+                if msg is None:
+                    msg = messages[name] = OVERWRITTEN.format(name=name)
+                poison(out, msg)
+                continue
             leaves: list = []
             _spec(out, leaves)
             for t in leaves:
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, T):
                     if cloning == "user_visible":
                         with torch.no_grad():
                             t.set_(t.clone())
                     else:
-                        torch._C._set_storage_access_error_msg(t, OVERWRITTEN.format(name=name))
+                        poison(t, OVERWRITTEN.format(name=name))
 
     def close(self) -> None:
         self.pool.close()
@@ -425,6 +446,14 @@ def _alias(t):
     if type(t).__module__.startswith("torch"):
         return t.detach()
     return t.view()
+
+
+class _NoType:
+    """Stands for torch.Tensor when torch is not loaded: no object has this exact type."""
+
+
+def _alias_maker(t):
+    return t.detach if type(t).__module__.startswith("torch") else t.view
 
 
 def _ptr(t) -> int:

@@ -67,16 +67,21 @@ def mempool_for(pool):
 
     parent = weakref.ref(pool)
 
-    def free(ptr, size, device, stream):
+    def free(ptr, size, device, stream, _finalizing=sys.is_finalizing, _log=log):
+        # bound defaults: at interpreter exit this module's globals may already be gone
         try:
+            if _finalizing():
+                return
             if not sub.closed:
                 sub.free(int(ptr), stream=0)
                 owner = parent()
                 if (owner is None or owner.closed) and sub.stats().live_blocks == 0:
                     sub.close()  # the cgraw pool is gone: give torch's last segments back
         except BaseException as exc:
-            if not sys.is_finalizing():
-                log.warning("cgraw: returning torch segment 0x%x failed: %s", ptr or 0, exc)
+            try:
+                _log.warning("cgraw: returning torch segment 0x%x failed: %s", ptr or 0, exc)
+            except BaseException:
+                pass
 
     a, f = _ALLOC(alloc), _FREE(free)
     _callbacks.append((a, f))
