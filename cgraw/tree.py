@@ -144,7 +144,7 @@ class TreeManager:
         self.handed_out: list = []  # (function name, output) handed out in this generation
         self.stats: dict[int, FunctionStats] = {}
         self.owner_thread = threading.get_ident()
-        self._keys_seen: dict[int, set] = {}
+        self._keys_seen: dict[int, dict] = {}  # fn id -> {input signature: order first seen}
 
     # ------------------------------------------------------------------ generations
 
@@ -168,8 +168,30 @@ class TreeManager:
         st = self.stats.get(fn.fn_id)
         if st is None:
             st = self.stats[fn.fn_id] = FunctionStats(fn.name)
+        deferred = None
         if fn.fn_id in self.root_fns and self.current is not None:
-            self.mark_step_begin()  # the inference rule: a root function begins a new step
+            deferred = self._begin_step(args)  # the inference rule: a root function begins a step
+        try:
+            return self._call(fn, st, args, kwargs)
+        finally:
+            if deferred:
+                self.backend.end_generation(deferred, None)
+
+    def _begin_step(self, args) -> list:
+        """Start a generation for a call of a root function. Outputs of the ending generation
+        that are this call's own arguments (``h = f(h)``) stay readable until the call has
+        copied them in (they are eager inputs now), and are poisoned after it."""
+        keep = []
+        if config.generation_cloning is None and self.handed_out:
+            rest = []
+            for item in self.handed_out:
+                out = item[1]
+                (keep if any(out is a for a in args) else rest).append(item)
+            self.handed_out = rest
+        self.mark_step_begin()
+        return keep
+
+    def _call(self, fn, st: FunctionStats, args, kwargs):
         if fn.unsafe_reason is not None:
             return self._eager(fn, st, fn.unsafe_reason, args, kwargs)
         try:
@@ -257,19 +279,18 @@ class TreeManager:
 
     def _new_variant(self, fn, st: FunctionStats, key) -> bool:
         """Count input signatures per function; True when this one must run eagerly."""
-        seen = self._keys_seen.setdefault(fn.fn_id, set())
-        if key in seen:
-            return False
-        seen.add(key)
-        st.variants = len(seen)
+        seen = self._keys_seen.setdefault(fn.fn_id, {})
+        idx = seen.get(key)
         limit = config.dynamic_shape_warn_limit
-        if len(seen) > limit and config.skip_dynamic_graphs:
-            return True
-        if len(seen) == limit + 1:
+        if idx is not None:  # seen before, perhaps under another parent: same verdict
+            return config.skip_dynamic_graphs and idx >= limit
+        idx = seen[key] = len(seen)
+        st.variants = len(seen)
+        if idx == limit:
             log.warning("cgraw: %s has been called with %d input signatures (dynamic shapes); each one "
                         "is recorded separately. Pad inputs to a few shapes, or set "
                         "cgraw.config.skip_dynamic_graphs = True", fn.name, len(seen))
-        return False
+        return config.skip_dynamic_graphs and idx >= limit
 
     def _restore_to(self, anchor: TreeNode | None) -> None:
         """Make the pool's bookkeeping the checkpoint at the end of ``anchor``'s recording."""
@@ -291,8 +312,8 @@ class TreeManager:
                 self.backend.discard(n.recording)
                 n.recording = None
                 n.checkpoint = None
-            if n is not node and n.state is NodeState.RECORDED:
-                n.state = NodeState.WARMED
+            if n.state is NodeState.RECORDED:
+                n.state = NodeState.WARMED  # the node itself too: _record sets it again on success
         if self.pool_state is not None and not _alive_in_tree(self.pool_state, self):
             self.pool_state = _UNKNOWN
 
@@ -303,7 +324,10 @@ class TreeManager:
         return out
 
     def reset(self) -> None:
-        """Drop every node and recording; the backend frees the pool."""
+        """End the generation, drop every node and recording; the backend frees the pool."""
+        if self.handed_out:
+            handed, self.handed_out = self.handed_out, []
+            self.backend.end_generation(handed, config.generation_cloning)
         for n in self.nodes():
             if n.recording is not None:
                 self.backend.discard(n.recording)
@@ -312,7 +336,8 @@ class TreeManager:
         self.root_fns.clear()
         self.current = None
         self.tree_outputs = {}
-        self.handed_out = []
+        self.pool_state = _UNKNOWN
+        self._keys_seen = {}
         self.backend.close()
 
     def describe(self) -> str:

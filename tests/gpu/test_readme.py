@@ -21,4 +21,10 @@ def test_readme_has_examples():
 def test_readme_example_runs(i):
     pytest.importorskip("torch")
     pytest.importorskip("cupy")
-    exec(compile(BLOCKS[i], f"README.md[python block {i}]", "exec"), {"__name__": f"readme_{i}"})
+    import cgraw
+
+    try:
+        exec(compile(BLOCKS[i], f"README.md[python block {i}]", "exec"), {"__name__": f"readme_{i}"})
+    finally:
+        cgraw.mark_step_begin()
+        cgraw.reset()

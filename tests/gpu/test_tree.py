@@ -337,3 +337,22 @@ def test_other_thread_is_refused():
     t.start()
     t.join()
     assert "thread" in err.get("e", "")
+
+
+def test_recurrent_state_loop():
+    """A solver/RL loop feeding each step's output back in: h = f(h)."""
+
+    def step(h):
+        return torch.tanh(h) * 0.9 + 0.1
+
+    f = cgraw.graphed(step)
+    h = trand(512)
+    ref = h.clone()
+    for _ in range(10):
+        prev = h
+        h = f(h)
+        ref = step(ref)
+        torch.testing.assert_close(h, ref)
+    with pytest.raises(RuntimeError, match="overwritten"):
+        prev.sum()
+    assert _stats(f).replays >= 7

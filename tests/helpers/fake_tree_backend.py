@@ -44,8 +44,11 @@ class Memory:
     def __init__(self) -> None:
         self.pool_cells: dict[int, tuple[int, np.ndarray]] = {}
         self.eager_cells: dict[int, tuple[int, np.ndarray]] = {}
+        self._dead: list[int] = []  # eager ranges whose tensor died (finalizers run at any time)
 
     def _cells(self, ptr: int) -> dict:
+        while self._dead:
+            self.eager_cells.pop(self._dead.pop(), None)
         return self.eager_cells if ptr >= EAGER_BASE else self.pool_cells
 
     def write(self, ptr: int, nbytes: int, value: np.ndarray) -> None:
@@ -65,16 +68,22 @@ class Memory:
         return cell[1].copy()
 
     def drop(self, ptr: int) -> None:
-        self._cells(ptr).pop(ptr, None)
+        """Forget an eager range (called by a finalizer: only queues it, never mutates cells)."""
+        self._dead.append(ptr)
+
+
+class Overwritten(RuntimeError):
+    """Reading an output handed out in an ended generation (what the torch backend's poisoning does)."""
 
 
 class FakeT:
     """A device "tensor": ``nbytes`` float64 bytes at ``ptr``; ``.value`` reads them."""
 
-    __slots__ = ("ptr", "nbytes", "mem", "__weakref__")
+    __slots__ = ("__weakref__", "mem", "nbytes", "poisoned", "ptr")
 
     def __init__(self, ptr: int, nbytes: int, mem: Memory):
         self.ptr, self.nbytes, self.mem = ptr, nbytes, mem
+        self.poisoned: str | None = None
 
     @property
     def n(self) -> int:
@@ -82,6 +91,9 @@ class FakeT:
 
     @property
     def value(self) -> np.ndarray:
+        if self.poisoned is not None:
+            raise Overwritten(f"accessing an output of graphed function {self.poisoned!r} from an "
+                              "ended generation")
         return self.mem.read(self.ptr, self.nbytes)
 
     def __repr__(self) -> str:
@@ -101,6 +113,7 @@ class FakeFn:
         self.static_argnums = frozenset(static_argnums)
         self.mutates = tuple(mutates)
         self.unsafe_reason = unsafe_reason
+        self.runs_backward = False
 
     def __call__(self, *args, **kwargs):
         return self.mgr.call(self, args, kwargs)
@@ -112,7 +125,7 @@ class FakeFn:
 class FakeCall:
     """One call's inputs (as ``treeexec.Call``), plus the arguments, which a replay re-runs on."""
 
-    __slots__ = ("key", "leaves", "kinds", "ptrs", "arg_spans", "args", "kwargs")
+    __slots__ = ("arg_spans", "args", "key", "kinds", "kwargs", "leaves", "ptrs")
 
     def __init__(self, key, leaves, kinds, ptrs, arg_spans, args, kwargs):
         self.key, self.leaves, self.kinds, self.ptrs, self.arg_spans = key, leaves, kinds, ptrs, arg_spans
@@ -133,6 +146,7 @@ class FakeRecording:
         self.allocs: list[tuple[int, int]] = []  # (ptr, nbytes) in capture order
         self.live: dict[int, int] = {}  # ptr -> block size, blocks held after the capture
         self.fixed: list[tuple[int, int]] = []
+        self.kinds: tuple = tuple(call.kinds)
         self.out_ptrs: list[int] = []
         self.discarded = False
         self.replays = 0
@@ -169,9 +183,14 @@ def _substitute(obj, it_index, subs):
 class FakeTreeBackend:
     """The backend protocol of ``TreeManager`` over ``allocator.Pool(IntRangeSource())``.
 
-    Hooks for tests: ``inspect_skip`` / ``record_skip`` (fn name -> reason: raise ``SkipCall``),
-    ``record_error`` (fn name -> exception raised by ``record`` before it allocates, once), ``force_moved``
-    (fn name -> reason for ``moved``). ``log`` lists every protocol call in order.
+    Like the CUDA backend, the key leaves out the input kinds (a path's first call sees warm-up
+    outputs where later calls see tree outputs) and ``moved`` reports a change of kinds; a capture
+    that fails (a ``SkipCall`` or the user's exception) puts the pool back as it was before.
+
+    Hooks for tests, by function name: ``inspect_skip`` (reason: ``inspect`` raises ``SkipCall``),
+    ``record_skip`` (reason: the capture fails), ``record_skip_dirty`` (reason: the recording fails
+    after its capture, leaving its blocks in the pool: ``SkipCall`` with ``dirty=True``),
+    ``force_moved`` (a reason for ``moved``, once). ``log`` lists every protocol call in order.
     """
 
     def __init__(self, **pool_kwargs) -> None:
@@ -186,7 +205,7 @@ class FakeTreeBackend:
         self.recordings: list[FakeRecording] = []
         self.inspect_skip: dict[str, str] = {}
         self.record_skip: dict[str, str] = {}
-        self.record_error: dict[str, BaseException] = {}
+        self.record_skip_dirty: dict[str, str] = {}
         self.force_moved: dict[str, str] = {}
         self.inspected: list[tuple[str, dict]] = []  # (fn name, copy of tree_outputs) per inspect
         self.generations: list[tuple[list, object]] = []  # (handed, cloning) per end_generation
@@ -203,8 +222,7 @@ class FakeTreeBackend:
         value = np.asarray(value, dtype=np.float64).ravel()
         nbytes = value.nbytes
         if self.mode == "eager":
-            ptr = self._eager_next
-            self._eager_next += -(-nbytes // 512) * 512 + 512
+            ptr = self._eager_range(nbytes)
             t = FakeT(ptr, nbytes, self.mem)
             self.mem.write(ptr, nbytes, value)
             weakref.finalize(t, self.mem.drop, ptr)
@@ -222,16 +240,21 @@ class FakeTreeBackend:
         self.mem.write(ptr, nbytes, value)
         return FakeT(ptr, nbytes, self.mem)
 
+    def _eager_range(self, nbytes: int) -> int:
+        """A fresh eager address (never reused, with a gap: eager ranges never touch)."""
+        ptr = self._eager_next
+        self._eager_next += -(-nbytes // 512) * 512 + 512
+        return ptr
+
     def release(self, t: FakeT) -> None:
         if self.mode == "capture" and t.ptr in self._capture.live and t.ptr in dict(self._capture.allocs):
             del self._capture.live[t.ptr]
             self.pool.free(t.ptr)
 
     def assign(self, t: FakeT, value) -> None:
-        value = np.asarray(value, dtype=np.float64).ravel()
         if self.mode == "capture":
-            value = np.full(value.shape, np.nan)
-        self.mem.write(t.ptr, t.nbytes, value)
+            return  # a capture runs nothing
+        self.mem.write(t.ptr, t.nbytes, np.asarray(value, dtype=np.float64).ravel())
 
     def tensor(self, values) -> FakeT:
         """An eager input tensor holding ``values``."""
@@ -299,7 +322,7 @@ class FakeTreeBackend:
         for j, p in enumerate(ptrs):
             if kinds[j] is None:
                 kinds[j] = TREE if p in tree_outputs else EAGER
-        return FakeCall(tuple(key) + tuple(kinds), leaves, kinds, ptrs, spans, args, kwargs)
+        return FakeCall(tuple(key), leaves, kinds, ptrs, spans, args, kwargs)
 
     def warmup(self, fn, call: FakeCall, args, kwargs):
         self.log.append(("warmup", fn.name))
@@ -313,29 +336,40 @@ class FakeTreeBackend:
         return out, mutated + declared
 
     def _run(self, rec: FakeRecording, call: FakeCall, args, kwargs):
+        """Run the function as the graph does: eager leaves read from their placeholders, static
+        and tree-output leaves from the addresses baked in at capture (``rec.fixed``, set once
+        the capture is done), whatever the call passes now."""
         subs = {j: FakeT(p, n, self.mem) for j, (p, n) in rec.placeholders.items()}
+        subs.update((j, FakeT(p, call.leaves[j].nbytes, self.mem)) for j, p in rec.fixed)
         new_args = _substitute(tuple(args), [0], subs)
         new_kwargs = _substitute(dict(kwargs or {}), [len(leaves_of(tuple(args)))], subs)
         return rec.fn.fn(*new_args, **new_kwargs)
 
     def record(self, fn, call: FakeCall, args, kwargs, mutated) -> FakeRecording:
         self.log.append(("record", fn.name))
-        if fn.name in self.record_error:  # e.g. the user's function raising: nothing allocated
-            raise self.record_error.pop(fn.name)
         rec = FakeRecording(fn, call, mutated)
-        for j, t in enumerate(call.leaves):
-            if call.kinds[j] == EAGER:
-                block = self.pool.malloc(t.nbytes)
-                rec.placeholders[j] = (block.ptr, t.nbytes)
-                rec.live[block.ptr] = block.size
-                self.mem.write(block.ptr, t.nbytes, np.full(t.nbytes // 8, np.nan))
-        if fn.name in self.record_skip:  # a failed capture: its blocks are left behind
-            raise SkipCall(self.record_skip[fn.name])
-        self.mode, self._capture = "capture", rec
-        try:
-            out = self._run(rec, call, args, kwargs)
-        finally:
-            self.mode, self._capture = "eager", None
+        before = self.pool.snapshot()
+        try:  # the capture
+            for j, t in enumerate(call.leaves):
+                if call.kinds[j] == EAGER:
+                    block = self.pool.malloc(t.nbytes)
+                    rec.placeholders[j] = (block.ptr, t.nbytes)
+                    rec.live[block.ptr] = block.size
+                    self.mem.write(block.ptr, t.nbytes, np.full(t.nbytes // 8, np.nan))
+            self.mode, self._capture = "capture", rec
+            try:
+                out = self._run(rec, call, args, kwargs)
+            finally:
+                self.mode, self._capture = "eager", None
+            if fn.name in self.record_skip:
+                raise SkipCall(self.record_skip[fn.name])
+        except BaseException:
+            self.pool.restore(before)  # a failed capture gives its blocks back
+            raise
+        if fn.name in self.record_skip_dirty:  # failed after the capture: blocks left behind
+            exc = SkipCall(self.record_skip_dirty[fn.name])
+            exc.dirty = True
+            raise exc
         rec.fixed = [(j, call.ptrs[j]) for j in range(len(call.leaves)) if call.kinds[j] != EAGER]
         rec.out_ptrs = [t.ptr for t in leaves_of(out)]
         self.recordings.append(rec)
@@ -363,6 +397,8 @@ class FakeTreeBackend:
         self.log.append(("moved", rec.name))
         if rec.name in self.force_moved:
             return self.force_moved.pop(rec.name)
+        if tuple(call.kinds) != rec.kinds:
+            return f"input kinds changed (0 eager, 1 static, 2 tree output): {rec.kinds} -> {tuple(call.kinds)}"
         for j, p in rec.fixed:
             if call.ptrs[j] != p:
                 what = "static input" if call.kinds[j] == STATIC else "tree-output input"
@@ -382,8 +418,19 @@ class FakeTreeBackend:
         self.discards.append(rec)
 
     def end_generation(self, handed: list, cloning) -> None:
+        """Like the torch backend: each handed-out tensor is poisoned, or moved to a private copy
+        with ``cloning="user_visible"``."""
         self.log.append(("end_generation", len(handed)))
         self.generations.append((list(handed), cloning))
+        for name, out in handed:
+            for t in leaves_of(out):
+                if cloning == "user_visible":
+                    value = t.value
+                    t.ptr = self._eager_range(t.nbytes)
+                    self.mem.write(t.ptr, t.nbytes, value)
+                    weakref.finalize(t, self.mem.drop, t.ptr)
+                else:
+                    t.poisoned = name
 
     def close(self) -> None:
         self.log.append(("close",))
