@@ -12,7 +12,7 @@ import sys
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks")
-    ap.add_argument("--only", choices=["launch", "alloc", "eager", "graphed"], default=None)
+    ap.add_argument("--only", choices=["launch", "alloc", "eager", "graphed", "workloads"], default=None)
     ap.add_argument("--sizes", default="1,16,256,1024", help="chain lengths for the launch benchmark")
     args = ap.parse_args(argv)
 
@@ -30,6 +30,10 @@ def main(argv=None) -> int:
         from benchmarks import graphed_call
 
         graphed_call.main([])
+    if args.only in (None, "workloads"):
+        from benchmarks import workloads
+
+        workloads.main([])
     if args.only in (None, "alloc"):
         from benchmarks import alloc_gpu
 

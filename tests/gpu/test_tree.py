@@ -356,3 +356,42 @@ def test_recurrent_state_loop():
     with pytest.raises(RuntimeError, match="overwritten"):
         prev.sum()
     assert _stats(f).replays >= 7
+
+
+def test_containers_scalars_and_none():
+    def body(d, scale, flag):
+        a, rest = d["a"], d["b"]
+        out = a * scale + rest[0]
+        if flag is None:
+            out = out - 1.0
+        return {"sum": out, "pair": (out * 2.0, rest[1])}
+
+    f = cgraw.graphed(body)
+    for scale in (2.0, 2.0, 2.0, 3.0, 3.0, 3.0):
+        cgraw.mark_step_begin()
+        d = {"a": trand(64), "b": [trand(64), 7]}
+        got, ref = f(d, scale, None), body(d, scale, None)
+        torch.testing.assert_close(got["sum"], ref["sum"])
+        torch.testing.assert_close(got["pair"][0], ref["pair"][0])
+        assert got["pair"][1] == 7
+    assert _stats(f).variants == 2 and _stats(f).recordings == 2  # a changed scalar re-keys
+
+
+def test_nccl_all_reduce_one_process_group(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_nccl_available():
+        pytest.fail("torch was built without NCCL")
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        def body(x):
+            y = x * x
+            dist.all_reduce(y, op=dist.ReduceOp.SUM)
+            return torch.nn.functional.silu(x) * y
+
+        f = cgraw.graphed(body)
+        for _ in range(5):
+            x = trand(1024)
+            torch.testing.assert_close(f(x), body(x))
+        assert _stats(f).recordings == 1 and _stats(f).replays == 3
+    finally:
+        dist.destroy_process_group()
