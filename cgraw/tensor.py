@@ -10,7 +10,6 @@ deleter runs, and the owning pool can report which blocks consumers still hold.
 from __future__ import annotations
 
 import math
-import sys
 import threading
 
 import numpy as np
@@ -18,6 +17,7 @@ import numpy as np
 from cgraw import _cuda, dlpack
 from cgraw.device import Device
 from cgraw.errors import CgrawError
+from cgraw.memory import free_quietly
 from cgraw.stream import Stream
 
 _tls = threading.local()
@@ -69,19 +69,8 @@ class _Memory:
             holds[self.ptr] = holds.get(self.ptr, 0) + 1
 
     def __del__(self):
-        pool = self.pool
-        if pool is None:
-            return
-        try:
-            if not pool.closed:
-                pool.free(self.ptr, stream=self.stream_id)
-        except Exception as exc:
-            if not sys.is_finalizing():
-                import warnings
-
-                from cgraw.errors import ResourceLeakWarning
-
-                warnings.warn(ResourceLeakWarning(f"freeing tensor memory 0x{self.ptr:x} failed: {exc!r}"))
+        if self.pool is not None:
+            free_quietly(self.pool, self.ptr, self.stream_id)
 
 
 class Tensor:
