@@ -161,7 +161,11 @@ class capture:
 
         graph.capture_ms = capture_ms
         t0 = time.perf_counter()
-        graph._finish(cugraph, upload=self.upload)
+        try:
+            graph._finish(cugraph, upload=self.upload)
+        except BaseException:
+            self._restore_pool()  # instantiation failed: as after any failed capture
+            raise
         graph.instantiate_ms = (time.perf_counter() - t0) * 1e3
         if self._tree:
             for r in self._owners:

@@ -213,7 +213,8 @@ class TreeManager:
                 st.warmups += 1
                 self.current = node
                 out, node.mutated = self.backend.warmup(fn, call, args, kwargs)
-                self.handed_out.append((fn.name, out))
+                if not self.backend.aliases_input(out, call):  # the caller's own memory: never poisoned
+                    self.handed_out.append((fn.name, out))
                 return out
         if node.state is NodeState.SKIPPED:
             self.current = node
@@ -300,8 +301,27 @@ class TreeManager:
             if n.state is NodeState.RECORDED and n.recording is not None:
                 (on_path if id(n) in path else off_path).append(n.recording)
         snap = self.root_checkpoint if anchor is None else anchor.checkpoint
-        self.backend.restore(snap, on_path, off_path)
+        try:
+            self.backend.restore(snap, on_path, off_path)
+        except Exception as exc:
+            # something outside the tree (a traceback, a global) holds memory the checkpoint
+            # would hand out again: start over on a fresh pool rather than risk a wrong result
+            log.warning("cgraw: cannot restore the graph tree's pool (%s); re-recording the tree "
+                        "on a fresh pool", exc)
+            self._renew()
+            anchor = None
         self.pool_state = anchor
+
+    def _renew(self) -> None:
+        for n in self.nodes():
+            if n.recording is not None:
+                self.backend.discard(n.recording)
+                n.recording = None
+                n.checkpoint = None
+            if n.state is NodeState.RECORDED:
+                n.state = NodeState.WARMED
+        self.root_checkpoint = self.backend.renew()
+        self.tree_outputs = {}
 
     def _drop_subtree_of(self, node: TreeNode) -> None:
         """A node is re-recorded: its old recording and its descendants' recordings go. The

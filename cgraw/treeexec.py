@@ -179,12 +179,11 @@ class CudaBackend:
                     if kinds[j] == EAGER:
                         ph = _empty_like(t)
                         placeholders[j] = ph
-                        if not _nbytes(t):
-                            continue  # nothing to copy
-                        if _is_contiguous(t):
+                        # a contiguous input is copied by a memcpy node whose source is patched per
+                        # call; a non-contiguous one is copied eagerly before each launch (replay),
+                        # never by a captured kernel, which would bake in this call's address
+                        if _nbytes(t) and _is_contiguous(t):
                             _cuda.memcpy_dtod_async(_ptr(ph), call.ptrs[j], _nbytes(t), stream)
-                        else:
-                            _copy_into(ph, t)
                 new_args, new_kwargs = _replace(args, kwargs, leaves, placeholders)
                 out = fn.fn(*new_args, **new_kwargs)
                 for j in mutated:
@@ -192,6 +191,9 @@ class CudaBackend:
                         _cuda.memcpy_dtod_async(call.ptrs[j], _ptr(placeholders[j]), _nbytes(leaves[j]), stream)
         except CaptureError as exc:
             reason = _skip_reason(exc)
+        except BaseException:
+            placeholders.clear()  # nothing of the failed capture stays alive through this frame
+            raise
         if reason is not None:
             # raised outside the except block, so no traceback keeps the failed capture's tensors
             # alive: torch's pool gets their blocks back as they die
@@ -235,7 +237,7 @@ class CudaBackend:
         out_leaves: list = []
         rec.out_spec = _spec(out, out_leaves)
         rec.out_leaves = out_leaves
-        rec.out_ptrs = [_ptr(t) for t in out_leaves if _is_tensor(t)]
+        rec.out_ptrs = [p for p in (_ptr(t) for t in out_leaves if _is_tensor(t)) if p]
         # one output: its alias maker, bound once (t.detach for torch, a.view for CuPy)
         rec.alias0 = _alias_maker(out_leaves[0]) if rec.out_spec is _SINGLE else None
         rec.keep = (list(placeholders.values()), out)
@@ -291,11 +293,36 @@ class CudaBackend:
             # Storages of recordings off the path lose their deleters (their blocks are free in the
             # checkpoint); those on the path that lost them earlier get them back. torch rejects a
             # storage already in the wanted state, hence the filters.
-            gc.collect()  # dead tensors caught in reference cycles must give their blocks back first
             has_deleter = self._torch._C._has_Standard_Deleter
             stale = [s for r in off_path for s in r.storages if has_deleter(s)]
             live = [s for r in on_path for s in r.storages if not has_deleter(s)]
-            self._torch._C._cuda_setCheckpointPoolState(self.device.ordinal, torch_state, stale, live)
+            try:
+                self._torch._C._cuda_setCheckpointPoolState(self.device.ordinal, torch_state, stale, live)
+            except RuntimeError:
+                # tensors that died in reference cycles still hold blocks: collect, then retry once
+                gc.collect()
+                self._torch._C._cuda_setCheckpointPoolState(self.device.ordinal, torch_state, stale, live)
+
+    def renew(self):
+        """Start over on a fresh pool (the old one is left to whatever still holds its memory).
+        Used when a checkpoint cannot be restored because something outside the tree holds
+        memory of the pool. Returns the new root checkpoint."""
+        self.pool = DevicePool(self.device, name=f"tree{self.device.ordinal}")
+        if self._torch is not None:
+            from cgraw.interop.torch import mempool_for
+
+            self.mempool = mempool_for(self.pool)
+        return self.snapshot()
+
+    def aliases_input(self, out, call: Call) -> bool:
+        """Whether a (warm-up) output shares memory with one of the call's inputs: such outputs
+        belong to the caller and are never poisoned."""
+        leaves: list = []
+        _spec(out, leaves)
+        if not leaves:
+            return False
+        inputs = {_base_ptr(t) for t in call.leaves}
+        return any(_base_ptr(t) in inputs for t in leaves)
 
     # ------------------------------------------------------------------ generations
 
@@ -454,6 +481,14 @@ class _NoType:
 
 def _alias_maker(t):
     return t.detach if type(t).__module__.startswith("torch") else t.view
+
+
+def _base_ptr(t) -> int:
+    """Start of the allocation a tensor or array views."""
+    if type(t).__module__.startswith("torch"):
+        return t.untyped_storage().data_ptr()
+    mem = t.data.mem
+    return int(mem.ptr) if mem is not None else int(t.data.ptr)
 
 
 def _ptr(t) -> int:

@@ -405,6 +405,18 @@ class FakeTreeBackend:
                 return f"{what} {j} moved from 0x{p:x} to 0x{call.ptrs[j]:x}"
         return None
 
+    def aliases_input(self, out, call: FakeCall) -> bool:
+        """Whether a warm-up output is one of the call's inputs (the caller's memory)."""
+        inputs = {t.ptr for t in call.leaves}
+        return any(isinstance(t, FakeT) and t.ptr in inputs for t in leaves_of(out))
+
+    def renew(self):
+        """A fresh pool; the old one is left as it is (the CUDA backend's fallback)."""
+        self.log.append(("renew",))
+        self.source = IntRangeSource()
+        self.pool = Pool(self.source, name="fake-tree")
+        return self.snapshot()
+
     def output_ptrs(self, rec: FakeRecording):
         return list(rec.out_ptrs)
 
