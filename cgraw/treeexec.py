@@ -92,10 +92,11 @@ class CudaBackend:
         for i, a in enumerate(args):
             first = len(leaves)
             if type(a) is T and i not in static_pos:  # the common case, without generic dispatch
+                p = a.data_ptr()
                 leaves.append(a)
                 key_parts.append((a.shape, a.stride(), a.dtype))
-                kinds.append(None)
-                ptrs.append(a.data_ptr())
+                kinds.append(STATIC if id(a) in _static_ids else (TREE if p in tree_outputs else EAGER))
+                ptrs.append(p)
                 spans.append((first, 1))
                 continue
             _flatten(a, leaves, key_parts, kinds, ptrs, STATIC if i in static_pos else None)
