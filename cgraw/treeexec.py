@@ -167,6 +167,14 @@ class CudaBackend:
         for j in mutated:
             if kinds[j] == EAGER and not _is_contiguous(leaves[j]):
                 raise SkipCall("skipping cudagraphs due to mutated inputs (a non-contiguous eager input)")
+        # An eager input living in the tree's own pool (h = f(h) across a new branch: the previous
+        # step's output) may sit in blocks the checkpoint restore just freed, where this
+        # recording's placeholders can land. Copy it out first; nothing has written there yet.
+        for j, t in enumerate(leaves):
+            if kinds[j] == EAGER and self._in_pool(call.ptrs[j]):
+                clone = _clone(t)
+                leaves[j] = clone
+                call.ptrs[j] = _ptr(clone)
         rec = Recording()
         rec.name = fn.name
         cap = capture(pool=self.pool, device=self.device, warm_cublas=_config().warm_cublas, _tree=True,
@@ -244,6 +252,12 @@ class CudaBackend:
         rec.keep = (list(placeholders.values()), out)
         rec.storages = _storages(list(placeholders.values()) + out_leaves)
         return rec
+
+    def _in_pool(self, ptr: int) -> bool:
+        if ptr and self.pool.owns(ptr):
+            return True
+        state = self.pool.torch_state
+        return bool(ptr) and state is not None and state[1].owns(ptr)
 
     def replay(self, rec: Recording, call: Call):
         ptrs = call.ptrs
