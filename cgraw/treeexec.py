@@ -308,15 +308,14 @@ class CudaBackend:
             # Storages of recordings off the path lose their deleters (their blocks are free in the
             # checkpoint); those on the path that lost them earlier get them back. torch rejects a
             # storage already in the wanted state, hence the filters.
+            # Tensors that died in reference cycles still hold blocks: collect them first. torch's
+            # restore is not atomic (it frees the pool's blocks before it validates), so it must
+            # not be tried and retried.
+            gc.collect()
             has_deleter = self._torch._C._has_Standard_Deleter
             stale = [s for r in off_path for s in r.storages if has_deleter(s)]
             live = [s for r in on_path for s in r.storages if not has_deleter(s)]
-            try:
-                self._torch._C._cuda_setCheckpointPoolState(self.device.ordinal, torch_state, stale, live)
-            except RuntimeError:
-                # tensors that died in reference cycles still hold blocks: collect, then retry once
-                gc.collect()
-                self._torch._C._cuda_setCheckpointPoolState(self.device.ordinal, torch_state, stale, live)
+            self._torch._C._cuda_setCheckpointPoolState(self.device.ordinal, torch_state, stale, live)
 
     def renew(self):
         """Start over on a fresh pool (the old one is left to whatever still holds its memory).
