@@ -250,7 +250,10 @@ class CudaBackend:
         # one output: its alias maker, bound once (t.detach for torch, a.view for CuPy)
         rec.alias0 = _alias_maker(out_leaves[0]) if rec.out_spec is _SINGLE else None
         rec.keep = (list(placeholders.values()), out)
-        rec.storages = _storages(list(placeholders.values()) + out_leaves)
+        # only storages in torch's MemPool take part in its checkpoints: a torch view of CuPy
+        # memory (torch.from_dlpack) has a DLPack deleter and lives in cgraw's own pool
+        state = self.pool.torch_state
+        rec.storages = [] if state is None else _storages(list(placeholders.values()) + out_leaves, state[1].owns)
         return rec
 
     def _in_pool(self, ptr: int) -> bool:
@@ -548,13 +551,14 @@ def _equal(a, b) -> bool:
     return bool(sys.modules["cupy"].array_equal(a, b))
 
 
-def _storages(objs) -> list[int]:
-    """torch storages (as ``StorageImpl*`` ints) of the torch tensors among ``objs``, once each."""
+def _storages(objs, in_mempool) -> list[int]:
+    """Storages (as ``StorageImpl*`` ints) of the torch tensors among ``objs`` whose memory is in
+    torch's MemPool (``in_mempool(ptr)``), once each."""
     out, seen = [], set()
     for t in objs:
         if type(t).__module__.startswith("torch") and hasattr(t, "untyped_storage"):
             s = t.untyped_storage()
-            if s.data_ptr() not in seen:
+            if s.data_ptr() and in_mempool(s.data_ptr()) and s.data_ptr() not in seen:
                 seen.add(s.data_ptr())
                 out.append(s._cdata)
     return out

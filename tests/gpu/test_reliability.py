@@ -232,11 +232,11 @@ def test_bad_inputs_capture(pool):
             _ = x_cpu.cuda() * 2.0
     assert pool.capture_stream.capture_status == 0
     for shape in ((0, 3), (), (4, 5)):
-        x = trand(*shape)
+        x = torch.randn(shape, device="cuda")
         xt = x.t() if x.dim() == 2 else x
         with cgraw.capture(pool=pool) as g:
             y = xt * 2.0 + 1.0
-        x.copy_(trand(*shape))
+        x.copy_(torch.randn(shape, device="cuda"))
         g.replay()
         torch.testing.assert_close(y, xt * 2.0 + 1.0)
         g.close()
