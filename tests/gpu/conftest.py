@@ -17,3 +17,16 @@ def no_leaked_graphs():
     gc.collect()
     after = {k: _cuda.live_handles[k] for k in ("graph", "graph_exec")}
     assert after == before, f"graph handles leaked: before {before}, after {after}"
+
+
+@pytest.fixture
+def fresh_trees():
+    """No graph tree before the test, none after it (modules opt in with ``usefixtures``)."""
+    import cgraw
+
+    cgraw.mark_step_begin()
+    cgraw.reset()
+    yield
+    cgraw.mark_step_begin()
+    cgraw.reset()
+    gc.collect()

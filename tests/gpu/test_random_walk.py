@@ -13,7 +13,6 @@ through ``@cgraw.graphed``, then the same walk is run eagerly on the plain funct
 
 from __future__ import annotations
 
-import gc
 import sys
 import time
 
@@ -22,7 +21,7 @@ import pytest
 
 import cgraw
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.usefixtures("fresh_trees")]
 torch = pytest.importorskip("torch")
 cp = pytest.importorskip("cupy")
 
@@ -30,14 +29,6 @@ N_CALLS = 2000
 SETTLE = 500  # the pool must not grow after this many calls
 
 
-@pytest.fixture(autouse=True)
-def fresh_trees():
-    cgraw.mark_step_begin()
-    cgraw.reset()
-    yield
-    cgraw.mark_step_begin()
-    cgraw.reset()
-    gc.collect()
 
 
 def _mgr():

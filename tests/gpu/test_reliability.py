@@ -15,7 +15,7 @@ import pytest
 import cgraw
 from cgraw import _cuda
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_trees")]
 torch = pytest.importorskip("torch")
 cp = pytest.importorskip("cupy")
 
@@ -30,13 +30,6 @@ def crand(*shape):
     return cp.asarray(rng.standard_normal(shape).astype(np.float32))
 
 
-@pytest.fixture(autouse=True)
-def fresh_trees():
-    cgraw.reset()
-    yield
-    cgraw.mark_step_begin()
-    cgraw.reset()
-    gc.collect()
 
 
 def _capture_works(pool):

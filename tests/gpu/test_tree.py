@@ -3,7 +3,6 @@ fresh random inputs."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import random
 
@@ -12,7 +11,7 @@ import pytest
 
 import cgraw
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_trees")]
 torch = pytest.importorskip("torch")
 cp = pytest.importorskip("cupy")
 
@@ -23,13 +22,6 @@ def trand(*shape):
     return torch.randn(*shape, device="cuda")
 
 
-@pytest.fixture(autouse=True)
-def fresh_trees():
-    cgraw.reset()
-    yield
-    cgraw.mark_step_begin()
-    cgraw.reset()
-    gc.collect()
 
 
 def _mgr():
