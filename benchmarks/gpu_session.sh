@@ -30,7 +30,8 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 400 python3 -m benchmarks > "$OUT/bench.log" 2>&1
   echo "benchmarks rc=$?" >> "$OUT/bench.log"
-  cp benchmarks/results/*.json "$OUT/" 2>/dev/null
+  # only this run's JSON (the device returns at most 8 files)
+  find benchmarks/results -name '*.json' -newer "$OUT/gpu.txt" -exec cp {} "$OUT/" \;
 fi
 echo "==== failures (if any)"
 for f in "$OUT/gpu_tests.log" "$OUT/gpu_slow.log"; do
