@@ -30,8 +30,8 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 400 python3 -m benchmarks > "$OUT/bench.log" 2>&1
   echo "benchmarks rc=$?" >> "$OUT/bench.log"
-  # only this run's JSON (the device returns at most 8 files)
-  find benchmarks/results -name '*.json' -newer "$OUT/gpu.txt" -exec cp {} "$OUT/" \;
+  # this run's JSON in one archive (the device returns at most 8 files)
+  find benchmarks/results -name '*.json' -newer "$OUT/gpu.txt" -print0 | tar czf "$OUT/results.tgz" --null -T -
 fi
 echo "==== failures (if any)"
 for f in "$OUT/gpu_tests.log" "$OUT/gpu_slow.log"; do
