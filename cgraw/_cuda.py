@@ -276,10 +276,6 @@ def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream) -> None:
     check(drv.cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
 
 
-def memset_d8_async(dst: int, value: int, nbytes: int, stream) -> None:
-    check(drv.cuMemsetD8Async(dst, value, nbytes, stream), "cuMemsetD8Async")
-
-
 # --------------------------------------------------------------------------- streams and events
 
 STREAM_NON_BLOCKING = int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
@@ -308,10 +304,6 @@ def stream_query(stream) -> bool:
 
 def stream_wait_event(stream, event) -> None:
     check(drv.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
-
-
-def stream_get_ctx(stream):
-    return check(drv.cuStreamGetCtx(stream), "cuStreamGetCtx")
 
 
 def event_create(flags: int = EVENT_DISABLE_TIMING):

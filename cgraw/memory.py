@@ -14,7 +14,6 @@ import weakref
 import allocator
 from cgraw import _cuda
 from cgraw.device import Device
-from cgraw.errors import CudaError
 from cgraw.stream import Stream
 
 _tls = threading.local()
@@ -208,11 +207,4 @@ def free_quietly(pool, ptr: int, stream: int) -> None:
             warnings.warn(ResourceLeakWarning(f"freeing pool block 0x{ptr:x} failed: {exc!r}"))
 
 
-def stream_id(stream) -> int:
-    """The pool stream id (raw handle) of a Stream, int, or torch/CuPy stream."""
-    if isinstance(stream, int):
-        return stream
-    return Stream.of(stream).ptr
-
-
-__all__ = ["CudaSource", "CudaStreamEvents", "DevicePool", "stream_id", "CudaError"]
+__all__ = ["CudaSource", "CudaStreamEvents", "DevicePool", "free_quietly"]
