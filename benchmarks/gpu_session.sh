@@ -1,41 +1,56 @@
 #!/usr/bin/env bash
-# One device call: the GPU test tier, the slow tier, the sanitizer smoke and the benchmarks.
+# One device call: any of the GPU test tier, the slow tier, the sanitizer runs and the benchmarks.
 # Logs and JSON go to $OUT; a short table is printed last. From the repository root on the GPU machine:
-#   bash benchmarks/gpu_session.sh [tests|slow|bench|all] [extra pytest args...]
-# tests: -m "gpu and not slow" (about 1 min); slow: the random walk, the soak and compute-sanitizer
-# (about 3 min); bench: python -m benchmarks (about 3 min).
+#   bash benchmarks/gpu_session.sh [STAGE[,STAGE...]|all] [extra pytest args...]
+# Stages: tests  -m "gpu and not slow" (about 1 min)
+#         slow   the random walk and the soak (about 3 min)
+#         smoke  benchmarks.sanitize_smoke under compute-sanitizer memcheck (about 1 min)
+#         memcheck  the whole "gpu and not slow" tier under compute-sanitizer memcheck
+#         bench  python -m benchmarks (about 3 min)
+# all = tests,slow,smoke,bench
 set -u
-what=${1:-all}; shift || true
+stages=${1:-all}; shift || true
+[ "$stages" = all ] && stages=tests,slow,smoke,bench
 OUT=${OUT:-/tmp/cgraw-out}
 mkdir -p "$OUT"
 export PYTHONPATH=. CGRAW_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
-PYTEST="python3 -m pytest -q -p no:cacheprovider -o addopts=-ra --strict-markers --timeout=200"
+PYTEST="python3 -m pytest -q -p no:cacheprovider -o addopts=-ra --strict-markers"
+# CGRAW_SANITIZER_ARGS: extra compute-sanitizer options (see the README's reliability section)
+SANITIZE="compute-sanitizer --tool memcheck --report-api-errors no ${CGRAW_SANITIZER_ARGS:-} --error-exitcode 9"
 summary=""
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  start=$(date +%s)
-  timeout 300 $PYTEST -m "gpu and not slow" "$@" > "$OUT/gpu_tests.log" 2>&1
-  summary="GPU tier: rc=$? in $(( $(date +%s) - start ))s: $(tail -n 1 "$OUT/gpu_tests.log" | cut -c1-200)"
-fi
-if [ "$what" = slow ] || [ "$what" = all ]; then
-  start=$(date +%s)
-  timeout 300 $PYTEST -m "gpu and slow" -s "$@" > "$OUT/gpu_slow.log" 2>&1
+has() { case ",$stages," in *",$1,"*) return 0;; esac; return 1; }
+stamp() { echo "$1: rc=$2 in $(( $(date +%s) - $3 ))s: $4"; }
+if has tests; then
+  t=$(date +%s); timeout 300 $PYTEST --timeout=200 -m "gpu and not slow" "$@" > "$OUT/gpu_tests.log" 2>&1
   summary="$summary
-slow tier: rc=$? in $(( $(date +%s) - start ))s: $(tail -n 1 "$OUT/gpu_slow.log" | cut -c1-200)"
-  timeout 120 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-      python3 -m benchmarks.sanitize_smoke > "$OUT/sanitizer.log" 2>&1
-  summary="$summary
-sanitizer smoke: rc=$? $(grep 'ERROR SUMMARY' "$OUT/sanitizer.log")"
+$(stamp "GPU tier" $? $t "$(tail -n 1 "$OUT/gpu_tests.log" | cut -c1-200)")"
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if has slow; then
+  t=$(date +%s); timeout 300 $PYTEST --timeout=280 -m "gpu and slow" -s "$@" > "$OUT/gpu_slow.log" 2>&1
+  summary="$summary
+$(stamp "slow tier" $? $t "$(tail -n 1 "$OUT/gpu_slow.log" | cut -c1-200)")"
+fi
+if has smoke; then
+  t=$(date +%s); timeout 150 $SANITIZE python3 -m benchmarks.sanitize_smoke > "$OUT/sanitizer.log" 2>&1
+  summary="$summary
+$(stamp "sanitizer smoke" $? $t "$(grep 'ERROR SUMMARY' "$OUT/sanitizer.log")")"
+fi
+if has memcheck; then
+  t=$(date +%s)
+  timeout ${CGRAW_MEMCHECK_TIMEOUT:-420} $SANITIZE $PYTEST -m "gpu and not slow" "$@" > "$OUT/memcheck.log" 2>&1
+  summary="$summary
+$(stamp "GPU tier under memcheck" $? $t "$(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/memcheck.log" | tail -n 2 | tr '\n' ' ' | cut -c1-250)")"
+fi
+if has bench; then
   timeout 400 python3 -m benchmarks > "$OUT/bench.log" 2>&1
   echo "benchmarks rc=$?" >> "$OUT/bench.log"
   # this run's JSON in one archive (the device returns at most 8 files)
   find benchmarks/results -name '*.json' -newer "$OUT/gpu.txt" -print0 | tar czf "$OUT/results.tgz" --null -T -
 fi
 echo "==== failures (if any)"
-for f in "$OUT/gpu_tests.log" "$OUT/gpu_slow.log"; do
-  [ -f "$f" ] && grep -E "^(FAILED|ERROR)|^E   |what\(\)" "$f" | head -20
+for f in "$OUT/gpu_tests.log" "$OUT/gpu_slow.log" "$OUT/memcheck.log"; do
+  [ -f "$f" ] && grep -E "^(FAILED|ERROR)|^E   |what\(\)|Invalid __global__|Program hit" "$f" | head -20
 done
 [ -f "$OUT/gpu_slow.log" ] && grep -E "^seed [0-9]|soak:" "$OUT/gpu_slow.log" | cut -c1-300
 echo "==== bench (tail)"

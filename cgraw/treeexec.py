@@ -61,7 +61,7 @@ class Recording:
     """A recorded node: the graph, its input copies, its outputs and what keeps them alive."""
 
     __slots__ = ("graph", "exec_rt", "copies_in", "slow_in", "copies_back", "fixed", "kinds", "out_leaves",
-                 "alias0", "out_spec", "out_ptrs", "storages", "keep", "capture_ms", "instantiate_ms", "name")
+                 "alias0", "out_spec", "out_ptrs", "spans", "keep", "capture_ms", "instantiate_ms", "name")
 
 
 class CudaBackend:
@@ -80,6 +80,10 @@ class CudaBackend:
             self._tensor = self._torch.Tensor
             self._poison = self._torch._C._set_storage_access_error_msg
             self.mempool = mempool_for(self.pool)
+            self._torch_device = self._torch.device("cuda", device.ordinal)
+        # data pointer -> the torch storage that holds the allocator's deleter for that block of
+        # the tree's MemPool, for every block of a recording (placeholders and outputs)
+        self._owners: dict[int, object] = {}
 
     # ------------------------------------------------------------------ inputs
 
@@ -253,7 +257,8 @@ class CudaBackend:
         # only storages in torch's MemPool take part in its checkpoints: a torch view of CuPy
         # memory (torch.from_dlpack) has a DLPack deleter and lives in cgraw's own pool
         state = self.pool.torch_state
-        rec.storages = [] if state is None else _storages(list(placeholders.values()) + out_leaves, state[1].owns)
+        rec.spans = [] if state is None else _storage_spans(list(placeholders.values()) + out_leaves,
+                                                             state[1].owns, self._owners)
         return rec
 
     def _in_pool(self, ptr: int) -> bool:
@@ -308,17 +313,40 @@ class CudaBackend:
         cg, torch_state = snap
         self.pool.restore(cg)
         if self._torch is not None and torch_state is not None:
-            # Storages of recordings off the path lose their deleters (their blocks are free in the
-            # checkpoint); those on the path that lost them earlier get them back. torch rejects a
-            # storage already in the wanted state, hence the filters.
-            # Tensors that died in reference cycles still hold blocks: collect them first. torch's
-            # restore is not atomic (it frees the pool's blocks before it validates), so it must
-            # not be tried and retried.
-            gc.collect()
-            has_deleter = self._torch._C._has_Standard_Deleter
-            stale = [s for r in off_path for s in r.storages if has_deleter(s)]
-            live = [s for r in on_path for s in r.storages if not has_deleter(s)]
-            self._torch._C._cuda_setCheckpointPoolState(self.device.ordinal, torch_state, stale, live)
+            self._restore_torch(torch_state, on_path)
+
+    def _restore_torch(self, torch_state, on_path: list) -> None:
+        """Put torch's MemPool back to ``torch_state`` (see ``_owners`` in ``__init__``).
+
+        torch's ``setCheckpointPoolState`` frees every block of the pool, re-allocates the
+        checkpoint's, and then wants (a) one stale storage, holding the allocator's deleter, for
+        each block it freed for good, whose deleter it swaps for a no-op, and (b) storages without
+        a deleter context for the re-allocated blocks that should get one. A swapped storage keeps
+        its context, so it can never take a deleter back: a block whose recording is on the path
+        again gets a fresh owner built from its pointer, as torch's own trees build replay outputs.
+        """
+        torch = self._torch
+        # tensors that died in reference cycles still hold blocks: collect them first. torch's
+        # restore is not atomic (it frees the pool's blocks before it validates), so it must not
+        # be tried and retried.
+        gc.collect()
+        has_deleter = torch._C._has_Standard_Deleter
+        owners = self._owners
+        wanted = {p: n for r in on_path for p, n in r.spans}
+        stale = [s._cdata for p, s in owners.items() if p not in wanted and has_deleter(s._cdata)]
+        adopted = {}
+        for p, n in wanted.items():
+            s = owners.get(p)
+            if s is None or not has_deleter(s._cdata):
+                adopted[p] = torch._C._construct_storage_from_data_pointer(p, self._torch_device, n)
+        try:
+            torch._C._cuda_setCheckpointPoolState(self.device.ordinal, torch_state, stale,
+                                                  [s._cdata for s in adopted.values()])
+        finally:
+            # whatever torch did, a stale owner's deleter is gone or its block is lost: drop it
+            kept = {p: s for p, s in owners.items() if p in wanted}
+            kept.update(adopted)
+            self._owners = kept
 
     def renew(self):
         """Start over on a fresh pool (the old one is left to whatever still holds its memory).
@@ -329,6 +357,7 @@ class CudaBackend:
             from cgraw.interop.torch import mempool_for
 
             self.mempool = mempool_for(self.pool)
+            self._owners = {}
         return self.snapshot()
 
     def aliases_input(self, out, call: Call) -> bool:
@@ -369,6 +398,7 @@ class CudaBackend:
         self.pool.close()
         if self._torch is not None:
             self.mempool = None
+            self._owners = {}
             self.pool.torch_state = None
             self._torch.cuda.empty_cache()  # torch hands the tree's segments back to cgraw
 
@@ -551,16 +581,19 @@ def _equal(a, b) -> bool:
     return bool(sys.modules["cupy"].array_equal(a, b))
 
 
-def _storages(objs, in_mempool) -> list[int]:
-    """Storages (as ``StorageImpl*`` ints) of the torch tensors among ``objs`` whose memory is in
-    torch's MemPool (``in_mempool(ptr)``), once each."""
+def _storage_spans(objs, in_mempool, owners: dict) -> list[tuple[int, int]]:
+    """``(data pointer, bytes)`` of the storages of the torch tensors among ``objs`` whose memory
+    is in torch's MemPool (``in_mempool(ptr)``), once each; a storage not yet in ``owners`` is
+    entered there as its block's owner."""
     out, seen = [], set()
     for t in objs:
         if type(t).__module__.startswith("torch") and hasattr(t, "untyped_storage"):
             s = t.untyped_storage()
-            if s.data_ptr() and in_mempool(s.data_ptr()) and s.data_ptr() not in seen:
-                seen.add(s.data_ptr())
-                out.append(s._cdata)
+            p = s.data_ptr()
+            if p and p not in seen and in_mempool(p):
+                seen.add(p)
+                out.append((p, s.nbytes()))
+                owners.setdefault(p, s)
     return out
 
 

@@ -16,7 +16,35 @@ def no_leaked_graphs():
     yield
     gc.collect()
     after = {k: _cuda.live_handles[k] for k in ("graph", "graph_exec")}
-    assert after == before, f"graph handles leaked: before {before}, after {after}"
+    assert after == before, f"graph handles leaked: before {before}, after {after}\n{_holders()}"
+
+
+def _holders(depth: int = 4) -> str:
+    """Who keeps unclosed ``cgraw.Graph`` objects alive (for the leak message)."""
+    import types
+
+    from cgraw.graph import Graph
+
+    lines = []
+    graphs = [o for o in gc.get_objects() if type(o) is Graph and not o.closed]
+    for g in graphs[:3]:
+        frontier, seen = [(g, 0)], {id(graphs)}
+        while frontier:
+            obj, level = frontier.pop()
+            for r in gc.get_referrers(obj):
+                if id(r) in seen or r is frontier or isinstance(r, types.FrameType) and r.f_code.co_name == "_holders":
+                    continue
+                seen.add(id(r))
+                if isinstance(r, types.FrameType):
+                    what = f"frame {r.f_code.co_name} ({r.f_code.co_filename}:{r.f_lineno})"
+                elif isinstance(r, types.TracebackType):
+                    what = f"traceback at {r.tb_frame.f_code.co_name}:{r.tb_lineno}"
+                else:
+                    what = f"{type(r).__module__}.{type(r).__qualname__}"
+                lines.append("  " * (level + 1) + what)
+                if level + 1 < depth and len(lines) < 60:
+                    frontier.append((r, level + 1))
+    return "holders of leaked graphs:\n" + "\n".join(lines)
 
 
 @pytest.fixture
