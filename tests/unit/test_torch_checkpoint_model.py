@@ -1,0 +1,238 @@
+"""CPU tests of the tree's torch checkpoint bookkeeping (``CudaBackend._restore_torch``) against a
+model of torch's ``_cuda_setCheckpointPoolState`` rules.
+
+The model (``FakeTorchC``) keeps the set of allocated blocks of one MemPool and enforces what
+torch 2.11's Module.cpp and CUDACachingAllocator enforce:
+- the restore frees every allocated block and re-allocates the checkpoint's;
+- there must be at least as many (distinct) stale storages as blocks freed for good
+  ("Any stale tensors which are being manually freed must be passed to set checkpoint");
+- a stale storage's block must be among the freed ones, and it must hold the allocator's deleter,
+  which is swapped for a no-op ("Unexpected deleter function on storage");
+- a storage to get a deleter must have no deleter context (" Not expecting deleter function");
+  a swapped storage keeps its context;
+- a storage holding the allocator's deleter frees its block when it dies, and that block must be
+  allocated ("invalid device pointer").
+A random walk over a tree of recordings (record under an anchor, go back to another node,
+discard a subtree) then checks that every restore is accepted and that the allocator's allocated
+blocks are exactly those of the recordings on the path plus the ones no restore has reclaimed yet.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import types
+import weakref
+
+import pytest
+
+from cgraw.treeexec import CudaBackend, _storage_spans
+
+
+class ModelError(RuntimeError):
+    pass
+
+
+class FakeStorage:
+    """A StorageImpl: a block pointer, a deleter ("std", "nothing" or None) and a context flag."""
+
+    def __init__(self, model, ptr: int, nbytes: int, deleter, ctx: bool):
+        self.ptr, self._nbytes, self.ctx = ptr, nbytes, ctx
+        self._cell = {"deleter": deleter}  # shared with the finalizer, which runs at death
+        self._cdata = id(self)
+        model.storages[self._cdata] = self
+        weakref.finalize(self, model._died, ptr, self._cell)
+
+    @property
+    def deleter(self):
+        return self._cell["deleter"]
+
+    @deleter.setter
+    def deleter(self, value):
+        self._cell["deleter"] = value
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+class FakeTensor:
+    """What ``_storage_spans`` looks at: a torch-module type with ``untyped_storage()``."""
+
+    __module__ = "torch.fake"
+
+    def __init__(self, storage):
+        self._s = storage
+
+    def untyped_storage(self):
+        return self._s
+
+
+class FakeTorchC:
+    def __init__(self):
+        self.allocated: set[int] = set()
+        self.storages = weakref.WeakValueDictionary()
+        self.deaths: list[str] = []  # errors raised by deleters (a destructor cannot raise)
+        self.next_ptr = 0x1000
+
+    # the allocator
+    def malloc(self, nbytes: int) -> FakeStorage:
+        # reuse the lowest free address, as a caching allocator reuses freed blocks
+        p = 0x1000
+        while p in self.allocated:
+            p += 0x1000
+        self.allocated.add(p)
+        return FakeStorage(self, p, nbytes, "std", True)
+
+    def _died(self, ptr, cell) -> None:
+        if cell["deleter"] == "std":
+            if ptr not in self.allocated:
+                self.deaths.append(f"invalid device pointer 0x{ptr:x}")
+            self.allocated.discard(ptr)
+
+    # torch._C functions the backend calls
+    def _has_Standard_Deleter(self, cdata: int) -> bool:
+        return self.storages[cdata].deleter == "std"
+
+    def _construct_storage_from_data_pointer(self, ptr: int, device, nbytes: int):
+        return FakeStorage(self, ptr, nbytes, None, False)
+
+    def _cuda_getCheckpointState(self, device, pool_id):
+        return frozenset(self.allocated)
+
+    def _cuda_setCheckpointPoolState(self, device, state, stale, live) -> None:
+        stale_set = []
+        for c in stale:
+            if c not in stale_set:
+                stale_set.append(c)
+        freed = set(self.allocated)
+        self.allocated = set(state)
+        definite = len(freed - self.allocated)
+        if len(stale_set) < definite:
+            raise ModelError("Any stale tensors which are being manually freed must be passed to set checkpoint")
+        for c in stale_set:
+            s = self.storages[c]
+            if s.ptr not in freed:
+                raise ModelError("stale storage's block was not freed")
+            if s.deleter != "std":
+                raise ModelError("Unexpected deleter function on storage, could not swap function")
+            s.deleter = "nothing"
+        for c in live:
+            s = self.storages[c]
+            if s.ptr in self.allocated:
+                if s.ctx:
+                    raise ModelError(" Not expecting deleter function")
+                s.deleter = "std"
+                s.ctx = True
+
+
+def _backend(torch_c: FakeTorchC) -> CudaBackend:
+    b = object.__new__(CudaBackend)
+    b._torch = types.SimpleNamespace(_C=torch_c)
+    b._torch_device = "cuda:0"
+    b._owners = {}
+    b.device = types.SimpleNamespace(ordinal=0)
+    return b
+
+
+class Rec:
+    """A recording as the restore sees it: ``spans`` and what keeps its tensors alive."""
+
+    def __init__(self, parent, tensors, spans, state):
+        self.parent, self.keep, self.spans, self.state = parent, tensors, spans, state
+
+    def path(self):
+        out, n = [], self
+        while n is not None:
+            out.append(n)
+            n = n.parent
+        return out
+
+
+def _record(torch_c, backend, parent, rng) -> Rec:
+    tensors = [FakeTensor(torch_c.malloc(rng.choice((512, 4096, 1 << 20)))) for _ in range(rng.randint(1, 4))]
+    if parent is not None and rng.random() < 0.3:
+        tensors.append(parent.keep[0])  # an output that is the parent's (a returned input)
+    spans = _storage_spans(tensors, lambda p: True, backend._owners)
+    return Rec(parent, tensors, spans, torch_c._cuda_getCheckpointState(0, None))
+
+
+def _walk(seed: int, steps: int) -> None:
+    rng = random.Random(seed)
+    torch_c = FakeTorchC()
+    backend = _backend(torch_c)
+    root_state = torch_c._cuda_getCheckpointState(0, None)
+    recs: list[Rec] = []
+    at = None  # the node whose checkpoint the allocator equals (None: the root, "?" unknown)
+    for _ in range(steps):
+        op = rng.random()
+        if op < 0.15 and recs:  # re-record: a node's subtree goes
+            victim = rng.choice(recs)
+            recs = [r for r in recs if victim not in r.path()]
+            if at is not None and at not in recs:
+                at = "?"
+            continue
+        anchor = rng.choice([None, *recs]) if recs else None
+        if at is not anchor:
+            on_path = [] if anchor is None else anchor.path()
+            backend._restore_torch(root_state if anchor is None else anchor.state, on_path)
+            at = anchor
+            # the allocator holds the path's blocks, plus at most blocks of dead recordings
+            # that are still owned (freed at the next restore)
+            wanted = {p for r in on_path for p, _ in r.spans}
+            assert wanted <= torch_c.allocated
+            # every block of the path has exactly one owner holding the allocator's deleter
+            for p in wanted:
+                owner = backend._owners[p]
+                assert owner.deleter == "std" and owner.ptr == p
+        rec = _record(torch_c, backend, anchor, rng)
+        recs.append(rec)
+        at = rec
+        gc.collect()
+        assert not torch_c.deaths, torch_c.deaths
+    # dropping everything frees every owned block exactly once
+    recs.clear()
+    backend._owners = {}
+    gc.collect()
+    assert not torch_c.deaths, torch_c.deaths
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_tree_walk_restores_are_accepted(seed):
+    _walk(seed, 50)
+
+
+def test_branch_back_and_forth():
+    """A -> B, back to A -> C, back to B's child: B's storages were made stale by the first
+    restore and are on the path again (torch's 'Not expecting deleter function' case)."""
+    torch_c = FakeTorchC()
+    backend = _backend(torch_c)
+    root = torch_c._cuda_getCheckpointState(0, None)
+    rng = random.Random(0)
+    a = _record(torch_c, backend, None, rng)
+    b = _record(torch_c, backend, a, rng)
+    backend._restore_torch(a.state, a.path())
+    c = _record(torch_c, backend, a, rng)
+    backend._restore_torch(b.state, b.path())
+    d = _record(torch_c, backend, b, rng)
+    backend._restore_torch(c.state, c.path())
+    backend._restore_torch(d.state, d.path())
+    backend._restore_torch(root, [])
+    assert torch_c.allocated == set()
+    gc.collect()
+    assert not torch_c.deaths
+
+
+def test_model_rejects_reviving_a_stale_storage():
+    """The model is strict where torch is: giving a swapped storage its deleter back fails."""
+    torch_c = FakeTorchC()
+    s = torch_c.malloc(512)
+    empty = frozenset()
+    state = frozenset({s.ptr})
+    torch_c._cuda_setCheckpointPoolState(0, empty, [s._cdata], [])
+    with pytest.raises(ModelError, match="Not expecting deleter"):
+        torch_c._cuda_setCheckpointPoolState(0, state, [], [s._cdata])
+    with pytest.raises(ModelError, match="Any stale tensors"):
+        torch_c._cuda_setCheckpointPoolState(0, empty, [], [])
