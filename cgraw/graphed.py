@@ -12,6 +12,7 @@ import itertools
 import sys
 import threading
 
+from cgraw import buckets
 from cgraw.capture import _tls as _capture_tls
 from cgraw.device import Device
 from cgraw.errors import CaptureError
@@ -42,7 +43,7 @@ def _manager(ordinal: int) -> TreeManager:
 class GraphedFunction:
     """A function whose calls are warmed up, recorded and replayed by its device's graph tree."""
 
-    def __init__(self, fn, *, static_argnums=(), mutates=()):
+    def __init__(self, fn, *, static_argnums=(), mutates=(), pad_buckets=None):
         if not callable(fn):
             raise TypeError(f"cgraw.graphed needs a callable, not {type(fn).__name__}")
         self.fn = fn
@@ -50,6 +51,7 @@ class GraphedFunction:
         self.fn_id = next(_ids)
         self.static_argnums = frozenset(_ints("static_argnums", static_argnums))
         self.mutates = tuple(_ints("mutates", mutates))
+        self.pad_buckets = buckets.check(pad_buckets)
         reason = getattr(fn, "_cgraw_unsafe", None)
         self.unsafe_reason = None if reason is None else f"marked @cgraw.unsafe ({reason})"
         self.runs_backward = False  # set at warm-up when a backward pass ran inside
@@ -70,7 +72,7 @@ class GraphedFunction:
         return f"<cgraw.graphed {self.name}>"
 
 
-def graphed(fn=None, *, static_argnums=(), mutates=()):
+def graphed(fn=None, *, static_argnums=(), mutates=(), pad_buckets=None):
     """Make ``fn`` a graphed function: ``@cgraw.graphed`` or ``cgraw.graphed(fn, static_argnums=(0,))``.
 
     Args:
@@ -78,10 +80,15 @@ def graphed(fn=None, *, static_argnums=(), mutates=()):
             every call and a change re-records.
         mutates: positions of eager inputs the function writes in place (found at warm-up by
             comparing contents too); they are copied back after each replay.
+        pad_buckets: sizes of the leading (batch) dimension to record, e.g. ``(1, 2, 4, 8)``: a
+            call with ``n`` rows replays the recording of the smallest bucket ``>= n``, with its
+            eager inputs padded and its outputs cut back to ``n`` rows. Only for functions whose
+            rows are independent; see ``cgraw.buckets``.
     """
+    kw = dict(static_argnums=static_argnums, mutates=mutates, pad_buckets=pad_buckets)
     if fn is None:
-        return lambda f: GraphedFunction(f, static_argnums=static_argnums, mutates=mutates)
-    return GraphedFunction(fn, static_argnums=static_argnums, mutates=mutates)
+        return lambda f: GraphedFunction(f, **kw)
+    return GraphedFunction(fn, **kw)
 
 
 def unsafe(fn=None, *, reason: str = "must not be captured"):

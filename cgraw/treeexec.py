@@ -17,7 +17,30 @@ import gc
 import logging
 import sys
 
-from cgraw import _cuda
+from cgraw import _cuda, buckets
+from cgraw.arrays import (
+    _SINGLE,
+    EAGER,
+    STATIC,
+    TREE,
+    _alias,
+    _alias_maker,
+    _base_ptr,
+    _clone,
+    _copy_into,
+    _device_index,
+    _empty_like,
+    _equal,
+    _flatten,
+    _is_contiguous,
+    _is_tensor,
+    _nbytes,
+    _NoType,
+    _ptr,
+    _replace,
+    _spec,
+    _unflatten,
+)
 from cgraw.capture import capture
 from cgraw.errors import CaptureError
 from cgraw.memory import DevicePool
@@ -25,7 +48,6 @@ from cgraw.tree import SkipCall
 
 log = logging.getLogger("cgraw")
 
-EAGER, STATIC, TREE = 0, 1, 2
 OVERWRITTEN = (
     "accessing tensor output of a cgraw graph that has been overwritten by a subsequent run "
     "(output of graphed function {name!r}); clone it (.clone()) before the graphed functions run "
@@ -47,7 +69,7 @@ def mark_static(x):
 class Call:
     """One call's inputs: the signature ``key``, tensor ``leaves`` with their kinds and pointers."""
 
-    __slots__ = ("key", "leaves", "kinds", "ptrs", "arg_spans")
+    __slots__ = ("key", "leaves", "kinds", "ptrs", "arg_spans", "rows", "bucket", "padded")
 
     def __init__(self, key, leaves, kinds, ptrs, arg_spans):
         self.key = key
@@ -55,13 +77,16 @@ class Call:
         self.kinds = kinds
         self.ptrs = ptrs
         self.arg_spans = arg_spans  # (first leaf, leaf count) of each positional argument
+        self.bucket = None  # padding buckets (cgraw.buckets): the bucket, the call's rows and
+        self.rows = None  # the padded leaves, when the function has buckets and the call fits one
+        self.padded = frozenset()
 
 
 class Recording:
     """A recorded node: the graph, its input copies, its outputs and what keeps them alive."""
 
     __slots__ = ("graph", "exec_rt", "copies_in", "slow_in", "copies_back", "fixed", "kinds", "out_leaves",
-                 "alias0", "out_spec", "out_ptrs", "spans", "keep", "capture_ms", "instantiate_ms", "name")
+                 "alias0", "out_spec", "out_ptrs", "spans", "keep", "bucket", "padded", "out_rows", "capture_ms", "instantiate_ms", "name")
 
 
 class CudaBackend:
@@ -129,7 +154,13 @@ class CudaBackend:
             raise SkipCall(f"inputs on device {dev}, but this tree is on device {self.device.ordinal}")
         # the kinds are not part of the key: the first call of a path sees warm-up outputs (eager)
         # where later calls see tree outputs; a recording checks its kinds in moved()
-        return Call(tuple(key_parts), leaves, kinds, ptrs, spans)
+        call = Call(tuple(key_parts), leaves, kinds, ptrs, spans)
+        if fn.pad_buckets:
+            chosen = buckets.choose(fn.pad_buckets, leaves, kinds, EAGER)
+            if chosen is not None:
+                call.rows, call.bucket, call.padded = chosen
+                call.key = buckets.padded_key(key_parts, leaves, call.padded, call.bucket)
+        return call
 
     def moved(self, rec: Recording, call: Call) -> str | None:
         if call.kinds != rec.kinds:
@@ -190,7 +221,7 @@ class CudaBackend:
                 stream = g.capture_stream.handle
                 for j, t in enumerate(leaves):
                     if kinds[j] == EAGER:
-                        ph = _empty_like(t)
+                        ph = buckets.empty_rows(t, call.bucket) if j in call.padded else _empty_like(t)
                         placeholders[j] = ph
                         # a contiguous input is copied by a memcpy node whose source is patched per
                         # call; a non-contiguous one is copied eagerly before each launch (replay),
@@ -235,7 +266,8 @@ class CudaBackend:
                 node = memcpys.get((dst, call.ptrs[j]))
                 if node is None:
                     raise SkipCall("could not find the input-copy node in the captured graph")
-                rec.copies_in.append([j, _cuda.rt_node_handle(node), dst, _nbytes(t), call.ptrs[j]])
+                rec.copies_in.append([j, _cuda.rt_node_handle(node), dst, _nbytes(t), call.ptrs[j],
+                                      _row_bytes(call, j)])
             else:
                 rec.slow_in.append((j, ph))
         for j in mutated:
@@ -244,7 +276,8 @@ class CudaBackend:
                 node = memcpys.get((call.ptrs[j], src))
                 if node is None:
                     raise SkipCall("could not find the copy-back node in the captured graph")
-                rec.copies_back.append([j, _cuda.rt_node_handle(node), src, _nbytes(leaves[j]), call.ptrs[j]])
+                rec.copies_back.append([j, _cuda.rt_node_handle(node), src, _nbytes(leaves[j]), call.ptrs[j],
+                                        _row_bytes(call, j)])
         rec.fixed = [(j, call.ptrs[j]) for j in range(len(leaves)) if kinds[j] != EAGER]
         rec.kinds = list(kinds)
         out_leaves: list = []
@@ -252,7 +285,9 @@ class CudaBackend:
         rec.out_leaves = out_leaves
         rec.out_ptrs = [p for p in (_ptr(t) for t in out_leaves if _is_tensor(t)) if p]
         # one output: its alias maker, bound once (t.detach for torch, a.view for CuPy)
-        rec.alias0 = _alias_maker(out_leaves[0]) if rec.out_spec is _SINGLE else None
+        rec.alias0 = _alias_maker(out_leaves[0]) if rec.out_spec is _SINGLE and call.bucket is None else None
+        rec.bucket, rec.padded = call.bucket, call.padded
+        rec.out_rows = buckets.out_rows(out_leaves, call.bucket) if call.bucket is not None else []
         rec.keep = (list(placeholders.values()), out)
         # only storages in torch's MemPool take part in its checkpoints: a torch view of CuPy
         # memory (torch.from_dlpack) has a DLPack deleter and lives in cgraw's own pool
@@ -268,6 +303,8 @@ class CudaBackend:
         return bool(ptr) and state is not None and state[1].owns(ptr)
 
     def replay(self, rec: Recording, call: Call):
+        if rec.bucket is not None:
+            return self._replay_padded(rec, call)
         ptrs = call.ptrs
         for c in rec.copies_in:
             p = ptrs[c[0]]
@@ -290,6 +327,34 @@ class CudaBackend:
         if alias0 is not None:
             return alias0()
         return _unflatten(rec.out_spec, iter([_alias(t) for t in rec.out_leaves]))
+
+    def _replay_padded(self, rec: Recording, call: Call):
+        """``replay`` of a padding-bucket recording: the padded inputs' copy nodes also get this
+        call's byte count, the outputs are cut back to its rows."""
+        n, ptrs = call.rows, call.ptrs
+        for c in rec.copies_in:
+            p, count = ptrs[c[0]], (c[5] * n if c[5] else c[3])
+            if p != c[4] or count != c[3]:
+                err = _cuda.memcpy_node_set_1d_raw(rec.exec_rt, c[1], c[2], p, count, _cuda.MEMCPY_D2D)[0]
+                if err:
+                    raise _cuda.rt_error(err, "cudaGraphExecMemcpyNodeSetParams1D")
+                c[3], c[4] = count, p
+        for c in rec.copies_back:
+            p, count = ptrs[c[0]], (c[5] * n if c[5] else c[3])
+            if p != c[4] or count != c[3]:
+                err = _cuda.memcpy_node_set_1d_raw(rec.exec_rt, c[1], p, c[2], count, _cuda.MEMCPY_D2D)[0]
+                if err:
+                    raise _cuda.rt_error(err, "cudaGraphExecMemcpyNodeSetParams1D")
+                c[3], c[4] = count, p
+        for j, ph in rec.slow_in:
+            _copy_into(ph[:n] if j in rec.padded else ph, call.leaves[j])
+        rec.graph.replay()
+        outs = [_alias(t) for t in rec.out_leaves]
+        for i in rec.out_rows:
+            outs[i] = outs[i][:n]
+        if rec.out_spec is _SINGLE:
+            return outs[0]
+        return _unflatten(rec.out_spec, iter(outs))
 
     def output_ptrs(self, rec: Recording):
         return rec.out_ptrs
@@ -403,182 +468,13 @@ class CudaBackend:
             self._torch.cuda.empty_cache()  # torch hands the tree's segments back to cgraw
 
 
-# ---------------------------------------------------------------------- framework helpers
-
-_SINGLE = object()
+# ---------------------------------------------------------------------- helpers
 
 
 def _config():
     from cgraw.tree import config
 
     return config
-
-
-def _is_tensor(x) -> bool:
-    m = type(x).__module__
-    return (m.startswith("torch") and hasattr(x, "data_ptr")) or (m.startswith("cupy") and hasattr(x, "data"))
-
-
-def _flatten(a, leaves, key, kinds, ptrs, forced) -> None:
-    t = type(a)
-    mod = t.__module__
-    if mod.startswith("torch"):
-        torch = sys.modules["torch"]
-        if isinstance(a, torch.Tensor):
-            leaves.append(a)
-            key.append((a.shape, a.stride(), a.dtype))
-            kinds.append(STATIC if forced is not None or isinstance(a, torch.nn.Parameter) else None)
-            ptrs.append(a.data_ptr())
-            return
-        if isinstance(a, torch.nn.Module):
-            key.append(("module", id(a)))
-            for x in list(a.parameters()) + list(a.buffers()):
-                _flatten(x, leaves, key, kinds, ptrs, STATIC)
-            return
-    elif mod.startswith("cupy") and hasattr(a, "data") and hasattr(a, "strides"):
-        leaves.append(a)
-        key.append((a.shape, a.strides, a.dtype.str))
-        kinds.append(forced)
-        ptrs.append(int(a.data.ptr))
-        return
-    if t in (tuple, list):
-        key.append((t, len(a)))
-        for x in a:
-            _flatten(x, leaves, key, kinds, ptrs, forced)
-        return
-    if t is dict:
-        key.append((dict, tuple(sorted(a))))
-        for k in sorted(a):
-            _flatten(a[k], leaves, key, kinds, ptrs, forced)
-        return
-    try:
-        hash(a)
-    except TypeError:
-        raise SkipCall(f"an argument of type {t.__name__} is neither a tensor nor hashable") from None
-    key.append((t, a))
-
-
-def _replace(args, kwargs, leaves, placeholders):
-    """Rebuild args/kwargs with placeholders in place of the eager leaves."""
-    if not placeholders:
-        return args, kwargs
-    counter = {"i": -1}
-
-    def sub(a):
-        if _is_tensor(a):
-            counter["i"] += 1
-            j = counter["i"]
-            return placeholders.get(j, a)
-        t = type(a)
-        if t.__module__.startswith("torch") and isinstance(a, sys.modules["torch"].nn.Module):
-            counter["i"] += len(list(a.parameters())) + len(list(a.buffers()))
-            return a
-        if t in (tuple, list):
-            return t(sub(x) for x in a)
-        if t is dict:
-            return {k: sub(a[k]) for k in sorted(a)}
-        return a
-
-    new_args = tuple(sub(a) for a in args)
-    new_kwargs = {k: sub(kwargs[k]) for k in sorted(kwargs)} if kwargs else kwargs
-    return new_args, new_kwargs
-
-
-def _spec(out, leaves: list):
-    """Flatten an output structure; returns a spec for ``_unflatten``."""
-    if _is_tensor(out):
-        leaves.append(out)
-        return _SINGLE if len(leaves) == 1 else ("t",)
-    t = type(out)
-    if t in (tuple, list):
-        return (t, [_spec_inner(x, leaves) for x in out])
-    if t is dict:
-        return (dict, [(k, _spec_inner(v, leaves)) for k, v in out.items()])
-    return ("v", out)
-
-
-def _spec_inner(x, leaves):
-    if _is_tensor(x):
-        leaves.append(x)
-        return ("t",)
-    return _spec(x, leaves)
-
-
-def _unflatten(spec, it):
-    kind = spec[0]
-    if kind == "t":
-        return next(it)
-    if kind == "v":
-        return spec[1]
-    if kind is dict:
-        return {k: _unflatten(s, it) for k, s in spec[1]}
-    return kind(_unflatten(s, it) for s in spec[1])
-
-
-def _alias(t):
-    """A new object over the same memory: each call's outputs are distinct objects."""
-    if type(t).__module__.startswith("torch"):
-        return t.detach()
-    return t.view()
-
-
-class _NoType:
-    """Stands for torch.Tensor when torch is not loaded: no object has this exact type."""
-
-
-def _alias_maker(t):
-    return t.detach if type(t).__module__.startswith("torch") else t.view
-
-
-def _base_ptr(t) -> int:
-    """Start of the allocation a tensor or array views."""
-    if type(t).__module__.startswith("torch"):
-        return t.untyped_storage().data_ptr()
-    mem = t.data.mem
-    return int(mem.ptr) if mem is not None else int(t.data.ptr)
-
-
-def _ptr(t) -> int:
-    return t.data_ptr() if type(t).__module__.startswith("torch") else int(t.data.ptr)
-
-
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size() if type(t).__module__.startswith("torch") else t.nbytes
-
-
-def _device_index(t) -> int:
-    if type(t).__module__.startswith("torch"):
-        return t.get_device()
-    return t.device.id
-
-
-def _is_contiguous(t) -> bool:
-    if type(t).__module__.startswith("torch"):
-        return t.is_contiguous()
-    return t.flags.c_contiguous
-
-
-def _empty_like(t):
-    if type(t).__module__.startswith("torch"):
-        return sys.modules["torch"].empty(t.shape, dtype=t.dtype, device=t.device)
-    return sys.modules["cupy"].empty(t.shape, dtype=t.dtype)
-
-
-def _copy_into(dst, src) -> None:
-    if type(dst).__module__.startswith("torch"):
-        dst.copy_(src)
-    else:
-        dst[...] = src
-
-
-def _clone(t):
-    return t.clone() if type(t).__module__.startswith("torch") else t.copy()
-
-
-def _equal(a, b) -> bool:
-    if type(a).__module__.startswith("torch"):
-        return bool(sys.modules["torch"].equal(a, b))
-    return bool(sys.modules["cupy"].array_equal(a, b))
 
 
 def _storage_spans(objs, in_mempool, owners: dict) -> list[tuple[int, int]]:
@@ -595,6 +491,11 @@ def _storage_spans(objs, in_mempool, owners: dict) -> list[tuple[int, int]]:
                 out.append((p, s.nbytes()))
                 owners.setdefault(p, s)
     return out
+
+
+def _row_bytes(call: Call, j: int) -> int:
+    """Bytes per row of a padded eager input (its copy node's count is rows x this), else 0."""
+    return _nbytes(call.leaves[j]) // call.rows if j in call.padded else 0
 
 
 def _memcpy_nodes(g) -> dict:
