@@ -57,6 +57,7 @@ def test_cupy_and_a_mutated_padded_input():
         return x.sum(dim=1)
 
     g = cgraw.graphed(scale_in_place, pad_buckets=(4,))
+    cgraw.mark_step_begin()  # g begins its own generations (a root), not a path after f
     for n in (3, 2, 4, 1, 3):
         x = torch.randn(n, 6, device="cuda")
         x0 = x.clone()
