@@ -157,7 +157,8 @@ def test_padded_replay_patches_counts_and_cuts_outputs(monkeypatch):
     rec.graph = types.SimpleNamespace(replay=lambda: launches.append(1))
     # input 0 padded (64 bytes a row, recorded with 5 rows), input 1 not (fixed 128 bytes)
     rec.copies_in = [[0, "n0", 0xA00, 5 * 64, 0x100, 64], [1, "n1", 0xB00, 128, 0x200, 0]]
-    rec.copies_back, rec.slow_in = [], []
+    # a mutated padded input is copied back: row count patched too (dst is the caller's tensor)
+    rec.copies_back, rec.slow_in = [[0, "b0", 0xA00, 5 * 64, 0x100, 64]], []
     rec.out_leaves = [SliceableArray(0xC00, (8, 16)), SliceableArray(0xD00, (3,))]
     rec.out_spec = (tuple, [("t",), ("t",)])
     rec.out_rows = [0]
@@ -170,13 +171,14 @@ def test_padded_replay_patches_counts_and_cuts_outputs(monkeypatch):
     out = call(5)  # as recorded: nothing to patch
     assert patched == [] and out[0].shape == (5, 16) and out[1].shape == (3,)
     out = call(2)
-    assert patched == [("n0", 0xA00, 0x100, 2 * 64)] and out[0].shape == (2, 16)
+    assert patched == [("n0", 0xA00, 0x100, 2 * 64), ("b0", 0x100, 0xA00, 2 * 64)]
+    assert out[0].shape == (2, 16)
     patched.clear()
     call(2, p1=0x300)  # only the unpadded input moved: its count stays
     assert patched == [("n1", 0xB00, 0x300, 128)]
     patched.clear()
     call(8, p0=0x400, p1=0x300)
-    assert patched == [("n0", 0xA00, 0x400, 8 * 64)]
+    assert patched == [("n0", 0xA00, 0x400, 8 * 64), ("b0", 0x400, 0xA00, 8 * 64)]
     assert len(launches) == 4
     rec.out_spec, rec.out_leaves, rec.out_rows = _SINGLE, [SliceableArray(0xC00, (8, 16))], [0]
     assert call(6).shape == (6, 16)
