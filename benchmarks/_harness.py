@@ -36,6 +36,18 @@ def host_us(fn, *, loops: int = 1000, repeats: int = 7, warmup: int = 50, sync=N
             "repeats": repeats, "loops": loops}
 
 
+def alternating(fn, inputs, *extra):
+    """A no-argument call of ``fn(inputs[k], *extra)`` with ``k`` alternating between 0 and 1, so
+    every call brings inputs at other addresses than the call before."""
+    state = [0]
+
+    def run():
+        state[0] ^= 1
+        fn(inputs[state[0]], *extra)
+
+    return run
+
+
 def host_sync_us(fn, sync, *, loops: int = 200, repeats: int = 7, warmup: int = 20) -> dict:
     """Like ``host_us`` but the timed region includes a final ``sync()`` (submit + completion)."""
     for _ in range(warmup):

@@ -14,7 +14,7 @@ import gc
 
 import numpy as np
 
-from benchmarks._harness import Report, host_sync_us
+from benchmarks._harness import Report, alternating, host_sync_us
 
 
 def _mlp(rep: Report) -> None:
@@ -37,16 +37,8 @@ def _mlp(rep: Report) -> None:
         g = cgraw.graphed(step)
         for x in xs * 2:
             torch.testing.assert_close(g(x), step(x), rtol=1e-4, atol=1e-5)
-        state = {"i": 0}
-
-        def alt(fn):
-            def run():
-                state["i"] ^= 1
-                fn(xs[state["i"]])
-            return run
-
-        row = {"eager_us": host_sync_us(alt(step), sync, loops=300)["median_us"],
-               "cgraw_graphed_us": host_sync_us(alt(g), sync, loops=300)["median_us"]}
+        row = {"eager_us": host_sync_us(alternating(step, xs), sync, loops=300)["median_us"],
+               "cgraw_graphed_us": host_sync_us(alternating(g, xs), sync, loops=300)["median_us"]}
         static = xs[0].clone()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -62,7 +54,7 @@ def _mlp(rep: Report) -> None:
             tg.replay()
             return static_out
 
-        row["torch_cudagraph_copy_us"] = host_sync_us(alt(hand), sync, loops=300)["median_us"]
+        row["torch_cudagraph_copy_us"] = host_sync_us(alternating(hand, xs), sync, loops=300)["median_us"]
         try:
             torch._dynamo.reset()
             ro = torch.compile(step, mode="reduce-overhead")
@@ -73,7 +65,7 @@ def _mlp(rep: Report) -> None:
 
             for x in xs * 3:
                 torch.testing.assert_close(ro_call(x), step(x), rtol=1e-4, atol=1e-5)
-            row["reduce_overhead_us"] = host_sync_us(alt(ro_call), sync, loops=300)["median_us"]
+            row["reduce_overhead_us"] = host_sync_us(alternating(ro_call, xs), sync, loops=300)["median_us"]
         except Exception as exc:
             rep.peer_missing(f"torch.compile reduce-overhead (mlp batch {batch})", repr(exc)[:300])
         rep.add(workload="mlp_inference", batch=batch, **row)
@@ -100,16 +92,8 @@ def _stencil(rep: Report) -> None:
     g = cgraw.graphed(jacobi)
     for u in us * 2:
         assert cp.allclose(g(u, f), jacobi(u, f), rtol=1e-5, atol=1e-5)
-    state = {"i": 0}
-
-    def alt(fn):
-        def run():
-            state["i"] ^= 1
-            fn(us[state["i"]], f)
-        return run
-
-    row = {"eager_us": host_sync_us(alt(jacobi), sync, loops=100)["median_us"],
-           "cgraw_graphed_us": host_sync_us(alt(g), sync, loops=100)["median_us"]}
+    row = {"eager_us": host_sync_us(alternating(jacobi, us, f), sync, loops=100)["median_us"],
+           "cgraw_graphed_us": host_sync_us(alternating(g, us, f), sync, loops=100)["median_us"]}
     static = us[0].copy()
     cs = cp.cuda.Stream(non_blocking=True)
     with cs:
@@ -123,7 +107,7 @@ def _stencil(rep: Report) -> None:
         cgraph.launch(cp.cuda.Stream.null)
         return out
 
-    row["cupy_graph_copy_us"] = host_sync_us(alt(cupy_graph), sync, loops=100)["median_us"]
+    row["cupy_graph_copy_us"] = host_sync_us(alternating(cupy_graph, us, f), sync, loops=100)["median_us"]
     rep.add(workload="cupy_jacobi_50_kernels", **row)
     cgraw.reset()
 
@@ -147,16 +131,8 @@ def _mixed(rep: Report) -> None:
     g = cgraw.graphed(step)
     for x in xs * 2:
         torch.testing.assert_close(g(x), step(x), rtol=1e-4, atol=1e-5)
-    state = {"i": 0}
-
-    def alt(fn):
-        def run():
-            state["i"] ^= 1
-            fn(xs[state["i"]])
-        return run
-
-    rep.add(workload="mixed_torch_cupy_step", eager_us=host_sync_us(alt(step), sync, loops=300)["median_us"],
-            cgraw_graphed_us=host_sync_us(alt(g), sync, loops=300)["median_us"])
+    rep.add(workload="mixed_torch_cupy_step", eager_us=host_sync_us(alternating(step, xs), sync, loops=300)["median_us"],
+            cgraw_graphed_us=host_sync_us(alternating(g, xs), sync, loops=300)["median_us"])
     cgraw.reset()
 
 

@@ -8,23 +8,13 @@ import threading
 
 import numpy as np
 import pytest
+from gpu_data import crand, rng, trand
 
 import cgraw
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 cp = pytest.importorskip("cupy")
-
-rng = np.random.default_rng()
-
-
-def trand(*shape):
-    return torch.randn(*shape, device="cuda")
-
-
-def crand(*shape):
-    return cp.asarray(rng.standard_normal(shape).astype(np.float32))
-
 
 def not_capturing(pool):
     assert pool.capture_stream.capture_status == 0

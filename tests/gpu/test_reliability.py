@@ -9,8 +9,8 @@ from __future__ import annotations
 import gc
 import threading
 
-import numpy as np
 import pytest
+from gpu_data import crand, trand
 
 import cgraw
 from cgraw import _cuda
@@ -18,18 +18,6 @@ from cgraw import _cuda
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_trees")]
 torch = pytest.importorskip("torch")
 cp = pytest.importorskip("cupy")
-
-rng = np.random.default_rng()
-
-
-def trand(*shape):
-    return torch.randn(*shape, device="cuda")
-
-
-def crand(*shape):
-    return cp.asarray(rng.standard_normal(shape).astype(np.float32))
-
-
 
 
 def _capture_works(pool):
@@ -253,18 +241,20 @@ def test_soak_replays_and_rerecords(device):
     gc.collect()
     mgr = sys.modules["cgraw.graphed"]._managers[0]
     pool = mgr.backend.pool
-    free0, _ = device.mem_get_info()
-    pool0 = pool.stats().reserved_bytes + pool.torch_reserved_bytes
-    objs0 = len(gc.get_objects())
+
+    def probe():
+        """(driver free bytes, pool reserved bytes with torch's part, Python objects)."""
+        return (device.mem_get_info()[0], pool.stats().reserved_bytes + pool.torch_reserved_bytes,
+                len(gc.get_objects()))
+
+    free0, pool0, objs0 = probe()
     for _ in range(100_000):
         y = f(x, w1)
     torch.cuda.synchronize()
     torch.testing.assert_close(y, body(x, w1))
     del y
     gc.collect()
-    free1, _ = device.mem_get_info()
-    pool1 = pool.stats().reserved_bytes + pool.torch_reserved_bytes
-    objs1 = len(gc.get_objects())
+    free1, pool1, objs1 = probe()
     rer0 = mgr.stats[f.fn_id].rerecords
     for i in range(1000):  # every call moves the static input: a re-record each time
         y = f(x, w2 if i % 2 == 0 else w1)
@@ -272,9 +262,7 @@ def test_soak_replays_and_rerecords(device):
     torch.testing.assert_close(y, body(x, w1))
     del y
     gc.collect()
-    free2, _ = device.mem_get_info()
-    pool2 = pool.stats().reserved_bytes + pool.torch_reserved_bytes
-    objs2 = len(gc.get_objects())
+    free2, pool2, objs2 = probe()
     rerecords = mgr.stats[f.fn_id].rerecords - rer0
     print(f"\nsoak: 100000 replays: driver free {free0 - free1:+d} B, pool {pool1 - pool0:+d} B, "
           f"objects {objs1 - objs0:+d}; {rerecords} re-records: driver free {free1 - free2:+d} B, "

@@ -8,20 +8,13 @@ import random
 
 import numpy as np
 import pytest
+from gpu_data import rng, trand
 
 import cgraw
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_trees")]
 torch = pytest.importorskip("torch")
 cp = pytest.importorskip("cupy")
-
-rng = np.random.default_rng()
-
-
-def trand(*shape):
-    return torch.randn(*shape, device="cuda")
-
-
 
 
 def _mgr():
