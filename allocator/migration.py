@@ -11,7 +11,9 @@ queried right away and on every later miss. Once it reports done, each block fre
 ``seq <= stamp`` was freed before the record, so A's work on it has finished: it moves to B's
 arena (keeping its seq) and merges with B's free neighbours, and the event is dropped. Blocks
 merged on A take the newest seq, so a merge can only delay a move. ``record`` may return None
-("cannot record now"); that stream is then skipped. With ``events=None`` none of this runs.
+("cannot record now"); that stream is then skipped, as are the pool's pinned streams (whose
+freed blocks are still used by other work, ``Pool._pinned_streams``). With ``events=None`` none
+of this runs.
 
 A plan is computed without touching the pool, and committed only once the malloc is certain to
 succeed, so a ``PoolExhausted`` leaves the pool (pending events included) unchanged.
@@ -52,7 +54,8 @@ def plan_migration(pool: Any, stream: int, size: int) -> MigrationPlan | None:
     events = pool._events
     new_pending: list[tuple[int, object, int]] = []
     done: list[tuple[int, int]] = []
-    for other in sorted(s for s, a in pool._arenas.items() if s != stream and a.sizes):
+    pinned = pool._pinned_streams()
+    for other in sorted(s for s, a in pool._arenas.items() if s != stream and a.sizes and s not in pinned):
         pending = pool._pending.get(other)
         if pending is None:
             token = events.record(other)

@@ -346,13 +346,21 @@ class Pool:
         return block
 
     def _empty_segments(self) -> list[tuple[int, int]]:
-        """(base, nbytes) of bookkept segments that are one free block."""
+        """(base, nbytes) of bookkept segments that are one free block, not on a pinned stream."""
         out = []
+        pinned = self._pinned_streams()
         for base, nbytes in self._segments.items():
             b = self._blocks[base]
-            if b.is_free and b.next is None:
+            if b.is_free and b.next is None and b.stream not in pinned:
                 out.append((base, nbytes))
         return out
+
+    def _pinned_streams(self):
+        """Streams whose free blocks neither move to other streams nor go back to the source
+        (``trim``, the limit path). None here; a subclass pins the streams of work that still
+        uses freed memory (``cgraw.DevicePool``: a live graph's capture stream). Called under
+        ``_lock``, off the hot path."""
+        return ()
 
     def _reserve(self, seg_size: int, nbytes: int) -> tuple[int, list[tuple[str, int, int]]]:
         """Reserve a segment from the source within the limit; return its base and the spare or

@@ -4,7 +4,7 @@ Layer L0. Every driver call cgraw makes goes through ``check`` (or, on the hot p
 bound function whose result is compared with 0 inline). Wrappers are the driver call with ``cu``
 dropped and the rest in snake_case (``cuStreamBeginCapture`` -> ``stream_begin_capture``). Nothing
 here runs at import: the driver is loaded by the first call, and a machine with no driver or no
-device gets one ``CudaUnavailableError``. Imports only ``errors`` and ``_env`` from cgraw.
+device gets one ``CudaUnavailableError``. Imports only ``errors``, ``_env`` and ``_defer`` from cgraw.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from cuda.bindings import driver as drv
 from cuda.bindings import runtime as _rt
 from cuda.bindings.utils import get_cuda_native_handle
 
+from cgraw import _defer
 from cgraw.errors import (
     CaptureError,
     CudaError,
@@ -180,9 +181,14 @@ live_handles: Counter = Counter()
 def destroy_quietly(fn, handle, kind: str) -> None:
     """Destroy a handle from a finalizer: never raises.
 
+    While any cgraw capture routes allocations the destroy waits for it to end (``_defer``).
     During interpreter shutdown every error is ignored. Otherwise a failure becomes a
     ``ResourceLeakWarning`` (the test suite turns it into an error).
     """
+    _defer.release(_destroy_now, fn, handle, kind)
+
+
+def _destroy_now(fn, handle, kind: str) -> None:
     try:
         if sys.is_finalizing():
             return
@@ -300,6 +306,12 @@ def stream_query(stream) -> bool:
         return False
     check((err,), "cuStreamQuery")
     return True
+
+
+def launch_host_func(stream, fn_ptr: int) -> None:
+    """Enqueue a host function (a C function pointer taking ``void*``) on ``stream``; inside a
+    capture it becomes a host node of the graph."""
+    check(drv.cuLaunchHostFunc(stream, drv.CUhostFn(fn_ptr), 0), "cuLaunchHostFunc")
 
 
 def stream_wait_event(stream, event) -> None:

@@ -14,3 +14,6 @@ def _flag(name: str) -> bool:
 
 CGRAW_DEBUG = _flag("CGRAW_DEBUG")
 CGRAW_REQUIRE_GPU = _flag("CGRAW_REQUIRE_GPU")
+# Test mode: gc.collect() at every capture boundary and in every allocation made while a capture
+# routes allocations, so finalizers (graphs, pools, torch MemPools) fire at the worst moments.
+CGRAW_GC_STRESS = _flag("CGRAW_GC_STRESS")

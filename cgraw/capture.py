@@ -16,7 +16,8 @@ import logging
 import threading
 import time
 
-from cgraw import _cuda
+from cgraw import _cuda, _defer
+from cgraw import stream as _stream_mod
 from cgraw.device import Device
 from cgraw.errors import CaptureError
 from cgraw.graph import Graph
@@ -78,6 +79,7 @@ class capture:
         self._adapters: list = []
         self._owners: list = []
         self._snapshot = None
+        self._prev_ctx = None
         self._t0 = 0.0
 
     def __enter__(self) -> Graph:
@@ -86,7 +88,10 @@ class capture:
                                "a cgraw.capture() is already running on this thread",
                                "end the outer capture first; nested captures are not supported")
         dev = self._device()
+        _cuda.init()
+        self._prev_ctx = _cuda.ctx_get_current()
         dev.set_current()
+        _stream_mod.refresh()
         pool = self.pool if self.pool is not None else DevicePool(dev, name="graph")
         if pool.device is not dev:
             raise ValueError(f"pool is on device {pool.device.ordinal}, capture on device {dev.ordinal}")
@@ -101,7 +106,10 @@ class capture:
                 stream.wait(_event_on(dev, ptr))
         self._snapshot = pool.snapshot()
         entered = []
+        # from here until __exit__ has left the routing, nothing is freed (cgraw._defer)
+        _defer.capture_begins()
         try:
+            _defer.gc_stress()
             for a in self._adapters:
                 a.enter()
                 entered.append(a)
@@ -110,21 +118,34 @@ class capture:
             capture_guard_enter()
             try:
                 _cuda.stream_begin_capture(stream.handle, _cuda.CAPTURE_MODES[self.mode])
+                _tls.active = self
+                self._t0 = time.perf_counter()
+                _defer.gc_stress()
             except BaseException:
+                # an interrupt may land after the capture began: never leave the stream capturing
+                _tls.active = None
+                _end_quietly(stream)
                 capture_guard_exit()
                 raise
         except BaseException:
-            for a in reversed(entered):
-                a.exit()
+            try:
+                for a in reversed(entered):
+                    a.exit(failed=True)
+                self._restore_pool()
+            finally:
+                _defer.capture_ends()
+                self._restore_context()
             raise
-        _tls.active = self
-        self._t0 = time.perf_counter()
         return self.graph
 
     def __exit__(self, exc_type, exc, tb):
         graph = self.graph
         stream = graph.capture_stream
         _tls.active = None
+        try:
+            _defer.gc_stress()
+        except BaseException:  # a finalizer run by the stress collection must not skip the end
+            pass
         status, capture_id = 0, 0
         try:
             status, capture_id = _cuda.stream_capture_info(stream.handle)
@@ -137,13 +158,19 @@ class capture:
         err, cugraph = _cuda.stream_end_capture_raw(stream.handle)
         capture_guard_exit()
         capture_ms = (time.perf_counter() - self._t0) * 1e3
+        failed = exc_type is not None or bool(err)
         exit_error = None
-        for a in reversed(self._adapters):
-            try:
-                a.exit()
-            except BaseException as e:  # keep unwinding the others
-                exit_error = exit_error or e
-        self._adapters = []
+        try:
+            for a in reversed(self._adapters):
+                try:
+                    a.exit(failed=failed)
+                except BaseException as e:  # keep unwinding the others
+                    exit_error = exit_error or e
+        finally:
+            self._adapters = []
+            _defer.capture_ends()
+            self._restore_context()
+        host_funcs = stream.take_host_funcs()
 
         if exc_type is not None or err or exit_error is not None:
             if cugraph is not None:
@@ -166,6 +193,7 @@ class capture:
         except BaseException:
             self._restore_pool()  # instantiation failed: as after any failed capture
             raise
+        graph._keepalive.extend(host_funcs)
         graph.instantiate_ms = (time.perf_counter() - t0) * 1e3
         if self._tree:
             for r in self._owners:
@@ -197,8 +225,18 @@ class capture:
         if (wanted is None and _icupy.cupy_module() is not None) or (wanted is not None and "cupy" in wanted):
             if _icupy.cupy_module() is None:
                 raise ImportError("frameworks=('cupy',) but cupy is not imported")
-            out.append(_icupy.CupyRouting(pool, stream, self._owners))
+            out.append(_icupy.CupyRouting(pool, stream, self._owners, warm_cublas=self.warm_cublas))
         return out
+
+    def _restore_context(self) -> None:
+        """Make the context that was current before the capture current again (a capture on
+        another device must not leave that device's context current on this thread)."""
+        prev, self._prev_ctx = self._prev_ctx, None
+        if prev is not None and _cuda.native(prev) != 0:
+            try:
+                _cuda.ctx_set_current(prev)
+            except Exception:  # the previous context is gone: leave the capture's current
+                pass
 
     def _restore_pool(self) -> None:
         """Put the pool back as it was before the capture; blocks handed out since are disowned."""
@@ -213,10 +251,14 @@ class capture:
         pool.restore(self._snapshot)
 
     def _classify(self, exc, err, status) -> str | None:
-        for cls in (_itorch.TorchRouting, _icupy.CupyRouting):
-            msg = cls.classify(exc)
-            if msg is not None:
-                return msg
+        """The plain-words reason a capture failed, or None for the user's own exception."""
+        for e in _chain(exc):
+            cupy_first = type(e).__module__.startswith("cupy")
+            for cls in ((_icupy.CupyRouting, _itorch.TorchRouting) if cupy_first
+                        else (_itorch.TorchRouting, _icupy.CupyRouting)):
+                msg = cls.classify(e)
+                if msg is not None:
+                    return msg
         if isinstance(exc, CaptureError) or (isinstance(exc, _cuda.CudaError) and exc.code in _cuda._CAPTURE_CODES):
             return f"the capture failed: {exc}"
         if status == 2 or err == _cuda.CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED:
@@ -251,6 +293,26 @@ def _has_unjoined_work(stream) -> bool:
         return any(_cuda.native(n) not in has_succ and _cuda.native(n) not in dep_set for n in nodes)
     except Exception:  # diagnosis only: never let it break the capture's exit
         return False
+
+
+def _chain(exc):
+    """An exception and the ones it was raised from (cause or context), outermost first."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _end_quietly(stream) -> None:
+    """End a capture that ``__enter__`` could not hand over; never raises."""
+    try:
+        if stream.capture_status != 0:
+            err, cugraph = _cuda.stream_end_capture_raw(stream.handle)
+            if cugraph is not None:
+                _cuda.destroy_quietly(_cuda.drv.cuGraphDestroy, cugraph, "graph")
+    except Exception:
+        pass
 
 
 def _event_on(dev: Device, stream_ptr: int):

@@ -1,8 +1,8 @@
 """Executable CUDA graphs: instantiate, replay, inspect, update.
 
-Layer L3: imports ``_cuda``, ``device``, ``stream`` and ``memory``; knows nothing of torch, CuPy
-or the capture context manager (``api.capture`` builds Graphs). ``Graph.replay`` is the hot path:
-one driver call and one comparison.
+Layer L6: imports ``_cuda``, ``device`` and ``stream``; knows nothing of torch, CuPy or the
+capture context manager (``capture`` builds Graphs). ``Graph.replay`` is the hot path: the
+caller's current stream (``stream.current_ptr``, about 0.1 us) and one driver call.
 """
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ import weakref
 from dataclasses import dataclass
 
 from cgraw import _cuda
+from cgraw import stream as _streams
 from cgraw.device import Device
 from cgraw.errors import CaptureError, CgrawError
-from cgraw.stream import Stream
+from cgraw.stream import Stream, stream_ptr
 
 _NODE_TYPE_NAMES = {int(v): v.name.replace("CU_GRAPH_NODE_TYPE_", "") for v in _cuda.NodeType}
 _KERNEL = int(_cuda.NodeType.CU_GRAPH_NODE_TYPE_KERNEL)
-_LEGACY_STREAM = _cuda.drv.CUstream(0)
+_launch = _cuda.graph_launch_raw
 
 
 @dataclass(frozen=True)
@@ -45,13 +46,15 @@ def _destroy_pair(exec_, graph) -> None:
 class Graph:
     """A captured, instantiated CUDA graph.
 
-    Build one with ``cgraw.capture()``. ``replay()`` launches it; by default on the legacy default
-    stream, which orders it after torch's and CuPy's default-stream work and before theirs that
-    follows. Pass ``stream=`` to replay on another stream.
+    Build one with ``cgraw.capture()``. ``replay()`` launches it on the caller's current stream:
+    torch's current stream (``with torch.cuda.stream(s):``) when it is not the default one, else
+    CuPy's current stream, else the legacy default stream, as ``torch.cuda.CUDAGraph.replay()``
+    does. ``stream=`` picks another one.
     """
 
     __slots__ = (
         "device",
+        "_ordinal",
         "pool",
         "capture_stream",
         "_graph",
@@ -72,6 +75,7 @@ class Graph:
     def _pending(cls, device: Device, pool, capture_stream: Stream) -> "Graph":
         self = object.__new__(cls)
         self.device = device
+        self._ordinal = device.ordinal
         self.pool = pool
         self.capture_stream = capture_stream
         self._graph = None
@@ -102,27 +106,41 @@ class Graph:
         self._exec = exec_
         self._finalizer = weakref.finalize(self, _destroy_pair, exec_, cugraph)
         self.num_nodes = len(_cuda.graph_get_nodes(cugraph))
+        register = getattr(self.pool, "_register_graph", None)
+        if register is not None:
+            register(self)  # the pool keeps this graph's memory from eager allocations
 
     # ------------------------------------------------------------------ hot path
 
     def replay(self, stream=None) -> None:
-        """Launch the graph on ``stream`` (default: the legacy default stream)."""
+        """Launch the graph on ``stream`` (default: the caller's current stream, see the class)."""
         exec_ = self._exec
         if exec_ is None:
             raise CgrawError("replay of a closed cgraw.Graph; capture it again")
         if stream is None:
-            (err,) = _cuda.graph_launch_raw(exec_, _LEGACY_STREAM)
+            ptr = _streams._current(self._ordinal)
         elif stream.__class__ is Stream:
             if stream.device is not self.device:
                 raise CgrawError(
                     f"replay on a stream of device {stream.device.ordinal}, but the graph was "
                     f"captured on device {self.device.ordinal}"
                 )
-            (err,) = _cuda.graph_launch_raw(exec_, stream.handle)
+            ptr = stream.ptr
         else:
-            (err,) = _cuda.graph_launch_raw(exec_, Stream.of(stream, self.device).handle)
+            ptr = stream_ptr(stream)
+        (err,) = _launch(exec_, ptr)
         if err:
-            raise _cuda.make_error(err, "cuGraphLaunch")
+            self._launch_failed(err, ptr)
+
+    def _launch_failed(self, err, ptr: int) -> None:
+        """A launch on the legacy or per-thread stream uses the thread's current context: after
+        another device was made current, make the graph's current and try once more."""
+        if ptr in (0, 1, 2):
+            self.device.set_current()
+            (err,) = _launch(self._exec, ptr)
+            if not err:
+                return
+        raise _cuda.make_error(err, "cuGraphLaunch")
 
     __call__ = replay
 
@@ -135,10 +153,14 @@ class Graph:
         _cuda.graph_upload(self._exec, s.handle)
 
     def close(self) -> None:
-        """Destroy the executable and the graph (idempotent). The pool stays with its other users."""
+        """Destroy the executable and the graph (idempotent). The pool stays with its other users.
+        Inside a capture the destroy waits until no capture routes allocations (``cgraw._defer``)."""
         self._exec = None
         self._graph = None
         self._keepalive = []
+        unregister = getattr(self.pool, "_unregister_graph", None)
+        if unregister is not None:
+            unregister(self)
         if self._finalizer is not None:
             self._finalizer()
 

@@ -47,7 +47,7 @@ class GraphedFunction:
         if not callable(fn):
             raise TypeError(f"cgraw.graphed needs a callable, not {type(fn).__name__}")
         self.fn = fn
-        self.name = getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
+        self.name = _unique(_name_of(fn))
         self.fn_id = next(_ids)
         self.static_argnums = frozenset(_ints("static_argnums", static_argnums))
         self.mutates = tuple(_ints("mutates", mutates))
@@ -152,12 +152,48 @@ def tree_text(device: int = 0) -> str:
 
 
 def reset() -> None:
-    """Free every tree, its recordings and its pool (torch's cache is emptied to return them)."""
+    """Free every tree, its recordings and its pool. Memory that outputs handed out still use
+    stays valid until they are gone; the rest goes back once no capture routes allocations.
+    Must be called from the thread that owns the trees."""
     with _lock:
         mgrs = list(_managers.values())
+        for mgr in mgrs:
+            mgr.check_thread("cgraw.reset()")
         _managers.clear()
     for mgr in mgrs:
         mgr.reset()
+
+
+def _name_of(fn) -> str:
+    """A short name for reports and logs: a function's qualified name, a module's class (never a
+    ``repr``, which for a model runs to hundreds of lines)."""
+    import types
+
+    if isinstance(fn, functools.partial):
+        return f"partial({_name_of(fn.func)})"
+    orig = getattr(fn, "_torchdynamo_orig_callable", None)
+    if orig is not None:
+        return f"{_name_of(orig)} (compiled)"
+    mod = getattr(fn, "_orig_mod", None)  # torch.compile(module): an OptimizedModule
+    if mod is not None and type(fn).__name__ == "OptimizedModule":
+        return f"{_name_of(mod)} (compiled)"
+    if isinstance(fn, (types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
+        return fn.__qualname__
+    q = getattr(fn, "__qualname__", None)
+    if isinstance(q, str) and not isinstance(fn, type):
+        return q
+    return type(fn).__qualname__ if not isinstance(fn, type) else fn.__qualname__
+
+
+_names: dict[str, int] = {}  # name -> graphed functions given it so far; guarded by _lock
+
+
+def _unique(name: str) -> str:
+    """``name``, or ``name#2``, ``name#3``... when other graphed functions already have it."""
+    with _lock:
+        n = _names.get(name, 0) + 1
+        _names[name] = n
+    return name if n == 1 else f"{name}#{n}"
 
 
 def _device_of(args, kwargs) -> int:

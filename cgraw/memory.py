@@ -1,8 +1,14 @@
 """Device memory: a segment source over cuMemAlloc, and ``DevicePool``.
 
-Layer L2: imports ``_cuda``, ``device``, ``stream`` and the ``allocator`` package. A
+Layer L4: imports ``_cuda``, ``_defer``, ``device``, ``stream`` and the ``allocator`` package. A
 ``DevicePool`` is an ``allocator.Pool`` whose segments come from the driver; stream ids are
 raw stream handles (ints). It can serve CuPy through ``cupy.cuda.using_allocator``.
+
+Memory a live graph uses is never handed to anything but a later capture into the same pool:
+blocks freed on the pool's capture stream (a graph's temporaries, its outputs once they die)
+stay there while any graph captured into the pool is alive, instead of migrating to eager
+allocations on other streams, and ``trim()`` keeps their segments. Segments are returned to the
+driver only once no capture routes allocations (``cgraw._defer``).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import threading
 import weakref
 
 import allocator
-from cgraw import _cuda
+from cgraw import _cuda, _defer
 from cgraw.device import Device
 from cgraw.stream import Stream
 
@@ -44,10 +50,10 @@ class CudaSource:
         return ptr
 
     def release(self, addr: int, nbytes: int) -> None:
-        self.device.set_current()
-        _cuda.mem_free(addr)
         self.reserved_bytes -= nbytes
         del self.segments[addr]
+        # cuMemFree on a capturing thread would invalidate its capture: wait for captures to end
+        _defer.release(_free_segment, self.device, addr)
 
     def release_all_quietly(self) -> None:
         """Finalizer of a pool that was never closed: give every segment back. Never raises."""
@@ -55,6 +61,11 @@ class CudaSource:
             _cuda.destroy_quietly(_cuda.drv.cuMemFree, addr, "mem")
         self.segments.clear()
         self.reserved_bytes = 0
+
+
+def _free_segment(device: Device, addr: int) -> None:
+    device.set_current()
+    _cuda.mem_free(addr)
 
 
 class CudaStreamEvents:
@@ -117,12 +128,25 @@ class DevicePool(allocator.Pool):
         self.device = device
         source = CudaSource(device)
         super().__init__(source, limit=limit, events=CudaStreamEvents(device), name=name)
-        # a pool nobody closed returns its memory when it is collected (the finalizer holds the
-        # source, never the pool)
-        self._finalizer = weakref.finalize(self, source.release_all_quietly)
-        self.torch_state = None  # (torch MemPool, its cgraw sub-pool), set by interop.torch
+        # torch's side of the pool (interop.torch.TorchPool), once a capture routes torch into it.
+        # The finalizer holds this list, never the pool: when the pool dies, the torch MemPool is
+        # dropped and the segments released once no capture routes allocations (torch aborts the
+        # process if a MemPool dies while any capture routes into a pool).
+        self._torch_holder: list = []
+        self._finalizer = weakref.finalize(self, _release_pool, source, self._torch_holder)
         self.consumer_holds: dict[int, int] = {}  # ptr -> DLPack exports not yet released
         self._capture_stream: Stream | None = None
+        self._graphs = weakref.WeakSet()  # live graphs captured into this pool
+
+    @property
+    def torch_state(self):
+        """The ``interop.torch.TorchPool`` routing torch into this pool, or None."""
+        h = self._torch_holder
+        return h[0] if h else None
+
+    @torch_state.setter
+    def torch_state(self, value) -> None:
+        self._torch_holder[:] = [] if value is None else [value]
 
     @property
     def capture_stream(self) -> Stream:
@@ -135,16 +159,34 @@ class DevicePool(allocator.Pool):
 
     @property
     def torch_reserved_bytes(self) -> int:
-        """Bytes of this pool's segments that torch's MemPool holds."""
-        return 0 if self.torch_state is None else self.torch_state[1].stats().reserved_bytes
+        """Bytes of the segments torch's MemPool for this pool holds."""
+        tp = self.torch_state
+        return 0 if tp is None else tp.reserved_bytes()
+
+    # ------------------------------------------------------------------ live graphs
+
+    def _register_graph(self, graph) -> None:
+        self._graphs.add(graph)
+
+    def _unregister_graph(self, graph) -> None:
+        self._graphs.discard(graph)
+
+    def _pinned_streams(self):
+        """Streams whose free blocks stay put (``allocator.Pool``): the capture stream's, while a
+        graph captured into this pool is alive, so eager allocations never get graph memory."""
+        s = self._capture_stream
+        return (s.ptr,) if s is not None and len(self._graphs) else ()
 
     def close(self) -> None:
-        """Return every segment to the driver. Torch's segments go back once torch releases them."""
+        """Close every graph captured into this pool, then return every segment to the driver
+        (once no capture routes allocations). Torch's segments go back once its tensors die."""
+        for g in list(self._graphs):
+            g.close()
         super().close()
-        if self.torch_state is not None:
-            sub = self.torch_state[1]
-            if not sub.closed and sub.stats().live_blocks == 0:
-                sub.close()
+        holder = self._torch_holder
+        if holder:
+            _defer.release(_drop_torch, holder[:])
+            holder.clear()
 
     def cupy_allocator(self, owners: list | None = None):
         """An allocator for ``cupy.cuda.using_allocator``: each array's memory is a pool block.
@@ -161,8 +203,11 @@ class DevicePool(allocator.Pool):
         UnownedMemory = cupy.cuda.UnownedMemory
         MemoryPointer = cupy.cuda.MemoryPointer
         ref = weakref.ref
+        stress = _defer.gc_stress if _defer.CGRAW_GC_STRESS else None
 
         def malloc(nbytes: int):
+            if stress is not None and _defer.active():
+                stress()
             sid = get_stream().ptr
             block = pool.malloc(max(int(nbytes), 1), stream=sid)
             owner = _BlockOwner(pool, block.ptr, sid)
@@ -173,18 +218,36 @@ class DevicePool(allocator.Pool):
         return malloc
 
 
+def _release_pool(source: CudaSource, torch_holder: list) -> None:
+    """Finalizer of a ``DevicePool``: drop torch's MemPool and give every segment back, once no
+    capture routes allocations. Never raises."""
+    _defer.release(_release_pool_now, source, torch_holder)
+
+
+def _release_pool_now(source: CudaSource, torch_holder: list) -> None:
+    torch_holder.clear()
+    source.release_all_quietly()
+
+
+def _drop_torch(items: list) -> None:
+    items.clear()
+
+
 class _BlockOwner:
     """Frees a pool block when the last CuPy array using it dies. Never raises."""
 
-    __slots__ = ("pool", "ptr", "stream", "__weakref__")
+    __slots__ = ("pool", "ptr", "stream", "keep", "__weakref__")
 
     def __init__(self, pool, ptr: int, stream: int):
         self.pool = pool
         self.ptr = ptr
         self.stream = stream
+        self.keep = None
 
     def disown(self) -> None:
-        """The pool took this block back already (a restore); do not free it again."""
+        """The pool's bookkeeping owns this block now (a restore, a graph tree): do not free it,
+        but keep the pool, and so its segments, alive as long as the array is."""
+        self.keep = self.pool
         self.pool = None
 
     def __del__(self):

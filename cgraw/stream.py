@@ -1,22 +1,33 @@
-"""Streams and events.
+"""Streams and events, and which stream is the caller's current one.
 
-Layer L1: imports ``_cuda`` and ``device``. A ``Stream`` is owned (created and destroyed by
-cgraw) or borrowed from an int handle, a torch stream, a CuPy stream or any object with
-``__cuda_stream__``; a borrowed stream keeps its donor alive and is never destroyed by cgraw.
+Layer L3: imports ``_cuda``, ``device`` and ``interop.torch_c`` (layer 1). A ``Stream`` is owned
+(created and destroyed by cgraw) or borrowed from an int handle, a torch stream, a CuPy stream or
+any object with ``__cuda_stream__``; a borrowed stream keeps its donor alive and is never
+destroyed by cgraw.
+
+The current stream (where ``Graph.replay()`` and graphed calls run, as torch's own graphs do):
+torch's current stream for the device if torch is imported and that stream is not the default
+one; otherwise CuPy's current stream if CuPy is imported; otherwise the legacy default stream.
+So ``with torch.cuda.stream(s):`` and ``with cupy.cuda.Stream():`` both work, and when both set
+one, torch's wins. ``current_ptr`` costs about 0.1 us (torch's raw getter, CuPy's Cython one).
 """
 
 from __future__ import annotations
 
+import ctypes
+import operator
+import sys
 import weakref
 
 from cgraw import _cuda
 from cgraw.device import Device
+from cgraw.interop import torch_c
 
 
 class Stream:
     """A CUDA stream. Build one with ``Stream.create()`` or ``Stream.of(obj)``."""
 
-    __slots__ = ("handle", "ptr", "device", "is_owned", "_owner", "_finalizer", "__weakref__")
+    __slots__ = ("handle", "ptr", "device", "is_owned", "_owner", "_finalizer", "_host_funcs", "__weakref__")
 
     def __init__(self, *args, **kwargs):
         raise TypeError("use Stream.create(), Stream.from_handle() or Stream.of()")
@@ -29,6 +40,7 @@ class Stream:
         self.device = device
         self.is_owned = is_owned
         self._owner = owner
+        self._host_funcs = []  # host functions enqueued while capturing: the graph adopts them
         if is_owned:
             self._finalizer = weakref.finalize(
                 self, _cuda.destroy_quietly, _cuda.drv.cuStreamDestroy, handle, "stream"
@@ -81,6 +93,35 @@ class Stream:
     def synchronize(self) -> None:
         _cuda.stream_synchronize(self.handle)
 
+    def launch_host_func(self, callback, arg) -> None:
+        """Call ``callback(arg)`` on the host once the work queued so far is done, as CuPy's
+        ``Stream.launch_host_func`` does. Inside a capture it becomes a host node: every replay
+        calls it. The callback must not call CUDA; an exception it raises is logged."""
+        capturing = self.capture_status == 1
+        done = [False]
+
+        def run(_user_data, _cb=callback, _arg=arg):
+            try:
+                _cb(_arg)
+            except BaseException:  # a host node cannot raise into CUDA
+                import logging
+
+                logging.getLogger("cgraw").exception("cgraw: host function %r raised", _cb)
+            done[0] = True  # never free a callback while it runs: pruned at a later launch
+
+        cfunc = _HOST_FN(run)
+        if capturing:
+            self._host_funcs.append(cfunc)  # kept alive by the graph being captured
+        else:
+            _ONE_SHOT[:] = [e for e in _ONE_SHOT if not e[1][0]]
+            _ONE_SHOT.append((cfunc, done))  # kept alive until it has run
+        _cuda.launch_host_func(self.handle, ctypes.cast(cfunc, ctypes.c_void_p).value)
+
+    def take_host_funcs(self) -> list:
+        """Hand over (and forget) the host functions enqueued during a capture."""
+        out, self._host_funcs = self._host_funcs, []
+        return out
+
     def query(self) -> bool:
         """True once all work submitted to the stream has completed."""
         return _cuda.stream_query(self.handle)
@@ -121,6 +162,10 @@ class Stream:
     def __repr__(self) -> str:
         kind = "owned" if self.is_owned else "borrowed"
         return f"<cgraw.Stream 0x{self.ptr:x} {kind} on device {self.device.ordinal}>"
+
+
+_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_ONE_SHOT: list = []  # (host function, [done]) enqueued outside captures, until they have run
 
 
 class Event:
@@ -167,3 +212,78 @@ def _as_device(device) -> Device:
     if isinstance(device, Device):
         return device
     return Device(int(device))
+
+
+# ---------------------------------------------------------------------- the caller's stream
+
+
+def _no_framework(ordinal: int) -> int:
+    if "torch" in sys.modules or "cupy" in sys.modules:
+        return refresh()(ordinal)
+    return 0
+
+
+_current = _no_framework  # rebound by refresh() once a framework is imported
+
+
+def refresh():
+    """Bind ``current_ptr`` to the frameworks imported now (captures and trees call this)."""
+    global _current
+    tget = torch_c.api()._cuda_getCurrentRawStream if "torch" in sys.modules else None
+    cget = None
+    if "cupy" in sys.modules:
+        mod = sys.modules.get("cupy_backends.cuda.stream")
+        cget = getattr(mod, "get_current_stream_ptr", None)
+        if cget is None:  # older CuPy: the public, slower getter
+            get_current = sys.modules["cupy"].cuda.get_current_stream
+
+            def cget():
+                return get_current().ptr
+    if tget is not None and cget is not None:
+        def cur(ordinal: int) -> int:
+            return tget(ordinal) or cget()
+    elif tget is not None:
+        def cur(ordinal: int) -> int:
+            return tget(ordinal)
+    elif cget is not None:
+        def cur(ordinal: int) -> int:
+            return cget()
+    else:
+        cur = _no_framework
+    _current = cur
+    return cur
+
+
+def current_ptr(ordinal: int) -> int:
+    """The raw handle of the caller's current stream for device ``ordinal`` (0: legacy)."""
+    return _current(ordinal)
+
+
+_getters: dict = {}  # type -> how to read a raw handle from a stream object of that type
+
+
+def stream_ptr(obj) -> int:
+    """The raw handle of any stream-like object (int, Stream, torch/CuPy stream, ``__cuda_stream__``);
+    how to read it is worked out once per type."""
+    t = type(obj)
+    get = _getters.get(t)
+    if get is None:
+        get = _getters[t] = _getter_for(obj)
+    return get(obj)
+
+
+def _getter_for(obj):
+    if isinstance(obj, int):
+        return int
+    if isinstance(obj, Stream):
+        return operator.attrgetter("ptr")
+    if hasattr(obj, "cuda_stream"):  # torch.cuda.Stream / ExternalStream
+        return operator.attrgetter("cuda_stream")
+    if type(obj).__module__.startswith("cupy") and hasattr(obj, "ptr"):  # cupy.cuda.Stream
+        return operator.attrgetter("ptr")
+    if hasattr(obj, "__cuda_stream__"):
+        def proto(o):
+            p = o.__cuda_stream__
+            return int((p() if callable(p) else p)[1])
+        return proto
+    raise TypeError(f"cannot use {type(obj).__name__} as a CUDA stream")

@@ -88,7 +88,7 @@ class TreeNode:
     """One function on one path with one input signature. Parents are held weakly."""
 
     __slots__ = ("fn", "key", "_parent", "children", "state", "recording", "checkpoint", "depth",
-                 "skip_reason", "mutated", "__weakref__")
+                 "skip_reason", "mutated", "external", "warm_epoch", "__weakref__")
 
     def __init__(self, fn, key, parent: "TreeNode | None"):
         self.fn = fn
@@ -101,6 +101,8 @@ class TreeNode:
         self.depth = 0 if parent is None else parent.depth + 1
         self.skip_reason: str | None = None
         self.mutated: tuple = ()
+        self.external: tuple = ()
+        self.warm_epoch = -1
 
     @property
     def parent(self) -> "TreeNode | None":
@@ -122,6 +124,26 @@ class TreeNode:
 
 class SkipCall(Exception):
     """Raised by a backend: this call cannot be graphed; run it eagerly. The message is the reason."""
+
+
+class Rewarm(str):
+    """A re-record reason (from ``backend.moved``) after which the node must warm up again first:
+    what the warm-up learned about the function (the tensors it reads through its closure) may
+    be out of date."""
+
+
+class Warm:
+    """What a backend's warm-up returns: the eager result, the eager inputs it mutated, why the
+    function must run eagerly from now on (or None), and what else a recording must know."""
+
+    __slots__ = ("out", "mutated", "skip", "external", "epoch")
+
+    def __init__(self, out, mutated=(), skip=None, external=(), epoch=-1):
+        self.out = out
+        self.mutated = mutated
+        self.skip = skip
+        self.external = external  # tensors read through the closure (kept alive, checked per call)
+        self.epoch = epoch  # module-assignment count at the warm-up (backend-defined)
 
 
 class TreeManager:
@@ -150,21 +172,29 @@ class TreeManager:
 
     def mark_step_begin(self) -> None:
         """End the current generation: outputs handed out so far become invalid."""
+        self.check_thread("cgraw.mark_step_begin()")
+        self._end_generation()
+
+    def _end_generation(self) -> None:
         self.generation += 1
         handed, self.handed_out = self.handed_out, []
         self.backend.end_generation(handed, config.generation_cloning)
         self.tree_outputs = {}
         self.current = None
 
+    def check_thread(self, what: str) -> None:
+        """Raise a clear error when ``what`` is used from a thread that does not own this tree."""
+        if threading.get_ident() != self.owner_thread:
+            raise CgrawError(
+                f"{what} called from a thread other than the one that owns device {self.device_index}'s "
+                "graph tree; cgraw trees are single-threaded: call graphed functions, mark_step_begin() "
+                "and reset() from one thread, or use cgraw.capture() on the other")
+
     # ------------------------------------------------------------------ the call
 
     def call(self, fn, args, kwargs):
         if threading.get_ident() != self.owner_thread:
-            raise CgrawError(
-                f"graphed function {fn.name!r} called from a thread other than the one that owns "
-                f"device {self.device_index}'s graph tree; cgraw trees are single-threaded: call "
-                "graphed functions from one thread, or use cgraw.capture() on the other"
-            )
+            self.check_thread(f"graphed function {fn.name!r}")
         st = self.stats.get(fn.fn_id)
         if st is None:
             st = self.stats[fn.fn_id] = FunctionStats(fn.name)
@@ -179,16 +209,17 @@ class TreeManager:
 
     def _begin_step(self, args) -> list:
         """Start a generation for a call of a root function. Outputs of the ending generation
-        that are this call's own arguments (``h = f(h)``) stay readable until the call has
-        copied them in (they are eager inputs now), and are poisoned after it."""
+        that are this call's own arguments (``h = f(h)``, ``h, c = f(h, c)``) stay readable until
+        the call has copied them in (they are eager inputs now), and are poisoned after it."""
         keep = []
         if config.generation_cloning is None and self.handed_out:
+            ids: set = set()
+            _arg_ids(args, ids)
             rest = []
             for item in self.handed_out:
-                out = item[1]
-                (keep if any(out is a for a in args) else rest).append(item)
+                (keep if id(item[1]) in ids else rest).append(item)
             self.handed_out = rest
-        self.mark_step_begin()
+        self._end_generation()
         return keep
 
     def _call(self, fn, st: FunctionStats, args, kwargs):
@@ -210,12 +241,7 @@ class TreeManager:
                 node.state = NodeState.SKIPPED
                 node.skip_reason = "dynamic shapes: more input signatures than config.dynamic_shape_warn_limit"
             else:
-                st.warmups += 1
-                self.current = node
-                out, node.mutated = self.backend.warmup(fn, call, args, kwargs)
-                if not self.backend.aliases_input(out, call):  # the caller's own memory: never poisoned
-                    self.handed_out.append((fn.name, out))
-                return out
+                return self._warm(node, fn, st, call, args, kwargs)
         if node.state is NodeState.SKIPPED:
             self.current = node
             return self._eager(fn, st, node.skip_reason, args, kwargs)
@@ -224,17 +250,33 @@ class TreeManager:
         reason = self.backend.moved(node.recording, call)
         if reason is not None:
             st.rerecords += 1
-            st.rerecord_reasons.append(reason)
+            st.rerecord_reasons.append(str(reason))
             log.info("cgraw: re-recording %s: %s", fn.name, reason)
             self._drop_subtree_of(node)
+            if isinstance(reason, Rewarm):
+                return self._warm(node, fn, st, call, args, kwargs)
             return self._record(node, fn, st, call, args, kwargs)
-        out = self.backend.replay(node.recording, call)
+        out, owned = self.backend.replay(node.recording, call)
         st.replays += 1
         self.current = node
-        self._register(node, out)
+        self._register(node, owned)
         return out
 
     # ------------------------------------------------------------------ helpers
+
+    def _warm(self, node: TreeNode, fn, st: FunctionStats, call, args, kwargs):
+        """Run the function eagerly once (lazy first-use work happens outside any capture). Its
+        outputs are the caller's ordinary memory: never handed out, never poisoned."""
+        st.warmups += 1
+        self.current = node
+        w = self.backend.warmup(fn, call, args, kwargs)
+        node.mutated, node.external, node.warm_epoch = w.mutated, tuple(w.external), w.epoch
+        node.state = NodeState.WARMED
+        if w.skip is not None:
+            node.state = NodeState.SKIPPED
+            node.skip_reason = w.skip
+            self._note_skip(fn, st, w.skip)
+        return w.out
 
     def _record(self, node: TreeNode, fn, st: FunctionStats, call, args, kwargs):
         parent = node.parent
@@ -242,7 +284,7 @@ class TreeManager:
         if self.pool_state is not anchor:
             self._restore_to(anchor)
         try:
-            rec = self.backend.record(fn, call, args, kwargs, node.mutated)
+            rec = self.backend.record(fn, call, args, kwargs, node.mutated, node.external, node.warm_epoch)
         except SkipCall as exc:
             node.state = NodeState.SKIPPED
             node.skip_reason = str(exc)
@@ -261,10 +303,15 @@ class TreeManager:
         st.recordings += 1
         st.capture_ms += rec.capture_ms
         st.instantiate_ms += rec.instantiate_ms
-        out = self.backend.replay(rec, call)  # recording computes nothing: replay for this call
+        out, owned = self.backend.replay(rec, call)  # recording computes nothing: replay for this call
         self.current = node
-        self._register(node, out)
+        self._register(node, owned)
         return out
+
+    def _note_skip(self, fn, st: FunctionStats, reason: str) -> None:
+        if reason not in st.skip_reasons:
+            log.warning("cgraw: skipping cudagraphs for %s: %s", fn.name, reason)
+            st.skip_reasons[reason] = 0
 
     def _eager(self, fn, st: FunctionStats, reason: str, args, kwargs):
         if reason not in st.skip_reasons:
@@ -273,10 +320,15 @@ class TreeManager:
         st.eager_calls += 1
         return fn.fn(*args, **kwargs)
 
-    def _register(self, node: TreeNode, out) -> None:
+    def _register(self, node: TreeNode, owned) -> None:
+        """Note the outputs of a replay that live in the tree's memory (``owned``): they are
+        tree-output inputs of later calls, and are poisoned when the generation ends."""
         for ptr in self.backend.output_ptrs(node.recording):
             self.tree_outputs[ptr] = node
-        self.handed_out.append((node.fn.name, out))
+        name = node.fn.name
+        handed = self.handed_out
+        for t in owned:
+            handed.append((name, t))
 
     def _new_variant(self, fn, st: FunctionStats, key) -> bool:
         """Count input signatures per function; True when this one must run eagerly."""
@@ -345,6 +397,7 @@ class TreeManager:
 
     def reset(self) -> None:
         """End the generation, drop every node and recording; the backend frees the pool."""
+        self.check_thread("cgraw.reset()")
         if self.handed_out:
             handed, self.handed_out = self.handed_out, []
             self.backend.end_generation(handed, config.generation_cloning)
@@ -383,6 +436,18 @@ class _Unknown:
 _UNKNOWN = _Unknown()
 
 
+def _arg_ids(x, ids: set) -> None:
+    """ids of ``x`` and of everything inside its tuples, lists and dicts."""
+    ids.add(id(x))
+    t = type(x)
+    if t is tuple or t is list:
+        for v in x:
+            _arg_ids(v, ids)
+    elif t is dict:
+        for v in x.values():
+            _arg_ids(v, ids)
+
+
 def _walk(node: TreeNode):
     stack = [node]
     while stack:
@@ -401,4 +466,5 @@ def _alive_in_tree(node: TreeNode, mgr: TreeManager) -> bool:
     return any(n is node for n in mgr.nodes()) and node.recording is not None
 
 
-__all__ = ["Config", "FunctionStats", "NodeState", "SkipCall", "TreeError", "TreeManager", "TreeNode", "config"]
+__all__ = ["Config", "FunctionStats", "NodeState", "Rewarm", "SkipCall", "TreeError", "TreeManager", "TreeNode", "Warm",
+           "config"]

@@ -1,14 +1,26 @@
 """CuPy adapter: run CuPy on the capture stream with its allocations from a cgraw pool.
 
-Layer L5: CuPy is only used when the user has imported it. Allocations go through
+Layer L7: CuPy is only used when the user has imported it. Allocations go through
 ``cupy.cuda.using_allocator`` (thread-local) to ``DevicePool.cupy_allocator``; the capture stream
-is made CuPy's current stream with ``cupy.cuda.ExternalStream``. Both are undone after the capture.
+is made CuPy's current stream with ``cupy.cuda.Stream.from_external``. Both are undone after the
+capture. Around a capture cgraw also:
+
+- creates CuPy's cuBLAS handle first (``warm_cublas``), so a cuBLAS call inside the capture meets
+  CuPy's own refusal rather than a failed handle creation;
+- remembers CuPy's legacy random states, and drops any made by a failed capture (cuRAND cannot
+  be initialised during a capture, and CuPy would keep the broken generator);
+- runs cuFFT plan creation and execution (``cupy.fft._fft._exec_fft``/``_exec_fftn``, wrapped once)
+  in the relaxed capture mode on the capturing thread: cuFFT's plan set-up makes calls that
+  thread-local and global captures refuse, and CuPy's own captures are relaxed by default.
 """
 
 from __future__ import annotations
 
 import sys
 import warnings
+
+from cgraw import _cuda
+from cgraw import memory as _memory
 
 HOST_SYNC = (
     "host synchronisation is not capturable: .get(), .item(), cupy.asnumpy(), printing a device "
@@ -19,6 +31,22 @@ CUBLAS = (
     "CuPy refuses every cuBLAS call during stream capture (matmul, dot, @, einsum, tensordot): "
     "'calling cuBLAS API during stream capture is currently unsupported'; do the matrix product with "
     "torch inside the capture (torch.from_dlpack / cupy.from_dlpack are zero-copy), or outside it"
+)
+CUSOLVER = (
+    "CuPy refuses cuSOLVER calls during stream capture (cupy.linalg.svd, solve, inv, cholesky, eigh, "
+    "qr): do them outside the captured region"
+)
+CUSPARSE = "CuPy refuses cuSPARSE calls during stream capture (sparse products); do them outside the capture"
+RNG = (
+    "cupy.random is not capturable yet (cuRAND refuses stream capture; CuPy's legacy generator "
+    "cannot be initialised inside one): draw the random array outside the capture and pass it in. "
+    "CuPy's random state is left as it was before the capture"
+)
+UPLOAD = (
+    "a host-to-device upload is not capturable: CuPy stages host data through pinned memory, whose "
+    "allocation a capture refuses (cupy.asarray of a NumPy array, and CuPy/cupyx functions that upload "
+    "their own constants each call, such as cupyx.scipy.ndimage.gaussian_filter's weights): make the "
+    "device array before the capture, or pass device weights to the function (ndimage.convolve / correlate1d)"
 )
 
 
@@ -40,16 +68,67 @@ def cupy_module():
     return sys.modules.get("cupy")
 
 
-class CupyRouting:
-    """Brackets a capture for CuPy: allocator hook and current stream."""
+def _capturing() -> bool:
+    return getattr(_memory._tls, "capturing", 0) > 0
 
-    def __init__(self, pool, stream, owners: list):
+
+def _relaxed_while_capturing(fn):
+    """``fn`` run in the relaxed capture mode when this thread is in a cgraw capture."""
+
+    def wrapper(*args, **kwargs):
+        if not _capturing():
+            return fn(*args, **kwargs)
+        prev = _cuda.thread_exchange_capture_mode(_cuda.CAPTURE_MODES["relaxed"])
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _cuda.thread_exchange_capture_mode(prev)
+
+    wrapper._cgraw_wrapped = fn
+    wrapper.__name__ = getattr(fn, "__name__", "wrapped")
+    wrapper.__doc__ = getattr(fn, "__doc__", None)
+    return wrapper
+
+
+_fft_wrapped = False
+
+
+def _wrap_fft() -> None:
+    """Wrap cuFFT plan creation and execution once (see the module docstring)."""
+    global _fft_wrapped
+    if _fft_wrapped:
+        return
+    _fft_wrapped = True
+    try:
+        import importlib
+
+        mod = importlib.import_module("cupy.fft._fft")
+    except Exception:  # no cupy.fft: nothing to wrap
+        return
+    for name in ("_exec_fft", "_exec_fftn"):
+        fn = getattr(mod, name, None)
+        if fn is not None and not hasattr(fn, "_cgraw_wrapped"):
+            setattr(mod, name, _relaxed_while_capturing(fn))
+
+
+def _random_states(cupy) -> dict | None:
+    gen = sys.modules.get("cupy.random._generator")
+    states = getattr(gen, "_random_states", None)
+    return states if isinstance(states, dict) else None
+
+
+class CupyRouting:
+    """Brackets a capture for CuPy: allocator hook, current stream, cuBLAS handle, random states."""
+
+    def __init__(self, pool, stream, owners: list, *, warm_cublas: bool = True):
         self.cupy = sys.modules["cupy"]
         self.pool = pool
         self.stream = stream
         self.owners = owners
+        self.warm_cublas = warm_cublas
         self._alloc_ctx = None
         self._stream_ctx = None
+        self._random_before = None
 
     def producer_streams(self) -> list[int]:
         return [int(self.cupy.cuda.get_current_stream().ptr)]
@@ -57,31 +136,70 @@ class CupyRouting:
     def enter(self) -> None:
         cupy = self.cupy
         dev = self.pool.device.ordinal
+        _wrap_fft()
+        if self.warm_cublas:
+            with cupy.cuda.Device(dev):
+                cupy.cuda.device.get_cublas_handle()
+        states = _random_states(cupy)
+        self._random_before = None if states is None else dict(states)
         self._alloc_ctx = cupy.cuda.using_allocator(self.pool.cupy_allocator(self.owners))
         self._alloc_ctx.__enter__()
         try:
             self._stream_ctx = _external_stream(cupy, self.stream, dev)
             self._stream_ctx.__enter__()
         except BaseException:
-            self.exit()
+            self.exit(failed=True)
             raise
 
-    def exit(self) -> None:
+    def exit(self, failed: bool = False) -> None:
         try:
             if self._stream_ctx is not None:
                 self._stream_ctx.__exit__(None, None, None)
         finally:
             self._stream_ctx = None
-            if self._alloc_ctx is not None:
-                ctx, self._alloc_ctx = self._alloc_ctx, None
-                ctx.__exit__(None, None, None)
+            try:
+                if self._alloc_ctx is not None:
+                    ctx, self._alloc_ctx = self._alloc_ctx, None
+                    ctx.__exit__(None, None, None)
+            finally:
+                before, self._random_before = self._random_before, None
+                states = _random_states(self.cupy)
+                if failed and before is not None and states is not None:
+                    for k in [k for k in states if states[k] is not before.get(k)]:
+                        # made (or replaced) during the failed capture: cuRAND may have been left
+                        # half-initialised; CuPy makes a new one on next use
+                        if k in before:
+                            states[k] = before[k]
+                        else:
+                            del states[k]
 
     @staticmethod
     def classify(exc: BaseException) -> str | None:
         msg = str(exc)
-        if "cuBLAS API during stream capture" in msg:
+        mod = type(exc).__module__
+        name = type(exc).__name__
+        if name == "CURANDError" or "cuRAND API during stream capture" in msg:
+            return RNG
+        if "cuBLAS API during stream capture" in msg or (name == "CUBLASError" and mod.startswith("cupy")):
             return CUBLAS
+        if "cuSOLVER" in msg and isinstance(exc, NotImplementedError) or name == "CUSOLVERError":
+            return CUSOLVER
+        if "cuSPARSE" in msg and isinstance(exc, NotImplementedError):
+            return CUSPARSE
+        if _uploads(exc):
+            return UPLOAD
         if ("cudaErrorStreamCapture" in msg or "operation not permitted when stream is capturing" in msg
                 or "stream is capturing" in msg):
             return HOST_SYNC
         return None
+
+
+def _uploads(exc: BaseException) -> bool:
+    """Whether the failure came from CuPy staging host data through pinned memory."""
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if "pinned_memory" in code.co_filename or code.co_name in ("hostAlloc", "_alloc_pinned"):
+            return True
+        tb = tb.tb_next
+    return False

@@ -1,39 +1,39 @@
-"""torch adapter: route torch's allocations into a cgraw pool during a capture.
+"""torch adapter: route torch's allocations into a private pool during a capture.
 
-Layer L5: imports cgraw's lower layers; torch is only used when the user has imported it.
+Layer L7: imports cgraw's lower layers; torch is only used when the user has imported it, and its
+private API only through ``interop.torch_c``.
 
-Mechanism (see shared/reference/interop.md section 1.5): each ``DevicePool`` gets one
-``torch.cuda.MemPool`` whose segments come from a cgraw sub-pool through ctypes callbacks
-(``torch._C._cuda_customAllocator``). Around a capture, cgraw enters ``torch.cuda.use_mem_pool``
-before ``cuStreamBeginCapture`` and leaves it after ``cuStreamEndCapture``, and makes the capture
-stream torch's current stream. Outside captures torch's allocator is untouched, so eager torch
-code pays nothing. Torch sub-allocates inside the segments and keeps freed blocks cached in the
-MemPool (reused by later captures into the same pool); segments go back to cgraw when torch
-releases them (after the MemPool dies, at ``torch.cuda.empty_cache()``).
+Mechanism: each ``DevicePool`` gets one plain ``torch.cuda.MemPool`` (``TorchPool``): torch's own
+caching allocator, ``cudaMalloc``-ing its segments itself, inside a private pool. Around a capture
+cgraw enters ``torch.cuda.use_mem_pool`` before ``cuStreamBeginCapture`` and leaves it after
+``cuStreamEndCapture``, and makes the capture stream torch's current stream, so torch allocates
+with its relaxed-capture guard. Outside captures torch's allocator is untouched.
+
+Why not segments from cgraw's pool through ctypes callbacks (``_cuda_customAllocator``, the
+design before issue 8): torch calls a custom allocator while it holds its allocator mutex, a
+Python callback needs the GIL, and another thread holding the GIL while it waits for that mutex
+(``torch.cuda.memory_allocated()``) deadlocks both. ``python -m benchmarks.allocator_threads``
+measures it: with callbacks, 0 of 500 captures completed before the 40 s timeout; with torch's
+own allocator, 500 of 500 in 6.9 s (``benchmarks/results/allocator_threads.json``). cgraw still
+accounts for the segments (``TorchPool.segments``) and checkpoints them in graph trees.
 """
 
 from __future__ import annotations
 
-import ctypes
-import logging
 import sys
-import weakref
+from bisect import bisect_right
 
-import allocator
-from cgraw.memory import CudaSource
-
-log = logging.getLogger("cgraw")
-
-_ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
-_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
-# torch may call a pool's callbacks until it releases the pool's last segment, possibly at
-# interpreter exit: the CFUNCTYPE objects live for the life of the process.
-_callbacks: list = []
+from cgraw.interop import torch_c
 
 HOST_SYNC = (
     "host synchronisation is not capturable: .item(), .cpu(), .tolist(), .get(), printing a device "
     "value, nonzero()/boolean masks and torch.cuda.synchronize() wait for the GPU, which a graph "
     "cannot do; move them out of the captured region"
+)
+H2D = (
+    "a host-to-device copy from pageable memory is not capturable (torch.tensor([...], device='cuda'), "
+    "x.cuda() or x.to('cuda') of a CPU tensor): make the tensor before the capture and pass it in, "
+    "or copy from pinned memory (x.pin_memory()) with non_blocking=True"
 )
 RNG = (
     "torch random numbers are not capturable by cgraw (torch.rand*, dropout in training mode, ...): "
@@ -50,51 +50,64 @@ def torch_module():
     return sys.modules.get("torch")
 
 
-def mempool_for(pool):
-    """The ``torch.cuda.MemPool`` feeding on ``pool`` (created on first use)."""
-    state = pool.torch_state
-    if state is not None:
-        return state[0]
-    torch = sys.modules["torch"]
-    sub = allocator.Pool(CudaSource(pool.device), name=f"{pool.name}/torch")
+class TorchPool:
+    """torch's side of a cgraw pool: a private ``torch.cuda.MemPool`` on torch's own allocator.
 
-    def alloc(size, device, stream):
-        try:
-            return sub.malloc(int(size), stream=0).ptr
-        except BaseException as exc:  # a ctypes callback must not raise: NULL means OOM to torch
-            log.warning("cgraw: torch segment of %d bytes could not be allocated: %s", size, exc)
-            return None
+    Dropping the last reference destroys the MemPool, which releases its cached segments; that
+    must never happen while a capture routes allocations (``DevicePool`` defers it).
+    """
 
-    parent = weakref.ref(pool)
+    __slots__ = ("torch", "device", "mempool", "id")
 
-    def free(ptr, size, device, stream, _finalizing=sys.is_finalizing, _log=log):
-        # bound defaults: at interpreter exit this module's globals may already be gone
-        try:
-            if _finalizing():
-                return
-            if not sub.closed:
-                sub.free(int(ptr), stream=0)
-                owner = parent()
-                if (owner is None or owner.closed) and sub.stats().live_blocks == 0:
-                    sub.close()  # the cgraw pool is gone: give torch's last segments back
-        except BaseException as exc:
-            try:
-                _log.warning("cgraw: returning torch segment 0x%x failed: %s", ptr or 0, exc)
-            except BaseException:
-                pass
+    def __init__(self, torch, device_ordinal: int):
+        self.torch = torch
+        self.device = device_ordinal
+        self.mempool = torch.cuda.MemPool()
+        self.id = self.mempool.id
 
-    a, f = _ALLOC(alloc), _FREE(free)
-    _callbacks.append((a, f))
-    custom = torch._C._cuda_customAllocator(
-        ctypes.cast(a, ctypes.c_void_p).value, ctypes.cast(f, ctypes.c_void_p).value
-    )
-    mp = torch.cuda.MemPool(custom)
-    pool.torch_state = (mp, sub)
-    return mp
+    def _snapshot(self) -> list:
+        return self.mempool.snapshot()
+
+    def segments(self) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of the pool's segments, by address."""
+        return sorted((int(s["address"]), int(s["total_size"])) for s in self._snapshot())
+
+    def allocated(self) -> dict[int, int]:
+        """``address -> bytes requested`` of the pool's blocks that are allocated now."""
+        return {int(b["address"]): int(b.get("requested_size") or b["size"])
+                for s in self._snapshot() for b in s["blocks"] if b["state"] != "inactive"}
+
+    def reserved_bytes(self) -> int:
+        return sum(n for _, n in self.segments())
+
+    def owner_of(self):
+        """A function ``ptr -> bool``: whether ``ptr`` lies in one of the segments (read now)."""
+        segs = self.segments()
+        bases = [b for b, _ in segs]
+
+        def owns(ptr: int) -> bool:
+            i = bisect_right(bases, ptr) - 1
+            return i >= 0 and ptr < segs[i][0] + segs[i][1]
+
+        return owns
+
+    def checkpoint(self):
+        """torch's checkpoint of the pool and the blocks allocated at it."""
+        state = torch_c.api()._cuda_getCheckpointState(self.device, self.id)
+        return state, self.allocated()
+
+
+def torch_pool_for(pool) -> TorchPool:
+    """The ``TorchPool`` of a ``DevicePool`` (created on first use)."""
+    tp = pool.torch_state
+    if tp is None:
+        tp = TorchPool(sys.modules["torch"], pool.device.ordinal)
+        pool.torch_state = tp
+    return tp
 
 
 class TorchRouting:
-    """Brackets a capture for torch: pool routing, current stream, cuBLAS warm-up."""
+    """Brackets a capture for torch: pool routing, current stream and device, cuBLAS warm-up."""
 
     def __init__(self, pool, stream, *, warm_cublas: bool = True, clear_workspaces: bool = False,
                  route: str = "thread"):
@@ -109,29 +122,32 @@ class TorchRouting:
         self.warm_cublas = warm_cublas
         self._pool_ctx = None
         self._stream_ctx = None
+        self._prev_device = None
 
     def producer_streams(self) -> list[int]:
         """torch's current stream: the capture must come after the work queued there."""
-        return [int(self.torch.cuda.current_stream(self.pool.device.ordinal).cuda_stream)]
+        return [int(torch_c.api()._cuda_getCurrentRawStream(self.pool.device.ordinal))]
 
     def enter(self) -> None:
         torch = self.torch
         dev = self.pool.device.ordinal
-        mp = mempool_for(self.pool)
+        tc = torch_c.api()
+        tp = torch_pool_for(self.pool)
+        self._prev_device = torch.cuda.current_device()
         ext = torch.cuda.ExternalStream(self.stream.ptr, device=torch.device("cuda", dev))
         if self.route == "thread":
-            self._pool_ctx = torch.cuda.use_mem_pool(mp, device=dev)
+            self._pool_ctx = torch.cuda.use_mem_pool(tp.mempool, device=dev)
             self._pool_ctx.__enter__()
         try:
             self._stream_ctx = torch.cuda.stream(ext)
             self._stream_ctx.__enter__()
             if self.route == "stream":
-                torch._C._cuda_beginAllocateCurrentStreamToPool(dev, mp.id)
-                self._pool_ctx = _StreamRouting(torch, dev, mp.id)
+                tc._cuda_beginAllocateCurrentStreamToPool(dev, tp.id)
+                self._pool_ctx = _StreamRouting(tc, dev, tp.id)
             if self.clear_workspaces:
                 # workspaces made next land in the pool and are freed after the capture: scratch
                 # memory of this recording only (as torch's own graph trees do)
-                torch._C._cuda_clearCublasWorkspaces()
+                tc._cuda_clearCublasWorkspaces()
             if self.warm_cublas:
                 # creates this thread's cuBLAS handle and the capture stream's workspace (in the pool)
                 a = torch.ones((2, 2), device=torch.device("cuda", dev))
@@ -140,7 +156,7 @@ class TorchRouting:
             self.exit()
             raise
 
-    def exit(self) -> None:
+    def exit(self, failed: bool = False) -> None:
         try:
             if self._stream_ctx is not None:
                 self._stream_ctx.__exit__(None, None, None)
@@ -148,19 +164,26 @@ class TorchRouting:
             self._stream_ctx = None
             try:
                 if self.clear_workspaces:
-                    self.torch._C._cuda_clearCublasWorkspaces()
+                    torch_c.api()._cuda_clearCublasWorkspaces()
             finally:
-                if self._pool_ctx is not None:
-                    ctx, self._pool_ctx = self._pool_ctx, None
-                    ctx.__exit__(None, None, None)
+                try:
+                    if self._pool_ctx is not None:
+                        ctx, self._pool_ctx = self._pool_ctx, None
+                        ctx.__exit__(None, None, None)
+                finally:
+                    prev, self._prev_device = self._prev_device, None
+                    if prev is not None and self.torch.cuda.current_device() != prev:
+                        self.torch.cuda.set_device(prev)
 
     @staticmethod
     def classify(exc: BaseException) -> str | None:
         msg = str(exc)
         if "generator not in capture mode" in msg:
             return RNG
-        if "CUBLAS_STATUS_NOT_INITIALIZED" in msg:
+        if "CUBLAS_STATUS_NOT_INITIALIZED" in msg and not type(exc).__module__.startswith("cupy"):
             return CUBLAS_COLD
+        if "Cannot copy between CPU and CUDA tensors during CUDA graph capture" in msg:
+            return H2D
         if ("operation not permitted when stream is capturing" in msg
                 or "during CUDA graph capture" in msg
                 or "cudaErrorStreamCaptureUnsupported" in msg
@@ -173,14 +196,14 @@ class TorchRouting:
 class _StreamRouting:
     """Undoes ``_cuda_beginAllocateCurrentStreamToPool`` the way ``use_mem_pool`` undoes its own."""
 
-    def __init__(self, torch, dev: int, pool_id):
-        self.torch, self.dev, self.pool_id = torch, dev, pool_id
+    def __init__(self, tc, dev: int, pool_id):
+        self.tc, self.dev, self.pool_id = tc, dev, pool_id
 
     def __exit__(self, *exc):
         try:
-            self.torch._C._cuda_endAllocateToPool(self.dev, self.pool_id)
+            self.tc._cuda_endAllocateToPool(self.dev, self.pool_id)
         finally:
-            self.torch._C._cuda_releasePool(self.dev, self.pool_id)
+            self.tc._cuda_releasePool(self.dev, self.pool_id)
 
 
 def side_streams(capture_id: int, origin_ptr: int, stream_capture_info) -> list[int]:

@@ -27,7 +27,7 @@ import weakref
 import numpy as np
 
 from allocator import IntRangeSource, Pool
-from cgraw.tree import SkipCall
+from cgraw.tree import SkipCall, Warm
 
 EAGER, STATIC, TREE = 0, 1, 2
 EAGER_BASE = 1 << 56  # eager addresses: far above anything the pool's IntRangeSource hands out
@@ -166,6 +166,17 @@ def leaves_of(obj) -> list:
     if isinstance(obj, dict):
         return [t for k in sorted(obj) for t in leaves_of(obj[k])]
     return []
+
+
+def _map_leaves(obj, fn):
+    """``obj`` with each ``FakeT`` leaf replaced by ``fn(leaf)``."""
+    if isinstance(obj, FakeT):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_leaves(x, fn) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _map_leaves(v, fn) for k, v in obj.items()}
+    return obj
 
 
 def _substitute(obj, it_index, subs):
@@ -333,7 +344,7 @@ class FakeTreeBackend:
         declared = tuple(j for i in fn.mutates if i < len(call.arg_spans)
                          for j in range(call.arg_spans[i][0], sum(call.arg_spans[i]))
                          if call.kinds[j] == EAGER and j not in mutated)
-        return out, mutated + declared
+        return Warm(out, mutated + declared)
 
     def _run(self, rec: FakeRecording, call: FakeCall, args, kwargs):
         """Run the function as the graph does: eager leaves read from their placeholders, static
@@ -345,7 +356,7 @@ class FakeTreeBackend:
         new_kwargs = _substitute(dict(kwargs or {}), [len(leaves_of(tuple(args)))], subs)
         return rec.fn.fn(*new_args, **new_kwargs)
 
-    def record(self, fn, call: FakeCall, args, kwargs, mutated) -> FakeRecording:
+    def record(self, fn, call: FakeCall, args, kwargs, mutated, external=(), epoch=-1) -> FakeRecording:
         self.log.append(("record", fn.name))
         rec = FakeRecording(fn, call, mutated)
         before = self.pool.snapshot()
@@ -371,7 +382,10 @@ class FakeTreeBackend:
             exc.dirty = True
             raise exc
         rec.fixed = [(j, call.ptrs[j]) for j in range(len(call.leaves)) if call.kinds[j] != EAGER]
-        rec.out_ptrs = [t.ptr for t in leaves_of(out)]
+        allocated = {p for p, _ in rec.allocs}
+        # only memory the capture allocated is the tree's (owned): an output that is an input is
+        # rebuilt from the caller's input on every replay, as the CUDA backend does
+        rec.out_ptrs = [t.ptr for t in leaves_of(out) if t.ptr in allocated]
         self.recordings.append(rec)
         return rec
 
@@ -391,7 +405,11 @@ class FakeTreeBackend:
             self.mem.write(call.ptrs[j], n, self.mem.read(p, n))
         rec.replays += 1
         self.max_source_reserved = max(self.max_source_reserved, self.source.reserved_bytes)
-        return out
+        inputs = {p: j for j, (p, _) in rec.placeholders.items()}
+        inputs.update((p, j) for j, p in rec.fixed)
+        owned_ptrs = set(rec.out_ptrs)
+        out = _map_leaves(out, lambda t: call.leaves[inputs[t.ptr]] if t.ptr in inputs else t)
+        return out, [t for t in leaves_of(out) if t.ptr in owned_ptrs]
 
     def moved(self, rec: FakeRecording, call: FakeCall):
         self.log.append(("moved", rec.name))
@@ -404,11 +422,6 @@ class FakeTreeBackend:
                 what = "static input" if call.kinds[j] == STATIC else "tree-output input"
                 return f"{what} {j} moved from 0x{p:x} to 0x{call.ptrs[j]:x}"
         return None
-
-    def aliases_input(self, out, call: FakeCall) -> bool:
-        """Whether a warm-up output is one of the call's inputs (the caller's memory)."""
-        inputs = {t.ptr for t in call.leaves}
-        return any(isinstance(t, FakeT) and t.ptr in inputs for t in leaves_of(out))
 
     def renew(self):
         """A fresh pool; the old one is left as it is (the CUDA backend's fallback)."""
@@ -434,15 +447,14 @@ class FakeTreeBackend:
         with ``cloning="user_visible"``."""
         self.log.append(("end_generation", len(handed)))
         self.generations.append((list(handed), cloning))
-        for name, out in handed:
-            for t in leaves_of(out):
-                if cloning == "user_visible":
-                    value = t.value
-                    t.ptr = self._eager_range(t.nbytes)
-                    self.mem.write(t.ptr, t.nbytes, value)
-                    weakref.finalize(t, self.mem.drop, t.ptr)
-                else:
-                    t.poisoned = name
+        for name, t in handed:
+            if cloning == "user_visible":
+                value = t.value
+                t.ptr = self._eager_range(t.nbytes)
+                self.mem.write(t.ptr, t.nbytes, value)
+                weakref.finalize(t, self.mem.drop, t.ptr)
+            else:
+                t.poisoned = name
 
     def close(self) -> None:
         self.log.append(("close",))

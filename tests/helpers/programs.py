@@ -12,8 +12,10 @@ then 1 to 3 more functions, each consuming the previous output (a tree output) a
 two-argument functions, a fresh eager input. Which function follows is a host-side branch on a
 host copy of the previous output, the call counter and the walk's seeded RNG; a step sometimes
 begins with an explicit ``mark_step_begin()``; outputs are sometimes kept and read again later,
-in the same step (they must still hold their values) or after it (a torch output must then raise
-"overwritten by a subsequent run"; a CuPy output is never poisoned and is not read).
+in the same step (they must still hold their values) or after it (a torch output in the tree's
+memory must then raise "overwritten by a subsequent run"; one the tree does not own, such as a
+warm-up's output, which is ordinary memory, must still hold its value; a CuPy output is never
+poisoned and is not read).
 
 The module imports neither torch nor CuPy: ``run`` gets a namespace whose ``torch`` and ``cupy``
 attributes implement a small set of operations (``TorchOps``/``CupyOps`` over the real modules,
@@ -375,12 +377,15 @@ class Namespace:
     ``overwritten_pattern``: text of the error that reading a poisoned output raises.
     ``cupy_outputs_poisoned``: True where CuPy outputs are poisoned like torch's (a fake that
     cannot tell them apart); the walk then never passes a CuPy output across an explicit mark.
+    ``owned_by_tree``: in graphed runs, whether an output lives in the tree's memory (only such
+    outputs are poisoned when their generation ends; a warm-up's output is the caller's memory).
     """
 
     torch: object
     cupy: object
     overwritten_pattern: str = OVERWRITTEN
     cupy_outputs_poisoned: bool = False
+    owned_by_tree: object = None
 
     def ops(self, fw: str):
         return self.torch if fw == "torch" else self.cupy
@@ -464,8 +469,11 @@ class RunResult:
     recurrent: Counter = field(default_factory=Counter)  # root calls on the previous step's last
     # output (h = f(h)), by (framework, "mark" or "inferred": how the generation began)
     kept_reads: int = 0  # kept outputs read again (same step or later)
-    expected_raises: int = 0  # of those, torch outputs read after a generation boundary
+    expected_raises: int = 0  # of those, torch outputs read after a generation boundary (graphed
+    # runs: those in the tree's memory)
     raised: int = 0  # reads that raised "overwritten" (graphed runs)
+    kept_valid: int = 0  # graphed runs: torch outputs read after a boundary that the tree does not
+    # own (warm-up outputs): they must still hold the eager value
     not_read: int = 0  # CuPy outputs kept across a generation, not read
     fn_calls: Counter = field(default_factory=Counter)
     paths: Counter = field(default_factory=Counter)  # tuple of function names per step
@@ -489,6 +497,7 @@ class _Kept:
     call: int
     step: int
     due: int
+    owned: bool = True  # in the tree's memory (graphed runs; decided right after the call)
 
 
 def run(program: Program, ns: Namespace, n_calls: int, *, graphed: bool, mark_step_begin=None,
@@ -540,7 +549,9 @@ def run(program: Program, ns: Namespace, n_calls: int, *, graphed: bool, mark_st
         if probe is not None and res.calls in probe_at:
             res.probes[res.calls] = probe()
         if rng.random() < program.p_keep and len(pending) < 4:
-            pending.append(_Kept(out, spec.out_fw, spec.name, i, step, step + rng.choice((0, 0, 1, 1, 2, 3))))
+            owned = not graphed or ns.owned_by_tree is None or bool(ns.owned_by_tree(out))
+            pending.append(_Kept(out, spec.out_fw, spec.name, i, step, step + rng.choice((0, 0, 1, 1, 2, 3)),
+                                 owned))
         return out, host
 
     step = 0
@@ -610,9 +621,10 @@ def _read_due(res: RunResult, pending: list, step: int, ns: Namespace, graphed: 
             res.not_read += 1
             res.log.append(Entry(k.call, k.name, NOT_READ, "kept", False, at))
             continue
-        expect_raise = not same_generation  # a torch output of an ended generation
+        expect_raise = not same_generation and k.owned  # a torch output of an ended generation
         res.kept_reads += 1
         res.expected_raises += expect_raise
+        res.kept_valid += not same_generation and not k.owned
         try:
             value = ns.ops(k.fw).to_host(k.obj)
         except RuntimeError as exc:
@@ -640,13 +652,14 @@ def compare(graphed: RunResult, eager: RunResult, limit: int = 5) -> list[str]:
     """Differences between a graphed and an eager run of one program (empty: they agree).
 
     Outputs must be bitwise equal; a read the harness expects to raise must have raised in the
-    graphed run (the eager value is not compared there); the logs must line up entry by entry.
-    Two eager runs (``graphed.graphed`` False) are compared everywhere."""
+    graphed run (the eager value is not compared there), and a kept output the tree does not own
+    must equal the eager value; the logs must line up entry by entry. Two eager runs
+    (``graphed.graphed`` False) are compared everywhere."""
     out = []
     if len(graphed.log) != len(eager.log):
         out.append(f"logs differ in length: graphed {len(graphed.log)}, eager {len(eager.log)}")
     for g, e in zip(graphed.log, eager.log, strict=False):  # a length difference is reported above
-        if (g.call, g.name, g.what, g.expect_raise, g.at) != (e.call, e.name, e.what, e.expect_raise, e.at):
+        if (g.call, g.name, g.what, g.at) != (e.call, e.name, e.what, e.at) or (g.expect_raise and not e.expect_raise):
             out.append(f"the runs diverged: graphed {g[:2] + g[3:]}, eager {e[:2] + e[3:]}")
             break
         where = f"call {g.call} ({g.name}, {g.what}{'' if g.at < 0 else f' read after call {g.at}'})"

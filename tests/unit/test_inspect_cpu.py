@@ -146,7 +146,7 @@ class SliceableArray(FakeArray):
 
 def test_padded_replay_patches_counts_and_cuts_outputs(monkeypatch):
     from cgraw import _cuda
-    from cgraw.treeexec import _SINGLE, Recording
+    from cgraw.treeexec import _SINGLE, OWNED, Recording
 
     patched = []
     monkeypatch.setattr(_cuda, "memcpy_node_set_1d_raw",
@@ -160,13 +160,16 @@ def test_padded_replay_patches_counts_and_cuts_outputs(monkeypatch):
     # a mutated padded input is copied back: row count patched too (dst is the caller's tensor)
     rec.copies_back, rec.slow_in = [[0, "b0", 0xA00, 5 * 64, 0x100, 64]], []
     rec.out_leaves = [SliceableArray(0xC00, (8, 16)), SliceableArray(0xD00, (3,))]
-    rec.out_spec = (tuple, [("t",), ("t",)])
+    rec.out_spec = ("seq", tuple, [("t",), ("t",)])
+    rec.out_kinds, rec.owned_idx = [OWNED, OWNED], [0, 1]
     rec.out_rows = [0]
     b = _backend()
 
     def call(n, p0=0x100, p1=0x200):
         c = types.SimpleNamespace(rows=n, ptrs=[p0, p1], leaves=[None, None])
-        return b._replay_padded(rec, c)
+        out, owned = b._replay_padded(rec, c)
+        assert len(owned) == len(rec.owned_idx)  # owned outputs are handed out (poisoned later)
+        return out
 
     out = call(5)  # as recorded: nothing to patch
     assert patched == [] and out[0].shape == (5, 16) and out[1].shape == (3,)
@@ -181,4 +184,5 @@ def test_padded_replay_patches_counts_and_cuts_outputs(monkeypatch):
     assert patched == [("n0", 0xA00, 0x400, 8 * 64), ("b0", 0x400, 0xA00, 8 * 64)]
     assert len(launches) == 4
     rec.out_spec, rec.out_leaves, rec.out_rows = _SINGLE, [SliceableArray(0xC00, (8, 16))], [0]
+    rec.out_kinds, rec.owned_idx = [OWNED], [0]
     assert call(6).shape == (6, 16)

@@ -1,5 +1,5 @@
-"""CPU tests of the tree's torch checkpoint bookkeeping (``CudaBackend._restore_torch``) against a
-model of torch's ``_cuda_setCheckpointPoolState`` rules.
+"""CPU tests of the tree's torch checkpoint bookkeeping (``interop.torch_tree.TorchTreeState``)
+against a model of torch's ``_cuda_setCheckpointPoolState`` rules.
 
 The model (``FakeTorchC``) keeps the set of allocated blocks of one MemPool and enforces what
 torch 2.11's Module.cpp and CUDACachingAllocator enforce:
@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import gc
 import random
-import types
 import weakref
 
 import pytest
 
-from cgraw.treeexec import CudaBackend, _storage_spans
+from cgraw.interop.torch_tree import RestoreRefused, TorchTreeState, storage_spans
 
 
 class ModelError(RuntimeError):
@@ -68,6 +67,9 @@ class FakeTensor:
 
     def untyped_storage(self):
         return self._s
+
+    def data_ptr(self) -> int:
+        return self._s.ptr
 
 
 class FakeTorchC:
@@ -128,13 +130,43 @@ class FakeTorchC:
                 s.ctx = True
 
 
-def _backend(torch_c: FakeTorchC) -> CudaBackend:
-    b = object.__new__(CudaBackend)
-    b._torch = types.SimpleNamespace(_C=torch_c)
-    b._torch_device = "cuda:0"
-    b._owners = {}
-    b.device = types.SimpleNamespace(ordinal=0)
-    return b
+class FakeTorchPool:
+    """``interop.torch.TorchPool`` over the model: its allocated blocks and checkpoints."""
+
+    def __init__(self, torch_c: FakeTorchC):
+        self.torch_c = torch_c
+
+    def allocated(self) -> dict:
+        return {p: 512 for p in self.torch_c.allocated}
+
+    def checkpoint(self):
+        return self.torch_c._cuda_getCheckpointState(0, None), self.allocated()
+
+    def owner_of(self):
+        return lambda p: True
+
+
+class _Backend:
+    """The restore as ``CudaBackend.restore`` drives it: plan (all checks), then apply."""
+
+    def __init__(self, torch_c: FakeTorchC):
+        self.tts = TorchTreeState(torch_c, FakeTorchPool(torch_c), 0, "cuda:0")
+
+    @property
+    def _owners(self):
+        return self.tts.owners
+
+    @_owners.setter
+    def _owners(self, value):
+        self.tts.owners = value
+
+    def _restore_torch(self, ckpt, on_path) -> None:
+        plan = self.tts.plan_restore(ckpt, [r.spans for r in on_path])
+        self.tts.apply_restore(ckpt, plan)
+
+
+def _backend(torch_c: FakeTorchC) -> _Backend:
+    return _Backend(torch_c)
 
 
 class Rec:
@@ -155,15 +187,15 @@ def _record(torch_c, backend, parent, rng) -> Rec:
     tensors = [FakeTensor(torch_c.malloc(rng.choice((512, 4096, 1 << 20)))) for _ in range(rng.randint(1, 4))]
     if parent is not None and rng.random() < 0.3:
         tensors.append(parent.keep[0])  # an output that is the parent's (a returned input)
-    spans = _storage_spans(tensors, lambda p: True, backend._owners)
-    return Rec(parent, tensors, spans, torch_c._cuda_getCheckpointState(0, None))
+    spans = storage_spans(tensors, lambda p: True, backend._owners)
+    return Rec(parent, tensors, spans, backend.tts.checkpoint())
 
 
 def _walk(seed: int, steps: int) -> None:
     rng = random.Random(seed)
     torch_c = FakeTorchC()
     backend = _backend(torch_c)
-    root_state = torch_c._cuda_getCheckpointState(0, None)
+    root_state = backend.tts.checkpoint()
     recs: list[Rec] = []
     at = None  # the node whose checkpoint the allocator equals (None: the root, "?" unknown)
     for _ in range(steps):
@@ -209,7 +241,7 @@ def test_branch_back_and_forth():
     restore and are on the path again (torch's 'Not expecting deleter function' case)."""
     torch_c = FakeTorchC()
     backend = _backend(torch_c)
-    root = torch_c._cuda_getCheckpointState(0, None)
+    root = backend.tts.checkpoint()
     rng = random.Random(0)
     a = _record(torch_c, backend, None, rng)
     b = _record(torch_c, backend, a, rng)
@@ -236,3 +268,41 @@ def test_model_rejects_reviving_a_stale_storage():
         torch_c._cuda_setCheckpointPoolState(0, state, [], [s._cdata])
     with pytest.raises(ModelError, match="Any stale tensors"):
         torch_c._cuda_setCheckpointPoolState(0, empty, [], [])
+
+
+def test_a_block_held_outside_the_tree_refuses_the_restore_before_anything_changes():
+    """A graphed function stashed a tensor while it was recorded: its block is allocated but
+    owned by nobody the tree knows. torch would free it and then refuse (a double free later);
+    the plan refuses first, and the model's state and every owner are untouched."""
+    torch_c = FakeTorchC()
+    backend = _backend(torch_c)
+    root = backend.tts.checkpoint()
+    rng = random.Random(1)
+    a = _record(torch_c, backend, None, rng)
+    stash = FakeTensor(torch_c.malloc(512))  # allocated during a's recording, unknown to the tree
+    b = _record(torch_c, backend, a, rng)
+    before = (set(torch_c.allocated), dict(backend._owners), [o.deleter for o in backend._owners.values()])
+    with pytest.raises(RestoreRefused, match="held by tensors the tree does not know"):
+        backend._restore_torch(a.state, a.path())
+    assert (set(torch_c.allocated), dict(backend._owners),
+            [o.deleter for o in backend._owners.values()]) == before
+    with pytest.raises(RestoreRefused):
+        backend._restore_torch(root, [])
+    # dropping everything (the tree starting over on a fresh pool) frees each block once
+    del a, b, stash, before
+    backend._owners = {}
+    gc.collect()
+    assert not torch_c.deaths, torch_c.deaths
+    assert torch_c.allocated == set()
+
+
+def test_a_path_block_missing_from_the_checkpoint_is_refused():
+    torch_c = FakeTorchC()
+    backend = _backend(torch_c)
+    rng = random.Random(2)
+    a = _record(torch_c, backend, None, rng)
+    early = backend.tts.checkpoint()  # taken before b allocated anything
+    b = _record(torch_c, backend, a, rng)
+    with pytest.raises(RestoreRefused, match="not in the checkpoint"):
+        backend._restore_torch(early, b.path())
+    assert not torch_c.deaths

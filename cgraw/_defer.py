@@ -1,0 +1,88 @@
+"""Nothing is freed while a capture routes allocations: releases wait for the last capture to end.
+
+Layer L1: imports ``_env`` and ``errors``. Every cgraw capture, on any thread, is counted from before it enters
+torch's and CuPy's pool routing until after it leaves it. While the count is non-zero, finalizers
+and explicit releases (``cuGraphExecDestroy``, ``cuMemFree``, a torch ``MemPool`` dropped) are
+queued instead of run; the capture that brings the count back to zero runs the queue. Why:
+torch aborts the process when a ``MemPool`` is destroyed while any capture routes into a pool
+(``captures_underway.empty()`` is asserted in ``synchronize_and_free_events``), and ``cuMemFree``
+or a synchronising destroy on a capturing thread invalidates its capture.
+
+The count is process-wide, not per thread, because torch's assertion is. Queued work runs under
+``_lock`` (re-entrant: a release may drop the last reference to another deferred object), so a
+capture that begins on another thread waits until the queue is empty.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+import warnings
+
+from cgraw._env import CGRAW_GC_STRESS
+from cgraw.errors import ResourceLeakWarning
+
+_lock = threading.RLock()
+_active = 0  # captures routing allocations now, all threads; guarded by _lock
+_queue: list = []  # (fn, args) waiting for _active == 0; guarded by _lock
+
+
+def active() -> bool:
+    """Whether any cgraw capture routes allocations now (on any thread)."""
+    return _active > 0
+
+
+def release(fn, *args) -> None:
+    """Run ``fn(*args)`` now, or once no capture routes allocations. Never raises."""
+    if _active:
+        with _lock:
+            if _active:
+                _queue.append((fn, args))
+                return
+    _run(fn, args)
+
+
+def capture_begins() -> None:
+    """Count a capture in (before it routes any allocation)."""
+    global _active
+    with _lock:
+        _active += 1
+
+
+def capture_ends() -> None:
+    """Count a capture out (after its routing ended); the last one runs the queued releases."""
+    global _active
+    with _lock:
+        _active -= 1
+        if _active < 0:
+            _active = 0
+        while _active == 0 and _queue:
+            fn, args = _queue.pop(0)
+            _run(fn, args)
+
+
+def pending() -> int:
+    """Releases waiting for the captures now running to end (tests and diagnostics)."""
+    return len(_queue)
+
+
+def _run(fn, args) -> None:
+    try:
+        fn(*args)
+    except Exception as exc:  # a release runs from finalizers: it must never raise
+        if not sys.is_finalizing():
+            try:
+                warnings.warn(ResourceLeakWarning(f"deferred release {getattr(fn, '__name__', fn)} "
+                                                  f"raised {exc!r}"), stacklevel=2)
+            except Exception:
+                pass
+
+
+def gc_stress() -> None:
+    """Under ``CGRAW_GC_STRESS=1``, collect garbage now (a no-op otherwise)."""
+    if CGRAW_GC_STRESS:
+        gc.collect()
+
+
+__all__ = ["active", "capture_begins", "capture_ends", "gc_stress", "pending", "release"]

@@ -1,0 +1,149 @@
+"""What a graphed function's warm-up does, seen from torch's dispatcher; and module changes.
+
+Layer L7: torch is imported lazily (only once the user has imported it).
+
+A warm-up runs the function eagerly once. Under ``Observer`` (a ``TorchDispatchMode``, so it sees
+every aten and custom op below autograd, at no cost to later replays) cgraw learns:
+
+- ``unsafe``: a custom op tagged ``torch._C.Tag.cudagraph_unsafe`` ran (torch's trees skip such
+  functions; so does cgraw);
+- ``cpu_random``: a random-number op made a CPU tensor (a replay would repeat the numbers);
+- ``external``: tensors the function read that are neither its arguments nor made during the
+  call, and are still alive after it: closure tensors, such as a model's weights reached through
+  ``self``. A recording reads them by address, so cgraw keeps them alive and checks their
+  addresses on every call (``model.half()``, ``param.data = ...`` move them).
+
+``torch.compile``d functions are not observed: Dynamo does not compile under a dispatch mode, so
+observing would compile the function inside the recording instead.
+
+``epoch()`` counts parameter, buffer and submodule assignments on any ``nn.Module``
+(``m.bias = nn.Parameter(...)``), through torch's global registration hooks; a recording made in
+an earlier epoch warms up again, because the tensors it reads by address may have been replaced.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+from cgraw.interop import torch_c
+
+_epoch = [0]
+_hooks_installed = [False]
+_observer_cls: list = [None]
+
+
+def epoch() -> int:
+    return _epoch[0]
+
+
+def _bump(*_args):
+    _epoch[0] += 1
+
+
+def install_module_hooks() -> None:
+    """Count module assignments from now on (once per process)."""
+    if _hooks_installed[0]:
+        return
+    torch = sys.modules["torch"]
+    m = torch.nn.modules.module
+    for name in ("register_module_parameter_registration_hook", "register_module_buffer_registration_hook",
+                 "register_module_module_registration_hook"):
+        reg = getattr(m, name, None)
+        if reg is not None:
+            reg(_bump)
+    _hooks_installed[0] = True
+
+
+def is_compiled(fn) -> bool:
+    """Whether ``fn`` is a ``torch.compile``d function or module."""
+    return (getattr(fn, "_torchdynamo_orig_callable", None) is not None
+            or type(fn).__name__ == "OptimizedModule" or hasattr(fn, "_orig_mod"))
+
+
+def _tensors(x, out: list, T) -> None:
+    if isinstance(x, T):
+        out.append(x)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _tensors(v, out, T)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _tensors(v, out, T)
+
+
+def observer(inputs):
+    """An ``Observer`` for a warm-up whose tensor arguments are ``inputs``."""
+    cls = _observer_cls[0]
+    if cls is None:
+        cls = _observer_cls[0] = _make_observer_class()
+    return cls(inputs)
+
+
+def _make_observer_class():
+    torch = sys.modules["torch"]
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    unsafe_tag = torch_c.cudagraph_unsafe_tag()
+    seeded_tag = torch_c.nondeterministic_seeded_tag()
+    T = torch.Tensor
+
+    class Observer(TorchDispatchMode):
+        def __init__(self, inputs):
+            super().__init__()
+            self.inputs = {id(t) for t in inputs}
+            self.created: set[int] = set()
+            self.seen: dict[int, weakref.ref] = {}
+            self.unsafe: str | None = None
+            self.cpu_random: str | None = None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            try:
+                self._note(func, args, kwargs, out)
+            except Exception:  # bookkeeping must never break the user's function
+                pass
+            return out
+
+        def _note(self, func, args, kwargs, out) -> None:
+            tags = getattr(func, "tags", ())
+            if self.unsafe is None and unsafe_tag is not None and unsafe_tag in tags:
+                self.unsafe = str(func)
+            ins: list = []
+            _tensors(args, ins, T)
+            if kwargs:
+                _tensors(kwargs, ins, T)
+            created, inputs, seen = self.created, self.inputs, self.seen
+            for t in ins:
+                i = id(t)
+                if i not in created and i not in inputs and i not in seen and t.is_cuda:
+                    seen[i] = weakref.ref(t)
+            outs: list = []
+            _tensors(out, outs, T)
+            for t in outs:
+                created.add(id(t))
+                if self.cpu_random is None and seeded_tag is not None and seeded_tag in tags and not t.is_cuda:
+                    self.cpu_random = str(func)
+
+        def external(self, exclude) -> list:
+            """Closure tensors: read, not arguments, not made here, still alive now."""
+            skip = {id(t) for t in exclude}
+            out = []
+            for i, r in self.seen.items():
+                t = r()
+                if t is not None and i not in skip and i not in self.created:
+                    out.append(t)
+            return out
+
+    return Observer
+
+
+def ptrs_check(tensors):
+    """A function ``ptrs -> bool`` telling whether ``tensors`` still have the data pointers
+    ``ptrs`` (a list). One C-level ``map`` over ``Tensor.data_ptr``: about 45 ns a tensor."""
+    ts = tuple(tensors)
+    data_ptr = sys.modules["torch"].Tensor.data_ptr
+
+    def same(ptrs: list) -> bool:
+        return list(map(data_ptr, ts)) == ptrs
+    return same

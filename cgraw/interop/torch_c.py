@@ -1,0 +1,120 @@
+"""The one module that reaches into torch's private API (``torch._C`` and ``torch.utils._pytree``).
+
+Layer L1: imports only ``errors``; torch is found in ``sys.modules`` (cgraw never imports it).
+Every private name cgraw uses is listed in ``NEEDED`` with what it is for. Names are looked up on
+first use and cached; a missing one raises ``TorchApiError`` naming the installed torch version,
+the missing call and the range cgraw supports, instead of an ``AttributeError`` deep inside a
+capture. ``check()`` looks them all up at once (a tree does so when it is created).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from cgraw.errors import CgrawError
+
+SUPPORTED = "2.11.x"  # keep in step with pyproject.toml's torch extra
+
+# private name -> what cgraw uses it for
+NEEDED = {
+    "_cuda_getCurrentRawStream": "the caller's current stream (replays run there)",
+    "_cuda_getCheckpointState": "graph-tree checkpoints of the tree's torch MemPool",
+    "_cuda_setCheckpointPoolState": "restoring a checkpoint before recording a new branch",
+    "_has_Standard_Deleter": "finding the storage that owns a MemPool block",
+    "_construct_storage_from_data_pointer": "giving a block back a deleter-holding owner",
+    "_set_storage_access_error_msg": "poisoning outputs of an ended generation",
+    "_cuda_beginAllocateCurrentStreamToPool": "routing autograd's device thread during a recording",
+    "_cuda_endAllocateToPool": "ending that routing",
+    "_cuda_releasePool": "ending that routing",
+    "_cuda_clearCublasWorkspaces": "keeping cuBLAS workspaces inside a recording",
+}
+# used when found, with a public fallback when not
+OPTIONAL: tuple = ()
+
+
+class TorchApiError(CgrawError, RuntimeError):
+    """The installed torch lacks a private function cgraw relies on."""
+
+
+class _Api:
+    """``torch._C`` functions, looked up once each: ``api()._cuda_getCheckpointState(...)``."""
+
+    def __init__(self, torch):
+        self._torch = torch
+        self.version = getattr(torch, "__version__", "unknown")
+
+    def __getattr__(self, name):
+        if name not in NEEDED and name not in OPTIONAL:
+            raise AttributeError(name)
+        fn = getattr(self._torch._C, name, None)
+        if fn is None:
+            if name in OPTIONAL:
+                self.__dict__[name] = None
+                return None
+            raise TorchApiError(
+                f"cgraw needs torch._C.{name} ({NEEDED[name]}), which torch {self.version} does not have; "
+                f"cgraw supports torch {SUPPORTED}: install a supported torch, or pin cgraw's torch extra")
+        self.__dict__[name] = fn  # later lookups skip __getattr__
+        return fn
+
+
+_api: _Api | None = None
+
+
+def api() -> _Api:
+    """The cached private-API table of the torch the process has imported."""
+    global _api
+    a = _api
+    torch = sys.modules.get("torch")
+    if a is None or a._torch is not torch:
+        if torch is None:
+            raise TorchApiError("torch is not imported")
+        a = _api = _Api(torch)
+    return a
+
+
+def check() -> None:
+    """Look up every needed private function now; raise one error naming all that are missing."""
+    a = api()
+    missing = [n for n in NEEDED if getattr(a._torch._C, n, None) is None]
+    if missing:
+        raise TorchApiError(
+            f"cgraw needs torch._C.{', torch._C.'.join(missing)}, which torch {a.version} does not have; "
+            f"cgraw supports torch {SUPPORTED}")
+
+
+def cudagraph_unsafe_tag():
+    """``torch._C.Tag.cudagraph_unsafe`` (custom ops that must not be captured), or None."""
+    tags = getattr(api()._torch._C, "Tag", None)
+    return getattr(tags, "cudagraph_unsafe", None)
+
+
+def nondeterministic_seeded_tag():
+    """``torch._C.Tag.nondeterministic_seeded`` (random-number ops), or None."""
+    tags = getattr(api()._torch._C, "Tag", None)
+    return getattr(tags, "nondeterministic_seeded", None)
+
+
+def pytree():
+    """``torch.utils._pytree`` (the container registry torch users know), or None."""
+    mod = sys.modules.get("torch.utils._pytree")
+    if mod is None and "torch" in sys.modules:
+        try:
+            import importlib
+
+            mod = importlib.import_module("torch.utils._pytree")
+        except Exception:  # an optional convenience: cgraw's own container rules still apply
+            return None
+    if mod is None or not hasattr(mod, "SUPPORTED_NODES"):
+        return None
+    return mod
+
+
+def _reset() -> None:
+    """Forget the cached table (tests swap the torch module)."""
+    global _api
+    _api = None
+
+
+__all__ = ["NEEDED", "OPTIONAL", "SUPPORTED", "TorchApiError", "api", "check", "cudagraph_unsafe_tag",
+           "nondeterministic_seeded_tag", "pytree"]
