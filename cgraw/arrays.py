@@ -208,14 +208,21 @@ def _spec(out, leaves: list):
     """Flatten an output structure (same container rules as inputs; anything else is a constant);
     returns a spec for ``_unflatten``. Raises SkipCall for outputs a replay cannot reproduce."""
     if _is_tensor(out):
-        leaves.append(out)
+        _out_leaf(out, leaves)
         return _SINGLE
     return _out_spec(out, leaves)
 
 
+def _out_leaf(x, leaves) -> None:
+    if _is_torch(x) and x.layout is not sys.modules["torch"].strided:
+        raise SkipCall(f"the function returns a sparse or other non-strided tensor ({x.layout}), whose "
+                       "memory a graph cannot hand out again")
+    leaves.append(x)
+
+
 def _out_spec(x, leaves):
     if _is_tensor(x):
-        leaves.append(x)
+        _out_leaf(x, leaves)
         return LEAF
     t = type(x)
     if t is tuple or t is list:

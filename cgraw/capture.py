@@ -181,6 +181,9 @@ class capture:
                 message = self._classify(exc, err, status)
                 if message is None:
                     return False  # the user's own exception, unchanged
+                where = _itorch.user_frame(exc)
+                if where is not None and where[2]:
+                    message += f" [at {where[0]}:{where[1]}: {where[2]}]"
                 raise CaptureError("cuStreamEndCapture", int(err), _err_name(err), message) from exc
             if err:
                 raise self._end_error(err, unjoined)

@@ -197,13 +197,14 @@ def _unique(name: str) -> str:
 
 
 def _device_of(args, kwargs) -> int:
+    from cgraw.arrays import _is_cupy, _is_torch
+
     for a in itertools.chain(args, kwargs.values() if kwargs else ()):
-        m = type(a).__module__
-        if m.startswith("torch") and hasattr(a, "get_device"):
+        if _is_torch(a) and hasattr(a, "get_device"):
             d = a.get_device()
             if d >= 0:
                 return d
-        elif m.startswith("cupy") and hasattr(a, "device"):
+        elif _is_cupy(a) and hasattr(a, "device"):
             return a.device.id
     return Device.current().ordinal
 

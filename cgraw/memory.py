@@ -137,6 +137,7 @@ class DevicePool(allocator.Pool):
         self.consumer_holds: dict[int, int] = {}  # ptr -> DLPack exports not yet released
         self._capture_stream: Stream | None = None
         self._graphs = weakref.WeakSet()  # live graphs captured into this pool
+        self._graph_streams: set[int] = set()  # streams that allocated during a capture
 
     @property
     def torch_state(self):
@@ -172,10 +173,13 @@ class DevicePool(allocator.Pool):
         self._graphs.discard(graph)
 
     def _pinned_streams(self):
-        """Streams whose free blocks stay put (``allocator.Pool``): the capture stream's, while a
-        graph captured into this pool is alive, so eager allocations never get graph memory."""
+        """Streams whose free blocks stay put (``allocator.Pool``): the capture stream's and those
+        of side streams that allocated during a capture, while a graph captured into this pool is
+        alive, so eager allocations never get graph memory."""
+        if not len(self._graphs):
+            return ()
         s = self._capture_stream
-        return (s.ptr,) if s is not None and len(self._graphs) else ()
+        return self._graph_streams | ({s.ptr} if s is not None else set())
 
     def close(self) -> None:
         """Close every graph captured into this pool, then return every segment to the driver
@@ -205,10 +209,16 @@ class DevicePool(allocator.Pool):
         ref = weakref.ref
         stress = _defer.gc_stress if _defer.CGRAW_GC_STRESS else None
 
+        graph_streams = self._graph_streams
+        defer = _defer
+
         def malloc(nbytes: int):
-            if stress is not None and _defer.active():
-                stress()
             sid = get_stream().ptr
+            if defer._active:  # a capture routes allocations (this thread's, or another's)
+                if stress is not None:
+                    stress()
+                if sid not in graph_streams:
+                    graph_streams.add(sid)  # a side stream of a capture: its frees stay pinned too
             block = pool.malloc(max(int(nbytes), 1), stream=sid)
             owner = _BlockOwner(pool, block.ptr, sid)
             if owners is not None:

@@ -55,6 +55,7 @@ class Config:
     skip_dynamic_graphs: bool = False
     generation_cloning: str | None = None  # None or "user_visible"
     warm_cublas: bool = True
+    rewarm_limit: int = 8  # a node warmed up again this often (its closure tensors keep moving) runs eagerly
 
     def __setattr__(self, name, value):
         if name not in self.__dataclass_fields__:
@@ -88,7 +89,7 @@ class TreeNode:
     """One function on one path with one input signature. Parents are held weakly."""
 
     __slots__ = ("fn", "key", "_parent", "children", "state", "recording", "checkpoint", "depth",
-                 "skip_reason", "mutated", "external", "warm_epoch", "__weakref__")
+                 "skip_reason", "mutated", "external", "warm_epoch", "rewarms", "__weakref__")
 
     def __init__(self, fn, key, parent: "TreeNode | None"):
         self.fn = fn
@@ -103,6 +104,7 @@ class TreeNode:
         self.mutated: tuple = ()
         self.external: tuple = ()
         self.warm_epoch = -1
+        self.rewarms = 0
 
     @property
     def parent(self) -> "TreeNode | None":
@@ -254,6 +256,13 @@ class TreeManager:
             log.info("cgraw: re-recording %s: %s", fn.name, reason)
             self._drop_subtree_of(node)
             if isinstance(reason, Rewarm):
+                node.rewarms += 1
+                if node.rewarms > config.rewarm_limit:
+                    node.state = NodeState.SKIPPED
+                    node.skip_reason = (f"warmed up again {node.rewarms} times ({reason}); set "
+                                        "cgraw.config.rewarm_limit to allow more")
+                    self.current = node
+                    return self._eager(fn, st, node.skip_reason, args, kwargs)
                 return self._warm(node, fn, st, call, args, kwargs)
             return self._record(node, fn, st, call, args, kwargs)
         out, owned = self.backend.replay(node.recording, call)

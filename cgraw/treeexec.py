@@ -311,6 +311,7 @@ class CudaBackend:
                 exc.dirty = True  # the capture's blocks are in the pool: restore before recording
             raise
         rec.external = tuple(external)
+        _observe.watch(rec.external)
         rec.ext_ptrs = [_ptr(t) for t in rec.external]
         rec.same_external = _observe.ptrs_check(rec.external) if rec.external else None
         # a module assignment between the warm-up and now: the closure tensors found at warm-up
@@ -486,6 +487,7 @@ class CudaBackend:
     def discard(self, rec: Recording) -> None:
         rec.graph.close()
         rec.keep = None
+        _observe.unwatch(rec.external)
         rec.external = ()
         rec.same_external = None
 

@@ -16,9 +16,11 @@ every aten and custom op below autograd, at no cost to later replays) cgraw lear
 ``torch.compile``d functions are not observed: Dynamo does not compile under a dispatch mode, so
 observing would compile the function inside the recording instead.
 
-``epoch()`` counts parameter, buffer and submodule assignments on any ``nn.Module``
-(``m.bias = nn.Parameter(...)``), through torch's global registration hooks; a recording made in
-an earlier epoch warms up again, because the tensors it reads by address may have been replaced.
+``epoch()`` counts assignments that replace a tensor some recording reads through its closure:
+a parameter, buffer or submodule of any ``nn.Module`` (``m.bias = nn.Parameter(...)``), seen
+through torch's global registration hooks, whose old value is one of the ``watch``ed tensors (or,
+for a submodule, holds one). A recording made in an earlier epoch warms up again. Assignments
+that replace nothing watched (building a new model) change nothing.
 """
 
 from __future__ import annotations
@@ -31,27 +33,68 @@ from cgraw.interop import torch_c
 _epoch = [0]
 _hooks_installed = [False]
 _observer_cls: list = [None]
+_watched: dict[int, int] = {}  # id(tensor) -> recordings reading it through their closure
 
 
 def epoch() -> int:
     return _epoch[0]
 
 
-def _bump(*_args):
-    _epoch[0] += 1
+def watch(tensors) -> None:
+    for t in tensors:
+        _watched[id(t)] = _watched.get(id(t), 0) + 1
+
+
+def unwatch(tensors) -> None:
+    for t in tensors:
+        n = _watched.get(id(t), 0) - 1
+        if n > 0:
+            _watched[id(t)] = n
+        else:
+            _watched.pop(id(t), None)
+
+
+def _replaces_watched(old) -> bool:
+    if old is None or not _watched:
+        return False
+    if id(old) in _watched:
+        return True
+    params = getattr(old, "parameters", None)
+    if callable(params):  # a submodule replaced: any of its tensors watched?
+        try:
+            return any(id(t) in _watched for t in list(old.parameters()) + list(old.buffers()))
+        except Exception:
+            return True
+    return False
+
+
+def _param_hook(module, name, value):
+    if _replaces_watched(getattr(module, "_parameters", {}).get(name)):
+        _epoch[0] += 1
+
+
+def _buffer_hook(module, name, value):
+    if _replaces_watched(getattr(module, "_buffers", {}).get(name)):
+        _epoch[0] += 1
+
+
+def _module_hook(module, name, value):
+    if _replaces_watched(getattr(module, "_modules", {}).get(name)):
+        _epoch[0] += 1
 
 
 def install_module_hooks() -> None:
-    """Count module assignments from now on (once per process)."""
+    """Watch module assignments from now on (once per process)."""
     if _hooks_installed[0]:
         return
     torch = sys.modules["torch"]
     m = torch.nn.modules.module
-    for name in ("register_module_parameter_registration_hook", "register_module_buffer_registration_hook",
-                 "register_module_module_registration_hook"):
+    for name, hook in (("register_module_parameter_registration_hook", _param_hook),
+                       ("register_module_buffer_registration_hook", _buffer_hook),
+                       ("register_module_module_registration_hook", _module_hook)):
         reg = getattr(m, name, None)
         if reg is not None:
-            reg(_bump)
+            reg(hook)
     _hooks_installed[0] = True
 
 

@@ -183,6 +183,10 @@ class TorchRouting:
         if "CUBLAS_STATUS_NOT_INITIALIZED" in msg and not type(exc).__module__.startswith("cupy"):
             return CUBLAS_COLD
         if "Cannot copy between CPU and CUDA tensors during CUDA graph capture" in msg:
+            # torch says the same for both directions; the user's line tells which it was
+            line = (user_frame(exc) or ("", 0, ""))[2].replace(" ", "").lower()
+            if any(k in line for k in (".cpu(", "'cpu'", '"cpu"', ".numpy(", ".tolist(", ".item(")):
+                return HOST_SYNC
             return H2D
         if ("operation not permitted when stream is capturing" in msg
                 or "during CUDA graph capture" in msg
@@ -191,6 +195,25 @@ class TorchRouting:
                 or "stream capture" in msg.lower() and "invalidated" in msg.lower()):
             return HOST_SYNC
         return None
+
+
+def user_frame(exc: BaseException):
+    """``(file, line, source)`` of the innermost traceback frame outside torch, CuPy and cgraw
+    (the user's line that failed), or None."""
+    import linecache
+    import os
+
+    skip = tuple(os.sep + p + os.sep for p in ("torch", "cupy", "cupyx", "cupy_backends", "cgraw"))
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not any(p in code.co_filename for p in skip) and not code.co_filename.startswith("<frozen"):
+            found = (code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    if found is None:
+        return None
+    return found[0], found[1], linecache.getline(found[0], found[1]).strip()
 
 
 class _StreamRouting:

@@ -53,11 +53,9 @@ def test_torch_only(pool):
         ey = torch.relu(w @ x) + 1.0
         torch.testing.assert_close(y, ey, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(s, ey.softmax(0), rtol=1e-5, atol=1e-6)
-    # torch's output lives in memory cgraw handed to torch's MemPool
-    _, sub = pool.torch_state
-    assert sub.owns(y.data_ptr()) or any(
-        b.ptr <= y.data_ptr() < b.ptr + b.size for b in sub.live_blocks()
-    )
+    # torch's output lives in the pool's private torch MemPool (torch's own allocator)
+    assert pool.torch_state.owner_of()(y.data_ptr())
+    assert y.data_ptr() in pool.torch_state.allocated()
 
 
 def test_private_pool_graph(device):
