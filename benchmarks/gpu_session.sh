@@ -2,10 +2,13 @@
 # One device call: any of the GPU test tier, the slow tier, the sanitizer runs and the benchmarks.
 # Logs and JSON go to $OUT; a short table is printed last. From the repository root on the GPU machine:
 #   bash benchmarks/gpu_session.sh [STAGE[,STAGE...]|all] [extra pytest args...]
-# Stages: tests  -m "gpu and not slow" (about 1 min)
+# Stages: tests  -m "gpu and not slow", the third-party tier included (about 3 min)
 #         slow   the random walk and the soak (about 3 min)
+#         stress the "gpu and not slow" tier with CGRAW_GC_STRESS=1 (gc at capture boundaries and
+#                in allocations made while a capture routes)
 #         smoke  benchmarks.sanitize_smoke under compute-sanitizer memcheck (about 1 min)
 #         memcheck  the whole "gpu and not slow" tier under compute-sanitizer memcheck
+#         threads  python -m benchmarks.allocator_threads (about 1 min)
 #         bench  python -m benchmarks (about 3 min)
 # all = tests,slow,smoke,bench
 set -u
@@ -24,9 +27,14 @@ summary=""
 has() { case ",$stages," in *",$1,"*) return 0;; esac; return 1; }
 stamp() { echo "$1: rc=$2 in $(( $(date +%s) - $3 ))s: $4"; }
 if has tests; then
-  t=$(date +%s); timeout 300 $PYTEST --timeout=200 -m "gpu and not slow" "$@" > "$OUT/gpu_tests.log" 2>&1
+  t=$(date +%s); timeout ${CGRAW_TESTS_TIMEOUT:-540} $PYTEST --timeout=250 -m "gpu and not slow" "$@" > "$OUT/gpu_tests.log" 2>&1
   summary="$summary
 $(stamp "GPU tier" $? $t "$(tail -n 1 "$OUT/gpu_tests.log" | cut -c1-200)")"
+fi
+if has stress; then
+  t=$(date +%s); CGRAW_GC_STRESS=1 timeout ${CGRAW_STRESS_TIMEOUT:-540} $PYTEST --timeout=300 -m "gpu and not slow" "$@" > "$OUT/gpu_stress.log" 2>&1
+  summary="$summary
+$(stamp "GPU tier, CGRAW_GC_STRESS=1" $? $t "$(tail -n 1 "$OUT/gpu_stress.log" | cut -c1-200)")"
 fi
 if has slow; then
   t=$(date +%s); timeout 300 $PYTEST --timeout=280 -m "gpu and slow" -s "$@" > "$OUT/gpu_slow.log" 2>&1
@@ -44,6 +52,12 @@ if has memcheck; then
   summary="$summary
 $(stamp "GPU tier under memcheck" $? $t "$(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/memcheck.log" | tail -n 2 | tr '\n' ' ' | cut -c1-250)")"
 fi
+if has threads; then
+  t=$(date +%s); timeout 200 python3 -m benchmarks.allocator_threads > "$OUT/threads.log" 2>&1
+  summary="$summary
+$(stamp "allocator threads" $? $t "$(grep -c '"hung": true' benchmarks/results/allocator_threads.json) hung design(s)")"
+  cp benchmarks/results/allocator_threads.json "$OUT/" 2>/dev/null
+fi
 if has bench; then
   timeout 400 python3 -m benchmarks > "$OUT/bench.log" 2>&1
   echo "benchmarks rc=$?" >> "$OUT/bench.log"
@@ -51,7 +65,7 @@ if has bench; then
   find benchmarks/results -name '*.json' -newer "$OUT/gpu.txt" -print0 | tar czf "$OUT/results.tgz" --null -T -
 fi
 echo "==== failures (if any)"
-for f in "$OUT/gpu_tests.log" "$OUT/gpu_slow.log" "$OUT/memcheck.log"; do
+for f in "$OUT/gpu_tests.log" "$OUT/gpu_stress.log" "$OUT/gpu_slow.log" "$OUT/memcheck.log"; do
   [ -f "$f" ] && grep -E "^(FAILED|ERROR)|^E   |what\(\)|Invalid __global__|Program hit" "$f" | head -20
 done
 [ -f "$OUT/gpu_slow.log" ] && grep -E "^seed [0-9]|soak:" "$OUT/gpu_slow.log" | cut -c1-300

@@ -160,17 +160,19 @@ class capture:
         capture_ms = (time.perf_counter() - self._t0) * 1e3
         failed = exc_type is not None or bool(err)
         exit_error = None
+        host_funcs = []
         try:
             for a in reversed(self._adapters):
                 try:
                     a.exit(failed=failed)
+                    host_funcs.extend(getattr(a, "keepalive", ()))
                 except BaseException as e:  # keep unwinding the others
                     exit_error = exit_error or e
         finally:
             self._adapters = []
             _defer.capture_ends()
             self._restore_context()
-        host_funcs = stream.take_host_funcs()
+        host_funcs.extend(stream.take_host_funcs())
 
         if exc_type is not None or err or exit_error is not None:
             if cugraph is not None:

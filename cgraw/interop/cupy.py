@@ -111,6 +111,35 @@ def _wrap_fft() -> None:
             setattr(mod, name, _relaxed_while_capturing(fn))
 
 
+def _give_host_func_list(stream) -> None:
+    """CuPy keeps the host functions enqueued on a capturing stream in ``_graph_host_funcargs``,
+    a list only its own ``begin_capture`` creates: give cgraw's capture stream one, so
+    ``launch_host_func`` works there too (its entries are kept alive by the graph)."""
+    try:
+        if getattr(stream, "_graph_host_funcargs", ()) is None:
+            stream._graph_host_funcargs = []
+    except (AttributeError, TypeError):  # another CuPy: launch_host_func fails as it would
+        pass
+
+
+def _clear_curand_error() -> None:
+    """A failed cuRAND initialisation leaves an error pending that the next cuRAND call reports
+    (CURAND_STATUS_PREEXISTING_FAILURE) and clears: make that call here, with a throwaway generator."""
+    curand = sys.modules.get("cupy_backends.cuda.libs.curand")
+    if curand is None:
+        return
+    for _ in range(2):
+        try:
+            gen = curand.createGenerator(curand.CURAND_RNG_PSEUDO_DEFAULT)
+        except Exception:
+            continue
+        try:
+            curand.destroyGenerator(gen)
+        except Exception:
+            pass
+        return
+
+
 def _random_states(cupy) -> dict | None:
     gen = sys.modules.get("cupy.random._generator")
     states = getattr(gen, "_random_states", None)
@@ -129,6 +158,7 @@ class CupyRouting:
         self._alloc_ctx = None
         self._stream_ctx = None
         self._random_before = None
+        self.keepalive: list = []  # host functions CuPy enqueued during the capture (the graph keeps them)
 
     def producer_streams(self) -> list[int]:
         return [int(self.cupy.cuda.get_current_stream().ptr)]
@@ -146,6 +176,7 @@ class CupyRouting:
         self._alloc_ctx.__enter__()
         try:
             self._stream_ctx = _external_stream(cupy, self.stream, dev)
+            _give_host_func_list(self._stream_ctx)
             self._stream_ctx.__enter__()
         except BaseException:
             self.exit(failed=True)
@@ -154,6 +185,7 @@ class CupyRouting:
     def exit(self, failed: bool = False) -> None:
         try:
             if self._stream_ctx is not None:
+                self.keepalive = list(getattr(self._stream_ctx, "_graph_host_funcargs", None) or ())
                 self._stream_ctx.__exit__(None, None, None)
         finally:
             self._stream_ctx = None
@@ -165,13 +197,16 @@ class CupyRouting:
                 before, self._random_before = self._random_before, None
                 states = _random_states(self.cupy)
                 if failed and before is not None and states is not None:
-                    for k in [k for k in states if states[k] is not before.get(k)]:
+                    touched = [k for k in states if states[k] is not before.get(k)]
+                    for k in touched:
                         # made (or replaced) during the failed capture: cuRAND may have been left
                         # half-initialised; CuPy makes a new one on next use
                         if k in before:
                             states[k] = before[k]
                         else:
                             del states[k]
+                    if touched:
+                        _clear_curand_error()
 
     @staticmethod
     def classify(exc: BaseException) -> str | None:
@@ -189,7 +224,7 @@ class CupyRouting:
         if _uploads(exc):
             return UPLOAD
         if ("cudaErrorStreamCapture" in msg or "operation not permitted when stream is capturing" in msg
-                or "stream is capturing" in msg):
+                or "stream is capturing" in msg or "stream was capturing" in msg):
             return HOST_SYNC
         return None
 
@@ -199,7 +234,8 @@ def _uploads(exc: BaseException) -> bool:
     tb = exc.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
-        if "pinned_memory" in code.co_filename or code.co_name in ("hostAlloc", "_alloc_pinned"):
+        if ("pinned_memory" in code.co_filename
+                or code.co_name in ("hostAlloc", "_alloc_pinned", "copy_from_host_async", "copy_from_host")):
             return True
         tb = tb.tb_next
     return False

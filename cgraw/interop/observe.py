@@ -165,8 +165,11 @@ def _make_observer_class():
             _tensors(out, outs, T)
             for t in outs:
                 created.add(id(t))
-                if self.cpu_random is None and seeded_tag is not None and seeded_tag in tags and not t.is_cuda:
-                    self.cpu_random = str(func)
+            # random numbers made on the CPU (every output on the CPU: torch.rand(3), bernoulli_ of
+            # a CPU tensor); not a CUDA op that also returns its CPU seed and offset (sdpa's)
+            if (self.cpu_random is None and seeded_tag is not None and seeded_tag in tags and outs
+                    and not any(t.is_cuda for t in outs)):
+                self.cpu_random = str(func)
 
         def external(self, exclude) -> list:
             """Closure tensors: read, not arguments, not made here, still alive now."""
