@@ -308,10 +308,26 @@ def stream_query(stream) -> bool:
     return True
 
 
-def launch_host_func(stream, fn_ptr: int) -> None:
-    """Enqueue a host function (a C function pointer taking ``void*``) on ``stream``; inside a
-    capture it becomes a host node of the graph."""
-    check(drv.cuLaunchHostFunc(stream, drv.CUhostFn(fn_ptr), 0), "cuLaunchHostFunc")
+_host_func_launcher: list = []
+
+
+def launch_host_func(stream_ptr: int, fn_ptr: int) -> None:
+    """Enqueue a host function (a C function pointer taking ``void*``) on a stream; inside a
+    capture it becomes a host node of the graph, called on every replay.
+
+    Called through the driver library's own entry point, not ``drv.cuLaunchHostFunc``: that
+    binding wraps the function in a trampoline whose data it frees after the first call, so a
+    host node replayed a second time would read freed memory (seen as a segfault on the H200)."""
+    if not _host_func_launcher:
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")  # the driver cuda.bindings has already loaded
+        fn = lib.cuLaunchHostFunc
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        _host_func_launcher.append(fn)
+    err = _host_func_launcher[0](stream_ptr or None, fn_ptr, None)
+    check((CUresult(err),), "cuLaunchHostFunc")
 
 
 def stream_wait_event(stream, event) -> None:

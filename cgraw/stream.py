@@ -115,7 +115,7 @@ class Stream:
         else:
             _ONE_SHOT[:] = [e for e in _ONE_SHOT if not e[1][0]]
             _ONE_SHOT.append((cfunc, done))  # kept alive until it has run
-        _cuda.launch_host_func(self.handle, ctypes.cast(cfunc, ctypes.c_void_p).value)
+        _cuda.launch_host_func(self.ptr, ctypes.cast(cfunc, ctypes.c_void_p).value)
 
     def take_host_funcs(self) -> list:
         """Hand over (and forget) the host functions enqueued during a capture."""

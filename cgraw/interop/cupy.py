@@ -205,8 +205,8 @@ class CupyRouting:
                             states[k] = before[k]
                         else:
                             del states[k]
-                    if touched:
-                        _clear_curand_error()
+                if failed:
+                    _clear_curand_error()  # a cuRAND set-up refused by the capture leaves an error pending
 
     @staticmethod
     def classify(exc: BaseException) -> str | None:

@@ -211,11 +211,18 @@ def test_torchvision_resnet18_inference():
 
 
 def test_torchvision_resnet18_training_step():
+    """The whole step graphed (forward, loss, backward, SGD with momentum). Eager training of this
+    model is itself not reproducible: cuDNN's convolution and batch-norm backward passes accumulate
+    in a nondeterministic order, and with batch 8 BatchNorm amplifies it (on the H200 two eager
+    twins were 9e-6 apart in loss at step 3 and 0.5 apart at step 6). So a second eager twin
+    measures that noise, and the graphed model must stay within 10x of it (plus 1e-5) at every
+    step, for the loss, every parameter and buffer, and every momentum buffer."""
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
     model = torchvision.models.resnet18(weights=None, num_classes=10).cuda().train()  # BatchNorm in train mode
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    model_e, opt_e = copy.deepcopy((model, opt))  # before any step: identical start for the eager twin
+    model_e, opt_e = copy.deepcopy((model, opt))  # before any step: identical start for the eager twins
+    model_n, opt_n = copy.deepcopy((model, opt))
     assert opt_e.param_groups[0]["params"][0] is next(model_e.parameters())
 
     def step(model, opt, x, y):
@@ -225,21 +232,24 @@ def test_torchvision_resnet18_training_step():
         opt.step()  # SGD's momentum buffers are created by the first step: the eager warm-up call
         return loss.detach()
 
+    def gap(a, b) -> float:
+        return float((a.double() - b.double()).abs().max())
+
     f = cgraw.graphed(lambda x, y: step(model, opt, x, y))
-    # The replays run the kernels the recording captured; differences from the eager twin come only
-    # from cuDNN/cuBLAS algorithm choice (TF32 off), and 6 small SGD steps keep them far below this.
-    tol = {"rtol": 1e-3, "atol": 1e-4}
     with _full_fp32():
-        for _ in range(6):
+        for i in range(6):
             x, y = trand(8, 3, 32, 32), torch.randint(0, 10, (8,), device="cuda")
             lg = f(x, y)
             le = step(model_e, opt_e, x, y)
-            torch.testing.assert_close(lg, le, **tol)
-    sd, sd_e = model.state_dict(), model_e.state_dict()  # parameters and BatchNorm running statistics
-    for name, t in sd.items():
-        torch.testing.assert_close(t, sd_e[name], **tol, msg=lambda m, name=name: f"{name}: {m}")
-    for p, p_e in zip(model.parameters(), model_e.parameters(), strict=True):
-        torch.testing.assert_close(opt.state[p]["momentum_buffer"], opt_e.state[p_e]["momentum_buffer"], **tol)
+            ln = step(model_n, opt_n, x, y)
+            noise = gap(ln, le)
+            assert gap(lg, le) <= 10 * noise + 1e-5, (i, float(lg), float(le), float(ln))
+    sd, sd_e, sd_n = model.state_dict(), model_e.state_dict(), model_n.state_dict()
+    for name, t in sd.items():  # parameters and BatchNorm running statistics
+        assert gap(t, sd_e[name]) <= 10 * gap(sd_n[name], sd_e[name]) + 1e-5, name
+    for p, p_e, p_n in zip(model.parameters(), model_e.parameters(), model_n.parameters(), strict=True):
+        m, m_e = opt.state[p]["momentum_buffer"], opt_e.state[p_e]["momentum_buffer"]
+        assert gap(m, m_e) <= 10 * gap(opt_n.state[p_n]["momentum_buffer"], m_e) + 1e-5
     _assert_graphed(f, recordings=1, replays=3)
 
 
