@@ -123,21 +123,32 @@ def _give_host_func_list(stream) -> None:
 
 
 def _clear_curand_error() -> None:
-    """A failed cuRAND initialisation leaves an error pending that the next cuRAND call reports
-    (CURAND_STATUS_PREEXISTING_FAILURE) and clears: make that call here, with a throwaway generator."""
+    """A cuRAND set-up refused by a capture leaves an error pending in cuRAND's runtime, which
+    the next generation reports (CURAND_STATUS_PREEXISTING_FAILURE) and so clears: generate once
+    here, into a throwaway buffer with a throwaway generator, so the user's next call works."""
     curand = sys.modules.get("cupy_backends.cuda.libs.curand")
-    if curand is None:
+    cupy = sys.modules.get("cupy")
+    if curand is None or cupy is None:
         return
-    for _ in range(2):
-        try:
-            gen = curand.createGenerator(curand.CURAND_RNG_PSEUDO_DEFAULT)
-        except Exception:
-            continue
+    try:
+        gen = curand.createGenerator(curand.CURAND_RNG_PSEUDO_DEFAULT)
+    except Exception:
+        return
+    try:
+        buf = cupy.empty(4, dtype=cupy.float32)
+        for _ in range(2):
+            try:
+                curand.generateUniform(gen, buf.data.ptr, 4)
+                break
+            except Exception:
+                continue
+    except Exception:
+        pass
+    finally:
         try:
             curand.destroyGenerator(gen)
         except Exception:
             pass
-        return
 
 
 def _random_states(cupy) -> dict | None:
