@@ -2,7 +2,7 @@
 
 Layer L6: imports ``_cuda``, ``device`` and ``stream``; knows nothing of torch, CuPy or the
 capture context manager (``capture`` builds Graphs). ``Graph.replay`` is the hot path: the
-caller's current stream (``stream.current_ptr``, about 0.1 us) and one driver call.
+caller's current stream (``stream.current_ptr``) and one driver call.
 """
 
 from __future__ import annotations

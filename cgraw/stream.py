@@ -9,7 +9,7 @@ The current stream (where ``Graph.replay()`` and graphed calls run, as torch's o
 torch's current stream for the device if torch is imported and that stream is not the default
 one; otherwise CuPy's current stream if CuPy is imported; otherwise the legacy default stream.
 So ``with torch.cuda.stream(s):`` and ``with cupy.cuda.Stream():`` both work, and when both set
-one, torch's wins. ``current_ptr`` costs about 0.1 us (torch's raw getter, CuPy's Cython one).
+one, torch's wins. ``current_ptr`` calls torch's raw getter and CuPy's Cython one, nothing else.
 """
 
 from __future__ import annotations

@@ -28,8 +28,6 @@ NEEDED = {
     "_cuda_releasePool": "ending that routing",
     "_cuda_clearCublasWorkspaces": "keeping cuBLAS workspaces inside a recording",
 }
-# used when found, with a public fallback when not
-OPTIONAL: tuple = ()
 
 
 class TorchApiError(CgrawError, RuntimeError):
@@ -44,13 +42,10 @@ class _Api:
         self.version = getattr(torch, "__version__", "unknown")
 
     def __getattr__(self, name):
-        if name not in NEEDED and name not in OPTIONAL:
+        if name not in NEEDED:
             raise AttributeError(name)
         fn = getattr(self._torch._C, name, None)
         if fn is None:
-            if name in OPTIONAL:
-                self.__dict__[name] = None
-                return None
             raise TorchApiError(
                 f"cgraw needs torch._C.{name} ({NEEDED[name]}), which torch {self.version} does not have; "
                 f"cgraw supports torch {SUPPORTED}: install a supported torch, or pin cgraw's torch extra")
@@ -116,5 +111,5 @@ def _reset() -> None:
     _api = None
 
 
-__all__ = ["NEEDED", "OPTIONAL", "SUPPORTED", "TorchApiError", "api", "check", "cudagraph_unsafe_tag",
+__all__ = ["NEEDED", "SUPPORTED", "TorchApiError", "api", "check", "cudagraph_unsafe_tag",
            "nondeterministic_seeded_tag", "pytree"]
