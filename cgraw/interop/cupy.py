@@ -240,13 +240,18 @@ class CupyRouting:
         return None
 
 
+# Frames of CuPy's host-to-device staging. CuPy is Cython: its frames are named by qualified name
+# ("cupy.cuda.memory.MemoryPointer.copy_from_host_async"), so the names are matched as substrings.
+_UPLOAD_FRAMES = ("copy_from_host", "hostAlloc", "alloc_pinned", "_array_default")
+
+
 def _uploads(exc: BaseException) -> bool:
-    """Whether the failure came from CuPy staging host data through pinned memory."""
+    """Whether the failure came from CuPy staging host data for a device array (pinned memory or
+    a host-to-device copy), anywhere in the exception's traceback."""
     tb = exc.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
-        if ("pinned_memory" in code.co_filename
-                or code.co_name in ("hostAlloc", "_alloc_pinned", "copy_from_host_async", "copy_from_host")):
+        if "pinned_memory" in code.co_filename or any(n in code.co_name for n in _UPLOAD_FRAMES):
             return True
         tb = tb.tb_next
     return False

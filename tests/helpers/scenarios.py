@@ -16,12 +16,14 @@ import threading
 import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import cgraw  # noqa: E402
+from stress import settle  # noqa: E402
 
 rng = np.random.default_rng()
 SCENARIOS = {}
@@ -293,6 +295,7 @@ def model_output_at_two_batch_sizes():
 def main(names) -> int:
     torch.cuda.init()
     for name in names:
+        settle()  # under CGRAW_GC_STRESS: stress collections cost what the scenario allocates
         try:
             SCENARIOS[name]()
             print(f"PASS {name}", flush=True)

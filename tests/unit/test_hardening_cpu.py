@@ -429,3 +429,33 @@ def test_only_assignments_replacing_a_watched_tensor_change_the_epoch():
         observe.unwatch([m._parameters["weight"], m._buffers["running_mean"]])
     observe._param_hook(m, "weight", object())
     assert observe.epoch() == e0 + 2
+
+
+def _raise_in_frame(qualname: str, filename: str, msg: str) -> BaseException:
+    """An exception whose traceback has one frame named like a Cython frame of CuPy."""
+
+    def body():
+        raise RuntimeError(msg)
+
+    body.__code__ = body.__code__.replace(co_name=qualname, co_filename=filename)
+    try:
+        body()
+    except RuntimeError as exc:
+        return exc
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("qualname,filename", [
+    ("cupy.cuda.memory.MemoryPointer.copy_from_host_async", "cupy/cuda/memory.pyx"),
+    ("cupy._core.core._array_default", "cupy/_core/core.pyx"),
+    ("cupy.cuda.pinned_memory.PinnedMemoryPool.malloc", "cupy/cuda/pinned_memory.pyx"),
+    ("hostAlloc", "cupy_backends/cuda/api/runtime.pyx"),
+])
+def test_cupy_uploads_are_named_whatever_the_failing_frame(qualname, filename):
+    from cgraw.interop.cupy import HOST_SYNC, UPLOAD, CupyRouting
+
+    msg = "cudaErrorStreamCaptureUnsupported: operation not permitted when stream is capturing"
+    assert CupyRouting.classify(_raise_in_frame(qualname, filename, msg)) == UPLOAD
+    # the same failure elsewhere is a host synchronisation
+    other = _raise_in_frame("cupy.cuda.stream.Stream.synchronize", "cupy/cuda/stream.pyx", msg)
+    assert CupyRouting.classify(other) == HOST_SYNC
