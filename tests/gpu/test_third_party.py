@@ -211,18 +211,22 @@ def test_torchvision_resnet18_inference():
 
 
 def test_torchvision_resnet18_training_step():
-    """The whole step graphed (forward, loss, backward, SGD with momentum). Eager training of this
-    model is itself not reproducible: cuDNN's convolution and batch-norm backward passes accumulate
-    in a nondeterministic order, and with batch 8 BatchNorm amplifies it (on the H200 two eager
-    twins were 9e-6 apart in loss at step 3 and 0.5 apart at step 6). So a second eager twin
-    measures that noise, and the graphed model must stay within 10x of it (plus 1e-5) at every
-    step, for the loss, every parameter and buffer, and every momentum buffer."""
+    """The whole step graphed (forward, loss, backward, SGD with momentum), step by step against eager.
+
+    Eager training of this model is chaotic: cuDNN's convolution and batch-norm backward passes
+    accumulate in a nondeterministic order, and with batch 8 BatchNorm amplifies the difference (on
+    the H200 two eager twins were 9e-6 apart in loss at step 3 and 0.5 apart at step 6; a graph
+    whose library calls pick another algorithm drifts the same way). Comparing trajectories
+    therefore tests little after a few steps. Instead, before every step the graphed model's
+    parameters, buffers and momentum buffers are set to the eager model's (in place: the graph
+    reads them where they are), both take one step on the same fresh batch, and the loss and every
+    parameter, buffer and momentum buffer must agree to float32 accuracy. A stale input, a race or
+    an overwritten buffer shows up as an error many orders of magnitude larger."""
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
     model = torchvision.models.resnet18(weights=None, num_classes=10).cuda().train()  # BatchNorm in train mode
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    model_e, opt_e = copy.deepcopy((model, opt))  # before any step: identical start for the eager twins
-    model_n, opt_n = copy.deepcopy((model, opt))
+    model_e, opt_e = copy.deepcopy((model, opt))
     assert opt_e.param_groups[0]["params"][0] is next(model_e.parameters())
 
     def step(model, opt, x, y):
@@ -232,24 +236,25 @@ def test_torchvision_resnet18_training_step():
         opt.step()  # SGD's momentum buffers are created by the first step: the eager warm-up call
         return loss.detach()
 
-    def gap(a, b) -> float:
-        return float((a.double() - b.double()).abs().max())
+    def pairs():
+        yield from zip(model.state_dict().values(), model_e.state_dict().values(), strict=True)
+        for p, p_e in zip(model.parameters(), model_e.parameters(), strict=True):
+            if p in opt.state and p_e in opt_e.state:
+                yield opt.state[p]["momentum_buffer"], opt_e.state[p_e]["momentum_buffer"]
 
+    tol = {"rtol": 1e-4, "atol": 1e-5}
     f = cgraw.graphed(lambda x, y: step(model, opt, x, y))
     with _full_fp32():
         for i in range(6):
+            with torch.no_grad():
+                for t, t_e in pairs():
+                    t.copy_(t_e)
             x, y = trand(8, 3, 32, 32), torch.randint(0, 10, (8,), device="cuda")
             lg = f(x, y)
             le = step(model_e, opt_e, x, y)
-            ln = step(model_n, opt_n, x, y)
-            noise = gap(ln, le)
-            assert gap(lg, le) <= 10 * noise + 1e-5, (i, float(lg), float(le), float(ln))
-    sd, sd_e, sd_n = model.state_dict(), model_e.state_dict(), model_n.state_dict()
-    for name, t in sd.items():  # parameters and BatchNorm running statistics
-        assert gap(t, sd_e[name]) <= 10 * gap(sd_n[name], sd_e[name]) + 1e-5, name
-    for p, p_e, p_n in zip(model.parameters(), model_e.parameters(), model_n.parameters(), strict=True):
-        m, m_e = opt.state[p]["momentum_buffer"], opt_e.state[p_e]["momentum_buffer"]
-        assert gap(m, m_e) <= 10 * gap(opt_n.state[p_n]["momentum_buffer"], m_e) + 1e-5
+            torch.testing.assert_close(lg, le, **tol, msg=lambda m, i=i: f"step {i}: loss: {m}")
+            for k, (t, t_e) in enumerate(pairs()):
+                torch.testing.assert_close(t, t_e, **tol, msg=lambda m, i=i, k=k: f"step {i}: state {k}: {m}")
     _assert_graphed(f, recordings=1, replays=3)
 
 
