@@ -1,18 +1,36 @@
-"""``python -m benchmarks``: the launch-overhead benchmark, then the allocator comparison.
+"""``python -m benchmarks``: every benchmark part in one run, each writing its JSON under results/.
 
-With no GPU it exits with status 2 and a one-line reason. ``--only launch`` or ``--only alloc``
-runs one part; the CPU-only allocator figure is ``python -m benchmarks.alloc_overhead``.
+Order: the real models, memory side by side with torch's trees, then the microbenchmarks (launch
+overhead, graphed call and its pieces, workloads, allocator, eager overhead). ``--only PART`` runs
+one part. With no GPU it exits with status 2 and a one-line reason. A part that raises is reported
+and the others still run; the exit status is then 1. The CPU-only allocator figure is
+``python -m benchmarks.alloc_overhead``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+import time
+import traceback
+
+# part -> (module, arguments of its main)
+PARTS = {
+    "models": ("benchmarks.models", []),
+    "memory": ("benchmarks.memory", []),
+    "launch": ("benchmarks.launch_overhead", None),
+    "graphed": ("benchmarks.graphed_call", []),
+    "profile": ("benchmarks.profile_graphed", []),
+    "workloads": ("benchmarks.workloads", []),
+    "alloc": ("benchmarks.alloc_gpu", []),
+    "eager": ("benchmarks.eager_overhead", []),
+}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks")
-    ap.add_argument("--only", choices=["launch", "alloc", "eager", "graphed", "workloads"], default=None)
+    ap.add_argument("--only", choices=list(PARTS), default=None)
     ap.add_argument("--sizes", default="1,16,256,1024", help="chain lengths for the launch benchmark")
     args = ap.parse_args(argv)
 
@@ -22,26 +40,23 @@ def main(argv=None) -> int:
     if not ok:
         print(f"benchmarks need a CUDA GPU: {reason}", file=sys.stderr)
         return 2
-    if args.only in (None, "launch"):
-        from benchmarks import launch_overhead
-
-        launch_overhead.main(["--sizes", args.sizes])
-    if args.only in (None, "graphed"):
-        from benchmarks import graphed_call
-
-        graphed_call.main([])
-    if args.only in (None, "workloads"):
-        from benchmarks import workloads
-
-        workloads.main([])
-    if args.only in (None, "alloc"):
-        from benchmarks import alloc_gpu
-
-        alloc_gpu.main([])
-    if args.only in (None, "eager"):
-        from benchmarks import eager_overhead
-
-        eager_overhead.main()
+    failed = []
+    for part, (module, part_args) in PARTS.items():
+        if args.only not in (None, part):
+            continue
+        t0 = time.perf_counter()
+        try:
+            mod = importlib.import_module(module)
+            rc = mod.main(["--sizes", args.sizes] if part_args is None else part_args)
+        except Exception:  # one part's failure must not hide the others' results
+            traceback.print_exc()
+            rc = "raised"
+        print(f"[benchmarks] part {part}: {time.perf_counter() - t0:.1f} s, status {rc}", flush=True)
+        if rc not in (None, 0):
+            failed.append(part)
+    if failed:
+        print(f"[benchmarks] failed parts: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

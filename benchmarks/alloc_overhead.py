@@ -2,16 +2,19 @@
 
 Imports only ``allocator`` (no CUDA), so allocator changes can be measured on any machine:
 ``python3 -m benchmarks.alloc_overhead``. The pool first holds ``n_live`` live blocks of mixed
-sizes; then loops of malloc+free pairs of random sizes are timed with ``perf_counter_ns``.
+sizes; then loops of malloc+free pairs of random sizes are timed with ``perf_counter_ns``. Writes
+``benchmarks/results/alloc_overhead.json`` (the run's record names the host CPU: the figure
+depends on it).
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
-import json
 import platform
 import random
 import statistics
+import sys
 import time
 
 from allocator import IntRangeSource, Pool
@@ -79,13 +82,23 @@ def run(n_live: int = 1000, pairs: int = 200_000, repeats: int = 7, seed: int = 
     }
 
 
-def main() -> None:
-    result = run()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.alloc_overhead")
+    ap.add_argument("--n-live", type=int, default=1000)
+    ap.add_argument("--pairs", type=int, default=200_000, help="timed pairs per repeat")
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args([] if argv is None else argv)
+    from benchmarks._harness import Report
+
+    rep = Report("alloc_overhead", gpu=False)  # CPU only: no driver, no GPU probe
+    result = run(n_live=args.n_live, pairs=args.pairs, repeats=args.repeats)
+    rep.add(**result, median_us_per_pair=round(result["median_ns_per_pair"] / 1e3, 3), target_us=2.0)
     print(f"{'system':<18}{'n_live':>8}{'median ns/pair':>16}{'p90 ns/pair':>14}")
     print(f"{result['system']:<18}{result['n_live']:>8}{result['median_ns_per_pair']:>16.1f}"
           f"{result['p90_ns_per_pair']:>14.1f}")
-    print(json.dumps(result))
+    print(f"results: {rep.save()}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main(sys.argv[1:]))

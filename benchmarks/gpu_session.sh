@@ -9,7 +9,7 @@
 #         smoke  benchmarks.sanitize_smoke under compute-sanitizer memcheck (about 1 min)
 #         memcheck  the whole "gpu and not slow" tier under compute-sanitizer memcheck
 #         threads  python -m benchmarks.allocator_threads (about 1 min)
-#         bench  python -m benchmarks (about 3 min)
+#         bench  python -m benchmarks, all parts, then the plots (CGRAW_BENCH_ARGS: e.g. "--only models")
 # all = tests,slow,smoke,bench
 set -u
 stages=${1:-all}; shift || true
@@ -59,10 +59,13 @@ $(stamp "allocator threads" $? $t "$(grep -c '"hung": true' benchmarks/results/a
   cp benchmarks/results/allocator_threads.json "$OUT/" 2>/dev/null
 fi
 if has bench; then
-  timeout 400 python3 -m benchmarks > "$OUT/bench.log" 2>&1
-  echo "benchmarks rc=$?" >> "$OUT/bench.log"
-  # this run's JSON in one archive (the device returns at most 8 files)
-  find benchmarks/results -name '*.json' -newer "$OUT/gpu.txt" -print0 | tar czf "$OUT/results.tgz" --null -T -
+  t=$(date +%s); timeout ${CGRAW_BENCH_TIMEOUT:-560} python3 -m benchmarks ${CGRAW_BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+  rc=$?; echo "benchmarks rc=$rc" >> "$OUT/bench.log"
+  timeout 60 python3 -m benchmarks.plots >> "$OUT/bench.log" 2>&1
+  summary="$summary
+$(stamp "benchmarks" $rc $t "$(grep -c '^\[benchmarks\] part' "$OUT/bench.log") part(s) ran")"
+  # this run's JSON and plots in one archive (the device returns at most 8 files)
+  find benchmarks/results \( -name '*.json' -o -name '*.png' \) -newer "$OUT/gpu.txt" -print0 | tar czf "$OUT/results.tgz" --null -T -
 fi
 echo "==== failures (if any)"
 for f in "$OUT/gpu_tests.log" "$OUT/gpu_stress.log" "$OUT/gpu_slow.log" "$OUT/memcheck.log"; do
@@ -70,6 +73,6 @@ for f in "$OUT/gpu_tests.log" "$OUT/gpu_stress.log" "$OUT/gpu_slow.log" "$OUT/me
 done
 [ -f "$OUT/gpu_slow.log" ] && grep -E "^seed [0-9]|soak:" "$OUT/gpu_slow.log" | cut -c1-300
 echo "==== bench (tail)"
-[ -f "$OUT/bench.log" ] && grep -E "^\[" "$OUT/bench.log" | tail -n 30 | cut -c1-300
+[ -f "$OUT/bench.log" ] && grep -E "^\[" "$OUT/bench.log" | tail -n 40 | cut -c1-300
 cat "$OUT/gpu.txt"
 echo "$summary"

@@ -5,19 +5,27 @@ and a raw cuda-python ``cuGraphLaunch``/``cudaGraphLaunch`` of the very executab
 Workload: a chain of N dependent tiny kernels (``y *= 1.0001`` on 1,024 floats), N = 1, 16, 256,
 1024. Device time per kernel comes from CUDA events around R replays; host time is
 ``perf_counter`` around loops of submissions ("submit") or submissions plus a synchronise ("sync").
+Every system's result is compared with the eager chain (bitwise) before it is timed; one that
+differs is recorded under ``failed_checks`` and not timed. The 1-node replay cost is timed in
+bursts of ``REPLAY_BURST`` launches with a synchronise between bursts, systems interleaved over
+rounds; its ratios are medians of per-round ratios with a bootstrap 95% interval.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import statistics
+import sys
 
 import numpy as np
 
-from benchmarks._harness import Report, host_sync_us, host_us
+from benchmarks._harness import Report, bootstrap_ci, host_sync_us, host_us
 
 SIZES = (1, 16, 256, 1024)
 NUMEL = 1024
+REPLAY_BURST = 100  # launches between synchronisations in replay_cost
+REPLAY_ROUNDS = 41
 
 
 def _events_ms(launch, reps: int, start, end, sync) -> float:
@@ -34,70 +42,78 @@ def _events_ms(launch, reps: int, start, end, sync) -> float:
 def torch_chain(rep: Report, sizes, reps: int) -> None:
     import torch
 
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for n in sizes:
+        _torch_chain_n(rep, n, reps, start, end)
+        gc.collect()
+
+
+def _torch_chain_n(rep: Report, n: int, reps: int, start, end) -> None:
+    import torch
+
     import cgraw
     from cgraw import _cuda
 
-    dev = torch.device("cuda")
     sync = torch.cuda.synchronize
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for n in sizes:
-        y = torch.randn(NUMEL, device=dev)
-        y0 = y.clone()
+    y = torch.randn(NUMEL, device="cuda")
+    y0 = y.clone()
 
-        def step():
-            for _ in range(n):
-                y.mul_(1.0001)
-
-        # correctness first: a replay equals the eager chain
-        with cgraw.capture() as g:
-            step()
-        y.copy_(y0)
-        g.replay()
-        ref = y0.clone()
+    def step():
         for _ in range(n):
-            ref.mul_(1.0001)
-        torch.testing.assert_close(y, ref, rtol=0, atol=0)
+            y.mul_(1.0001)
 
-        tg = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()  # warm-up on the side stream, as torch's docs ask
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(tg):
-            step()
+    ref = y0.clone()
+    for _ in range(n):
+        ref.mul_(1.0001)
+    with cgraw.capture() as g:
+        step()
 
-        raw_exec, legacy = g._exec, _cuda.drv.CUstream(0)
-        raw = _cuda.drv.cuGraphLaunch
+    tg = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up on the side stream, as torch's docs ask
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(tg):
+        step()
 
-        def raw_launch():
-            raw(raw_exec, legacy)
+    raw_exec, legacy = g._exec, _cuda.drv.CUstream(0)
+    raw = _cuda.drv.cuGraphLaunch
 
-        loops = max(20, 2000 // n)
-        rows = {
-            "eager": (step, None),
-            "cgraw.replay": (g.replay, None),
-            "raw cuGraphLaunch": (raw_launch, None),
-            "torch.cuda.CUDAGraph": (tg.replay, None),
-        }
-        for system, (fn, _) in rows.items():
-            dev_ms = _events_ms(fn, reps if system != "eager" else max(5, reps // 4), start, end, sync)
-            submit = host_us(fn, loops=loops, sync=sync)
-            full = host_sync_us(fn, sync, loops=max(10, loops // 4))
-            rep.add(workload="chain", framework="torch", n=n, system=system,
-                    device_us_per_kernel=dev_ms * 1e3 / n, submit_us_per_step=submit["median_us"],
-                    sync_us_per_step=full["median_us"], sync_us_per_kernel=full["median_us"] / n)
-        g.close()
-        del tg
-        gc.collect()
+    def raw_launch():
+        raw(raw_exec, legacy)
+
+    def same_as_eager(launch):
+        def check():
+            y.copy_(y0)
+            launch()
+            sync()
+            torch.testing.assert_close(y, ref, rtol=0, atol=0)
+        return check
+
+    loops = max(20, 2000 // n)
+    rows = {
+        "eager": step,
+        "cgraw.replay": g.replay,
+        "raw cuGraphLaunch": raw_launch,
+        "torch.cuda.CUDAGraph": tg.replay,
+    }
+    for system, fn in rows.items():
+        # checked before it is timed (eager is the reference: it checks the harness)
+        if not rep.check(f"torch chain n={n}: {system}", same_as_eager(fn)):
+            continue
+        dev_ms = _events_ms(fn, reps if system != "eager" else max(5, reps // 4), start, end, sync)
+        submit = host_us(fn, loops=loops, sync=sync)
+        full = host_sync_us(fn, sync, loops=max(10, loops // 4))
+        rep.add(workload="chain", framework="torch", n=n, system=system,
+                device_us_per_kernel=dev_ms * 1e3 / n, submit_us_per_step=submit["median_us"],
+                sync_us_per_step=full["median_us"], sync_us_per_kernel=full["median_us"] / n)
+    g.close()
 
 
 def cupy_chain(rep: Report, sizes, reps: int) -> None:
     import cupy as cp
 
-    import cgraw
-
-    sync = cp.cuda.Device().synchronize
     start, end = cp.cuda.Event(), cp.cuda.Event()
 
     class _Ev:
@@ -114,42 +130,59 @@ def cupy_chain(rep: Report, sizes, reps: int) -> None:
             return cp.cuda.get_elapsed_time(self.e, other.e)
 
     s_ev, e_ev = _Ev(start), _Ev(end)
-    rng = np.random.default_rng()
     for n in sizes:
-        y = cp.asarray(rng.standard_normal(NUMEL).astype(np.float32))
-        y0 = y.copy()
-
-        def step():
-            for _ in range(n):
-                cp.multiply(y, np.float32(1.0001), out=y)
-
-        step()  # warm the kernel cache
-        with cgraw.capture() as g:
-            step()
-        y[...] = y0
-        g.replay()
-        ref = y0.copy()
-        for _ in range(n):
-            cp.multiply(ref, np.float32(1.0001), out=ref)
-        assert cp.array_equal(y, ref), "cgraw replay differs from eager CuPy"
-
-        cs = cp.cuda.Stream(non_blocking=True)
-        with cs:
-            cs.begin_capture()
-            step()
-            cg = cs.end_capture()
-        legacy = cp.cuda.Stream.null
-        rows = {"eager": step, "cgraw.replay": g.replay, "cupy Graph.launch": lambda: cg.launch(legacy)}
-        loops = max(20, 2000 // n)
-        for system, fn in rows.items():
-            dev_ms = _events_ms(fn, reps if system != "eager" else max(5, reps // 4), s_ev, e_ev, sync)
-            submit = host_us(fn, loops=loops, sync=sync)
-            full = host_sync_us(fn, sync, loops=max(10, loops // 4))
-            rep.add(workload="chain", framework="cupy", n=n, system=system,
-                    device_us_per_kernel=dev_ms * 1e3 / n, submit_us_per_step=submit["median_us"],
-                    sync_us_per_step=full["median_us"], sync_us_per_kernel=full["median_us"] / n)
-        g.close()
+        _cupy_chain_n(rep, n, reps, s_ev, e_ev)
         gc.collect()
+
+
+def _cupy_chain_n(rep: Report, n: int, reps: int, s_ev, e_ev) -> None:
+    import cupy as cp
+
+    import cgraw
+
+    sync = cp.cuda.Device().synchronize
+    rng = np.random.default_rng()
+    y = cp.asarray(rng.standard_normal(NUMEL).astype(np.float32))
+    y0 = y.copy()
+
+    def step():
+        for _ in range(n):
+            cp.multiply(y, np.float32(1.0001), out=y)
+
+    step()  # warm the kernel cache
+    ref = y0.copy()
+    for _ in range(n):
+        cp.multiply(ref, np.float32(1.0001), out=ref)
+    with cgraw.capture() as g:
+        step()
+
+    cs = cp.cuda.Stream(non_blocking=True)
+    with cs:
+        cs.begin_capture()
+        step()
+        cg = cs.end_capture()
+    legacy = cp.cuda.Stream.null
+
+    def same_as_eager(launch):
+        def check():
+            y[...] = y0
+            launch()
+            sync()
+            assert cp.array_equal(y, ref), "differs from eager CuPy"
+        return check
+
+    rows = {"eager": step, "cgraw.replay": g.replay, "cupy Graph.launch": lambda: cg.launch(legacy)}
+    loops = max(20, 2000 // n)
+    for system, fn in rows.items():
+        if not rep.check(f"cupy chain n={n}: {system}", same_as_eager(fn)):
+            continue
+        dev_ms = _events_ms(fn, reps if system != "eager" else max(5, reps // 4), s_ev, e_ev, sync)
+        submit = host_us(fn, loops=loops, sync=sync)
+        full = host_sync_us(fn, sync, loops=max(10, loops // 4))
+        rep.add(workload="chain", framework="cupy", n=n, system=system,
+                device_us_per_kernel=dev_ms * 1e3 / n, submit_us_per_step=submit["median_us"],
+                sync_us_per_step=full["median_us"], sync_us_per_kernel=full["median_us"] / n)
+    g.close()
 
 
 def replay_cost(rep: Report) -> dict:
@@ -185,19 +218,39 @@ def replay_cost(rep: Report) -> dict:
         "raw cudaGraphLaunch": lambda: rt_launch(rt_exec, rt_stream),
         "torch.cuda.CUDAGraph.replay": tg.replay,
     }
+    y0 = y.clone()
+    ref = y0 * 1.0001
+
+    def same_as_eager(launch):
+        def check():
+            y.copy_(y0)
+            launch()
+            sync()
+            torch.testing.assert_close(y, ref, rtol=0, atol=0)
+        return check
+
+    systems = {k: fn for k, fn in systems.items() if rep.check(f"replay_1node: {k}", same_as_eager(fn))}
+    # bursts of REPLAY_BURST launches between synchronisations: the queue never fills, so the
+    # figure is the host's cost and not the device time of the replays
     samples = {k: [] for k in systems}
-    for _ in range(5):
+    for _ in range(REPLAY_ROUNDS):
         for k, fn in systems.items():
-            samples[k].append(host_us(fn, loops=2000, repeats=3, sync=sync)["median_us"])
+            samples[k].append(host_us(fn, loops=REPLAY_BURST, repeats=5, warmup=10, sync=sync)["median_us"])
     for k, v in samples.items():
         out[k] = float(np.median(v))
-        rep.add(workload="replay_1node", system=k, submit_us=out[k])
-    out["ratio_cgraw_vs_raw_cuGraphLaunch"] = out["cgraw.replay"] / out["raw cuGraphLaunch"]
-    out["ratio_cgraw_vs_raw_cudaGraphLaunch"] = out["cgraw.replay"] / out["raw cudaGraphLaunch"]
-    out["ratio_cgraw_vs_torch"] = out["cgraw.replay"] / out["torch.cuda.CUDAGraph.replay"]
-    rep.add(workload="replay_1node", system="ratios",
-            vs_raw_cu=out["ratio_cgraw_vs_raw_cuGraphLaunch"],
-            vs_raw_cuda=out["ratio_cgraw_vs_raw_cudaGraphLaunch"], vs_torch=out["ratio_cgraw_vs_torch"])
+        rep.add(workload="replay_1node", system=k, submit_us=out[k], burst=REPLAY_BURST, rounds=REPLAY_ROUNDS)
+    ratios = {"ratio_cgraw_vs_raw_cuGraphLaunch": "raw cuGraphLaunch",
+              "ratio_cgraw_vs_raw_cudaGraphLaunch": "raw cudaGraphLaunch",
+              "ratio_cgraw_vs_torch": "torch.cuda.CUDAGraph.replay"}
+    for key, peer in ratios.items():
+        if "cgraw.replay" in samples and peer in samples:
+            # per-round ratios: both systems were timed back to back in each round
+            per_round = [a / b for a, b in zip(samples["cgraw.replay"], samples[peer])]
+            out[key] = statistics.median(per_round)
+            out[key + "_ci95"] = list(bootstrap_ci([per_round]))
+    rep.add(workload="replay_1node", system="ratios", vs_raw_cu=out.get("ratio_cgraw_vs_raw_cuGraphLaunch"),
+            vs_raw_cu_ci95=out.get("ratio_cgraw_vs_raw_cuGraphLaunch_ci95"),
+            vs_raw_cuda=out.get("ratio_cgraw_vs_raw_cudaGraphLaunch"), vs_torch=out.get("ratio_cgraw_vs_torch"))
     g.close()
     return out
 
@@ -207,7 +260,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--frameworks", default="torch,cupy")
-    args = ap.parse_args(argv)
+    args = ap.parse_args([] if argv is None else argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     rep = Report("launch_overhead")
     extra = {}
@@ -229,8 +282,8 @@ def main(argv=None) -> int:
             cupy_chain(rep, sizes, args.reps)
     path = rep.save(extra)
     print(f"results: {path}")
-    return 0
+    return 1 if rep.failed_checks else 0  # a system that differs from eager fails the part
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))
