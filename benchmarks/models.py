@@ -1,0 +1,979 @@
+"""Real models with random weights, every system in the same run: host and device time per call.
+
+Models, built from configs (never loaded from a hub):
+- ``gpt2_b1``, ``gpt2_b8``: a transformers GPT-2 (4 layers, n_embd 256, 4 heads), the logits of
+  a forward at batch 1 and 8, sequence 32;
+- ``llama_decode``: a transformers Llama decoder (2 layers, hidden 256) greedy-decoding 64 tokens
+  with a ``StaticCache``; the unit is one decode step (token in, next token out), timed per
+  token; the prefill runs eagerly and is not timed;
+- ``resnet18_b8``: torchvision ResNet-18 inference, batch 8, 64x64 images;
+- ``resnet18_train``: a ResNet-18 training step (forward, cross-entropy, backward, SGD with
+  momentum), batch 8, 64x64, BatchNorm in training mode;
+- ``vit_tiny_b8``: timm ``vit_tiny_patch16_224`` at 64x64, inference, batch 8.
+
+Systems: ``eager``; ``cgraw_graphed`` (``@cgraw.graphed``); ``cgraw_capture`` (``cgraw.capture()``
+and ``replay`` with static inputs); ``torch_cudagraph`` (a hand-made ``torch.cuda.CUDAGraph``);
+``reduce_overhead`` (``torch.compile(mode="reduce-overhead")``); ``cgraw_over_compile``
+(``@cgraw.graphed`` over ``torch.compile`` in its default mode). The last two run in child
+processes (``--child WORKLOAD SYSTEM``) whose compile is capped in wall-clock time
+(``--compile-cap``). Every system is checked against eager before it is timed (``Report.check``);
+one that differs or fails is recorded under ``failed_checks``, with the reason in its row, and is
+not timed. ``python3 -m benchmarks.models [--quick]`` writes ``benchmarks/results/models.json``
+(``models_quick.json`` with ``--quick``); ``METHOD`` below is saved with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import importlib
+import json
+import os
+import queue
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+from benchmarks._harness import REPO_ROOT, RESULTS_DIR, Report
+
+DEVICE = "cuda"  # "cpu" with the hidden --device cpu: eager and compiled systems, the logic without figures
+TAG = "@@models "  # prefixes the children's protocol lines (other output is ignored)
+
+WORKLOADS = {  # name -> (package, kind)
+    "gpt2_b1": ("transformers", "forward"),
+    "gpt2_b8": ("transformers", "forward"),
+    "llama_decode": ("transformers", "decode"),
+    "resnet18_b8": ("torchvision", "forward"),
+    "resnet18_train": ("torchvision", "train"),
+    "vit_tiny_b8": ("timm", "forward"),
+}
+IN_PROCESS = ("eager", "cgraw_graphed", "cgraw_capture", "torch_cudagraph")
+COMPILED = ("reduce_overhead", "cgraw_over_compile")
+SYSTEMS = IN_PROCESS + COMPILED
+CGRAW_TREE_SYSTEMS = ("cgraw_graphed", "cgraw_over_compile")
+
+GPT2_VOCAB, GPT2_SEQ = 1000, 32
+LLAMA_VOCAB, LLAMA_PROMPT, LLAMA_NEW = 1000, 8, 64
+IMAGE_HW, IMAGE_BATCH, NUM_CLASSES = 64, 8, 10
+TRAIN_CHECK_STEPS = 5
+DECODE_MIN_EQUAL = 8
+
+# float32, TF32 off in every process. Graph systems replay eager's own kernels: the tests' 1e-4
+# leaves room for another cuBLAS/cuDNN algorithm or attention kernel (transformers materialises
+# the causal mask while a stream captures). Compiled systems run inductor's fused kernels, which
+# reorder reductions.
+GRAPH_TOL = {"rtol": 1e-4, "atol": 1e-4}
+TRAIN_GRAPH_TOL = {"rtol": 1e-4, "atol": 1e-5}  # one step from eager's state (test_third_party)
+COMPILED_TOL = {"rtol": 2e-3, "atol": 2e-3}
+
+# kind -> (calls per burst, repeats, warm-up calls); a decode burst is one 64-token decode and
+# its warm-up counts decodes
+LOOPS = {"forward": (200, 5, 20), "train": (50, 5, 5), "decode": (LLAMA_NEW, 5, 1)}
+QUICK_LOOPS = {"forward": (50, 3, 5), "train": (10, 3, 2), "decode": (LLAMA_NEW, 2, 1)}
+TIMING_CAP_S = {False: 180.0, True: 60.0}  # a ready child's timing, by --quick
+
+METHOD = {
+    "host_us": "median over repeats of the perf_counter time of a burst of N calls plus one "
+               "torch.cuda.synchronize, divided by N (submit + completion); forward and training "
+               "bursts alternate two input sets; a decode burst is one 64-token greedy decode, per "
+               "token, after an eager prefill that is not timed",
+    "submit_us": "the same bursts up to the return of the last call, before the synchronise (host "
+                 "submission only)",
+    "device_us": "CUDA events on the current stream before the burst's first call and after its "
+                 "last, divided by N: the device timeline of the burst, which includes the device's "
+                 "idle gaps when the host is the bottleneck (eager)",
+    "speedup": "eager / system, same run; compiled systems ran in child processes and are divided "
+               "into the parent's eager figure. No speedup is given for a cgraw system that did not "
+               "replay every timed call (eager fallback, re-record or eager call: graph_replayed false)",
+    "summary_ratios": "cgraw / peer: below 1 means cgraw takes less time",
+    "checks": "before timing, each system against eager: forward outputs with assert_close (graph "
+              "systems rtol/atol 1e-4, compiled 2e-3) over three set-up calls (warm-up, record, "
+              "replay; a compile's first calls) and two on fresh inputs; training: 5 steps, each "
+              "from the eager model's state (parameters, buffers and momentum buffers copied in "
+              "place), the loss and every state tensor after the step (graphs rtol 1e-4 atol 1e-5, "
+              "compiled 2e-3); decode: the 65 greedy tokens of two decodes equal eager's, or, where "
+              "a near-tie argmax flips, at least the first 8 (the divergence index is reported)",
+    "precision": "float32; cuDNN and cuBLAS TF32 off in every process",
+    "compile": "compiled systems run in child processes, up to --compile-jobs at once (each with "
+               "TORCHINDUCTOR_COMPILE_THREADS = cores / jobs unless set), each capped at "
+               "--compile-cap seconds from its start until it is compiled and checked; then each is "
+               "timed alone while the others wait on stdin. compile_s is the wall time of the first "
+               "three calls (decode: the first 64-token decode), taken while the others compile",
+}
+
+
+class CheckFailed(Exception):
+    """A system's result differs from eager's: the system is not timed."""
+
+
+class Workload:
+    """One model and its unit of work.
+
+    ``kind`` "forward": ``fn(*inputs)`` returns the output. "train": ``new_step()`` returns a step
+    bound to a fresh copy of the initial model and optimizer (``step.model``, ``step.opt``).
+    "decode": ``step(tok, pos, cache)`` returns the next token; ``new_cache()``,
+    ``prefill(cache)``, ``positions`` and ``reference_tokens()`` (eager's greedy tokens).
+    """
+
+    def __init__(self, name: str, kind: str, info: dict, **fields):
+        self.name, self.kind, self.info = name, kind, info
+        self.__dict__.update(fields)
+
+
+# ---------------------------------------------------------------- models
+
+
+def _gpt2(name: str) -> Workload:
+    import torch
+    import transformers
+
+    batch = int(name.rsplit("_b", 1)[1])
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=GPT2_VOCAB, n_positions=128,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    model = transformers.GPT2LMHeadModel(cfg).to(DEVICE).eval()
+
+    @torch.no_grad()
+    def forward(ids):
+        return model(input_ids=ids, use_cache=False).logits
+
+    return Workload(name, "forward", {"model": "transformers GPT2LMHeadModel 4x256, 4 heads", "batch": batch,
+                                      "seq": GPT2_SEQ, "unit": "call"},
+                    fn=forward, inputs=lambda: (torch.randint(0, GPT2_VOCAB, (batch, GPT2_SEQ), device=DEVICE),))
+
+
+def _image():
+    import torch
+
+    return torch.randn(IMAGE_BATCH, 3, IMAGE_HW, IMAGE_HW, device=DEVICE)
+
+
+def _resnet(name: str) -> Workload:
+    import torch
+    import torchvision
+
+    model = torchvision.models.resnet18(weights=None, num_classes=NUM_CLASSES).to(DEVICE)
+    info = {"model": "torchvision resnet18", "batch": IMAGE_BATCH, "image": IMAGE_HW, "unit": "call"}
+    if name == "resnet18_b8":
+        model.eval()
+
+        @torch.no_grad()
+        def forward(x):
+            return model(x)
+
+        return Workload(name, "forward", info, fn=forward, inputs=lambda: (_image(),))
+
+    model.train()  # BatchNorm in training mode
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def new_step():
+        m, o = copy.deepcopy((model, opt))  # taken before any step: every copy starts alike
+
+        def step(x, y):
+            o.zero_grad(set_to_none=False)
+            loss = torch.nn.functional.cross_entropy(m(x), y)
+            loss.backward()
+            o.step()  # SGD's momentum buffers are made by the first step (a warm-up)
+            return loss.detach()
+
+        step.model, step.opt = m, o
+        return step
+
+    return Workload(name, "train", {**info, "optimizer": "SGD lr 0.01 momentum 0.9"}, new_step=new_step,
+                    inputs=lambda: (_image(), torch.randint(0, NUM_CLASSES, (IMAGE_BATCH,), device=DEVICE)))
+
+
+def _vit(name: str) -> Workload:
+    import timm
+    import torch
+
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=IMAGE_HW,
+                              num_classes=NUM_CLASSES).to(DEVICE).eval()
+
+    @torch.no_grad()
+    def forward(x):
+        return model(x)
+
+    return Workload(name, "forward", {"model": "timm vit_tiny_patch16_224", "batch": IMAGE_BATCH, "image": IMAGE_HW,
+                                      "unit": "call"},
+                    fn=forward, inputs=lambda: (_image(),))
+
+
+def _llama(name: str) -> Workload:
+    import inspect
+
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=256, intermediate_size=512,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
+                                   attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg).to(DEVICE).eval()
+    prompt = torch.randint(0, LLAMA_VOCAB, (1, LLAMA_PROMPT), device=DEVICE)
+    positions = torch.arange(LLAMA_PROMPT, LLAMA_PROMPT + LLAMA_NEW, device=DEVICE)
+    # transformers 4.x wrote a StaticCache at ``cache_position``; 5.x keeps the write position in
+    # the cache (a device tensor advanced in place) and takes positions from ``position_ids``
+    takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
+
+    @torch.no_grad()
+    def step(tok, pos, cache):
+        kw = {"cache_position": pos} if takes_cache_position else {}
+        out = model(input_ids=tok, position_ids=pos.unsqueeze(0), past_key_values=cache, use_cache=True, **kw)
+        return out.logits[:, -1, :].argmax(-1, keepdim=True)
+
+    def new_cache():
+        return transformers.StaticCache(config=model.config, max_cache_len=LLAMA_PROMPT + LLAMA_NEW + 8)
+
+    @torch.no_grad()
+    def prefill(cache):
+        cache.reset()  # zeroes the cache in place: its tensors keep their addresses
+        kw = {"cache_position": torch.arange(LLAMA_PROMPT, device=DEVICE)} if takes_cache_position else {}
+        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, **kw).logits
+        return logits[:, -1, :].argmax(-1, keepdim=True)
+
+    memo = []
+
+    def reference_tokens():
+        if not memo:
+            cache = new_cache()
+            memo.append(_decode(lambda t, p: step(t, p, cache), prefill(cache), positions, collect=True))
+        return memo[0]
+
+    return Workload(name, "decode", {"model": "transformers LlamaForCausalLM 2x256, 4 heads, 2 kv heads",
+                                     "batch": 1, "prompt": LLAMA_PROMPT, "new_tokens": LLAMA_NEW, "unit": "token",
+                                     "passes_cache_position": takes_cache_position},
+                    step=step, new_cache=new_cache, prefill=prefill, positions=positions,
+                    reference_tokens=reference_tokens)
+
+
+def _build(name: str) -> Workload:
+    import torch
+
+    torch.manual_seed(0)
+    if name.startswith("gpt2"):
+        return _gpt2(name)
+    if name == "llama_decode":
+        return _llama(name)
+    if name.startswith("resnet18"):
+        return _resnet(name)
+    if name.startswith("vit"):
+        return _vit(name)
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def _decode(call, tok, positions, *, collect: bool):
+    """``LLAMA_NEW`` greedy steps from ``tok`` (the prefill's token); the tokens when ``collect``."""
+    import torch
+
+    toks = [tok.clone()] if collect else None
+    for i in range(LLAMA_NEW):
+        tok = call(tok, positions[i:i + 1])
+        if collect:
+            toks.append(tok.clone())  # a graph's output is overwritten by the next step
+    return torch.cat(toks, dim=1)[0].tolist() if collect else None
+
+
+# ---------------------------------------------------------------- systems
+
+
+def _make_call(system: str, fn, extra=(), *, backward: bool = False):
+    """``call(*inputs)`` running ``fn(*inputs, *extra)`` as ``system`` does, and the
+    ``GraphedFunction`` whose stats tell whether cgraw replayed (None for other systems)."""
+    import torch
+
+    if system == "eager":
+        return ((lambda *xs: fn(*xs, *extra)) if extra else fn), None
+    if system in ("cgraw_capture", "torch_cudagraph"):
+        return _static_graph(lambda *xs: fn(*xs, *extra), system, backward=backward), None
+    if system == "reduce_overhead":
+        compiled = torch.compile(fn, mode="reduce-overhead", dynamic=False)
+        mark = torch.compiler.cudagraph_mark_step_begin
+
+        def call(*xs):
+            mark()  # torch requires it before each step
+            return compiled(*xs, *extra)
+
+        return call, None
+    import cgraw
+
+    if system == "cgraw_graphed":
+        g = cgraw.graphed(fn)
+    elif system == "cgraw_over_compile":
+        g = cgraw.graphed(torch.compile(fn, dynamic=False))  # dynamo's guards run at warm-up and recording only
+    else:
+        raise ValueError(f"unknown system {system!r}")
+    return ((lambda *xs: g(*xs, *extra)) if extra else g), g
+
+
+def _static_graph(fn, system: str, *, backward: bool = False):
+    """A call over static inputs. The first call copies its inputs into static tensors, runs ``fn``
+    on them eagerly (the warm-up: a real step, whose result it returns) and captures ``fn``; later
+    calls ``copy_`` their inputs into the static tensors, replay, and return the static output."""
+    import torch
+
+    state: dict = {}
+
+    def call(*xs):
+        if state:
+            for dst, x in zip(state["static"], xs, strict=True):
+                dst.copy_(x)
+            state["replay"]()
+            return state["out"]
+        static = [x.clone() for x in xs]
+        if system == "torch_cudagraph":
+            side = torch.cuda.Stream()  # warm-up on a side stream, as torch's documentation does
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                first = fn(*static)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fn(*static)
+        else:
+            import cgraw
+
+            first = fn(*static)
+            # the public API only: a step with a backward pass is captured as a user would (autograd's
+            # device thread allocates on the capture stream); a failure is this system's row error
+            with cgraw.capture() as graph:
+                out = fn(*static)
+        state.update(static=static, out=out, replay=graph.replay, graph=graph)
+        return first
+
+    return call
+
+
+# ---------------------------------------------------------------- checks
+
+
+class _WallEvent:
+    """``--device cpu``: a CUDA event's interface over the wall clock."""
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def _sync() -> None:
+    if DEVICE != "cpu":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _event():
+    if DEVICE == "cpu":
+        return _WallEvent()
+    import torch
+
+    return torch.cuda.Event(enable_timing=True)
+
+
+def _timed_call(call, xs):
+    _sync()
+    t0 = time.perf_counter()
+    out = call(*xs)
+    _sync()
+    return out, time.perf_counter() - t0
+
+
+def _assert_close(got, want, tol: dict, what: str) -> None:
+    import torch
+
+    try:
+        torch.testing.assert_close(got, want, **tol)
+    except AssertionError as exc:
+        raise CheckFailed(f"{what}: {exc}") from None
+
+
+def _check_forward(wl: Workload, call, tol: dict) -> tuple[float, dict]:
+    """Three set-up calls (warm-up, record, first replay; a compile's first calls) and two on fresh
+    inputs, each compared with eager right away (a graph's output lives until the next call)."""
+    setup_s = 0.0
+    for i in range(5):
+        xs = wl.inputs()
+        got, dt = _timed_call(call, xs)
+        setup_s += dt if i < 3 else 0.0
+        _assert_close(got, wl.fn(*xs), tol, f"call {i + 1}")
+    return setup_s, {}
+
+
+def _train_state(step) -> list:
+    """What a training step carries to the next: parameters and buffers, then momentum buffers
+    (None before the first step)."""
+    state = list(step.model.state_dict().values())
+    for p in step.model.parameters():
+        st = step.opt.state.get(p)
+        state.append(st.get("momentum_buffer") if st else None)
+    return state
+
+
+def _check_train(wl: Workload, call, step, tol: dict) -> tuple[float, dict]:
+    """Eager training of this model is chaotic (cuDNN's convolution and BatchNorm backward passes
+    accumulate in nondeterministic order and BatchNorm at batch 8 amplifies it), so trajectories
+    are not compared: before each step the system's parameters, buffers and momentum buffers are
+    set to an eager model's, in place (graphs read them where they are); both take one step on the
+    same batch; the loss and every state tensor must agree (as ``test_third_party`` does)."""
+    import torch
+
+    ref = wl.new_step()
+    setup_s = 0.0
+    for i in range(TRAIN_CHECK_STEPS):
+        with torch.no_grad():
+            for t, t_ref in zip(_train_state(step), _train_state(ref), strict=True):
+                if t is not None and t_ref is not None:
+                    t.copy_(t_ref)
+        xs = wl.inputs()
+        got, dt = _timed_call(call, xs)
+        setup_s += dt if i < 3 else 0.0
+        _assert_close(got, ref(*xs), tol, f"step {i + 1}: loss")
+        for k, (t, t_ref) in enumerate(zip(_train_state(step), _train_state(ref), strict=True)):
+            if (t is None) != (t_ref is None):
+                raise CheckFailed(f"step {i + 1}: state {k} exists in one model only")
+            if t is not None:
+                _assert_close(t, t_ref, tol, f"step {i + 1}: state {k}")
+    return setup_s, {}
+
+
+def _first_divergence(got: list, ref: list):
+    for i, (a, b) in enumerate(zip(got, ref)):
+        if a != b:
+            return i
+    return None if len(got) == len(ref) else min(len(got), len(ref))
+
+
+def _check_decode(wl: Workload, call, prefill) -> tuple[float, dict]:
+    """Two decodes (the first holds the warm-up and recording, or the compile), each against
+    eager's greedy tokens. Replayed graphs run eager's kernels and give eager's tokens; a compiled
+    model may flip an argmax between two near-equal logits (float noise) and diverge from there, so
+    the check asks for the first ``DECODE_MIN_EQUAL`` tokens equal and reports where they diverged."""
+    ref = wl.reference_tokens()
+    detail, setup_s = {}, 0.0
+    for run in (1, 2):
+        tok = prefill()
+        _sync()
+        t0 = time.perf_counter()
+        got = _decode(call, tok, wl.positions, collect=True)
+        _sync()
+        if run == 1:
+            setup_s = time.perf_counter() - t0
+        d = _first_divergence(got, ref)
+        detail[f"first_divergence_run{run}"] = d
+        if d is not None and d < DECODE_MIN_EQUAL:
+            raise CheckFailed(f"decode {run}: token {d} differs from eager's (got {got[:d + 4]}, eager {ref[:d + 4]})")
+    detail["tokens_equal"] = detail["first_divergence_run1"] is None and detail["first_divergence_run2"] is None
+    return setup_s, detail
+
+
+# ---------------------------------------------------------------- timing
+
+
+def _bursts(burst, n: int, repeats: int, prepare=None) -> dict:
+    """Per call: host time of a burst with and without its final synchronise, and the device time
+    between events around it; medians over ``repeats``. ``prepare()`` (untimed) gives the state
+    that ``burst(state)`` starts from."""
+    host, submit, device = [], [], []
+    for _ in range(repeats):
+        state = prepare() if prepare is not None else None
+        _sync()
+        start, end = _event(), _event()
+        t0 = time.perf_counter_ns()
+        start.record()
+        burst(state)
+        end.record()
+        t1 = time.perf_counter_ns()
+        _sync()
+        t2 = time.perf_counter_ns()
+        host.append((t2 - t0) / n / 1e3)
+        submit.append((t1 - t0) / n / 1e3)
+        device.append(start.elapsed_time(end) * 1e3 / n)
+    host.sort()
+    return {"host_us": statistics.median(host), "host_p90_us": host[int(0.9 * (len(host) - 1))],
+            "submit_us": statistics.median(submit), "device_us": statistics.median(device),
+            "loops": n, "repeats": repeats}
+
+
+def _time(wl: Workload, call, loops: tuple, prefill=None) -> dict:
+    n, repeats, warm = loops
+    if wl.kind == "decode":
+        def burst(tok):
+            _decode(call, tok, wl.positions, collect=False)
+
+        for _ in range(warm):
+            burst(prefill())
+        res = _bursts(burst, LLAMA_NEW, repeats, prepare=prefill)
+        res["timed_calls"] = (warm + repeats) * LLAMA_NEW
+        return res
+    pair = (wl.inputs(), wl.inputs())  # two input sets, alternated: inputs change address every call
+
+    def burst(_):
+        for k in range(n):
+            call(*pair[k & 1])
+
+    for k in range(warm):
+        call(*pair[k & 1])
+    res = _bursts(burst, n, repeats)
+    res["timed_calls"] = warm + n * repeats
+    return res
+
+
+# ---------------------------------------------------------------- one (workload, system)
+
+
+def _text(exc: BaseException, limit: int = 1500) -> str:
+    return f"{type(exc).__name__}: {exc}"[:limit]
+
+
+def _graph_stats(g):
+    if g is None:
+        return None
+    import torch
+
+    from cgraw.graphed import _managers
+
+    mgr = _managers.get(torch.cuda.current_device())
+    st = mgr.stats.get(g.fn_id) if mgr is not None else None
+    if st is None:
+        return None
+    return {"warmups": st.warmups, "recordings": st.recordings, "rerecords": st.rerecords, "replays": st.replays,
+            "eager_calls": st.eager_calls, "skip_reasons": dict(st.skip_reasons),
+            "rerecord_reasons": list(st.rerecord_reasons[-3:])}
+
+
+def _measure(wl: Workload, system: str, *, quick: bool, ready=None) -> dict:
+    """Build ``system`` for ``wl``, check it against eager, then time it. ``ready(row)`` runs
+    between the check and the timing (a child process waits there for its turn)."""
+    row = {"workload": wl.name, "system": system, **wl.info}
+    compiled = system in COMPILED
+    loops = (QUICK_LOOPS if quick else LOOPS)[wl.kind]
+    g = prefill = None
+    try:
+        if wl.kind == "decode":
+            cache = wl.new_cache()
+            call, g = _make_call(system, wl.step, (cache,))
+            if system == "reduce_overhead":
+                # the next step's input is this step's output, and cudagraph trees free a previous
+                # generation's outputs when a recording ends: clone it out (one copy kernel, like
+                # the static-input systems' copy_ of the token)
+                inner = call
+
+                def call(tok, pos):
+                    return inner(tok, pos).clone()
+
+            def prefill():
+                return wl.prefill(cache)
+
+            setup_s, detail = _check_decode(wl, call, prefill)
+        elif wl.kind == "train":
+            step = wl.new_step()
+            call, g = _make_call(system, step, backward=True)
+            setup_s, detail = _check_train(wl, call, step, COMPILED_TOL if compiled else TRAIN_GRAPH_TOL)
+        else:
+            call, g = _make_call(system, wl.fn)
+            setup_s, detail = _check_forward(wl, call, COMPILED_TOL if compiled else GRAPH_TOL)
+    except CheckFailed as exc:
+        row["check"] = f"differs from eager: {str(exc)[:1500]}"
+        row["cgraw"] = _graph_stats(g)
+        return row
+    except Exception as exc:  # noqa: BLE001 -- a system that fails is reported in its row, not hidden
+        row["check"] = "not run"
+        row["error"] = _text(exc)
+        row["traceback_tail"] = traceback.format_exc()[-1500:]
+        row["cgraw"] = _graph_stats(g)
+        return row
+    row["check"] = "reference" if system == "eager" else "ok"
+    row.update(detail)
+    row["setup_s"] = setup_s
+    if compiled:
+        row["compile_s"] = setup_s
+    before = _graph_stats(g)
+    if ready is not None:
+        ready(row)
+    try:
+        row.update(_time(wl, call, loops, prefill))
+    except Exception as exc:  # noqa: BLE001 -- reported in the row; the other systems still run
+        row["error"] = f"while timing: {_text(exc)}"
+    after = _graph_stats(g)
+    if after is not None:
+        row["cgraw"] = after
+        timed = row.get("timed_calls", 0)
+        row["graph_replayed"] = bool(
+            after["recordings"] > 0 and not after["skip_reasons"] and after["eager_calls"] == 0
+            and after["rerecords"] == before["rerecords"] and after["replays"] - before["replays"] >= timed)
+    return row
+
+
+# ---------------------------------------------------------------- child processes (compiled systems)
+
+
+def _say(obj) -> None:
+    sys.stdout.write(TAG + json.dumps(obj, default=str) + "\n")
+    sys.stdout.flush()
+
+
+class _Child:
+    """A compiled system in a child process. It compiles and checks, says "ready", waits for "go"
+    on stdin, times, and says its result. Every wait here has a deadline."""
+
+    def __init__(self, workload: str, system: str, cmd: list, env: dict):
+        self.workload, self.system = workload, system
+        self.err = tempfile.TemporaryFile()  # noqa: SIM115 -- closed in close()
+        self.t0 = time.monotonic()
+        # its own session, so that a kill takes the child's compile workers with it
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.err, text=True, start_new_session=True)
+        self.msgs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.ready: dict | None = None
+        self.result: dict | None = None
+        self.failure: str | None = None
+        self.t_end: float | None = None
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(TAG):
+                try:
+                    self.msgs.put(json.loads(line[len(TAG):]))
+                except ValueError:
+                    continue
+        self.t_end = time.monotonic()
+        self.msgs.put(None)  # end of output
+
+    def _next(self, deadline: float):
+        try:
+            return self.msgs.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return "timeout"
+
+    def wait_ready(self, cap_s: float) -> None:
+        msg = self._next(self.t0 + cap_s)
+        if msg == "timeout":
+            self._fail(f"compile exceeded cap ({cap_s:g} s)")
+        elif msg is None:
+            self._fail(f"child exited (rc {self.proc.wait()}) before it was ready: {self.stderr_tail()}")
+        elif msg.get("phase") == "ready":
+            self.ready = msg
+        else:
+            self.result = msg  # its check failed or its set-up raised: nothing to time
+
+    def go(self, cap_s: float) -> None:
+        try:
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+        except OSError as exc:
+            self._fail(f"child gone before timing: {exc}: {self.stderr_tail()}")
+            return
+        msg = self._next(time.monotonic() + cap_s)
+        if msg == "timeout":
+            self._fail(f"timing exceeded {cap_s:g} s")
+        elif msg is None:
+            self._fail(f"child exited (rc {self.proc.wait()}) while timing: {self.stderr_tail()}")
+        else:
+            self.result = msg
+
+    def _fail(self, why: str) -> None:
+        self.failure = why
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()  # a child still waiting for "go" reads end-of-file and exits
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def stderr_tail(self, nbytes: int = 1500) -> str:
+        self.err.flush()
+        size = self.err.seek(0, os.SEEK_END)
+        self.err.seek(max(0, size - nbytes))
+        return self.err.read().decode(errors="replace").strip()
+
+    def row(self, concurrency: int) -> dict:
+        row = dict(self.result or self.ready or {"workload": self.workload, "system": self.system})
+        row.pop("phase", None)
+        if self.failure is not None:
+            row["error"] = self.failure
+            row.setdefault("check", "not run")
+        row["child_wall_s"] = (self.t_end or time.monotonic()) - self.t0
+        row["compile_concurrency"] = concurrency
+        self.err.seek(0)
+        lines = self.err.read().decode(errors="replace").splitlines()
+        skips = sorted({ln.strip()[:300] for ln in lines if "skipping cudagraphs" in ln})[:5]
+        if skips:
+            row["cudagraph_skip_messages"] = skips
+        self.err.close()
+        return row
+
+
+def _child_cmd(workload: str, system: str, args) -> list:
+    return [sys.executable, "-m", "benchmarks.models", "--child", workload, system, "--handshake",
+            "--device", args.device, *(["--quick"] if args.quick else [])]
+
+
+def _children(rep: Report, rows: dict, pairs: list, args) -> None:
+    jobs = max(1, min(args.compile_jobs or len(pairs), len(pairs)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+    for start in range(0, len(pairs), jobs):
+        wave = pairs[start:start + jobs]
+        print(f"[models] compiling {len(wave)} system(s) in child processes (cap {args.compile_cap:g} s): "
+              + ", ".join(f"{w}/{s}" for w, s in wave), flush=True)
+        kids = []
+        done = False
+        try:
+            for w, s in wave:
+                kids.append(_Child(w, s, _child_cmd(w, s, args), env))
+            for kid in kids:  # all compile at once; each is waited for until its own cap
+                kid.wait_ready(args.compile_cap)
+            for kid in kids:  # timed one at a time, while the others wait on stdin
+                if kid.ready is not None and kid.failure is None:
+                    kid.go(TIMING_CAP_S[args.quick])
+            done = True
+        finally:
+            for kid in kids:
+                if done:
+                    kid.close()
+                else:
+                    kid.kill()  # interrupted: no child outlives the parent
+        for kid in kids:
+            _add(rep, rows, kid.row(len(wave)))
+
+
+def _child_main(args) -> int:
+    workload, system = args.child
+    head = {"phase": "result", "workload": workload, "system": system}
+    if workload not in WORKLOADS or system not in SYSTEMS:
+        _say({**head, "check": "not run", "error": "unknown workload or system"})
+        return 2
+    try:
+        import torch
+
+        _fp32(torch)
+        _log_cudagraph_skips(torch)
+        wl = _build(workload)
+    except Exception as exc:  # noqa: BLE001 -- reported on the result line
+        _say({**head, "check": "not run", "error": _text(exc), "traceback_tail": traceback.format_exc()[-1500:]})
+        return 1
+
+    def ready(row):
+        _say({**row, "phase": "ready"})
+        if not sys.stdin.readline():  # the parent is gone or gave up on us
+            raise SystemExit(1)
+
+    row = _measure(wl, system, quick=args.quick, ready=ready if args.handshake else None)
+    if system in COMPILED:
+        row["dynamo"] = _dynamo_counters()
+    _say({**row, "phase": "result"})
+    return 0
+
+
+def _log_cudagraph_skips(torch) -> None:
+    """Have inductor log why it skipped CUDA graphs (to stderr, which the parent reads back); the
+    log artifact's name differs between torch versions."""
+    for name in ("cudagraphs", "perf_hints"):
+        try:
+            torch._logging.set_logs(**{name: True})
+        except (ValueError, TypeError, AttributeError):  # not an artifact of this torch
+            pass
+
+
+def _dynamo_counters() -> dict:
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError as exc:
+        return {"error": _text(exc)}
+    return {"cudagraph_skips": counters["inductor"].get("cudagraph_skips", 0),
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "unique_graphs": counters["stats"].get("unique_graphs", 0)}
+
+
+# ---------------------------------------------------------------- run and report
+
+
+def _fp32(torch) -> None:
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def _add(rep: Report, rows: dict, row: dict) -> None:
+    """Record the row's check with ``rep.check`` (eager is the reference: only its failures), add
+    the speedups over the same run's eager row, then print and keep the row."""
+    check = row.get("check")
+    if check != "reference" or row.get("error"):
+
+        def verdict():
+            if check not in ("ok", "reference"):
+                raise CheckFailed(check if check != "not run" else f"not run: {row.get('error')}")
+
+        rep.check(f"{row['workload']}: {row['system']}", verdict)
+    eager = rows.get(row["workload"], {}).get("eager")
+    if row["system"] != "eager" and row.get("host_us") and eager and eager.get("host_us"):
+        if row["system"] in CGRAW_TREE_SYSTEMS and DEVICE != "cpu" and not row.get("graph_replayed"):
+            row["speedup_host"] = row["speedup_device"] = None
+            row["speedup_note"] = "cgraw did not replay every timed call: no graph speedup reported"
+        else:
+            row["speedup_host"] = eager["host_us"] / row["host_us"]
+            row["speedup_device"] = eager["device_us"] / row["device_us"] if row.get("device_us") else None
+    rows.setdefault(row["workload"], {})[row["system"]] = row
+    rep.add(**row)
+
+
+def _summary(by_system: dict) -> dict:
+    def fig(system, key):
+        r = by_system.get(system)
+        if not r or r.get("check") not in ("ok", "reference") or r.get("error") or not r.get(key):
+            return None
+        if system in CGRAW_TREE_SYSTEMS and DEVICE != "cpu" and not r.get("graph_replayed"):
+            return None
+        return r[key]
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    out = {}
+    for key, tag in (("host_us", "host"), ("device_us", "device")):
+        eager, cg = fig("eager", key), fig("cgraw_graphed", key)
+        out[f"cgraw_speedup_{tag}"] = ratio(eager, cg)
+        out[f"cgraw_over_torch_cudagraph_{tag}"] = ratio(cg, fig("torch_cudagraph", key))
+        out[f"cgraw_over_reduce_overhead_{tag}"] = ratio(cg, fig("reduce_overhead", key))
+        out[f"cgraw_capture_over_torch_cudagraph_{tag}"] = ratio(fig("cgraw_capture", key),
+                                                                 fig("torch_cudagraph", key))
+        out[f"cgraw_over_compile_speedup_{tag}"] = ratio(eager, fig("cgraw_over_compile", key))
+    ro = by_system.get("reduce_overhead") or {}
+    skips = (ro.get("dynamo") or {}).get("cudagraph_skips")
+    if skips:
+        out["reduce_overhead_cudagraph_skips"] = skips
+    return out
+
+
+def _names(spec: str | None, universe, what: str) -> list:
+    if not spec:
+        return list(universe)
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    bad = [n for n in names if n not in universe]
+    if bad:
+        raise SystemExit(f"unknown {what}: {', '.join(bad)} (choose from {', '.join(universe)})")
+    return names
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="python3 -m benchmarks.models", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer calls per burst and fewer repeats")
+    ap.add_argument("--only", default=None, help=f"comma-separated workloads, of {', '.join(WORKLOADS)}")
+    ap.add_argument("--systems", default=None, help=f"comma-separated systems, of {', '.join(SYSTEMS)}")
+    ap.add_argument("--compile-cap", type=float, default=120.0,
+                    help="seconds a compiled system's child may take to compile and check (default 120)")
+    ap.add_argument("--compile-jobs", type=int, default=0,
+                    help="compiled systems compiling at once (default: all of them)")
+    ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile systems")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/models.json, "
+                                                "models_quick.json with --quick)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=2, metavar=("WORKLOAD", "SYSTEM"), help=argparse.SUPPRESS)
+    ap.add_argument("--handshake", action="store_true", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)  # None: the command line
+
+
+def _reset_trees() -> None:
+    if DEVICE != "cpu":
+        import cgraw
+
+        cgraw.reset()
+
+
+def main(argv=None) -> int:
+    global DEVICE
+    args = _parse(argv)
+    DEVICE = args.device
+    if args.child:
+        return _child_main(args)
+    t_start = time.perf_counter()
+    if DEVICE != "cpu":
+        from cgraw import _cuda
+
+        ok, reason = _cuda.driver_available()
+        if not ok:
+            print(f"benchmarks need a CUDA GPU: {reason}", file=sys.stderr)
+            return 2
+    import torch
+
+    _fp32(torch)
+    rep = Report("models", gpu=DEVICE != "cpu")
+    names = _names(args.only, WORKLOADS, "workloads")
+    systems = _names(args.systems, SYSTEMS, "systems")
+    if args.no_compile:
+        systems = [s for s in systems if s not in COMPILED]
+    if DEVICE == "cpu":  # no CUDA graphs on the CPU: the plumbing only
+        systems = [s for s in systems if s in ("eager", "reduce_overhead")]
+    missing = {}
+    for pkg in sorted({WORKLOADS[n][0] for n in names}):
+        try:
+            importlib.import_module(pkg)
+        except Exception as exc:  # noqa: BLE001 -- a package that does not import is a missing peer
+            missing[pkg] = _text(exc, 300)
+            rep.peer_missing(pkg, missing[pkg])
+    names = [n for n in names if WORKLOADS[n][0] not in missing]
+
+    rows: dict = {}
+    for name in names:
+        t0 = time.perf_counter()
+        _reset_trees()
+        try:
+            wl = _build(name)
+        except Exception as exc:  # noqa: BLE001 -- reported; the other models still run
+            _add(rep, rows, {"workload": name, "system": "build", "check": "not run", "error": _text(exc)})
+            continue
+        for system in [s for s in systems if s in IN_PROCESS]:
+            _reset_trees()  # before each model and system: no tree holds memory under the next
+            _add(rep, rows, _measure(wl, system, quick=args.quick))
+            gc.collect()
+        del wl
+        gc.collect()
+        _reset_trees()
+        if DEVICE != "cpu":
+            torch.cuda.empty_cache()
+        print(f"[models] {name}: in-process systems took {time.perf_counter() - t0:.1f} s", flush=True)
+
+    pairs = [(n, s) for n in names for s in systems if s in COMPILED]
+    if pairs:
+        t0 = time.perf_counter()
+        _children(rep, rows, pairs, args)
+        print(f"[models] compiled systems took {time.perf_counter() - t0:.1f} s", flush=True)
+
+    summary = {name: _summary(by_system) for name, by_system in rows.items()}
+    for name, s in summary.items():
+        known = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in s.items() if v is not None)
+        print(f"[models] summary {name}: {known or 'no ratio (systems missing or not checked)'}", flush=True)
+    total_s = time.perf_counter() - t_start
+    out = args.out or os.path.join(RESULTS_DIR, "models_quick.json" if args.quick else "models.json")
+    path = rep.save({"method": METHOD, "summary": summary, "total_s": total_s,
+                     "options": {"quick": args.quick, "device": DEVICE, "workloads": names, "systems": systems,
+                                 "compile_cap_s": args.compile_cap, "compile_jobs": args.compile_jobs or len(pairs),
+                                 "loops": QUICK_LOOPS if args.quick else LOOPS}}, path=out)
+    print(f"results: {path}")
+    print(f"[models] total {total_s:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
