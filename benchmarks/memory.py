@@ -16,8 +16,10 @@ the whole device, so two children at once would see each other's memory. Program
 
 Systems: ``eager``; ``cgraw`` (each function ``@cgraw.graphed``, ``cgraw.mark_step_begin()`` every
 step); ``torch_trees`` (each function ``torch.compile(mode="reduce-overhead")``,
-``torch.compiler.cudagraph_mark_step_begin()`` every step; the ResNet step graph-breaks at
-``backward()``, as torch does); ``torch_trees_aten`` (``torch.compile(backend="cudagraphs")``: torch's
+``torch.compiler.cudagraph_mark_step_begin()`` every step; for the ResNet step the model is
+compiled and loss, ``backward()`` and SGD run eagerly, torch's documented way: a whole step
+compiled in reduce-overhead mode failed on the H200 with "accessing tensor output of CUDAGraphs
+that has been overwritten"); ``torch_trees_aten`` (``torch.compile(backend="cudagraphs")``: torch's
 same trees over the ATen kernels, without Inductor's fusion, so the gap to ``cgraw`` is the trees'
 own; ``two_branch`` only unless ``--systems`` asks).
 
@@ -211,13 +213,18 @@ class _ResNetTrain:
         model = torchvision.models.resnet18(weights=None).to(dev).train()
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
-        def train_step(x, y):
-            return _sgd_step(model, opt, x, y)
-
         self.torch, self.torchvision = torch, torchvision
         self.dev, self.size = dev, args.resnet_size
         self.model, self.opt = model, opt
-        self.fns = [_wrap(system, train_step)]
+        if system in COMPILED:
+            # torch's way to train under its trees: the model is compiled (forward and AOT backward
+            # replay in the tree), loss, backward() and SGD run eagerly. A whole step compiled in
+            # reduce-overhead mode graph-breaks at backward() and fails ("accessing tensor output of
+            # CUDAGraphs that has been overwritten", H200, torch 2.11).
+            forward = _wrap(system, model)
+            self.fns = [lambda x, y: _sgd_step(forward, opt, x, y)]
+        else:
+            self.fns = [_wrap(system, lambda x, y: _sgd_step(model, opt, x, y))]
         self.saved = None
 
     def before_last_step(self) -> None:
