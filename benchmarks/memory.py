@@ -187,10 +187,10 @@ class _GPT2:
         return {"batch": GPT2_BATCH, "seq": GPT2_SEQ, "layers": 4, "width": 256}
 
 
-def _sgd_step(model, opt, x, y):
+def _sgd_step(model, opt, x, y, set_to_none=False):
     import torch
 
-    opt.zero_grad(set_to_none=False)
+    opt.zero_grad(set_to_none=set_to_none)  # None under torch's trees: grads are tree outputs
     loss = torch.nn.functional.cross_entropy(model(x), y)
     loss.backward()
     opt.step()  # SGD's momentum buffers are made by the first step
@@ -222,7 +222,7 @@ class _ResNetTrain:
             # reduce-overhead mode graph-breaks at backward() and fails ("accessing tensor output of
             # CUDAGraphs that has been overwritten", H200, torch 2.11).
             forward = _wrap(system, model)
-            self.fns = [lambda x, y: _sgd_step(forward, opt, x, y)]
+            self.fns = [lambda x, y: _sgd_step(forward, opt, x, y, set_to_none=True)]
         else:
             self.fns = [_wrap(system, lambda x, y: _sgd_step(model, opt, x, y))]
         self.saved = None

@@ -171,14 +171,17 @@ def _resnet(name: str) -> Workload:
     model.train()  # BatchNorm in training mode
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
-    def new_step(wrap=None):
+    def new_step(wrap=None, set_to_none=False):
         """A fresh copy of the model and optimizer and a step over them; ``wrap(model)`` (e.g.
-        ``torch.compile``) is what the step calls for the forward pass."""
+        ``torch.compile``) is what the step calls for the forward pass. Whole-step graphs need
+        gradients zeroed in place (``set_to_none=False``: they stay at their addresses); under
+        torch's trees the gradients are outputs of the backward graph of an earlier generation,
+        so they are set to None, torch's default."""
         m, o = copy.deepcopy((model, opt))  # taken before any step: every copy starts alike
         forward = m if wrap is None else wrap(m)
 
         def step(x, y):
-            o.zero_grad(set_to_none=False)
+            o.zero_grad(set_to_none=set_to_none)
             loss = torch.nn.functional.cross_entropy(forward(x), y)
             loss.backward()
             o.step()  # SGD's momentum buffers are made by the first step (a warm-up)
@@ -583,7 +586,7 @@ def _measure(wl: Workload, system: str, *, quick: bool, ready=None) -> dict:
             # overwritten" (seen on the H200 with torch 2.11)
             import torch
 
-            step = wl.new_step(lambda m: torch.compile(m, mode="reduce-overhead", dynamic=False))
+            step = wl.new_step(lambda m: torch.compile(m, mode="reduce-overhead", dynamic=False), set_to_none=True)
             mark = torch.compiler.cudagraph_mark_step_begin
 
             def call(*xs):
