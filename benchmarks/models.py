@@ -158,8 +158,7 @@ def _resnet(name: str) -> Workload:
     import torchvision
 
     model = torchvision.models.resnet18(weights=None, num_classes=NUM_CLASSES).to(DEVICE)
-    info = {"model": "torchvision resnet18", "batch": IMAGE_BATCH, "image": IMAGE_HW, "unit": "call",
-            "cudnn_tf32": name not in FP32_WORKLOADS}
+    info = {"model": "torchvision resnet18", "batch": IMAGE_BATCH, "image": IMAGE_HW, "unit": "call"}
     if name == "resnet18_b8":
         model.eval()
 
@@ -259,18 +258,10 @@ def _llama(name: str) -> Workload:
                     reference_tokens=reference_tokens)
 
 
-# Workloads run in full float32: cuDNN's TF32 convolutions (torch's default) carry ~1e-3 relative
-# error, and in a training step different convolution algorithms (Inductor's layouts choose
-# others) then differ from eager by more than any tolerance that still catches a wrong result.
-FP32_WORKLOADS = ("resnet18_train",)
-
-
 def _build(name: str) -> Workload:
     import torch
 
     torch.manual_seed(0)
-    # set for every workload (the parent builds them one after another): torch's default elsewhere
-    torch.backends.cudnn.allow_tf32 = name not in FP32_WORKLOADS
     if name.startswith("gpt2"):
         return _gpt2(name)
     if name == "llama_decode":
