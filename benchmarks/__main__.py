@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         try:
             mod = importlib.import_module(module)
             rc = mod.main(["--sizes", args.sizes] if part_args is None else part_args)
-        except Exception:  # one part's failure must not hide the others' results
+        except Exception:  # noqa: BLE001 -- one part's failure must not hide the others' results
             traceback.print_exc()
             rc = "raised"
         print(f"[benchmarks] part {part}: {time.perf_counter() - t0:.1f} s, status {rc}", flush=True)
