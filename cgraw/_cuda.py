@@ -519,8 +519,19 @@ MEMCPY_D2D = _rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
 memcpy_node_set_1d_raw = _rt.cudaGraphExecMemcpyNodeSetParams1D
 
 
-def rt_exec_handle(exec_):
-    return _rt.cudaGraphExec_t(native(exec_))
+class MemcpyNodeSetter:
+    """Re-points memcpy nodes of one executable graph (``Graph.exec_memcpy_setter``): the hot
+    path of a graphed call whose eager input moved."""
+
+    __slots__ = ("exec_",)
+
+    def __init__(self, exec_):
+        self.exec_ = _rt.cudaGraphExec_t(native(exec_))
+
+    def __call__(self, node, dst: int, src: int, nbytes: int) -> None:
+        err = memcpy_node_set_1d_raw(self.exec_, node, dst, src, nbytes, MEMCPY_D2D)[0]
+        if err:
+            raise rt_error(err, "cudaGraphExecMemcpyNodeSetParams1D")
 
 
 def rt_node_handle(node):

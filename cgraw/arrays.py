@@ -1,6 +1,7 @@
-"""Duck-typed helpers over torch tensors and CuPy arrays for graph trees: flattening a call's
-arguments and outputs into leaves, a signature and a *spec* that rebuilds them, and the
-per-framework one-liners (pointer, size, contiguity, copies, aliases).
+"""Arrays of any framework, for graph trees: one ``Ops`` object per framework (``TORCH``,
+``CUPY``; pointer, bytes, device, contiguity, clone, compare, empty of a shape, alias), found once
+per type by ``ops_of``; and the flattening of a call's arguments and outputs into leaves, a
+signature and a *spec* that rebuilds them.
 
 Layer L6: no CUDA; torch and CuPy are reached through ``sys.modules`` only (the caller has
 imported them), torch's container registry through ``interop.torch_c``.
@@ -20,11 +21,11 @@ import dataclasses
 import sys
 
 from cgraw.interop import torch_c
-from cgraw.tree import SkipCall
+from cgraw.errors import SkipCall
 
 EAGER, STATIC, TREE = 0, 1, 2
 LEAF = ("t",)  # the spec of a tensor leaf
-_SINGLE = object()  # the output spec of a function returning one tensor
+SINGLE = object()  # the output spec of a function returning one tensor
 
 _tensor_type: list = [None]  # [torch.Tensor] once torch is loaded
 
@@ -34,23 +35,8 @@ def _torch_tensor():
     if T is None:
         torch = sys.modules.get("torch")
         if torch is not None:
-            T = _tensor_type[0] = torch.Tensor
+            T = _tensor_type[0] = getattr(torch, "Tensor", None)
     return T
-
-
-def _is_torch(x) -> bool:
-    T = _torch_tensor()
-    if T is not None and isinstance(x, T):
-        return True
-    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
-
-
-def _is_cupy(x) -> bool:
-    return type(x).__module__.startswith("cupy") and hasattr(x, "data") and hasattr(x, "strides")
-
-
-def _is_tensor(x) -> bool:
-    return _is_torch(x) or _is_cupy(x)
 
 
 def _is_module(x) -> bool:
@@ -85,48 +71,37 @@ def _frozen(x):
     return x
 
 
-def _static_marked(t) -> bool:
-    """Whether torch code marked ``t`` as living at a fixed address (``torch._dynamo.mark_static_address``;
-    transformers' static caches do): such tensors are read in place, like parameters."""
-    return getattr(t, "_dynamo_static_input_type", None) is not None
-
-
 # ---------------------------------------------------------------------- inputs
 
 
-def _flatten(a, leaves, key, kinds, ptrs, forced):
-    """Append ``a``'s tensor leaves (with kinds and pointers) and signature parts; return its spec.
+def flatten(a, leaves, key, kinds, ptrs, ops_list, forced):
+    """Append ``a``'s array leaves (with kinds, pointers and ops) and signature parts; return its spec.
 
-    A tensor's signature part is the only 3-tuple ``(shape, strides, dtype)`` (``buckets``
-    relies on it); containers add 2-tuples.
+    An array's signature part is the only 3-tuple ``(shape, strides, dtype)`` (``buckets``
+    relies on it); containers add 2-tuples. A leaf's kind is ``forced``, STATIC when its
+    framework marks it so, or None (decided by the caller).
     """
     t = type(a)
-    if _is_torch(a):
-        if a.layout is not sys.modules["torch"].strided:
-            raise SkipCall(f"sparse or other non-strided tensors ({a.layout}) are not supported")
+    ops = ops_of(a)
+    if ops is not None:
+        ops.check(a)
         leaves.append(a)
-        key.append((a.shape, a.stride(), a.dtype))
-        static = forced is not None or isinstance(a, sys.modules["torch"].nn.Parameter) or _static_marked(a)
-        kinds.append(STATIC if static else None)
-        ptrs.append(a.data_ptr())
-        return LEAF
-    if _is_cupy(a):
-        leaves.append(a)
-        key.append((a.shape, a.strides, a.dtype.str))
-        kinds.append(forced)
-        ptrs.append(int(a.data.ptr))
+        key.append(ops.key(a))
+        kinds.append(STATIC if forced is not None or ops.static(a) else None)
+        ptrs.append(ops.ptr(a))
+        ops_list.append(ops)
         return LEAF
     if t is tuple or t is list:
         key.append((t, len(a)))
-        return ("seq", t, [_flatten(x, leaves, key, kinds, ptrs, forced) for x in a])
+        return ("seq", t, [flatten(x, leaves, key, kinds, ptrs, ops_list, forced) for x in a])
     if t is dict:
         key.append((dict, tuple(a)))
-        return ("dict", dict, tuple(a), [_flatten(v, leaves, key, kinds, ptrs, forced) for v in a.values()])
+        return ("dict", dict, tuple(a), [flatten(v, leaves, key, kinds, ptrs, ops_list, forced) for v in a.values()])
     if _is_module(a):
         key.append(("module", id(a)))
         n0 = len(leaves)
         for x in list(a.parameters()) + list(a.buffers()):
-            _flatten(x, leaves, key, kinds, ptrs, STATIC)
+            flatten(x, leaves, key, kinds, ptrs, ops_list, STATIC)
         return ("mod", a, len(leaves) - n0)
     node = _pytree_node(t)
     if node is not None:
@@ -135,20 +110,23 @@ def _flatten(a, leaves, key, kinds, ptrs, forced):
             key.append((t, _frozen(context)))
         except TypeError:
             raise SkipCall(f"an argument of type {t.__name__} has an unhashable pytree context") from None
-        return ("pytree", t, context, [_flatten(x, leaves, key, kinds, ptrs, forced) for x in children])
+        return ("pytree", t, context, [flatten(x, leaves, key, kinds, ptrs, ops_list, forced) for x in children])
     if _is_namedtuple(a):
         key.append((t, t._fields))
-        return ("nt", t, [_flatten(x, leaves, key, kinds, ptrs, forced) for x in a])
+        return ("nt", t, [flatten(x, leaves, key, kinds, ptrs, ops_list, forced) for x in a])
     if _is_structseq(a):
         key.append((t, len(a)))
-        return ("ss", t, [_flatten(x, leaves, key, kinds, ptrs, forced) for x in a])
+        return ("ss", t, [flatten(x, leaves, key, kinds, ptrs, ops_list, forced) for x in a])
     if isinstance(a, dict):
         key.append((t, tuple(a)))
-        return ("dictsub", a, tuple(a), [_flatten(v, leaves, key, kinds, ptrs, forced) for v in a.values()])
+        return ("dictsub", a, tuple(a), [flatten(v, leaves, key, kinds, ptrs, ops_list, forced) for v in a.values()])
     if dataclasses.is_dataclass(a) and not isinstance(a, type):
         names = tuple(f.name for f in dataclasses.fields(a))
         key.append((t, names))
-        return ("dc", a, names, [_flatten(getattr(a, n), leaves, key, kinds, ptrs, forced) for n in names])
+        return ("dc", a, names, [flatten(getattr(a, n), leaves, key, kinds, ptrs, ops_list, forced) for n in names])
+    if t.__module__ == "numpy" and t.__name__ == "ndarray":
+        raise SkipCall("CPU tensors or ops: a NumPy array input lives on the CPU (move it to the device "
+                       "before the call)")
     try:
         hash(a)
     except TypeError:
@@ -157,7 +135,7 @@ def _flatten(a, leaves, key, kinds, ptrs, forced):
     return ("v", a)
 
 
-def _rebuild(spec, it):
+def rebuild(spec, it):
     """The structure ``spec`` describes, with its leaves taken in order from ``it``."""
     kind = spec[0]
     if kind == "t":
@@ -165,63 +143,63 @@ def _rebuild(spec, it):
     if kind == "v":
         return spec[1]
     if kind == "seq":
-        return spec[1](_rebuild(s, it) for s in spec[2])
+        return spec[1](rebuild(s, it) for s in spec[2])
     if kind == "dict":
-        return dict(zip(spec[2], [_rebuild(s, it) for s in spec[3]]))
+        return dict(zip(spec[2], [rebuild(s, it) for s in spec[3]]))
     if kind == "mod":
         for _ in range(spec[2]):
             next(it)
         return spec[1]
     if kind == "pytree":
         node = _pytree_node(spec[1])
-        return node.unflatten_fn([_rebuild(s, it) for s in spec[3]], spec[2])
+        return node.unflatten_fn([rebuild(s, it) for s in spec[3]], spec[2])
     if kind == "nt":
-        return spec[1](*[_rebuild(s, it) for s in spec[2]])
+        return spec[1](*[rebuild(s, it) for s in spec[2]])
     if kind == "ss":
-        return spec[1]([_rebuild(s, it) for s in spec[2]])
+        return spec[1]([rebuild(s, it) for s in spec[2]])
     if kind == "dictsub":
         new = copy.copy(spec[1])
-        values = [_rebuild(s, it) for s in spec[3]]
+        values = [rebuild(s, it) for s in spec[3]]
         dict.clear(new)
         dict.update(new, zip(spec[2], values))
         return new
     if kind == "dc":
         new = copy.copy(spec[1])
         for name, s in zip(spec[2], spec[3]):
-            object.__setattr__(new, name, _rebuild(s, it))
+            object.__setattr__(new, name, rebuild(s, it))
         return new
     raise AssertionError(f"unknown spec {kind!r}")
 
 
-def _replace(arg_specs, kwarg_specs, leaves, placeholders):
+def replace_leaves(arg_specs, kwarg_specs, leaves, placeholders):
     """Rebuild a call's args and kwargs with placeholders in place of the eager leaves."""
     it = iter([placeholders.get(j, t) for j, t in enumerate(leaves)])
-    new_args = tuple(_rebuild(s, it) for s in arg_specs)
-    new_kwargs = {k: _rebuild(s, it) for k, s in kwarg_specs} if kwarg_specs else {}
+    new_args = tuple(rebuild(s, it) for s in arg_specs)
+    new_kwargs = {k: rebuild(s, it) for k, s in kwarg_specs} if kwarg_specs else {}
     return new_args, new_kwargs
 
 
 # ---------------------------------------------------------------------- outputs
 
 
-def _spec(out, leaves: list):
+def out_spec(out, leaves: list):
     """Flatten an output structure (same container rules as inputs; anything else is a constant);
-    returns a spec for ``_unflatten``. Raises SkipCall for outputs a replay cannot reproduce."""
-    if _is_tensor(out):
+    returns a spec for ``unflatten``. Raises SkipCall for outputs a replay cannot reproduce."""
+    if ops_of(out) is not None:
         _out_leaf(out, leaves)
-        return _SINGLE
+        return SINGLE
     return _out_spec(out, leaves)
 
 
 def _out_leaf(x, leaves) -> None:
-    if _is_torch(x) and x.layout is not sys.modules["torch"].strided:
+    if ops_of(x) is TORCH and x.layout is not sys.modules["torch"].strided:
         raise SkipCall(f"the function returns a sparse or other non-strided tensor ({x.layout}), whose "
                        "memory a graph cannot hand out again")
     leaves.append(x)
 
 
 def _out_spec(x, leaves):
-    if _is_tensor(x):
+    if ops_of(x) is not None:
         _out_leaf(x, leaves)
         return LEAF
     t = type(x)
@@ -248,94 +226,188 @@ def _out_spec(x, leaves):
     return ("v", x)
 
 
-def _unflatten(spec, it):
-    if spec is _SINGLE:
+def unflatten(spec, it):
+    if spec is SINGLE:
         return next(it)
-    return _rebuild(spec, it)
+    return rebuild(spec, it)
 
 
 # ---------------------------------------------------------------------- per framework
 
 
-def _alias(t):
-    """A new object over the same memory: each call's outputs are distinct objects."""
-    if _is_torch(t):
-        return t.detach()
-    return t.view()
+class Ops:
+    """What graph trees need of one framework's arrays. One instance per framework; ``ops_of``
+    picks it once per type, and a call's input plan keeps it per leaf (``calls.Call.ops``)."""
+
+    __slots__ = ()
+    name = "?"
+    poisonable = False  # end of a generation: reading a handed-out output raises (torch)
+
+    def check(self, t) -> None:
+        """Raise ``SkipCall`` for arrays a graph cannot read or hand out (sparse torch tensors)."""
+
+    def key(self, t) -> tuple:
+        """The array's part of a call's signature: ``(shape, strides, dtype)``."""
+        raise NotImplementedError
+
+    def static(self, t) -> bool:
+        """Whether the framework marks ``t`` as living at a fixed address (read in place)."""
+        return False
 
 
-class _NoType:
-    """Stands for torch.Tensor when torch is not loaded: no object has this exact type."""
+class _TorchOps(Ops):
+    __slots__ = ()
+    name = "torch"
+    poisonable = True
 
+    def check(self, t) -> None:
+        if t.layout is not sys.modules["torch"].strided:
+            raise SkipCall(f"sparse or other non-strided tensors ({t.layout}) are not supported")
 
-def _view_of(leaf, out, base):
-    """``out`` viewed ``base`` (a placeholder, or the leaf at record time); the same view of
-    ``leaf``, which has ``base``'s layout. None when the view cannot be carried over."""
-    if _is_torch(out):
+    def key(self, t):
+        return (t.shape, t.stride(), t.dtype)
+
+    def static(self, t) -> bool:
+        # nn.Parameter, or torch._dynamo.mark_static_address (transformers' static caches)
+        return (isinstance(t, sys.modules["torch"].nn.Parameter)
+                or getattr(t, "_dynamo_static_input_type", None) is not None)
+
+    def ptr(self, t) -> int:
+        return t.data_ptr()
+
+    def base_ptr(self, t) -> int:
+        """Start of the allocation ``t`` views."""
+        return t.untyped_storage().data_ptr()
+
+    def nbytes(self, t) -> int:
+        return t.numel() * t.element_size()
+
+    def device(self, t) -> int:
+        return t.get_device()
+
+    def contiguous(self, t) -> bool:
+        return t.is_contiguous()
+
+    def empty(self, shape, like):
+        return sys.modules["torch"].empty(shape, dtype=like.dtype, device=like.device)
+
+    def clone(self, t):
+        return t.clone()
+
+    def equal(self, a, b) -> bool:
+        return bool(sys.modules["torch"].equal(a, b))
+
+    def copy_into(self, dst, src) -> None:
+        dst.copy_(src)
+
+    def alias_maker(self, t):
+        """A bound method returning a new object over ``t``'s memory (each call's outputs are
+        distinct objects)."""
+        return t.detach
+
+    def view_of(self, leaf, out, base):
+        """``out`` viewed ``base`` (a placeholder, or the leaf at record time); the same view of
+        ``leaf``, which has ``base``'s layout. None when the view cannot be carried over."""
         if out.dtype != base.dtype or leaf.dtype != base.dtype:
             return None
         if out is base:
             return leaf
         delta = out.storage_offset() - base.storage_offset()
         return leaf.as_strided(out.shape, out.stride(), leaf.storage_offset() + delta)
-    if out.dtype != base.dtype:
-        return None
-    if out is base:
-        return leaf
-    cupy = sys.modules["cupy"]
-    return cupy.ndarray(out.shape, out.dtype, leaf.data + (int(out.data.ptr) - int(base.data.ptr)), out.strides)
 
 
-def _alias_maker(t):
-    return t.detach if _is_torch(t) else t.view
+class _CupyOps(Ops):
+    __slots__ = ()
+    name = "cupy"
 
+    def key(self, t):
+        return (t.shape, t.strides, t.dtype.str)
 
-def _base_ptr(t) -> int:
-    """Start of the allocation a tensor or array views."""
-    if _is_torch(t):
-        return t.untyped_storage().data_ptr()
-    mem = t.data.mem
-    return int(mem.ptr) if mem is not None else int(t.data.ptr)
+    def ptr(self, t) -> int:
+        return int(t.data.ptr)
 
+    def base_ptr(self, t) -> int:
+        mem = t.data.mem
+        return int(mem.ptr) if mem is not None else int(t.data.ptr)
 
-def _ptr(t) -> int:
-    return t.data_ptr() if _is_torch(t) else int(t.data.ptr)
+    def nbytes(self, t) -> int:
+        return t.nbytes
 
+    def device(self, t) -> int:
+        return t.device.id
 
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size() if _is_torch(t) else t.nbytes
+    def contiguous(self, t) -> bool:
+        return t.flags.c_contiguous
 
+    def empty(self, shape, like):
+        return sys.modules["cupy"].empty(shape, dtype=like.dtype)
 
-def _device_index(t) -> int:
-    if _is_torch(t):
-        return t.get_device()
-    return t.device.id
+    def clone(self, t):
+        return t.copy()
 
+    def equal(self, a, b) -> bool:
+        return bool(sys.modules["cupy"].array_equal(a, b))
 
-def _is_contiguous(t) -> bool:
-    if _is_torch(t):
-        return t.is_contiguous()
-    return t.flags.c_contiguous
-
-
-def _empty_like(t):
-    if _is_torch(t):
-        return sys.modules["torch"].empty(t.shape, dtype=t.dtype, device=t.device)
-    return sys.modules["cupy"].empty(t.shape, dtype=t.dtype)
-
-
-def _copy_into(dst, src) -> None:
-    if _is_torch(dst):
-        dst.copy_(src)
-    else:
+    def copy_into(self, dst, src) -> None:
         dst[...] = src
 
+    def alias_maker(self, t):
+        return t.view
 
-def _clone(t):
-    return t.clone() if _is_torch(t) else t.copy()
+    def view_of(self, leaf, out, base):
+        if out.dtype != base.dtype:
+            return None
+        if out is base:
+            return leaf
+        cupy = sys.modules["cupy"]
+        return cupy.ndarray(out.shape, out.dtype, leaf.data + (int(out.data.ptr) - int(base.data.ptr)),
+                            out.strides)
 
 
-def _equal(a, b) -> bool:
-    if _is_torch(a):
-        return bool(sys.modules["torch"].equal(a, b))
-    return bool(sys.modules["cupy"].array_equal(a, b))
+TORCH = _TorchOps()
+CUPY = _CupyOps()
+
+_by_type: dict = {}  # type -> Ops or None, filled by ops_of
+_registered: list = []  # (type, Ops) from register()
+
+
+def register(cls: type, ops: Ops) -> None:
+    """Treat instances of ``cls`` as arrays with ``ops`` (tests register a simulated array)."""
+    _registered.append((cls, ops))
+    _by_type.clear()
+
+
+def ops_of(x) -> Ops | None:
+    """The ``Ops`` of ``x``'s framework, or None when ``x`` is not an array. Worked out once per type."""
+    t = type(x)
+    try:
+        return _by_type[t]
+    except KeyError:
+        pass
+    ops = _detect(t, x)
+    if "torch" in sys.modules or ops is not None:  # before torch loads, a type may still become one
+        _by_type[t] = ops
+    return ops
+
+
+def _detect(t: type, x) -> Ops | None:
+    for cls, ops in _registered:
+        if issubclass(t, cls):
+            return ops
+    T = _torch_tensor()
+    if T is not None and issubclass(t, T):
+        return TORCH
+    mod = t.__module__ or ""
+    if mod.startswith("torch") and hasattr(x, "data_ptr"):
+        return TORCH
+    if mod.startswith("cupy") and hasattr(x, "data") and hasattr(x, "strides"):
+        return CUPY
+    return None
+
+
+def is_torch(x) -> bool:
+    return ops_of(x) is TORCH
+
+
+class _NoType:
+    """Stands for torch.Tensor when torch is not loaded: no object has this exact type."""

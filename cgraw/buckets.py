@@ -15,9 +15,7 @@ Layer L6: pure logic over duck-typed torch tensors and CuPy arrays (``shape``, s
 
 from __future__ import annotations
 
-import sys
-
-from cgraw.arrays import _is_contiguous
+from cgraw.arrays import ops_of
 
 
 def check(buckets) -> tuple[int, ...]:
@@ -63,7 +61,8 @@ def padded_key(key_parts, leaves, padded: frozenset, bucket: int) -> tuple:
         if type(part) is tuple and len(part) == 3:
             if leaf in padded:
                 shape, _strides, dtype = part
-                layout = "contiguous" if _is_contiguous(leaves[leaf]) else "strided"
+                t = leaves[leaf]
+                layout = "contiguous" if ops_of(t).contiguous(t) else "strided"
                 part = ((bucket, *tuple(shape)[1:]), layout, dtype)
             leaf += 1
         out.append(part)
@@ -74,10 +73,7 @@ def padded_key(key_parts, leaves, padded: frozenset, bucket: int) -> tuple:
 def empty_rows(t, rows: int):
     """A new contiguous tensor or array like ``t`` but with ``rows`` rows (inside a capture: from
     the tree's pool)."""
-    shape = (rows, *tuple(t.shape)[1:])
-    if type(t).__module__.startswith("torch"):
-        return sys.modules["torch"].empty(shape, dtype=t.dtype, device=t.device)
-    return sys.modules["cupy"].empty(shape, dtype=t.dtype)
+    return ops_of(t).empty((rows, *tuple(t.shape)[1:]), t)
 
 
 def out_rows(out_leaves, bucket: int) -> list[int]:

@@ -19,7 +19,7 @@ import time
 from cgraw import _cuda, _defer
 from cgraw import stream as _stream_mod
 from cgraw.device import Device
-from cgraw.errors import CaptureError
+from cgraw.errors import CaptureError, UnsafeCallError
 from cgraw.graph import Graph
 from cgraw.interop import cupy as _icupy
 from cgraw.interop import torch as _itorch
@@ -29,6 +29,11 @@ log = logging.getLogger("cgraw")
 
 _MODES = ("global", "thread_local", "relaxed")
 _tls = threading.local()
+
+
+def capturing() -> bool:
+    """Whether a ``cgraw.capture()`` (or a graph-tree recording) is running on this thread."""
+    return getattr(_tls, "active", None) is not None
 
 
 class capture:
@@ -264,6 +269,8 @@ class capture:
                 msg = cls.classify(e)
                 if msg is not None:
                     return msg
+        if isinstance(exc, UnsafeCallError):
+            return str(exc)
         if isinstance(exc, CaptureError) or (isinstance(exc, _cuda.CudaError) and exc.code in _cuda._CAPTURE_CODES):
             return f"the capture failed: {exc}"
         if status == 2 or err == _cuda.CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED:

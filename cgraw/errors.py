@@ -25,8 +25,10 @@ __all__ = [
     "PoolClosed",
     "PoolExhausted",
     "ResourceLeakWarning",
+    "SkipCall",
     "SnapshotMismatch",
     "TreeError",
+    "UnsafeCallError",
 ]
 
 
@@ -79,6 +81,21 @@ class OutOfMemoryError(CudaError, MemoryError):
 
 class TreeError(CgrawError, RuntimeError):
     """A graph-tree invariant was violated."""
+
+
+class UnsafeCallError(CgrawError, RuntimeError):
+    """A function marked ``@cgraw.unsafe`` was called inside a capture. Not a driver error: the
+    capture is invalidated by cgraw, and a graphed function runs eagerly with this reason."""
+
+
+class SkipCall(Exception):
+    """Internal to graph trees: this call cannot be graphed; run it eagerly. ``str(exc)`` is the
+    reason. ``dirty``: the failure came after a capture, whose blocks are still in the tree's pool
+    (the next recording must restore the pool's checkpoint first)."""
+
+    def __init__(self, reason: str, *, dirty: bool = False):
+        super().__init__(reason)
+        self.dirty = dirty
 
 
 class ResourceLeakWarning(ResourceWarning):

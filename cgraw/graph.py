@@ -144,6 +144,22 @@ class Graph:
 
     __call__ = replay
 
+    # ------------------------------------------------------------------ for graph trees
+
+    def memcpy_nodes(self) -> dict:
+        """``(dst, src) -> node`` for every 1-D memcpy node, the node as the runtime handle that
+        ``exec_memcpy_setter`` patches."""
+        self._require_open()
+        kind = int(_cuda.NodeType.CU_GRAPH_NODE_TYPE_MEMCPY)
+        return {_cuda.graph_memcpy_node_dst_src(h): _cuda.rt_node_handle(h)
+                for h in _cuda.graph_get_nodes(self._graph) if int(_cuda.graph_node_get_type(h)) == kind}
+
+    def exec_memcpy_setter(self):
+        """``set(node, dst, src, nbytes)``: re-point a memcpy node of this executable (from
+        ``memcpy_nodes``) for later launches, one ``cudaGraphExecMemcpyNodeSetParams1D``."""
+        self._require_open()
+        return _cuda.MemcpyNodeSetter(self._exec)
+
     # ------------------------------------------------------------------ management
 
     def upload(self, stream=None) -> None:

@@ -13,11 +13,12 @@ import sys
 import threading
 
 from cgraw import buckets
-from cgraw.capture import _tls as _capture_tls
+from cgraw.capture import capturing
 from cgraw.device import Device
-from cgraw.errors import CaptureError
+from cgraw.errors import UnsafeCallError
 from cgraw.tree import TreeManager, config
-from cgraw.treeexec import CudaBackend, mark_static
+from cgraw.calls import mark_static
+from cgraw.treeexec import CudaBackend
 
 _lock = threading.Lock()
 _managers: dict[int, TreeManager] = {}  # device ordinal -> tree; guarded by _lock
@@ -54,7 +55,6 @@ class GraphedFunction:
         self.pad_buckets = buckets.check(pad_buckets)
         reason = getattr(fn, "_cgraw_unsafe", None)
         self.unsafe_reason = None if reason is None else f"marked @cgraw.unsafe ({reason})"
-        self.runs_backward = False  # set at warm-up when a backward pass ran inside
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
@@ -102,9 +102,8 @@ def unsafe(fn=None, *, reason: str = "must not be captured"):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if getattr(_capture_tls, "active", None) is not None:
-            raise CaptureError("cuStreamBeginCapture", 0, "UNSAFE_FUNCTION",
-                               f"calls @cgraw.unsafe function {fn.__qualname__!r} ({reason})")
+        if capturing():
+            raise UnsafeCallError(f"calls @cgraw.unsafe function {fn.__qualname__!r} ({reason})")
         return fn(*args, **kwargs)
 
     wrapper._cgraw_unsafe = reason
@@ -197,15 +196,14 @@ def _unique(name: str) -> str:
 
 
 def _device_of(args, kwargs) -> int:
-    from cgraw.arrays import _is_cupy, _is_torch
+    from cgraw.arrays import ops_of
 
     for a in itertools.chain(args, kwargs.values() if kwargs else ()):
-        if _is_torch(a) and hasattr(a, "get_device"):
-            d = a.get_device()
+        ops = ops_of(a)
+        if ops is not None:
+            d = ops.device(a)
             if d >= 0:
                 return d
-        elif _is_cupy(a) and hasattr(a, "device"):
-            return a.device.id
     return Device.current().ordinal
 
 

@@ -139,6 +139,10 @@ class Stream:
             other = other.record()
         _cuda.stream_wait_event(self.handle, other.handle)
 
+    def copy_dtod(self, dst: int, src: int, nbytes: int) -> None:
+        """Queue a device-to-device copy of ``nbytes`` (in a capture: a memcpy node)."""
+        _cuda.memcpy_dtod_async(dst, src, nbytes, self.handle)
+
     @property
     def capture_status(self) -> int:
         """0 = not capturing, 1 = capturing, 2 = capture invalidated."""

@@ -1,7 +1,9 @@
 """Graph trees: the decisions of ``@cgraw.graphed`` (warm up, record, replay, re-record, skip).
 
-Layer L4: pure bookkeeping. It knows nothing of CUDA, torch or CuPy; a *backend* does the work
-(``cgraw.treeexec.CudaBackend`` on a GPU, a fake one in the CPU tests).
+Layer L6: pure bookkeeping. It knows nothing of CUDA, torch or CuPy: ``calls`` classifies each
+call's inputs (through the frameworks' ``arrays.Ops``), and a *backend* (the ``Backend``
+protocol below; ``cgraw.treeexec.CudaBackend`` on a GPU, a simulated one in the CPU tests) does
+the work.
 
 Why a tree. Graphed functions share one memory pool per device. A CUDA graph bakes in every
 address it touches, so a graph recorded after graph A must allocate around A's outputs, which are
@@ -35,8 +37,10 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from cgraw.errors import CgrawError, TreeError
+from cgraw.calls import InputPlan, declared_mutations, inspect, moved
+from cgraw.errors import CgrawError, SkipCall, TreeError
 
 log = logging.getLogger("cgraw")
 
@@ -88,23 +92,28 @@ class FunctionStats:
 class TreeNode:
     """One function on one path with one input signature. Parents are held weakly."""
 
-    __slots__ = ("fn", "key", "_parent", "children", "state", "recording", "checkpoint", "depth",
-                 "skip_reason", "mutated", "external", "warm_epoch", "rewarms", "__weakref__")
+    __slots__ = ("fn", "key", "_parent", "children", "state", "recording", "plan", "checkpoint", "depth",
+                 "skip_reason", "warm", "stats", "rewarms", "__weakref__")
 
-    def __init__(self, fn, key, parent: "TreeNode | None"):
+    def __init__(self, fn, key, parent: "TreeNode | None", stats: "FunctionStats | None" = None):
         self.fn = fn
         self.key = key
         self._parent = None if parent is None else weakref.ref(parent)
         self.children: dict = {}
         self.state = NodeState.WARMED
         self.recording = None
+        self.plan: InputPlan | None = None  # what the recording assumed of its inputs
         self.checkpoint = None
         self.depth = 0 if parent is None else parent.depth + 1
         self.skip_reason: str | None = None
-        self.mutated: tuple = ()
-        self.external: tuple = ()
-        self.warm_epoch = -1
+        self.warm: Warm | None = None  # what the last warm-up learned
+        self.stats = stats  # the function's FunctionStats (shared by its nodes)
         self.rewarms = 0
+
+    @property
+    def mutated(self) -> tuple:
+        """Eager leaves the function writes (found at warm-up, or declared in ``mutates``)."""
+        return () if self.warm is None else self.warm.mutated
 
     @property
     def parent(self) -> "TreeNode | None":
@@ -124,12 +133,8 @@ class TreeNode:
         return f"<TreeNode {self.fn.name} {self.state.value} depth={self.depth}>"
 
 
-class SkipCall(Exception):
-    """Raised by a backend: this call cannot be graphed; run it eagerly. The message is the reason."""
-
-
 class Rewarm(str):
-    """A re-record reason (from ``backend.moved``) after which the node must warm up again first:
+    """A re-record reason (from ``backend.stale``) after which the node must warm up again first:
     what the warm-up learned about the function (the tensors it reads through its closure) may
     be out of date."""
 
@@ -138,14 +143,57 @@ class Warm:
     """What a backend's warm-up returns: the eager result, the eager inputs it mutated, why the
     function must run eagerly from now on (or None), and what else a recording must know."""
 
-    __slots__ = ("out", "mutated", "skip", "external", "epoch")
+    __slots__ = ("out", "mutated", "skip", "external", "epoch", "runs_backward")
 
-    def __init__(self, out, mutated=(), skip=None, external=(), epoch=-1):
+    def __init__(self, out, mutated=(), skip=None, external=(), epoch=-1, runs_backward=False):
         self.out = out
         self.mutated = mutated
         self.skip = skip
         self.external = external  # tensors read through the closure (kept alive, checked per call)
         self.epoch = epoch  # module-assignment count at the warm-up (backend-defined)
+        self.runs_backward = runs_backward  # a backward pass ran inside (autograd's own thread allocates)
+
+
+class Backend(Protocol):
+    """The work behind a ``TreeManager``. ``call`` is a ``calls.Call``; a recording is the
+    backend's own object, which the tree only stores and hands back."""
+
+    def warmup(self, fn, call, args, kwargs) -> Warm:
+        """Run the function eagerly; report what a recording must know (or why to skip it)."""
+
+    def record(self, fn, call, warm: Warm) -> Any:
+        """Capture the function for ``call``; ``SkipCall`` when it cannot be (``dirty`` when the
+        capture's blocks stayed in the pool)."""
+
+    def replay(self, rec, call) -> tuple[Any, list]:
+        """Launch ``rec`` for ``call``: the outputs, and those to end with the generation."""
+
+    def stale(self, rec) -> "Rewarm | None":
+        """Why ``rec``'s warm-up knowledge is out of date (the node warms up again), or None."""
+
+    def output_ptrs(self, rec) -> list[int]:
+        """Data pointers of the memory ``rec``'s outputs own in the pool."""
+
+    def num_nodes(self, rec) -> int:
+        """Graph nodes of ``rec`` (reports)."""
+
+    def discard(self, rec) -> None:
+        """Release a recording."""
+
+    def snapshot(self) -> Any:
+        """A checkpoint of the pool's bookkeeping."""
+
+    def restore(self, snap, on_path: list, off_path: list) -> None:
+        """Make the pool's bookkeeping ``snap``; the recordings ``on_path`` stay in use."""
+
+    def renew(self) -> Any:
+        """Start over on a fresh pool; returns its root checkpoint."""
+
+    def end_generation(self, handed: list, cloning: str | None) -> None:
+        """Invalidate (or clone out) the outputs handed out, ``[(function name, output)]``."""
+
+    def close(self) -> None:
+        """Drop the pool."""
 
 
 class TreeManager:
@@ -197,17 +245,14 @@ class TreeManager:
     def call(self, fn, args, kwargs):
         if threading.get_ident() != self.owner_thread:
             self.check_thread(f"graphed function {fn.name!r}")
-        st = self.stats.get(fn.fn_id)
-        if st is None:
-            st = self.stats[fn.fn_id] = FunctionStats(fn.name)
-        deferred = None
-        if fn.fn_id in self.root_fns and self.current is not None:
+        if self.current is not None and fn.fn_id in self.root_fns:
             deferred = self._begin_step(args)  # the inference rule: a root function begins a step
-        try:
-            return self._call(fn, st, args, kwargs)
-        finally:
-            if deferred:
-                self.backend.end_generation(deferred, None)
+            try:
+                return self._call(fn, args, kwargs)
+            finally:
+                if deferred:
+                    self.backend.end_generation(deferred, None)
+        return self._call(fn, args, kwargs)
 
     def _begin_step(self, args) -> list:
         """Start a generation for a call of a root function. Outputs of the ending generation
@@ -224,21 +269,36 @@ class TreeManager:
         self._end_generation()
         return keep
 
-    def _call(self, fn, st: FunctionStats, args, kwargs):
+    def _call(self, fn, args, kwargs):
         if fn.unsafe_reason is not None:
-            return self._eager(fn, st, fn.unsafe_reason, args, kwargs)
+            return self._eager(fn, self._stats(fn), fn.unsafe_reason, args, kwargs)
         try:
-            call = self.backend.inspect(fn, args, kwargs, self.tree_outputs)
+            call = inspect(fn, args, kwargs, self.tree_outputs, self.device_index)
         except SkipCall as exc:
-            return self._eager(fn, st, str(exc), args, kwargs)
+            return self._eager(fn, self._stats(fn), str(exc), args, kwargs)
         parent = self.current
         siblings = self.roots if parent is None else parent.children
         node = siblings.get((fn.fn_id, call.key))
-        if parent is None:
-            self.root_fns.add(fn.fn_id)
+        if node is not None and node.state is NodeState.RECORDED:  # the hot path: replay
+            rec = node.recording
+            reason = moved(node.plan, call) or self.backend.stale(rec)
+            if reason is None:
+                out, owned = self.backend.replay(rec, call)
+                node.stats.replays += 1
+                self.current = node
+                for ptr in self.backend.output_ptrs(rec):
+                    self.tree_outputs[ptr] = node
+                if owned:
+                    name = fn.name
+                    self.handed_out.extend([(name, t) for t in owned])
+                return out
+            return self._rerecord(node, fn, call, reason, args, kwargs)
+        st = self._stats(fn)
         if node is None:
-            node = TreeNode(fn, call.key, parent)
+            node = TreeNode(fn, call.key, parent, st)
             siblings[(fn.fn_id, call.key)] = node
+            if parent is None:
+                self.root_fns.add(fn.fn_id)
             if self._new_variant(fn, st, call.key):
                 node.state = NodeState.SKIPPED
                 node.skip_reason = "dynamic shapes: more input signatures than config.dynamic_shape_warn_limit"
@@ -247,29 +307,30 @@ class TreeManager:
         if node.state is NodeState.SKIPPED:
             self.current = node
             return self._eager(fn, st, node.skip_reason, args, kwargs)
-        if node.state is NodeState.WARMED:
-            return self._record(node, fn, st, call, args, kwargs)
-        reason = self.backend.moved(node.recording, call)
-        if reason is not None:
-            st.rerecords += 1
-            st.rerecord_reasons.append(str(reason))
-            log.info("cgraw: re-recording %s: %s", fn.name, reason)
-            self._drop_subtree_of(node)
-            if isinstance(reason, Rewarm):
-                node.rewarms += 1
-                if node.rewarms > config.rewarm_limit:
-                    node.state = NodeState.SKIPPED
-                    node.skip_reason = (f"warmed up again {node.rewarms} times ({reason}); set "
-                                        "cgraw.config.rewarm_limit to allow more")
-                    self.current = node
-                    return self._eager(fn, st, node.skip_reason, args, kwargs)
-                return self._warm(node, fn, st, call, args, kwargs)
-            return self._record(node, fn, st, call, args, kwargs)
-        out, owned = self.backend.replay(node.recording, call)
-        st.replays += 1
-        self.current = node
-        self._register(node, owned)
-        return out
+        return self._record(node, fn, st, call, args, kwargs)
+
+    def _stats(self, fn) -> FunctionStats:
+        st = self.stats.get(fn.fn_id)
+        if st is None:
+            st = self.stats[fn.fn_id] = FunctionStats(fn.name)
+        return st
+
+    def _rerecord(self, node: TreeNode, fn, call, reason, args, kwargs):
+        st = node.stats
+        st.rerecords += 1
+        st.rerecord_reasons.append(str(reason))
+        log.info("cgraw: re-recording %s: %s", fn.name, reason)
+        self._drop_subtree_of(node)
+        if isinstance(reason, Rewarm):
+            node.rewarms += 1
+            if node.rewarms > config.rewarm_limit:
+                node.state = NodeState.SKIPPED
+                node.skip_reason = (f"warmed up again {node.rewarms} times ({reason}); set "
+                                    "cgraw.config.rewarm_limit to allow more")
+                self.current = node
+                return self._eager(fn, st, node.skip_reason, args, kwargs)
+            return self._warm(node, fn, st, call, args, kwargs)
+        return self._record(node, fn, st, call, args, kwargs)
 
     # ------------------------------------------------------------------ helpers
 
@@ -279,13 +340,17 @@ class TreeManager:
         st.warmups += 1
         self.current = node
         w = self.backend.warmup(fn, call, args, kwargs)
-        node.mutated, node.external, node.warm_epoch = w.mutated, tuple(w.external), w.epoch
+        declared = declared_mutations(fn, call)
+        w.mutated = tuple(w.mutated) + tuple(j for j in declared if j not in w.mutated)
+        w.external = tuple(w.external)
+        node.warm = w
         node.state = NodeState.WARMED
         if w.skip is not None:
             node.state = NodeState.SKIPPED
             node.skip_reason = w.skip
             self._note_skip(fn, st, w.skip)
-        return w.out
+        out, w.out = w.out, None  # the node keeps what the warm-up learned, not its result
+        return out
 
     def _record(self, node: TreeNode, fn, st: FunctionStats, call, args, kwargs):
         parent = node.parent
@@ -293,19 +358,20 @@ class TreeManager:
         if self.pool_state is not anchor:
             self._restore_to(anchor)
         try:
-            rec = self.backend.record(fn, call, args, kwargs, node.mutated, node.external, node.warm_epoch)
+            rec = self.backend.record(fn, call, node.warm)
         except SkipCall as exc:
             node.state = NodeState.SKIPPED
             node.skip_reason = str(exc)
             # a failed capture put the pool back itself; a recording that failed after its capture
             # left blocks behind, so the next recording must restore first
-            self.pool_state = _UNKNOWN if getattr(exc, "dirty", False) else anchor
+            self.pool_state = _UNKNOWN if exc.dirty else anchor
             self.current = node
             return self._eager(fn, st, node.skip_reason, args, kwargs)
         except BaseException:
             self.pool_state = _UNKNOWN  # the pool may hold the failed recording's blocks
             raise
         node.recording = rec
+        node.plan = InputPlan(call)
         node.state = NodeState.RECORDED
         node.checkpoint = self.backend.snapshot()
         self.pool_state = node
@@ -475,5 +541,5 @@ def _alive_in_tree(node: TreeNode, mgr: TreeManager) -> bool:
     return any(n is node for n in mgr.nodes()) and node.recording is not None
 
 
-__all__ = ["Config", "FunctionStats", "NodeState", "Rewarm", "SkipCall", "TreeError", "TreeManager", "TreeNode", "Warm",
-           "config"]
+__all__ = ["Backend", "Config", "FunctionStats", "NodeState", "Rewarm", "SkipCall", "TreeError", "TreeManager",
+           "TreeNode", "Warm", "config"]

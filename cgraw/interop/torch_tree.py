@@ -122,11 +122,11 @@ def storage_spans(objs, in_mempool, owners: dict) -> list[tuple[int, int]]:
     """``(data pointer, bytes)`` of the storages of the torch tensors among ``objs`` whose memory
     is in torch's MemPool (``in_mempool(ptr)``), once each; a storage not yet in ``owners`` is
     entered there as its block's owner."""
-    from cgraw.arrays import _is_torch
+    from cgraw.arrays import is_torch
 
     out, seen = [], set()
     for t in objs:
-        if _is_torch(t) and hasattr(t, "untyped_storage"):
+        if is_torch(t) and hasattr(t, "untyped_storage"):
             s = t.untyped_storage()
             p = s.data_ptr()
             if p and p not in seen and in_mempool(p):

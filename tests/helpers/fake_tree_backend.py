@@ -15,8 +15,9 @@ What those do depends on the backend's mode:
   from the current inputs, which is what a replayed graph does.
 
 Like the CUDA backend, ``record`` copies eager inputs into pool placeholders, reads static and
-tree-output inputs in place (their addresses are checked by ``moved``) and copies mutated eager
-inputs back after a replay.
+tree-output inputs in place and copies mutated eager inputs back after a replay. Calls are
+classified by the real ``cgraw.calls`` (``FakeT`` is registered as an array type with
+``arrays.register``); ``spy_inspect`` wraps it to log and to inject skips.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import weakref
 import numpy as np
 
 from allocator import IntRangeSource, Pool
-from cgraw.tree import SkipCall, Warm
-
-EAGER, STATIC, TREE = 0, 1, 2
+from cgraw import arrays, calls
+from cgraw.arrays import EAGER, replace_leaves
+from cgraw.errors import SkipCall
+from cgraw.tree import Warm
 EAGER_BASE = 1 << 56  # eager addresses: far above anything the pool's IntRangeSource hands out
 _ACTIVE: list = []  # the backend that new()/release()/assign() talk to (the latest one created)
 
@@ -113,7 +115,7 @@ class FakeFn:
         self.static_argnums = frozenset(static_argnums)
         self.mutates = tuple(mutates)
         self.unsafe_reason = unsafe_reason
-        self.runs_backward = False
+        self.pad_buckets = ()
 
     def __call__(self, *args, **kwargs):
         return self.mgr.call(self, args, kwargs)
@@ -122,22 +124,12 @@ class FakeFn:
         return f"<FakeFn {self.name}>"
 
 
-class FakeCall:
-    """One call's inputs (as ``treeexec.Call``), plus the arguments, which a replay re-runs on."""
-
-    __slots__ = ("arg_spans", "args", "key", "kinds", "kwargs", "leaves", "ptrs")
-
-    def __init__(self, key, leaves, kinds, ptrs, arg_spans, args, kwargs):
-        self.key, self.leaves, self.kinds, self.ptrs, self.arg_spans = key, leaves, kinds, ptrs, arg_spans
-        self.args, self.kwargs = tuple(args), dict(kwargs or {})
-
-
 class FakeRecording:
     """One captured node: placeholders, the capture's allocations, what stays live, the outputs."""
 
     _ids = itertools.count(1)
 
-    def __init__(self, fn, call: FakeCall, mutated: tuple):
+    def __init__(self, fn, call, mutated: tuple):
         self.id = next(self._ids)
         self.fn = fn
         self.name = fn.name
@@ -179,29 +171,16 @@ def _map_leaves(obj, fn):
     return obj
 
 
-def _substitute(obj, it_index, subs):
-    if isinstance(obj, FakeT):
-        j = it_index[0]
-        it_index[0] += 1
-        return subs.get(j, obj)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_substitute(x, it_index, subs) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _substitute(obj[k], it_index, subs) for k in sorted(obj)}
-    return obj
-
-
 class FakeTreeBackend:
-    """The backend protocol of ``TreeManager`` over ``allocator.Pool(IntRangeSource())``.
+    """The ``tree.Backend`` protocol over ``allocator.Pool(IntRangeSource())``. As with the CUDA
+    backend, a capture that fails (a ``SkipCall`` or the user's exception) puts the pool back as
+    it was before.
 
-    Like the CUDA backend, the key leaves out the input kinds (a path's first call sees warm-up
-    outputs where later calls see tree outputs) and ``moved`` reports a change of kinds; a capture
-    that fails (a ``SkipCall`` or the user's exception) puts the pool back as it was before.
-
-    Hooks for tests, by function name: ``inspect_skip`` (reason: ``inspect`` raises ``SkipCall``),
-    ``record_skip`` (reason: the capture fails), ``record_skip_dirty`` (reason: the recording fails
-    after its capture, leaving its blocks in the pool: ``SkipCall`` with ``dirty=True``),
-    ``force_moved`` (a reason for ``moved``, once). ``log`` lists every protocol call in order.
+    Hooks for tests, by function name: ``inspect_skip`` (reason: classifying the call raises
+    ``SkipCall``, through ``spy_inspect``), ``record_skip`` (reason: the capture fails),
+    ``record_skip_dirty`` (reason: the recording fails after its capture, leaving its blocks in
+    the pool: ``SkipCall`` with ``dirty=True``), ``force_moved`` (a re-record reason from
+    ``stale``, once). ``log`` lists every protocol call in order (``inspect`` through the spy).
     """
 
     def __init__(self, **pool_kwargs) -> None:
@@ -292,73 +271,25 @@ class FakeTreeBackend:
         assert not set(map(id, on_path)) & set(map(id, off_path))
         self.pool.restore(snap)
 
-    def inspect(self, fn, args, kwargs, tree_outputs) -> FakeCall:
-        self.log.append(("inspect", fn.name))
-        self.inspected.append((fn.name, dict(tree_outputs)))
-        if fn.name in self.inspect_skip:
-            raise SkipCall(self.inspect_skip[fn.name])
-        leaves, key, kinds, ptrs, spans = [], [], [], [], []
-
-        def flat(a, forced):
-            if isinstance(a, FakeT):
-                leaves.append(a)
-                key.append(("t", a.nbytes))
-                kinds.append(forced)
-                ptrs.append(a.ptr)
-            elif isinstance(a, np.ndarray):
-                raise SkipCall("CPU tensors or ops: an input lives on the CPU")
-            elif type(a) in (tuple, list):
-                key.append((type(a), len(a)))
-                for x in a:
-                    flat(x, forced)
-            elif type(a) is dict:
-                key.append((dict, tuple(sorted(a))))
-                for k in sorted(a):
-                    flat(a[k], forced)
-            else:
-                try:
-                    hash(a)
-                except TypeError:
-                    raise SkipCall(f"an argument of type {type(a).__name__} is neither a tensor "
-                                   "nor hashable") from None
-                key.append((type(a), a))
-
-        for i, a in enumerate(args):
-            first = len(leaves)
-            flat(a, STATIC if i in fn.static_argnums else None)
-            spans.append((first, len(leaves) - first))
-        for k in sorted(kwargs or {}):
-            key.append(k)
-            flat(kwargs[k], None)
-        for j, p in enumerate(ptrs):
-            if kinds[j] is None:
-                kinds[j] = TREE if p in tree_outputs else EAGER
-        return FakeCall(tuple(key), leaves, kinds, ptrs, spans, args, kwargs)
-
-    def warmup(self, fn, call: FakeCall, args, kwargs):
+    def warmup(self, fn, call, args, kwargs):
         self.log.append(("warmup", fn.name))
         before = [(j, t.value) for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER]
         assert self.mode == "eager"
         out = fn.fn(*args, **kwargs)
-        mutated = tuple(j for j, v in before if not np.array_equal(v, call.leaves[j].value))
-        declared = tuple(j for i in fn.mutates if i < len(call.arg_spans)
-                         for j in range(call.arg_spans[i][0], sum(call.arg_spans[i]))
-                         if call.kinds[j] == EAGER and j not in mutated)
-        return Warm(out, mutated + declared)
+        return Warm(out, tuple(j for j, v in before if not np.array_equal(v, call.leaves[j].value)))
 
-    def _run(self, rec: FakeRecording, call: FakeCall, args, kwargs):
+    def _run(self, rec: FakeRecording, call):
         """Run the function as the graph does: eager leaves read from their placeholders, static
         and tree-output leaves from the addresses baked in at capture (``rec.fixed``, set once
         the capture is done), whatever the call passes now."""
         subs = {j: FakeT(p, n, self.mem) for j, (p, n) in rec.placeholders.items()}
         subs.update((j, FakeT(p, call.leaves[j].nbytes, self.mem)) for j, p in rec.fixed)
-        new_args = _substitute(tuple(args), [0], subs)
-        new_kwargs = _substitute(dict(kwargs or {}), [len(leaves_of(tuple(args)))], subs)
+        new_args, new_kwargs = replace_leaves(call.arg_specs, call.kwarg_specs, call.leaves, subs)
         return rec.fn.fn(*new_args, **new_kwargs)
 
-    def record(self, fn, call: FakeCall, args, kwargs, mutated, external=(), epoch=-1) -> FakeRecording:
+    def record(self, fn, call, warm: Warm) -> FakeRecording:
         self.log.append(("record", fn.name))
-        rec = FakeRecording(fn, call, mutated)
+        rec = FakeRecording(fn, call, warm.mutated)
         before = self.pool.snapshot()
         try:  # the capture
             for j, t in enumerate(call.leaves):
@@ -369,7 +300,7 @@ class FakeTreeBackend:
                     self.mem.write(block.ptr, t.nbytes, np.full(t.nbytes // 8, np.nan))
             self.mode, self._capture = "capture", rec
             try:
-                out = self._run(rec, call, args, kwargs)
+                out = self._run(rec, call)
             finally:
                 self.mode, self._capture = "eager", None
             if fn.name in self.record_skip:
@@ -378,9 +309,7 @@ class FakeTreeBackend:
             self.pool.restore(before)  # a failed capture gives its blocks back
             raise
         if fn.name in self.record_skip_dirty:  # failed after the capture: blocks left behind
-            exc = SkipCall(self.record_skip_dirty[fn.name])
-            exc.dirty = True
-            raise exc
+            raise SkipCall(self.record_skip_dirty[fn.name], dirty=True)
         rec.fixed = [(j, call.ptrs[j]) for j in range(len(call.leaves)) if call.kinds[j] != EAGER]
         allocated = {p for p, _ in rec.allocs}
         # only memory the capture allocated is the tree's (owned): an output that is an input is
@@ -389,14 +318,14 @@ class FakeTreeBackend:
         self.recordings.append(rec)
         return rec
 
-    def replay(self, rec: FakeRecording, call: FakeCall):
+    def replay(self, rec: FakeRecording, call):
         self.log.append(("replay", rec.name))
         assert not rec.discarded, f"replay of discarded {rec}"
         for j, (p, n) in rec.placeholders.items():  # the graph's copy-in nodes
             self.mem.write(p, n, call.leaves[j].value)
         self.mode, self._cursor = "replay", list(rec.allocs)
         try:
-            out = self._run(rec, call, call.args, call.kwargs)
+            out = self._run(rec, call)
             assert not self._cursor, f"replay of {rec} allocated less than its capture"
         finally:
             self.mode, self._cursor = "eager", []
@@ -411,17 +340,11 @@ class FakeTreeBackend:
         out = _map_leaves(out, lambda t: call.leaves[inputs[t.ptr]] if t.ptr in inputs else t)
         return out, [t for t in leaves_of(out) if t.ptr in owned_ptrs]
 
-    def moved(self, rec: FakeRecording, call: FakeCall):
+    def stale(self, rec: FakeRecording):
+        """The backend's part of a replay check (the CUDA one's closure tensors): only the
+        ``force_moved`` hook here; inputs are checked by ``cgraw.calls.moved``."""
         self.log.append(("moved", rec.name))
-        if rec.name in self.force_moved:
-            return self.force_moved.pop(rec.name)
-        if tuple(call.kinds) != rec.kinds:
-            return f"input kinds changed (0 eager, 1 static, 2 tree output): {rec.kinds} -> {tuple(call.kinds)}"
-        for j, p in rec.fixed:
-            if call.ptrs[j] != p:
-                what = "static input" if call.kinds[j] == STATIC else "tree-output input"
-                return f"{what} {j} moved from 0x{p:x} to 0x{call.ptrs[j]:x}"
-        return None
+        return self.force_moved.pop(rec.name, None)
 
     def renew(self):
         """A fresh pool; the old one is left as it is (the CUDA backend's fallback)."""
@@ -480,3 +403,35 @@ def release(t: FakeT) -> None:
 def assign(t: FakeT, value) -> None:
     """Write ``value`` into ``t`` in place (inside graphed test functions)."""
     _ACTIVE[-1].assign(t, value)
+
+
+class _FakeOps(arrays.Ops):
+    """``FakeT`` as an array type of ``cgraw.arrays``: what ``cgraw.calls`` reads of a leaf."""
+
+    __slots__ = ()
+    name = "fake"
+
+    def key(self, t):
+        return ((t.n,), (1,), "f8")
+
+    def ptr(self, t) -> int:
+        return t.ptr
+
+    def device(self, t) -> int:
+        return 0
+
+
+arrays.register(FakeT, _FakeOps())
+_real_inspect = calls.inspect
+
+
+def spy_inspect(fn, args, kwargs, tree_outputs, device):
+    """``cgraw.calls.inspect`` as the tree calls it, logged to the active fake backend, with its
+    ``inspect_skip`` hook. Tests install it: ``monkeypatch.setattr(cgraw.tree, "inspect", spy_inspect)``."""
+    be = _ACTIVE[-1] if _ACTIVE else None
+    if be is not None:
+        be.log.append(("inspect", fn.name))
+        be.inspected.append((fn.name, dict(tree_outputs)))
+        if fn.name in be.inspect_skip:
+            raise SkipCall(be.inspect_skip[fn.name])
+    return _real_inspect(fn, args, kwargs, tree_outputs, device)

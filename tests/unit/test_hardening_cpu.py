@@ -3,7 +3,7 @@
 - private torch API detection (``interop.torch_c``), with a fake torch that hides a function;
 - releases deferred while a capture routes allocations (``cgraw._defer``);
 - names of graphed functions (``graphed._name_of``);
-- container flattening of arguments and outputs (``arrays._flatten``/``_rebuild``/``_spec``);
+- container flattening of arguments and outputs (``arrays._flatten``/``rebuild``/``out_spec``);
 - pinned streams in the allocator (graph memory never migrates to eager allocations);
 - the stream handle of stream-like objects;
 - the tree: tuples of recurrent state, warm-up outputs never poisoned, re-warm after a move.
@@ -26,7 +26,7 @@ from pool_helpers import FakeEvents
 
 from allocator import IntRangeSource, Pool, check_invariants
 from cgraw import _defer
-from cgraw.arrays import EAGER, STATIC, _flatten, _rebuild, _replace, _spec, _unflatten
+from cgraw.arrays import EAGER, STATIC, flatten, rebuild, replace_leaves, out_spec, unflatten
 from cgraw.errors import ResourceLeakWarning
 from cgraw.graphed import _name_of
 from cgraw.interop import torch_c
@@ -198,8 +198,8 @@ class Outputs(collections.OrderedDict):
 
 
 def _flat(*args):
-    leaves, key, kinds, ptrs = [], [], [], []
-    specs = [_flatten(a, leaves, key, kinds, ptrs, None) for a in args]
+    leaves, key, kinds, ptrs, ops = [], [], [], [], []
+    specs = [flatten(a, leaves, key, kinds, ptrs, ops, None) for a in args]
     return leaves, tuple(key), specs
 
 
@@ -211,7 +211,7 @@ def test_namedtuples_dataclasses_and_dict_subclasses_are_containers():
     # rebuilt around other leaves: same types, same non-tensor values
     new_leaves = [Arr(0x1000 + i) for i in range(6)]
     it = iter(new_leaves)
-    p, b, o = (_rebuild(s, it) for s in specs)
+    p, b, o = (rebuild(s, it) for s in specs)
     assert type(p) is Pair and p.a is new_leaves[0] and p.b is new_leaves[1]
     assert type(b) is Batch and b.x is new_leaves[2] and b.scale == 0.5 and b.tags == ("t",)
     assert type(o) is Outputs and list(o) == ["first", "rest"] and o["rest"][1]["deep"] is new_leaves[5]
@@ -224,16 +224,16 @@ def test_namedtuples_dataclasses_and_dict_subclasses_are_containers():
 def test_struct_sequences_are_containers():
     st = os.stat(".")
     leaves, key, specs = _flat(st)
-    assert leaves == [] and type(_rebuild(specs[0], iter([]))) is type(st)
+    assert leaves == [] and type(rebuild(specs[0], iter([]))) is type(st)
 
 
 def test_placeholders_are_substituted_inside_containers():
     x, y = Arr(0x100), Arr(0x200)
-    leaves, kinds, ptrs, key = [], [], [], []
-    specs = [_flatten(Pair(x, 3), leaves, key, kinds, ptrs, None), _flatten(Batch(y, 2.0), leaves, key, kinds,
-                                                                           ptrs, STATIC)]
+    leaves, kinds, ptrs, key, ops = [], [], [], [], []
+    specs = [flatten(Pair(x, 3), leaves, key, kinds, ptrs, ops, None),
+             flatten(Batch(y, 2.0), leaves, key, kinds, ptrs, ops, STATIC)]
     ph = Arr(0x900)
-    args, kwargs = _replace(specs, None, leaves, {0: ph})
+    args, kwargs = replace_leaves(specs, None, leaves, {0: ph})
     assert args[0].a is ph and args[0].b == 3 and args[1].x is y and kinds == [None, STATIC]
     assert kwargs == {} and EAGER == 0
 
@@ -249,12 +249,12 @@ def test_unhashable_non_containers_are_refused_with_a_reason():
 def test_outputs_keep_their_containers_and_numpy_outputs_are_refused():
     x, y = Arr(0x100), Arr(0x200)
     leaves = []
-    spec = _spec(Outputs(logits=x, pair=Pair(y, "label")), leaves)
+    spec = out_spec(Outputs(logits=x, pair=Pair(y, "label")), leaves)
     assert leaves == [x, y]
-    out = _unflatten(spec, iter([Arr(1), Arr(2)]))
+    out = unflatten(spec, iter([Arr(1), Arr(2)]))
     assert type(out) is Outputs and type(out["pair"]) is Pair and out["pair"].b == "label"
     with pytest.raises(SkipCall, match="NumPy array"):
-        _spec((x, np.zeros(3)), [])
+        out_spec((x, np.zeros(3)), [])
 
 
 # ---------------------------------------------------------------------- pinned streams

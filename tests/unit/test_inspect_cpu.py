@@ -1,5 +1,6 @@
-"""CPU tests of ``CudaBackend.inspect``: how a graphed call's arguments are classified and which
-ones make it skip, with CuPy-shaped stand-ins (no device and no CuPy needed)."""
+"""CPU tests of ``cgraw.calls.inspect``: how a graphed call's arguments are classified and which
+ones make it skip, with CuPy-shaped stand-ins (no device and no CuPy needed); and of a
+recording's padded replay (``cgraw.recording``)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import types
 import pytest
 
 import cgraw
-from cgraw.tree import SkipCall
-from cgraw.treeexec import EAGER, STATIC, TREE, CudaBackend
+from cgraw import calls
+from cgraw.calls import EAGER, STATIC, TREE
+from cgraw.errors import SkipCall
 
 
 class FakeArray:
@@ -33,11 +35,18 @@ def _prod(xs) -> int:
     return out
 
 
-def _backend(ordinal: int = 0) -> CudaBackend:
-    b = object.__new__(CudaBackend)
-    b.device = types.SimpleNamespace(ordinal=ordinal)
-    b._tensor = type("NoTensor", (), {})
-    return b
+class _Tree:
+    """Classifies calls as the tree of device ``ordinal`` does."""
+
+    def __init__(self, ordinal: int = 0):
+        self.ordinal = ordinal
+
+    def inspect(self, fn, args, kwargs, tree_outputs):
+        return calls.inspect(fn, args, kwargs, tree_outputs, self.ordinal)
+
+
+def _backend(ordinal: int = 0) -> _Tree:
+    return _Tree(ordinal)
 
 
 def _fn(**kw):
@@ -144,31 +153,34 @@ class SliceableArray(FakeArray):
         return SliceableArray(self.data.ptr, (len(range(*s.indices(self.shape[0]))), *self.shape[1:]))
 
 
-def test_padded_replay_patches_counts_and_cuts_outputs(monkeypatch):
-    from cgraw import _cuda
-    from cgraw.treeexec import _SINGLE, OWNED, Recording
+def test_padded_replay_patches_counts_and_cuts_outputs():
+    from cgraw.arrays import SINGLE
+    from cgraw.recording import OWNED, InputCopy, Recording
 
     patched = []
-    monkeypatch.setattr(_cuda, "memcpy_node_set_1d_raw",
-                        lambda exec_, node, dst, src, count, kind: patched.append((node, dst, src, count)) or (0,))
+
+    def setter(node, dst, src, count):
+        patched.append((node, dst, src, count))
+
     launches = []
-    rec = Recording()
-    rec.bucket, rec.padded, rec.exec_rt = 8, frozenset({0}), "exec"
+    rec = Recording("f")
+    rec.bucket, rec.padded, rec.setter = 8, frozenset({0}), setter
     rec.graph = types.SimpleNamespace(replay=lambda: launches.append(1))
-    # input 0 padded (64 bytes a row, recorded with 5 rows), input 1 not (fixed 128 bytes)
-    rec.copies_in = [[0, "n0", 0xA00, 5 * 64, 0x100, 64], [1, "n1", 0xB00, 128, 0x200, 0]]
+    # input 0 padded (64 bytes a row, recorded with 5 rows), input 1 not (fixed 128 bytes);
     # a mutated padded input is copied back: row count patched too (dst is the caller's tensor)
-    rec.copies_back, rec.slow_in = [[0, "b0", 0xA00, 5 * 64, 0x100, 64]], []
+    rec.copies = [InputCopy(0, "n0", 0xA00, 0x100, 5 * 64, 64, back=False),
+                  InputCopy(1, "n1", 0xB00, 0x200, 128, 0, back=False),
+                  InputCopy(0, "b0", 0xA00, 0x100, 5 * 64, 64, back=True)]
     rec.out_leaves = [SliceableArray(0xC00, (8, 16)), SliceableArray(0xD00, (3,))]
     rec.out_spec = ("seq", tuple, [("t",), ("t",)])
-    rec.out_kinds, rec.owned_idx = [OWNED, OWNED], [0, 1]
+    rec.out_kinds, rec.owned_idx, rec.poison_idx = [OWNED, OWNED], [0, 1], []
+    rec.out_alias = [t.view for t in rec.out_leaves]
     rec.out_rows = [0]
-    b = _backend()
 
     def call(n, p0=0x100, p1=0x200):
         c = types.SimpleNamespace(rows=n, ptrs=[p0, p1], leaves=[None, None])
-        out, owned = b._replay_padded(rec, c)
-        assert len(owned) == len(rec.owned_idx)  # owned outputs are handed out (poisoned later)
+        out, owned = rec.replay(c)
+        assert owned == []  # CuPy arrays cannot be poisoned: none is handed out for it
         return out
 
     out = call(5)  # as recorded: nothing to patch
@@ -183,6 +195,34 @@ def test_padded_replay_patches_counts_and_cuts_outputs(monkeypatch):
     call(8, p0=0x400, p1=0x300)
     assert patched == [("n0", 0xA00, 0x400, 8 * 64), ("b0", 0x400, 0xA00, 8 * 64)]
     assert len(launches) == 4
-    rec.out_spec, rec.out_leaves, rec.out_rows = _SINGLE, [SliceableArray(0xC00, (8, 16))], [0]
-    rec.out_kinds, rec.owned_idx = [OWNED], [0]
+    rec.out_spec, rec.out_leaves, rec.out_rows = SINGLE, [SliceableArray(0xC00, (8, 16))], [0]
+    rec.out_kinds, rec.owned_idx, rec.out_alias = [OWNED], [0], [rec.out_leaves[0].view]
     assert call(6).shape == (6, 16)
+
+
+def test_plain_replay_patches_only_moved_inputs_and_hands_out_torch_outputs_only():
+    from cgraw.recording import OWNED, InputCopy, Recording
+
+    patched, launches = [], []
+    rec = Recording("g")
+    rec.setter = lambda node, dst, src, count: patched.append((node, dst, src, count))
+    rec.graph = types.SimpleNamespace(replay=lambda: launches.append(1))
+    rec.copies = [InputCopy(0, "n0", 0xA00, 0x100, 256, 0, back=False),
+                  InputCopy(1, "n1", 0xB00, 0x200, 128, 0, back=False)]
+    out_arr = SliceableArray(0xC00, (4, 16))
+    rec.out_leaves, rec.out_kinds, rec.owned_idx, rec.poison_idx = [out_arr], [OWNED], [0], []
+    rec.out_alias = [out_arr.view]
+    from cgraw.arrays import SINGLE
+    rec.out_spec, rec.alias0 = SINGLE, out_arr.view
+
+    def call(p0, p1):
+        return rec.replay(types.SimpleNamespace(rows=None, ptrs=[p0, p1], leaves=[None, None]))
+
+    out, owned = call(0x100, 0x200)
+    assert patched == [] and out.data.ptr == 0xC00 and out is not out_arr and owned == ()
+    call(0x300, 0x200)
+    call(0x300, 0x200)  # the node already holds 0x300: no second patch
+    assert patched == [("n0", 0xA00, 0x300, 256)] and len(launches) == 3
+    rec.poison_idx = [0]  # a torch output: handed out to be poisoned when the generation ends
+    out, owned = call(0x300, 0x200)
+    assert owned == (out,)

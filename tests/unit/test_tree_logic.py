@@ -25,11 +25,13 @@ from fake_tree_backend import (
     assign,
     new,
     release,
+    spy_inspect,
 )
 from hypothesis import HealthCheck, given, settings
 
 from allocator import check_invariants
 from cgraw.errors import CgrawError
+import cgraw.tree
 from cgraw.tree import NodeState, TreeManager, config
 
 MiB = 1 << 20
@@ -101,6 +103,12 @@ def assert_same(out, ref) -> None:
 
 def in_pool(t: FakeT) -> bool:
     return t.ptr < EAGER_BASE
+
+
+@pytest.fixture(autouse=True)
+def _spy(monkeypatch):
+    """Calls are classified by the real ``cgraw.calls.inspect``, logged by the fake backend."""
+    monkeypatch.setattr(cgraw.tree, "inspect", spy_inspect)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,153 @@
+"""A graphed call's inputs, classified: the decisions graph trees make about arguments.
+
+Layer L6: pure Python over ``arrays`` (no CUDA, frameworks through their ``Ops``). ``tree``
+calls it for every call; backends only read what it decides.
+
+- ``inspect``: flatten the arguments into array *leaves* with their kinds, pointers and ops, and
+  build the call's signature *key* (shapes, strides, dtypes, containers, scalars by value).
+  Kinds: *static* (``nn.Parameter``s, a module argument's parameters and buffers, tensors marked
+  with ``cgraw.mark_static`` or ``torch._dynamo.mark_static_address``, positions in
+  ``static_argnums``: read in place), *tree output* (an output of an earlier graphed call in this
+  generation: read in place), *eager* (everything else: copied into a placeholder).
+- ``InputPlan``: what a recording assumed of its inputs (kinds, addresses read in place);
+  ``moved`` says why a call no longer fits it.
+- ``declared_mutations``: the eager leaves of the positions a function declared in ``mutates``.
+- padding buckets (``cgraw.buckets``): the bucket a call is recorded under, part of its key.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from cgraw import buckets
+from cgraw.arrays import EAGER, LEAF, STATIC, TORCH, TREE, _NoType, flatten
+from cgraw.errors import SkipCall
+
+__all__ = ["EAGER", "STATIC", "TREE", "Call", "InputPlan", "declared_mutations", "inspect", "mark_static",
+           "moved"]
+
+_static_ids: dict[int, object] = {}  # id(array) -> weakref, filled by mark_static
+_tensor = [_NoType]  # [torch.Tensor] once torch is loaded: the exact-type fast path
+
+
+def mark_static(x):
+    """Mark a tensor or array as a static input of graphed functions (read in place, never copied)."""
+    key = id(x)
+    _static_ids[key] = weakref.ref(x, lambda _r, k=key: _static_ids.pop(k, None))
+    return x
+
+
+def use_torch(tensor_type) -> None:
+    """Enable the exact-type fast path for ``torch.Tensor`` arguments (a tree does, once torch is loaded)."""
+    _tensor[0] = tensor_type
+
+
+class Call:
+    """One call's inputs: the signature ``key``; per leaf the array, its kind, pointer and ops;
+    the specs that rebuild the arguments around the leaves; the padding bucket, if any."""
+
+    __slots__ = ("key", "leaves", "kinds", "ptrs", "ops", "arg_spans", "arg_specs", "kwarg_specs", "rows",
+                 "bucket", "padded")
+
+    def __init__(self, key, leaves, kinds, ptrs, ops, arg_spans, arg_specs, kwarg_specs=None):
+        self.key = key
+        self.leaves = leaves
+        self.kinds = kinds
+        self.ptrs = ptrs
+        self.ops = ops  # arrays.Ops per leaf
+        self.arg_spans = arg_spans  # (first leaf, leaf count) of each positional argument
+        self.arg_specs = arg_specs  # one spec per positional argument (arrays.flatten)
+        self.kwarg_specs = kwarg_specs  # [(name, spec)] in sorted name order, or None
+        self.bucket = None  # padding buckets (cgraw.buckets): the bucket, the call's rows and
+        self.rows = None  # the padded leaves, when the function has buckets and the call fits one
+        self.padded = frozenset()
+
+
+def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
+    """Classify a call of graphed function ``fn`` (``static_argnums``, ``pad_buckets``) on the
+    tree of ``device``; ``tree_outputs`` maps the data pointers of this generation's outputs.
+    Raises ``SkipCall`` for arguments a graph cannot take."""
+    leaves, key_parts, kinds, ptrs, ops, specs, spans = [], [], [], [], [], [], []
+    static_pos = fn.static_argnums
+    T = _tensor[0]
+    for i, a in enumerate(args):
+        first = len(leaves)
+        if type(a) is T and i not in static_pos:  # the common case, without generic dispatch
+            try:
+                p = a.data_ptr()
+            except RuntimeError as exc:  # sparse, meta, ...: no storage to copy or read in place
+                raise SkipCall(f"a tensor input has no data pointer ({exc})") from None
+            leaves.append(a)
+            key_parts.append((a.shape, a.stride(), a.dtype))
+            kinds.append(STATIC if id(a) in _static_ids else (TREE if p in tree_outputs else EAGER))
+            ptrs.append(p)
+            ops.append(TORCH)
+            spans.append((first, 1))
+            specs.append(LEAF)
+            continue
+        specs.append(flatten(a, leaves, key_parts, kinds, ptrs, ops, STATIC if i in static_pos else None))
+        spans.append((first, len(leaves) - first))
+    kwarg_specs = None
+    if kwargs:
+        kwarg_specs = []
+        for k in sorted(kwargs):
+            key_parts.append(k)
+            kwarg_specs.append((k, flatten(kwargs[k], leaves, key_parts, kinds, ptrs, ops, None)))
+    dev = None
+    for j, t in enumerate(leaves):
+        d = ops[j].device(t)
+        if d < 0:
+            raise SkipCall("CPU tensors or ops: an input lives on the CPU")
+        if dev is None:
+            dev = d
+        elif d != dev:
+            raise SkipCall("tensors on several devices")
+        if kinds[j] is None:
+            if id(t) in _static_ids:
+                kinds[j] = STATIC
+            elif ptrs[j] in tree_outputs:
+                kinds[j] = TREE
+            else:
+                kinds[j] = EAGER
+    if dev is not None and dev != device:
+        raise SkipCall(f"inputs on device {dev}, but this tree is on device {device}")
+    # the kinds are not part of the key: the first call of a path sees warm-up outputs (eager)
+    # where later calls see tree outputs; a recording checks its kinds in moved()
+    call = Call(tuple(key_parts), leaves, kinds, ptrs, ops, spans, specs, kwarg_specs)
+    if fn.pad_buckets:
+        chosen = buckets.choose(fn.pad_buckets, leaves, kinds, EAGER)
+        if chosen is not None:
+            call.rows, call.bucket, call.padded = chosen
+            call.key = buckets.padded_key(key_parts, leaves, call.padded, call.bucket)
+    return call
+
+
+class InputPlan:
+    """What a recording assumed of its inputs: their kinds, and the addresses of the leaves it
+    reads in place (static and tree-output inputs), as ``(leaf index, pointer)``."""
+
+    __slots__ = ("kinds", "fixed")
+
+    def __init__(self, call: Call):
+        self.kinds = list(call.kinds)
+        self.fixed = [(j, p) for j, p in enumerate(call.ptrs) if call.kinds[j] != EAGER]
+
+
+def moved(plan: InputPlan, call: Call) -> str | None:
+    """Why ``call`` cannot replay a recording made under ``plan`` (a re-record reason), or None."""
+    if call.kinds != plan.kinds:
+        return f"input kinds changed (0 eager, 1 static, 2 tree output): {plan.kinds} -> {call.kinds}"
+    ptrs = call.ptrs
+    for j, p in plan.fixed:
+        if ptrs[j] != p:
+            what = "static input" if call.kinds[j] == STATIC else "tree-output input"
+            return f"{what} {j} moved from 0x{p:x} to 0x{ptrs[j]:x}"
+    return None
+
+
+def declared_mutations(fn, call: Call) -> tuple:
+    """Eager leaves of the positional arguments ``fn`` declared in ``mutates``."""
+    spans, kinds = call.arg_spans, call.kinds
+    return tuple(j for i in fn.mutates if i < len(spans)
+                 for j in range(spans[i][0], sum(spans[i])) if kinds[j] == EAGER)
+

@@ -1,0 +1,166 @@
+"""What a graph-tree recording holds, as named, slotted data for the replay hot path.
+
+Layer L6: no CUDA of its own (a copy is re-pointed through the setter ``Graph`` hands out), no
+framework imports (arrays through their ``arrays.Ops``).
+
+- ``InputCopy``: a memcpy node that moves an eager input into its placeholder before the
+  graph's work, or a mutated one back after it. Its caller-side pointer (and, for a padded input,
+  its byte count) is re-pointed before a launch only when it changed: one ``patch`` for plain
+  and padded replays.
+- ``InputAlias``: an output that is an input or a view of one, rebuilt from the caller's input
+  on every call (as eager returns it).
+- ``Recording``: the graph, its copies, its outputs (owned by the tree's pool: aliased per call
+  and poisoned when the generation ends; or returned as they are) and what keeps them alive.
+"""
+
+from __future__ import annotations
+
+from cgraw.arrays import SINGLE, TORCH, unflatten
+
+OWNED, EXTERNAL = "owned", "external"  # output kinds; an input alias is an InputAlias
+
+
+class InputCopy:
+    """One input-copy node. ``fixed`` is the placeholder's address (the node's destination for a
+    copy in, its source for a copy back); ``ptr`` and ``count`` are what the node holds now."""
+
+    __slots__ = ("leaf", "node", "fixed", "ptr", "count", "row_bytes", "back")
+
+    def __init__(self, leaf: int, node, fixed: int, ptr: int, count: int, row_bytes: int, back: bool):
+        self.leaf = leaf  # index of the eager input among the call's leaves
+        self.node = node  # the memcpy node (runtime handle, Graph.memcpy_nodes)
+        self.fixed = fixed
+        self.ptr = ptr  # the caller-side address the node holds
+        self.count = count  # bytes the node copies
+        self.row_bytes = row_bytes  # padded input: bytes per row (count = rows x this), else 0
+        self.back = back  # copies the placeholder back into the caller's array (a mutated input)
+
+    def patch(self, setter, ptr: int, count: int) -> None:
+        """Re-point the node at the caller's ``ptr`` and copy ``count`` bytes from now on."""
+        if self.back:
+            setter(self.node, ptr, self.fixed, count)
+        else:
+            setter(self.node, self.fixed, ptr, count)
+        self.ptr, self.count = ptr, count
+
+
+class InputAlias:
+    """An output that is input ``j`` or a view of it: rebuilt from the caller's input each call."""
+
+    __slots__ = ("j", "same", "torch", "shape", "stride", "delta")
+
+    def __init__(self, j: int, out, base, ops):
+        self.j = j
+        self.same = out is base
+        self.torch = ops is TORCH
+        if self.torch:
+            self.shape, self.stride = tuple(out.shape), tuple(out.stride())
+            self.delta = out.storage_offset() - base.storage_offset()
+        else:
+            self.shape, self.stride = out.shape, out.strides
+            self.delta = ops.ptr(out) - ops.ptr(base)
+
+    def rebuild(self, leaf):
+        if self.same:
+            return leaf
+        if self.torch:
+            return leaf.as_strided(self.shape, self.stride, leaf.storage_offset() + self.delta)
+        return type(leaf)(self.shape, leaf.dtype, leaf.data + self.delta, self.stride)
+
+
+class Recording:
+    """A recorded tree node, everything its replays need, precomputed at record time."""
+
+    __slots__ = (
+        "name",  # the graphed function's name
+        "graph",  # cgraw.Graph
+        "setter",  # the executable's memcpy-node setter (Graph.exec_memcpy_setter)
+        "copies",  # [InputCopy]: copies in, then copies back
+        "slow_in",  # [(leaf index, placeholder)]: non-contiguous eager inputs, copied eagerly
+        "copy_slow",  # copy_slow(rec, call, rows or None): copies them on the replay's stream
+        "out_leaves",  # the recording's output arrays, flattened
+        "out_kinds",  # per output leaf: OWNED, EXTERNAL or an InputAlias
+        "out_alias",  # per output leaf: the bound alias maker of an OWNED one (t.detach, a.view), else None
+        "out_spec",  # arrays.out_spec of the output structure
+        "owned_idx",  # indices of the OWNED outputs
+        "poison_idx",  # indices of the OWNED outputs that can be poisoned (torch)
+        "out_ptrs",  # data pointers of the OWNED outputs (tree-output inputs of later calls)
+        "alias0",  # one owned output, unpadded: its bound alias maker (the fastest replay)
+        "bucket",  # padding bucket, or None
+        "padded",  # leaf indices of the padded inputs
+        "out_rows",  # output indices cut back to the call's rows (padded replays)
+        "keep",  # (placeholders, outputs): alive as long as the recording
+        "spans",  # torch storages in torch's MemPool this recording holds (checkpoint restores)
+        "external",  # tensors read through the closure (kept alive, checked per call)
+        "ext_ptrs",  # their addresses at record time
+        "same_external",  # ptrs -> bool: whether they are still there (interop.observe)
+        "epoch",  # module-assignment count at record time, or -1
+        "capture_ms",
+        "instantiate_ms",
+    )
+
+    def __init__(self, name: str):
+        self.name = name
+        self.graph = self.setter = self.copy_slow = None
+        self.copies, self.slow_in = [], []
+        self.out_leaves, self.out_kinds, self.out_alias = [], [], []
+        self.owned_idx, self.poison_idx, self.out_ptrs = [], [], []
+        self.out_spec = self.alias0 = self.bucket = None
+        self.padded = frozenset()
+        self.out_rows = []
+        self.keep = None
+        self.spans = []
+        self.external, self.ext_ptrs, self.same_external, self.epoch = (), [], None, -1
+        self.capture_ms = self.instantiate_ms = 0.0
+
+    # ------------------------------------------------------------------ the hot path
+
+    def replay(self, call):
+        """Launch for ``call`` (a ``calls.Call``): ``(outputs, owned outputs to poison when the
+        generation ends)``."""
+        if self.bucket is not None:
+            return self._replay_padded(call)
+        ptrs = call.ptrs
+        for c in self.copies:
+            p = ptrs[c.leaf]
+            if p != c.ptr:
+                c.patch(self.setter, p, c.count)
+        if self.slow_in:
+            self.copy_slow(self, call, None)
+        self.graph.replay()
+        alias0 = self.alias0
+        if alias0 is not None:
+            o = alias0()
+            return o, ((o,) if self.poison_idx else ())
+        outs = self._outputs(call)
+        return unflatten(self.out_spec, iter(outs)), [outs[i] for i in self.poison_idx]
+
+    def _replay_padded(self, call):
+        """``replay`` of a padding-bucket recording: the padded inputs' copy nodes also get this
+        call's byte count, the outputs are cut back to its rows."""
+        n, ptrs = call.rows, call.ptrs
+        for c in self.copies:
+            p, count = ptrs[c.leaf], (c.row_bytes * n if c.row_bytes else c.count)
+            if p != c.ptr or count != c.count:
+                c.patch(self.setter, p, count)
+        if self.slow_in:
+            self.copy_slow(self, call, n)
+        self.graph.replay()
+        outs = self._outputs(call)
+        for i in self.out_rows:
+            outs[i] = outs[i][:n]
+        owned = [outs[i] for i in self.poison_idx]
+        if self.out_spec is SINGLE:
+            return outs[0], owned
+        return unflatten(self.out_spec, iter(outs)), owned
+
+    def _outputs(self, call) -> list:
+        outs = []
+        for t, k, alias in zip(self.out_leaves, self.out_kinds, self.out_alias):
+            if alias is not None:
+                outs.append(alias())
+            elif k is EXTERNAL:
+                outs.append(t)
+            else:
+                outs.append(k.rebuild(call.leaves[k.j]))
+        return outs
