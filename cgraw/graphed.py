@@ -53,6 +53,7 @@ class GraphedFunction:
         self.static_argnums = frozenset(_ints("static_argnums", static_argnums))
         self.mutates = tuple(_ints("mutates", mutates))
         self.pad_buckets = buckets.check(pad_buckets)
+        self.plain = not self.static_argnums and not self.pad_buckets  # calls.inspect's hot path applies
         reason = getattr(fn, "_cgraw_unsafe", None)
         self.unsafe_reason = None if reason is None else f"marked @cgraw.unsafe ({reason})"
         functools.update_wrapper(self, fn)

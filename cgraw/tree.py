@@ -261,7 +261,10 @@ class TreeManager:
         keep = []
         if config.generation_cloning is None and self.handed_out:
             ids: set = set()
-            _arg_ids(args, ids)
+            for a in args:
+                ids.add(id(a))
+                if type(a) in _CONTAINERS:
+                    _arg_ids(a, ids)
             rest = []
             for item in self.handed_out:
                 (keep if id(item[1]) in ids else rest).append(item)
@@ -509,6 +512,9 @@ class _Unknown:
 
 
 _UNKNOWN = _Unknown()
+
+
+_CONTAINERS = (tuple, list, dict)
 
 
 def _arg_ids(x, ids: set) -> None:

@@ -116,6 +116,7 @@ class FakeFn:
         self.mutates = tuple(mutates)
         self.unsafe_reason = unsafe_reason
         self.pad_buckets = ()
+        self.plain = not self.static_argnums
 
     def __call__(self, *args, **kwargs):
         return self.mgr.call(self, args, kwargs)
