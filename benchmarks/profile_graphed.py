@@ -26,16 +26,10 @@ import sys
 import time
 
 from benchmarks._harness import Report, bootstrap_ci, percentile, verdict
+from benchmarks.graphed_call import _fn
 
 REPLAY_TARGET = 1.10  # Graph.replay() host cost / raw cuGraphLaunch (issue 8)
 NUMEL = 1024
-
-
-def _fn(*xs):
-    out = xs[0] * 2.0
-    for x in xs[1:]:
-        out = out + x
-    return out
 
 
 def _calls(fn, *args):
@@ -79,7 +73,7 @@ def _pieces(g, xs, xs2, ts):
     changed) makes its piece unavailable, with the reason, instead of stopping the run."""
     import torch
 
-    from cgraw import _cuda
+    from cgraw import _cuda, calls
     from cgraw import stream as _streams
     from cgraw.graphed import _managers
 
@@ -141,29 +135,31 @@ def _pieces(g, xs, xs2, ts):
         return _calls(_streams._current, 0)
 
     def inspect():
-        return _calls(lambda: backend.inspect(g, args, {}, mgr.tree_outputs))
+        return _calls(lambda: calls.inspect(g, args, {}, mgr.tree_outputs, mgr.device_index))
 
     def moved():
-        rec, call = rec_of(), backend.inspect(g, args, {}, mgr.tree_outputs)
-        return _calls(backend.moved, rec, call)
+        node = node_of()
+        call = calls.inspect(g, args, {}, mgr.tree_outputs, mgr.device_index)
+        return _calls(lambda: calls.moved(node.plan, call) or backend.stale(node.recording))
 
     def patch():
         rec = rec_of()
-        if not rec.copies_in:
+        c = next((c for c in rec.copies if not c.back), None)
+        if c is None:
             raise LookupError("the recording has no input-copy node")
-        c = rec.copies_in[0]
         set_1d, d2d, clock = _cuda.memcpy_node_set_1d_raw, _cuda.MEMCPY_D2D, time.perf_counter_ns
+        exec_rt = rec.setter.exec_
         srcs = (xs[0].data_ptr(), xs2[0].data_ptr())
-        (err,) = set_1d(rec.exec_rt, c[1], c[2], c[4], c[3], d2d)
+        (err,) = set_1d(exec_rt, c.node, c.fixed, c.ptr, c.count, d2d)
         if err:
             raise RuntimeError(f"cudaGraphExecMemcpyNodeSetParams1D failed: {err}")
 
         def run(n):
             t0 = clock()
             for i in range(n):
-                set_1d(rec.exec_rt, c[1], c[2], srcs[i & 1], c[3], d2d)
+                set_1d(exec_rt, c.node, c.fixed, srcs[i & 1], c.count, d2d)
             elapsed = clock() - t0
-            set_1d(rec.exec_rt, c[1], c[2], c[4], c[3], d2d)  # back to what the recording believes
+            set_1d(exec_rt, c.node, c.fixed, c.ptr, c.count, d2d)  # back to what the recording believes
             return elapsed
 
         return run
@@ -211,8 +207,8 @@ def _pieces(g, xs, xs2, ts):
     pieces["Graph.replay() inside torch.cuda.stream(s)"] = (replay_in_stream_ctx, "launch", CHECKS["replay_ctx"])
     pieces["(baseline) an empty Python call in the loop"] = (empty_call, "baseline", None)
     pieces["current-stream lookup (stream._current)"] = (stream_lookup, "piece", None)
-    pieces["input inspection (backend.inspect)"] = (inspect, "piece", None)
-    pieces["recording check (backend.moved)"] = (moved, "piece", None)
+    pieces["input inspection (calls.inspect)"] = (inspect, "piece", None)
+    pieces["recording check (calls.moved + backend.stale)"] = (moved, "piece", None)
     pieces["input-copy patch (cudaGraphExecMemcpyNodeSetParams1D)"] = (patch, "piece", None)
     pieces["output alias (rec.alias0: detach)"] = (alias, "piece", None)
     pieces["poisoning (backend.end_generation, 1 output)"] = (end_generation, "piece", None)
@@ -366,8 +362,8 @@ def main(argv=None) -> int:
         results[name] = statistics.median(v)
         rep.add(piece=name, kind=kinds[name], us_per_call=statistics.median(v), p10_us=percentile(v, 0.1),
                 p90_us=percentile(v, 0.9), burst=args.burst, rounds=args.rounds)
-    parts = ("Graph.replay() (current stream)", "input inspection (backend.inspect)",
-             "recording check (backend.moved)", "output alias (rec.alias0: detach)",
+    parts = ("Graph.replay() (current stream)", "input inspection (calls.inspect)",
+             "recording check (calls.moved + backend.stale)", "output alias (rec.alias0: detach)",
              "poisoning (backend.end_generation, 1 output)")
     whole = "graphed call, same inputs"
     if whole in results and all(p in results for p in parts):

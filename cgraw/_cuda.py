@@ -368,9 +368,6 @@ CAPTURE_MODES = {
     "thread_local": CaptureModeEnum.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
     "relaxed": CaptureModeEnum.CU_STREAM_CAPTURE_MODE_RELAXED,
 }
-_STATUS = drv.CUstreamCaptureStatus
-
-
 def stream_begin_capture(stream, mode) -> None:
     check(drv.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
 
@@ -407,9 +404,7 @@ def thread_exchange_capture_mode(mode):
 
 # --------------------------------------------------------------------------- graphs
 
-INSTANTIATE_AUTO_FREE = int(drv.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
 INSTANTIATE_UPLOAD = int(drv.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD)
-INSTANTIATE_NODE_PRIORITY = int(drv.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY)
 
 _INSTANTIATE_RESULTS = {
     1: "invalid graph structure (a cycle, or an invalid node)",
@@ -442,15 +437,6 @@ def graph_upload(exec_, stream) -> None:
 
 # Bound once for the replay hot path: callers compare the result with 0 inline.
 graph_launch_raw = drv.cuGraphLaunch
-
-
-def graph_launch(exec_, stream) -> None:
-    check(drv.cuGraphLaunch(exec_, stream), "cuGraphLaunch")
-
-
-def graph_destroy(graph) -> None:
-    check(drv.cuGraphDestroy(graph), "cuGraphDestroy")
-    live_handles["graph"] -= 1
 
 
 def graph_exec_update(exec_, graph) -> tuple[bool, str]:

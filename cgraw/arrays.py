@@ -20,8 +20,8 @@ import copy
 import dataclasses
 import sys
 
-from cgraw.interop import torch_c
 from cgraw.errors import SkipCall
+from cgraw.interop import torch_c
 
 EAGER, STATIC, TREE = 0, 1, 2
 LEAF = ("t",)  # the spec of a tensor leaf

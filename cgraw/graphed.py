@@ -13,11 +13,11 @@ import sys
 import threading
 
 from cgraw import buckets
+from cgraw.calls import mark_static
 from cgraw.capture import capturing
 from cgraw.device import Device
 from cgraw.errors import UnsafeCallError
 from cgraw.tree import TreeManager, config
-from cgraw.calls import mark_static
 from cgraw.treeexec import CudaBackend
 
 _lock = threading.Lock()

@@ -32,6 +32,7 @@ from cgraw import arrays, calls
 from cgraw.arrays import EAGER, replace_leaves
 from cgraw.errors import SkipCall
 from cgraw.tree import Warm
+
 EAGER_BASE = 1 << 56  # eager addresses: far above anything the pool's IntRangeSource hands out
 _ACTIVE: list = []  # the backend that new()/release()/assign() talk to (the latest one created)
 

@@ -26,7 +26,7 @@ from pool_helpers import FakeEvents
 
 from allocator import IntRangeSource, Pool, check_invariants
 from cgraw import _defer
-from cgraw.arrays import EAGER, STATIC, flatten, rebuild, replace_leaves, out_spec, unflatten
+from cgraw.arrays import EAGER, STATIC, flatten, out_spec, rebuild, replace_leaves, unflatten
 from cgraw.errors import ResourceLeakWarning
 from cgraw.graphed import _name_of
 from cgraw.interop import torch_c

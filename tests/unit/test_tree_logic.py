@@ -29,9 +29,9 @@ from fake_tree_backend import (
 )
 from hypothesis import HealthCheck, given, settings
 
+import cgraw.tree
 from allocator import check_invariants
 from cgraw.errors import CgrawError
-import cgraw.tree
 from cgraw.tree import NodeState, TreeManager, config
 
 MiB = 1 << 20
