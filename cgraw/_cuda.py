@@ -178,14 +178,33 @@ def driver_available() -> tuple[bool, str]:
 live_handles: Counter = Counter()
 
 
-def destroy_quietly(fn, handle, kind: str) -> None:
-    """Destroy a handle from a finalizer: never raises.
+_DESTROY = {"stream": "cuStreamDestroy", "event": "cuEventDestroy", "mem": "cuMemFree",
+            "graph": "cuGraphDestroy", "graph_exec": "cuGraphExecDestroy"}
+
+
+def destroy_quietly(kind: str, handle) -> None:
+    """Destroy a handle of ``kind`` (stream, event, mem, graph, graph_exec) from a finalizer:
+    never raises.
 
     While any cgraw capture routes allocations the destroy waits for it to end (``_defer``).
     During interpreter shutdown every error is ignored. Otherwise a failure becomes a
     ``ResourceLeakWarning`` (the test suite turns it into an error).
     """
-    _defer.release(_destroy_now, fn, handle, kind)
+    _defer.release(_destroy_now, getattr(drv, _DESTROY[kind]), handle, kind)
+
+
+def stream_handle(ptr: int):
+    """The driver's handle for a raw stream pointer (0: legacy, 2: per-thread)."""
+    return drv.CUstream(ptr)
+
+
+def ctx_get_device() -> int:
+    return int(check(drv.cuCtxGetDevice(), "cuCtxGetDevice"))
+
+
+def kernel_get_name(kern) -> str:
+    name = check(drv.cuKernelGetName(kern), "cuKernelGetName")
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def _destroy_now(fn, handle, kind: str) -> None:

@@ -61,8 +61,7 @@ class capture:
     """
 
     def __init__(self, *, pool: DevicePool | None = None, mode: str = "thread_local", device=None,
-                 warmup=None, upload: bool = True, frameworks=None, warm_cublas: bool = True,
-                 _tree: bool = False, _route: str = "thread"):
+                 warmup=None, upload: bool = True, frameworks=None, warm_cublas: bool = True):
         if mode not in _MODES:
             raise ValueError(f"{mode=} must be one of {_MODES}")
         if pool is not None and not isinstance(pool, DevicePool):
@@ -76,16 +75,26 @@ class capture:
         self.upload = upload
         self.frameworks = frameworks
         self.warm_cublas = warm_cublas
-        # a graph-tree recording: cuBLAS workspaces are scratch inside the recording, and memory
-        # handed out is managed by the tree's checkpoints, not by the arrays' lifetimes
-        self._tree = _tree
-        self._route = _route
+        self._tree = False  # a graph-tree recording (for_tree)
+        self._route = "thread"
         self.graph: Graph | None = None
         self._adapters: list = []
         self._owners: list = []
         self._snapshot = None
         self._prev_ctx = None
         self._t0 = 0.0
+
+    @classmethod
+    def for_tree(cls, pool: DevicePool, device, *, warm_cublas: bool, route: str) -> "capture":
+        """A graph-tree recording (``treeexec``): cuBLAS workspaces are scratch inside the
+        recording, and memory handed out is managed by the tree's checkpoints, not by the arrays'
+        lifetimes. ``route``: ``"thread"`` routes this thread's allocations to the pool,
+        ``"stream"`` those on the capture stream (a backward pass allocates on autograd's thread)."""
+        if route not in ("thread", "stream"):
+            raise ValueError(f"{route=} must be 'thread' or 'stream'")
+        self = cls(pool=pool, device=device, warm_cublas=warm_cublas)
+        self._tree, self._route = True, route
+        return self
 
     def __enter__(self) -> Graph:
         if getattr(_tls, "active", None) is not None:
@@ -181,7 +190,7 @@ class capture:
 
         if exc_type is not None or err or exit_error is not None:
             if cugraph is not None:
-                _cuda.destroy_quietly(_cuda.drv.cuGraphDestroy, cugraph, "graph")
+                _cuda.destroy_quietly("graph", cugraph)
             self._restore_pool()
             graph.close()
             if exc_type is not None:
@@ -206,10 +215,7 @@ class capture:
         graph._keepalive.extend(host_funcs)
         graph.instantiate_ms = (time.perf_counter() - t0) * 1e3
         if self._tree:
-            for r in self._owners:
-                owner = r()
-                if owner is not None:
-                    owner.disown()
+            self._disown()
         self._owners = []
         log.debug("cgraw: captured %d nodes in %.2f ms, instantiated in %.2f ms",
                   graph.num_nodes, capture_ms, graph.instantiate_ms)
@@ -248,16 +254,21 @@ class capture:
             except Exception:  # the previous context is gone: leave the capture's current
                 pass
 
-    def _restore_pool(self) -> None:
-        """Put the pool back as it was before the capture; blocks handed out since are disowned."""
-        pool = self.graph.pool
-        if self._snapshot is None or pool.closed:
-            return
+    def _disown(self) -> None:
+        """Blocks the capture handed to CuPy arrays stop freeing themselves: the pool's
+        checkpoints (a tree) or the restore after a failed capture own them now."""
         for r in self._owners:
             owner = r()
             if owner is not None:
                 owner.disown()
         self._owners = []
+
+    def _restore_pool(self) -> None:
+        """Put the pool back as it was before the capture; blocks handed out since are disowned."""
+        pool = self.graph.pool
+        if self._snapshot is None or pool.closed:
+            return
+        self._disown()
         pool.restore(self._snapshot)
 
     def _classify(self, exc, err, status) -> str | None:
@@ -322,7 +333,7 @@ def _end_quietly(stream) -> None:
         if stream.capture_status != 0:
             err, cugraph = _cuda.stream_end_capture_raw(stream.handle)
             if cugraph is not None:
-                _cuda.destroy_quietly(_cuda.drv.cuGraphDestroy, cugraph, "graph")
+                _cuda.destroy_quietly("graph", cugraph)
     except Exception:
         pass
 
@@ -331,7 +342,7 @@ def _event_on(dev: Device, stream_ptr: int):
     from cgraw.stream import Event
 
     ev = Event.create(dev)
-    _cuda.event_record(ev.handle, _cuda.drv.CUstream(stream_ptr))
+    _cuda.event_record(ev.handle, _cuda.stream_handle(stream_ptr))
     return ev
 
 

@@ -48,7 +48,7 @@ class Device:
         ctx = _cuda.ctx_get_current()
         if ctx is None or _cuda.native(ctx) == 0:
             return cls(0)
-        return cls(int(_cuda.check(_cuda.drv.cuCtxGetDevice(), "cuCtxGetDevice")))
+        return cls(_cuda.ctx_get_device())
 
     @property
     def handle(self):

@@ -38,9 +38,9 @@ class NodeInfo:
 def _destroy_pair(exec_, graph) -> None:
     """Finalizer: destroy an executable graph and its graph. Never raises."""
     if exec_ is not None:
-        _cuda.destroy_quietly(_cuda.drv.cuGraphExecDestroy, exec_, "graph_exec")
+        _cuda.destroy_quietly("graph_exec", exec_)
     if graph is not None:
-        _cuda.destroy_quietly(_cuda.drv.cuGraphDestroy, graph, "graph")
+        _cuda.destroy_quietly("graph", graph)
 
 
 class Graph:
@@ -294,7 +294,6 @@ def _kernel_name(params) -> str:
     except CgrawError:
         pass
     try:
-        name = _cuda.check(_cuda.drv.cuKernelGetName(params.kern), "cuKernelGetName")
-        return name.decode() if isinstance(name, bytes) else str(name)
+        return _cuda.kernel_get_name(params.kern)
     except CgrawError:
         return "<unknown kernel>"

@@ -58,7 +58,7 @@ class CudaSource:
     def release_all_quietly(self) -> None:
         """Finalizer of a pool that was never closed: give every segment back. Never raises."""
         for addr in list(self.segments):
-            _cuda.destroy_quietly(_cuda.drv.cuMemFree, addr, "mem")
+            _cuda.destroy_quietly("mem", addr)
         self.segments.clear()
         self.reserved_bytes = 0
 
@@ -83,7 +83,7 @@ class CudaStreamEvents:
         if getattr(_tls, "capturing", 0):
             return None
         ev = _cuda.event_create()
-        _cuda.event_record(ev, _cuda.drv.CUstream(stream_id))
+        _cuda.event_record(ev, _cuda.stream_handle(stream_id))
         return _EventToken(ev)
 
     def query(self, token) -> bool:
@@ -99,7 +99,7 @@ class _EventToken:
         self.event = event
 
     def __del__(self):
-        _cuda.destroy_quietly(_cuda.drv.cuEventDestroy, self.event, "event")
+        _cuda.destroy_quietly("event", self.event)
 
 
 def capture_guard_enter() -> None:

@@ -43,7 +43,7 @@ class Stream:
         self._host_funcs = []  # host functions enqueued while capturing: the graph adopts them
         if is_owned:
             self._finalizer = weakref.finalize(
-                self, _cuda.destroy_quietly, _cuda.drv.cuStreamDestroy, handle, "stream"
+                self, _cuda.destroy_quietly, "stream", handle
             )
         else:
             self._finalizer = None
@@ -62,7 +62,7 @@ class Stream:
         """Borrow a raw stream handle; ``owner`` is kept alive as long as this object."""
         if not isinstance(ptr, int) or ptr < 0:
             raise ValueError(f"{ptr=} must be a non-negative int stream handle")
-        return cls._make(_cuda.drv.CUstream(ptr), _as_device(device), False, owner)
+        return cls._make(_cuda.stream_handle(ptr), _as_device(device), False, owner)
 
     @classmethod
     def of(cls, obj, device: Device | int | None = None) -> "Stream":
@@ -188,7 +188,7 @@ class Event:
         self.device = dev
         self.handle = _cuda.event_create(_cuda.EVENT_DEFAULT if timing else _cuda.EVENT_DISABLE_TIMING)
         self._finalizer = weakref.finalize(
-            self, _cuda.destroy_quietly, _cuda.drv.cuEventDestroy, self.handle, "event"
+            self, _cuda.destroy_quietly, "event", self.handle
         )
         return self
 

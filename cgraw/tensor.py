@@ -214,8 +214,8 @@ class Tensor:
         if producer == consumer:
             return
         ev = _sync_event(self.device)
-        _cuda.event_record(ev.handle, _cuda.drv.CUstream(producer))
-        _cuda.stream_wait_event(_cuda.drv.CUstream(consumer), ev.handle)
+        _cuda.event_record(ev.handle, _cuda.stream_handle(producer))
+        _cuda.stream_wait_event(_cuda.stream_handle(consumer), ev.handle)
 
     @property
     def __cuda_array_interface__(self) -> dict:

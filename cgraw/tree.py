@@ -443,27 +443,27 @@ class TreeManager:
         self.pool_state = anchor
 
     def _renew(self) -> None:
-        for n in self.nodes():
+        self._forget_recordings(self.nodes())
+        self.root_checkpoint = self.backend.renew()
+        self.tree_outputs = {}
+
+    def _forget_recordings(self, nodes) -> None:
+        """Discard the recordings of ``nodes``; recorded ones are WARMED again (recorded anew
+        when a call reaches them)."""
+        for n in nodes:
             if n.recording is not None:
                 self.backend.discard(n.recording)
                 n.recording = None
                 n.checkpoint = None
+                n.plan = None
             if n.state is NodeState.RECORDED:
                 n.state = NodeState.WARMED
-        self.root_checkpoint = self.backend.renew()
-        self.tree_outputs = {}
 
     def _drop_subtree_of(self, node: TreeNode) -> None:
         """A node is re-recorded: its old recording and its descendants' recordings go. The
         descendants stay in the tree as WARMED nodes and are recorded again when a call reaches
         them."""
-        for n in _walk(node):
-            if n.recording is not None:
-                self.backend.discard(n.recording)
-                n.recording = None
-                n.checkpoint = None
-            if n.state is NodeState.RECORDED:
-                n.state = NodeState.WARMED  # the node itself too: _record sets it again on success
+        self._forget_recordings(_walk(node))  # the node itself too: _record sets it again on success
         if self.pool_state is not None and not _alive_in_tree(self.pool_state, self):
             self.pool_state = _UNKNOWN
 
@@ -479,10 +479,7 @@ class TreeManager:
         if self.handed_out:
             handed, self.handed_out = self.handed_out, []
             self.backend.end_generation(handed, config.generation_cloning)
-        for n in self.nodes():
-            if n.recording is not None:
-                self.backend.discard(n.recording)
-                n.recording = None
+        self._forget_recordings(self.nodes())
         self.roots.clear()
         self.root_fns.clear()
         self.current = None

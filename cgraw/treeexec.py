@@ -131,8 +131,8 @@ class CudaBackend:
                 leaves[j] = clone
                 call.ptrs[j] = ops[j].ptr(clone)
         rec = Recording(fn.name)
-        cap = capture(pool=self.pool, device=self.device, warm_cublas=_config().warm_cublas, _tree=True,
-                      _route="stream" if warm.runs_backward else "thread")
+        cap = capture.for_tree(self.pool, self.device, warm_cublas=_config().warm_cublas,
+                               route="stream" if warm.runs_backward else "thread")
         placeholders = {}
         reason = None
         try:

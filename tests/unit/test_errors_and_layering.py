@@ -143,6 +143,23 @@ def test_import_stack(name, path):
                 assert theirs <= mine, f"{name} (layer {mine}) imports {t} (layer {theirs})"
 
 
+def test_only_the_cuda_layer_reaches_the_bindings():
+    """``cuda.bindings`` objects (``_cuda.drv``, ``_cuda._rt``) are used in ``_cuda.py`` only."""
+    for name, path in _modules():
+        if name != "cgraw._cuda":
+            text = path.read_text()
+            assert "_cuda.drv" not in text and "_cuda._rt" not in text, f"{name} reaches into cuda.bindings"
+
+
+def test_no_private_keyword_arguments_between_modules():
+    """Modules talk through named methods (``capture.for_tree``), not private keyword arguments."""
+    for name, path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                bad = [k.arg for k in node.keywords if k.arg and k.arg.startswith("_")]
+                assert not bad, f"{name}:{node.lineno} passes private keyword(s) {bad}"
+
+
 def test_modules_stay_small():
     for name, path in _modules():
         n = len(path.read_text().splitlines())
