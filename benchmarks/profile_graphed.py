@@ -186,7 +186,7 @@ def _pieces(g, xs, xs2, ts):
 
     def poison_only():
         rec, clock = rec_of(), time.perf_counter_ns
-        t, poison, msg = rec.out_leaves[0], backend._poison, "overwritten (profile_graphed)"
+        t, poison, msg = rec.out_leaves[0], backend._tts.poison, "overwritten (profile_graphed)"
 
         def run(n):
             fresh = [t.detach() for _ in range(n)]

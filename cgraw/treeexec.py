@@ -58,7 +58,6 @@ class CudaBackend:
             torch_c.check()
             self._torch = sys.modules["torch"]
             use_torch(self._torch.Tensor)
-            self._poison = torch_c.api()._set_storage_access_error_msg
             self._tts = TorchTreeState.for_pool(self.pool)
             _observe.install_module_hooks()
         _streams.refresh()
@@ -330,14 +329,13 @@ class CudaBackend:
     def end_generation(self, handed: list, cloning: str | None) -> None:
         """Poison (or, with ``user_visible`` cloning, clone out) the owned torch outputs handed
         out (CuPy arrays cannot be poisoned, see the README; replay never hands them in)."""
-        torch = self._torch
-        if torch is None:
+        tts = self._tts
+        if tts is None:
             return
-        poison, messages = self._poison, self._messages
+        poison, messages = tts.poison, self._messages
         for name, t in handed:
             if cloning == "user_visible":
-                with torch.no_grad():
-                    t.set_(t.clone())
+                tts.clone_out(t)
                 continue
             msg = messages.get(name)
             if msg is None:
@@ -378,7 +376,7 @@ def _copy_on(dst, src, ops, target: int) -> None:
     """``dst[...] = src`` on stream ``target`` (a raw handle), whichever framework owns ``dst``."""
     if ops is TORCH:
         torch = sys.modules["torch"]
-        if torch_c.api()._cuda_getCurrentRawStream(dst.get_device()) == target:
+        if torch.cuda.current_stream(dst.device).cuda_stream == target:
             dst.copy_(src)
             return
         with torch.cuda.stream(torch.cuda.ExternalStream(target, device=dst.device)):

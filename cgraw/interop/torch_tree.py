@@ -41,6 +41,14 @@ class TorchTreeState:
         # block of a recording (placeholders and owned outputs)
         self.owners: dict[int, object] = {}
         self.limbo: list = []  # owners in a state no restore accepts: kept, never freed twice
+        # poison(t, msg): reading t's storage raises msg from now on (an output of an ended generation)
+        self.poison = getattr(tc, "_set_storage_access_error_msg", None)  # None in the CPU model of torch
+
+    @staticmethod
+    def clone_out(t) -> None:
+        """Move a handed-out output to a private copy (``config.generation_cloning``)."""
+        with sys.modules["torch"].no_grad():
+            t.set_(t.clone())
 
     @classmethod
     def for_pool(cls, device_pool) -> "TorchTreeState":
