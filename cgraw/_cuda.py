@@ -1,10 +1,10 @@
 """The CUDA call layer: the only module that imports ``cuda.bindings``.
 
-Layer L0. Every driver call cgraw makes goes through ``check`` (or, on the hot paths, through a
+Layer L1. Every driver call cgraw makes goes through ``check`` (or, on the hot paths, through a
 bound function whose result is compared with 0 inline). Wrappers are the driver call with ``cu``
 dropped and the rest in snake_case (``cuStreamBeginCapture`` -> ``stream_begin_capture``). Nothing
 here runs at import: the driver is loaded by the first call, and a machine with no driver or no
-device gets one ``CudaUnavailableError``. Imports only ``errors``, ``_env`` and ``_defer`` from cgraw.
+device gets one ``CudaUnavailableError``. Imports only ``errors`` and ``_defer`` from cgraw.
 """
 
 from __future__ import annotations

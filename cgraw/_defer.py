@@ -1,6 +1,6 @@
 """Nothing is freed while a capture routes allocations: releases wait for the last capture to end.
 
-Layer L1: imports ``_env`` and ``errors``. Every cgraw capture, on any thread, is counted from before it enters
+Layer L1: imports ``errors``. Every cgraw capture, on any thread, is counted from before it enters
 torch's and CuPy's pool routing until after it leaves it. While the count is non-zero, finalizers
 and explicit releases (``cuGraphExecDestroy``, ``cuMemFree``, a torch ``MemPool`` dropped) are
 queued instead of run; the capture that brings the count back to zero runs the queue. Why:
@@ -16,12 +16,16 @@ capture that begins on another thread waits until the queue is empty.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 import warnings
 
-from cgraw._env import CGRAW_GC_STRESS
 from cgraw.errors import ResourceLeakWarning
+
+# Test mode: gc.collect() at every capture boundary and in every allocation made while a capture
+# routes allocations, so finalizers (graphs, pools, torch MemPools) fire at the worst moments.
+CGRAW_GC_STRESS = os.environ.get("CGRAW_GC_STRESS", "").strip().lower() in ("1", "true", "yes", "on")
 
 _lock = threading.RLock()
 _active = 0  # captures routing allocations now, all threads; guarded by _lock

@@ -1,6 +1,6 @@
 """``cgraw.capture()``: record torch, CuPy or mixed code as a CUDA graph.
 
-Layer L6 (public API): composes the pool, the capture stream, the framework adapters and
+Layer L8 (public API): composes the pool, the capture stream, the framework adapters and
 ``Graph``. Capture goes through the driver (``cuStreamBeginCapture``/``cuStreamEndCapture``,
 ``cuGraphInstantiateWithParams``); torch's and CuPy's own graph APIs are never used.
 

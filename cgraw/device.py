@@ -1,6 +1,6 @@
 """Devices and their primary contexts.
 
-Layer L1: imports ``_cuda`` only. A ``Device`` is a per-ordinal singleton that retains the
+Layer L2: imports ``_cuda`` only. A ``Device`` is a per-ordinal singleton that retains the
 device's primary context on first use (the same context torch and CuPy use), so handles
 interchange freely between the three.
 """

@@ -1,7 +1,7 @@
 """DLPack 1.x structs, capsule export (producer) and capsule import (consumer).
 
-Layer L2. Imports only the stdlib, ctypes and numpy: it makes NO CUDA calls and must not import
-cuda.bindings, torch or cupy. Stream synchronisation is the exporter's job (``array.py``); this
+Layer L1. Imports only the stdlib, ctypes and numpy: it makes NO CUDA calls and must not import
+cuda.bindings, torch or cupy. Stream synchronisation is the exporter's job (``tensor.py``); this
 module only builds and parses capsules. Producer lifetime: each exported struct, its shape and
 strides and the caller's ``owner`` live in ``_live`` (keyed by struct address) until the deleter
 runs, either from the consumer or from the destructor of a capsule nobody consumed.

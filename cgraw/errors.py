@@ -1,6 +1,6 @@
 """cgraw's exception types.
 
-Layer L0: imports only ``allocator.errors``. ``CudaError`` carries the driver call, the error
+Layer L1: imports only ``allocator.errors``. ``CudaError`` carries the driver call, the error
 name and code, the driver's explanation and, where the cause is usually the same, a hint.
 """
 

@@ -1,6 +1,6 @@
 """``@cgraw.graphed`` and the functions around it: one graph tree per device.
 
-Layer L6 (public API). ``tree`` holds the decisions and ``treeexec`` the CUDA work; this module
+Layer L9 (public API). ``calls`` classifies a call, ``tree`` decides, ``treeexec`` does the CUDA work; this module
 keeps the per-device registry and the user-facing helpers (``mark_step_begin``, ``mark_static``,
 ``unsafe``, ``report``, ``reset``).
 """

@@ -1,6 +1,6 @@
 """``cgraw.Tensor``: a typed, strided view of device memory that torch and CuPy consume zero-copy.
 
-Layer L2: imports ``_cuda``, ``device``, ``stream``, ``memory`` and ``dlpack``; no framework
+Layer L5: imports ``_cuda``, ``device``, ``stream``, ``memory`` and ``dlpack``; no framework
 imports. A Tensor exports DLPack 1.x capsules (versioned or legacy, as the consumer asks) and
 ``__cuda_array_interface__`` v3. Exports honour the consumer's stream: it waits on the stream
 the tensor was last written on. Every export holds the tensor's memory until the consumer's

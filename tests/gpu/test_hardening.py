@@ -693,9 +693,9 @@ def test_item17_custom_ops_tagged_cudagraph_unsafe_run_eagerly():
 
 
 def test_gc_stress_flag_is_read_from_the_environment():
-    from cgraw import _env
+    from cgraw import _defer
 
-    assert _env.CGRAW_GC_STRESS == (os.environ.get("CGRAW_GC_STRESS", "") in ("1", "true", "yes", "on"))
+    assert _defer.CGRAW_GC_STRESS == (os.environ.get("CGRAW_GC_STRESS", "") in ("1", "true", "yes", "on"))
 
 
 @pytest.fixture(autouse=True)

@@ -86,7 +86,7 @@ def test_allocator_imports_alone():
 # The one-way stack: a module may import only from its own or lower layers.
 LAYER = {
     "allocator": 0,
-    "cgraw._env": 1, "cgraw.errors": 1, "cgraw._defer": 1, "cgraw._cuda": 1, "cgraw.dlpack": 1,
+    "cgraw.errors": 1, "cgraw._defer": 1, "cgraw._cuda": 1, "cgraw.dlpack": 1,
     "cgraw.interop.torch_c": 1,
     "cgraw.device": 2, "cgraw.stream": 3,
     "cgraw.memory": 4, "cgraw.tensor": 5,
@@ -158,6 +158,17 @@ def test_no_private_keyword_arguments_between_modules():
             if isinstance(node, ast.Call):
                 bad = [k.arg for k in node.keywords if k.arg and k.arg.startswith("_")]
                 assert not bad, f"{name}:{node.lineno} passes private keyword(s) {bad}"
+
+
+def test_module_docstrings_quote_the_layer_table():
+    """A module whose docstring names its layer ("Layer L6") names the one in ``LAYER``."""
+    import re
+
+    for name, path in _modules():
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        m = re.search(r"Layer L(\d+)", doc)
+        if m is not None:
+            assert int(m.group(1)) == _layer(name), f"{name} says layer {m.group(1)}, the table {_layer(name)}"
 
 
 def test_modules_stay_small():
