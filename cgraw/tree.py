@@ -2,7 +2,8 @@
 
 Layer L6: pure bookkeeping. It knows nothing of CUDA, torch or CuPy: ``calls`` classifies each
 call's inputs (through the frameworks' ``arrays.Ops``), and a *backend* (the ``Backend``
-protocol below; ``cgraw.treeexec.CudaBackend`` on a GPU, a simulated one in the CPU tests) does
+protocol of ``treetypes``; ``cgraw.treeexec.CudaBackend`` on a GPU, a simulated one in the CPU
+tests) does
 the work.
 
 Why a tree. Graphed functions share one memory pool per device. A CUDA graph bakes in every
@@ -32,168 +33,14 @@ the next one begins; then the backend poisons them (torch) or clones them
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
-import weakref
-from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 from cgraw.calls import InputPlan, declared_mutations, inspect, moved
 from cgraw.errors import CgrawError, SkipCall, TreeError
+from cgraw.treetypes import Backend, Config, FunctionStats, NodeState, Rewarm, TreeNode, Warm, config
 
 log = logging.getLogger("cgraw")
-
-
-class NodeState(enum.Enum):
-    WARMED = "warmed"
-    RECORDED = "recorded"
-    SKIPPED = "skipped"
-
-
-@dataclass
-class Config:
-    """Process-wide settings of graphed functions (``cgraw.config``)."""
-
-    dynamic_shape_warn_limit: int = 8
-    skip_dynamic_graphs: bool = False
-    generation_cloning: str | None = None  # None or "user_visible"
-    warm_cublas: bool = True
-    rewarm_limit: int = 8  # a node warmed up again this often (its closure tensors keep moving) runs eagerly
-
-    def __setattr__(self, name, value):
-        if name not in self.__dataclass_fields__:
-            raise AttributeError(f"cgraw.config has no setting {name!r}")
-        if name == "generation_cloning" and value not in (None, "user_visible"):
-            raise ValueError(f"generation_cloning={value!r} must be None or 'user_visible'")
-        object.__setattr__(self, name, value)
-
-
-config = Config()
-
-
-@dataclass
-class FunctionStats:
-    """What happened to one graphed function (``cgraw.report()``)."""
-
-    name: str
-    warmups: int = 0
-    recordings: int = 0
-    rerecords: int = 0
-    rerecord_reasons: list = field(default_factory=list)
-    replays: int = 0
-    eager_calls: int = 0
-    skip_reasons: dict = field(default_factory=dict)  # reason -> count
-    capture_ms: float = 0.0
-    instantiate_ms: float = 0.0
-    variants: int = 0  # distinct input signatures seen
-
-
-class TreeNode:
-    """One function on one path with one input signature. Parents are held weakly."""
-
-    __slots__ = ("fn", "key", "_parent", "children", "state", "recording", "plan", "checkpoint", "depth",
-                 "skip_reason", "warm", "stats", "rewarms", "__weakref__")
-
-    def __init__(self, fn, key, parent: "TreeNode | None", stats: "FunctionStats | None" = None):
-        self.fn = fn
-        self.key = key
-        self._parent = None if parent is None else weakref.ref(parent)
-        self.children: dict = {}
-        self.state = NodeState.WARMED
-        self.recording = None
-        self.plan: InputPlan | None = None  # what the recording assumed of its inputs
-        self.checkpoint = None
-        self.depth = 0 if parent is None else parent.depth + 1
-        self.skip_reason: str | None = None
-        self.warm: Warm | None = None  # what the last warm-up learned
-        self.stats = stats  # the function's FunctionStats (shared by its nodes)
-        self.rewarms = 0
-
-    @property
-    def mutated(self) -> tuple:
-        """Eager leaves the function writes (found at warm-up, or declared in ``mutates``)."""
-        return () if self.warm is None else self.warm.mutated
-
-    @property
-    def parent(self) -> "TreeNode | None":
-        return None if self._parent is None else self._parent()
-
-    def path(self) -> list["TreeNode"]:
-        """Nodes from the root to this one."""
-        out = []
-        n = self
-        while n is not None:
-            out.append(n)
-            n = n.parent
-        out.reverse()
-        return out
-
-    def __repr__(self) -> str:
-        return f"<TreeNode {self.fn.name} {self.state.value} depth={self.depth}>"
-
-
-class Rewarm(str):
-    """A re-record reason (from ``backend.stale``) after which the node must warm up again first:
-    what the warm-up learned about the function (the tensors it reads through its closure) may
-    be out of date."""
-
-
-class Warm:
-    """What a backend's warm-up returns: the eager result, the eager inputs it mutated, why the
-    function must run eagerly from now on (or None), and what else a recording must know."""
-
-    __slots__ = ("out", "mutated", "skip", "external", "epoch", "runs_backward")
-
-    def __init__(self, out, mutated=(), skip=None, external=(), epoch=-1, runs_backward=False):
-        self.out = out
-        self.mutated = mutated
-        self.skip = skip
-        self.external = external  # tensors read through the closure (kept alive, checked per call)
-        self.epoch = epoch  # module-assignment count at the warm-up (backend-defined)
-        self.runs_backward = runs_backward  # a backward pass ran inside (autograd's own thread allocates)
-
-
-class Backend(Protocol):
-    """The work behind a ``TreeManager``. ``call`` is a ``calls.Call``; a recording is the
-    backend's own object, which the tree only stores and hands back."""
-
-    def warmup(self, fn, call, args, kwargs) -> Warm:
-        """Run the function eagerly; report what a recording must know (or why to skip it)."""
-
-    def record(self, fn, call, warm: Warm) -> Any:
-        """Capture the function for ``call``; ``SkipCall`` when it cannot be (``dirty`` when the
-        capture's blocks stayed in the pool)."""
-
-    def replay(self, rec, call) -> tuple[Any, list]:
-        """Launch ``rec`` for ``call``: the outputs, and those to end with the generation."""
-
-    def stale(self, rec) -> "Rewarm | None":
-        """Why ``rec``'s warm-up knowledge is out of date (the node warms up again), or None."""
-
-    def output_ptrs(self, rec) -> list[int]:
-        """Data pointers of the memory ``rec``'s outputs own in the pool."""
-
-    def num_nodes(self, rec) -> int:
-        """Graph nodes of ``rec`` (reports)."""
-
-    def discard(self, rec) -> None:
-        """Release a recording."""
-
-    def snapshot(self) -> Any:
-        """A checkpoint of the pool's bookkeeping."""
-
-    def restore(self, snap, on_path: list, off_path: list) -> None:
-        """Make the pool's bookkeeping ``snap``; the recordings ``on_path`` stay in use."""
-
-    def renew(self) -> Any:
-        """Start over on a fresh pool; returns its root checkpoint."""
-
-    def end_generation(self, handed: list, cloning: str | None) -> None:
-        """Invalidate (or clone out) the outputs handed out, ``[(function name, output)]``."""
-
-    def close(self) -> None:
-        """Drop the pool."""
 
 
 class TreeManager:
