@@ -16,6 +16,7 @@ framework imports (arrays through their ``arrays.Ops``).
 from __future__ import annotations
 
 from cgraw.arrays import SINGLE, TORCH, unflatten
+from cgraw.treetypes import Rewarm
 
 OWNED, EXTERNAL = "owned", "external"  # output kinds; an input alias is an InputAlias
 
@@ -95,6 +96,7 @@ class Recording:
         "ext_ptrs",  # their addresses at record time
         "same_external",  # ptrs -> bool: whether they are still there (interop.observe)
         "epoch",  # module-assignment count at record time, or -1
+        "epoch_now",  # [the module-assignment count now] (interop.observe._epoch)
         "capture_ms",
         "instantiate_ms",
     )
@@ -110,10 +112,22 @@ class Recording:
         self.out_rows = []
         self.keep = None
         self.spans = []
-        self.external, self.ext_ptrs, self.same_external, self.epoch = (), [], None, -1
+        self.external, self.ext_ptrs, self.same_external, self.epoch, self.epoch_now = (), [], None, -1, [-1]
         self.capture_ms = self.instantiate_ms = 0.0
 
     # ------------------------------------------------------------------ the hot path
+
+    def stale(self):
+        """Why what the warm-up learned about the function's closure may be out of date (a
+        ``Rewarm`` reason: the node warms up again), or None."""
+        if self.epoch != self.epoch_now[0]:
+            return Rewarm("a module's parameter, buffer or submodule was reassigned since the recording "
+                          "(the tensors it reads through its closure may have changed)")
+        same = self.same_external
+        if same is not None and not same(self.ext_ptrs):
+            return Rewarm("a tensor the function reads through its closure moved (model.half(), .to(), "
+                          "param.data = ...)")
+        return None
 
     def replay(self, call):
         """Launch for ``call`` (a ``calls.Call``): ``(outputs, owned outputs to poison when the

@@ -38,7 +38,7 @@ import threading
 
 from cgraw.calls import InputPlan, declared_mutations, inspect, moved
 from cgraw.errors import CgrawError, SkipCall, TreeError
-from cgraw.treetypes import Backend, Config, FunctionStats, NodeState, Rewarm, TreeNode, Warm, config
+from cgraw.treetypes import Backend, Config, FunctionStats, NodeState, Replayable, Rewarm, TreeNode, Warm, config
 
 log = logging.getLogger("cgraw")
 
@@ -131,12 +131,12 @@ class TreeManager:
         node = siblings.get((fn.fn_id, call.key))
         if node is not None and node.state is NodeState.RECORDED:  # the hot path: replay
             rec = node.recording
-            reason = moved(node.plan, call) or self.backend.stale(rec)
+            reason = moved(node.plan, call) or rec.stale()
             if reason is None:
-                out, owned = self.backend.replay(rec, call)
+                out, owned = rec.replay(call)
                 node.stats.replays += 1
                 self.current = node
-                for ptr in self.backend.output_ptrs(rec):
+                for ptr in rec.out_ptrs:
                     self.tree_outputs[ptr] = node
                 if owned:
                     name = fn.name
@@ -228,7 +228,7 @@ class TreeManager:
         st.recordings += 1
         st.capture_ms += rec.capture_ms
         st.instantiate_ms += rec.instantiate_ms
-        out, owned = self.backend.replay(rec, call)  # recording computes nothing: replay for this call
+        out, owned = rec.replay(call)  # recording computes nothing: replay for this call
         self.current = node
         self._register(node, owned)
         return out
@@ -248,7 +248,7 @@ class TreeManager:
     def _register(self, node: TreeNode, owned) -> None:
         """Note the outputs of a replay that live in the tree's memory (``owned``): they are
         tree-output inputs of later calls, and are poisoned when the generation ends."""
-        for ptr in self.backend.output_ptrs(node.recording):
+        for ptr in node.recording.out_ptrs:
             self.tree_outputs[ptr] = node
         name = node.fn.name
         handed = self.handed_out
@@ -391,5 +391,5 @@ def _alive_in_tree(node: TreeNode, mgr: TreeManager) -> bool:
     return any(n is node for n in mgr.nodes()) and node.recording is not None
 
 
-__all__ = ["Backend", "Config", "FunctionStats", "NodeState", "Rewarm", "SkipCall", "TreeError", "TreeManager",
+__all__ = ["Backend", "Config", "FunctionStats", "NodeState", "Replayable", "Rewarm", "SkipCall", "TreeError", "TreeManager",
            "TreeNode", "Warm", "config"]

@@ -34,7 +34,7 @@ from cgraw.interop import torch_c
 from cgraw.interop.torch_tree import TorchTreeState
 from cgraw.memory import DevicePool
 from cgraw.recording import EXTERNAL, OWNED, InputAlias, InputCopy, Recording
-from cgraw.tree import Rewarm, Warm
+from cgraw.tree import Warm
 
 log = logging.getLogger("cgraw")
 
@@ -175,6 +175,7 @@ class CudaBackend:
         rec.same_external = _observe.ptrs_check(rec.external) if rec.external else None
         # a module assignment between the warm-up and now: the closure tensors found at warm-up
         # may not be the ones this recording reads, so the next call warms up again
+        rec.epoch_now = _observe._epoch
         rec.epoch = _observe._epoch[0] if warm.epoch == _observe._epoch[0] else -1
         return rec
 
@@ -264,21 +265,6 @@ class CudaBackend:
         torch_owns = self._tts.pool.owner_of()
         return lambda p: bool(p) and (owns(p) or torch_owns(p))
 
-    def stale(self, rec: Recording) -> Rewarm | None:
-        """Why what the warm-up learned about the function's closure may be out of date, or None."""
-        if rec.epoch != _observe._epoch[0]:
-            return Rewarm("a module's parameter, buffer or submodule was reassigned since the recording "
-                          "(the tensors it reads through its closure may have changed)")
-        same = rec.same_external
-        if same is not None and not same(rec.ext_ptrs):
-            return Rewarm("a tensor the function reads through its closure moved (model.half(), .to(), "
-                          "param.data = ...)")
-        return None
-
-    def replay(self, rec: Recording, call: Call):
-        """Launch a recording for ``call`` (``Recording.replay``)."""
-        return rec.replay(call)
-
     def _slow_copies(self, rec: Recording, call: Call, rows) -> None:  # a Recording's ``copy_slow``
         """Copy non-contiguous eager inputs into their placeholders, on the stream the replay
         will run on (``stream.current_ptr``), whichever framework's current stream that is."""
@@ -286,9 +272,6 @@ class CudaBackend:
         for j, ph in rec.slow_in:
             dst = ph[:rows] if rows is not None and j in rec.padded else ph
             _copy_on(dst, call.leaves[j], call.ops[j], target)
-
-    def output_ptrs(self, rec: Recording):
-        return rec.out_ptrs
 
     def num_nodes(self, rec: Recording) -> int:
         return rec.graph.num_nodes

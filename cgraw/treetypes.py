@@ -103,7 +103,7 @@ class TreeNode:
 
 
 class Rewarm(str):
-    """A re-record reason (from ``backend.stale``) after which the node must warm up again first:
+    """A re-record reason (from a recording's ``stale``) after which the node must warm up again first:
     what the warm-up learned about the function (the tensors it reads through its closure) may
     be out of date."""
 
@@ -123,25 +123,30 @@ class Warm:
         self.runs_backward = runs_backward  # a backward pass ran inside (autograd's own thread allocates)
 
 
+class Replayable(Protocol):
+    """A recording, as the tree's hot path uses it (no backend call in between)."""
+
+    out_ptrs: list  # data pointers of the memory its outputs own in the pool
+    capture_ms: float
+    instantiate_ms: float
+
+    def replay(self, call) -> tuple[Any, Any]:
+        """Launch for ``call``: the outputs, and those to end with the generation."""
+
+    def stale(self) -> "Rewarm | None":
+        """Why the warm-up's knowledge is out of date (the node warms up again), or None."""
+
+
 class Backend(Protocol):
     """The work behind a ``TreeManager``. ``call`` is a ``calls.Call``; a recording is the
-    backend's own object, which the tree only stores and hands back."""
+    backend's own ``Replayable``, which the tree stores, replays and hands back."""
 
     def warmup(self, fn, call, args, kwargs) -> Warm:
         """Run the function eagerly; report what a recording must know (or why to skip it)."""
 
-    def record(self, fn, call, warm: Warm) -> Any:
+    def record(self, fn, call, warm: Warm) -> Replayable:
         """Capture the function for ``call``; ``SkipCall`` when it cannot be (``dirty`` when the
         capture's blocks stayed in the pool)."""
-
-    def replay(self, rec, call) -> tuple[Any, list]:
-        """Launch ``rec`` for ``call``: the outputs, and those to end with the generation."""
-
-    def stale(self, rec) -> "Rewarm | None":
-        """Why ``rec``'s warm-up knowledge is out of date (the node warms up again), or None."""
-
-    def output_ptrs(self, rec) -> list[int]:
-        """Data pointers of the memory ``rec``'s outputs own in the pool."""
 
     def num_nodes(self, rec) -> int:
         """Graph nodes of ``rec`` (reports)."""

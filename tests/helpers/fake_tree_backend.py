@@ -150,6 +150,13 @@ class FakeRecording:
     def __repr__(self) -> str:
         return f"<FakeRecording #{self.id} {self.name}{' discarded' if self.discarded else ''}>"
 
+    # the tree's hot path calls a recording directly (treetypes.Replayable): here, its backend
+    def replay(self, call):
+        return self.backend.replay(self, call)
+
+    def stale(self):
+        return self.backend.stale(self)
+
 
 def leaves_of(obj) -> list:
     """``FakeT`` leaves of a (nested tuple/list/dict) structure, in order."""
@@ -292,6 +299,7 @@ class FakeTreeBackend:
     def record(self, fn, call, warm: Warm) -> FakeRecording:
         self.log.append(("record", fn.name))
         rec = FakeRecording(fn, call, warm.mutated)
+        rec.backend = self
         before = self.pool.snapshot()
         try:  # the capture
             for j, t in enumerate(call.leaves):
