@@ -154,6 +154,12 @@ class Graph:
         return {_cuda.graph_memcpy_node_dst_src(h): _cuda.rt_node_handle(h)
                 for h in _cuda.graph_get_nodes(self._graph) if int(_cuda.graph_node_get_type(h)) == kind}
 
+    def exec_handle(self):
+        """The executable's driver handle, for a caller that inlines ``replay`` (graph trees):
+        ``_cuda.graph_launch_raw(handle, stream_ptr)``. Valid until ``close()``."""
+        self._require_open()
+        return self._exec
+
     def exec_memcpy_setter(self):
         """``set(node, dst, src, nbytes)``: re-point a memcpy node of this executable (from
         ``memcpy_nodes``) for later launches, one ``cudaGraphExecMemcpyNodeSetParams1D``."""

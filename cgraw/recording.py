@@ -1,7 +1,8 @@
 """What a graph-tree recording holds, as named, slotted data for the replay hot path.
 
-Layer L6: no CUDA of its own (a copy is re-pointed through the setter ``Graph`` hands out), no
-framework imports (arrays through their ``arrays.Ops``).
+Layer L6: no framework imports (arrays through their ``arrays.Ops``); CUDA only as ``Graph.replay``
+does it (one raw launch on the caller's current stream, inlined here: the hot path) and through
+the memcpy-node setter ``Graph`` hands out.
 
 - ``InputCopy``: a memcpy node that moves an eager input into its placeholder before the
   graph's work, or a mutated one back after it. Its caller-side pointer (and, for a padded input,
@@ -15,10 +16,13 @@ framework imports (arrays through their ``arrays.Ops``).
 
 from __future__ import annotations
 
+from cgraw import _cuda
+from cgraw import stream as _streams
 from cgraw.arrays import SINGLE, TORCH, unflatten
 from cgraw.treetypes import Rewarm
 
-OWNED, EXTERNAL = "owned", "external"  # output kinds; an input alias is an InputAlias
+OWNED, EXTERNAL = "owned", "external"
+_launch = _cuda.graph_launch_raw  # output kinds; an input alias is an InputAlias
 
 
 class InputCopy:
@@ -75,6 +79,8 @@ class Recording:
     __slots__ = (
         "name",  # the graphed function's name
         "graph",  # cgraw.Graph
+        "exec_",  # its executable (the raw launch of the hot path)
+        "ordinal",  # its device
         "setter",  # the executable's memcpy-node setter (Graph.exec_memcpy_setter)
         "copies",  # [InputCopy]: copies in, then copies back
         "slow_in",  # [(leaf index, placeholder)]: non-contiguous eager inputs, copied eagerly
@@ -103,7 +109,8 @@ class Recording:
 
     def __init__(self, name: str):
         self.name = name
-        self.graph = self.setter = self.copy_slow = None
+        self.graph = self.setter = self.copy_slow = self.exec_ = None
+        self.ordinal = 0
         self.copies, self.slow_in = [], []
         self.out_leaves, self.out_kinds, self.out_alias = [], [], []
         self.owned_idx, self.poison_idx, self.out_ptrs = [], [], []
@@ -141,7 +148,9 @@ class Recording:
                 c.patch(self.setter, p, c.count)
         if self.slow_in:
             self.copy_slow(self, call, None)
-        self.graph.replay()
+        ptr = _streams._current(self.ordinal)  # Graph.replay(), inlined
+        if _launch(self.exec_, ptr)[0]:
+            self.graph.replay()  # raises the launch's error (or recovers on another current device)
         alias0 = self.alias0
         if alias0 is not None:
             o = alias0()
@@ -159,7 +168,8 @@ class Recording:
                 c.patch(self.setter, p, count)
         if self.slow_in:
             self.copy_slow(self, call, n)
-        self.graph.replay()
+        if _launch(self.exec_, _streams._current(self.ordinal))[0]:
+            self.graph.replay()
         outs = self._outputs(call)
         for i in self.out_rows:
             outs[i] = outs[i][:n]

@@ -182,6 +182,7 @@ class CudaBackend:
     def _finish_recording(self, rec: Recording, g, call: Call, placeholders: dict, mutated, out) -> None:
         leaves, kinds, ops = call.leaves, call.kinds, call.ops
         rec.graph = g
+        rec.exec_, rec.ordinal = g.exec_handle(), g.device.ordinal
         rec.setter = g.exec_memcpy_setter()
         rec.copy_slow = self._slow_copies
         rec.capture_ms, rec.instantiate_ms = g.capture_ms, g.instantiate_ms

@@ -153,7 +153,17 @@ class SliceableArray(FakeArray):
         return SliceableArray(self.data.ptr, (len(range(*s.indices(self.shape[0]))), *self.shape[1:]))
 
 
-def test_padded_replay_patches_counts_and_cuts_outputs():
+def _fake_launch(monkeypatch) -> list:
+    """The raw launch a recording's replay inlines, recorded instead of run: ``[(exec, stream)]``."""
+    from cgraw import recording, stream
+
+    launches = []
+    monkeypatch.setattr(recording, "_launch", lambda exec_, ptr: launches.append((exec_, ptr)) or (0,))
+    monkeypatch.setattr(stream, "_current", lambda ordinal: 0x5000 + ordinal)
+    return launches
+
+
+def test_padded_replay_patches_counts_and_cuts_outputs(monkeypatch):
     from cgraw.arrays import SINGLE
     from cgraw.recording import OWNED, InputCopy, Recording
 
@@ -162,10 +172,9 @@ def test_padded_replay_patches_counts_and_cuts_outputs():
     def setter(node, dst, src, count):
         patched.append((node, dst, src, count))
 
-    launches = []
+    launches = _fake_launch(monkeypatch)
     rec = Recording("f")
-    rec.bucket, rec.padded, rec.setter = 8, frozenset({0}), setter
-    rec.graph = types.SimpleNamespace(replay=lambda: launches.append(1))
+    rec.bucket, rec.padded, rec.setter, rec.exec_ = 8, frozenset({0}), setter, "exec"
     # input 0 padded (64 bytes a row, recorded with 5 rows), input 1 not (fixed 128 bytes);
     # a mutated padded input is copied back: row count patched too (dst is the caller's tensor)
     rec.copies = [InputCopy(0, "n0", 0xA00, 0x100, 5 * 64, 64, back=False),
@@ -194,19 +203,19 @@ def test_padded_replay_patches_counts_and_cuts_outputs():
     patched.clear()
     call(8, p0=0x400, p1=0x300)
     assert patched == [("n0", 0xA00, 0x400, 8 * 64), ("b0", 0x400, 0xA00, 8 * 64)]
-    assert len(launches) == 4
+    assert launches == [("exec", 0x5000)] * 4
     rec.out_spec, rec.out_leaves, rec.out_rows = SINGLE, [SliceableArray(0xC00, (8, 16))], [0]
     rec.out_kinds, rec.owned_idx, rec.out_alias = [OWNED], [0], [rec.out_leaves[0].view]
     assert call(6).shape == (6, 16)
 
 
-def test_plain_replay_patches_only_moved_inputs_and_hands_out_torch_outputs_only():
+def test_plain_replay_patches_only_moved_inputs_and_hands_out_torch_outputs_only(monkeypatch):
     from cgraw.recording import OWNED, InputCopy, Recording
 
-    patched, launches = [], []
+    patched, launches = [], _fake_launch(monkeypatch)
     rec = Recording("g")
     rec.setter = lambda node, dst, src, count: patched.append((node, dst, src, count))
-    rec.graph = types.SimpleNamespace(replay=lambda: launches.append(1))
+    rec.exec_, rec.ordinal = "exec", 1
     rec.copies = [InputCopy(0, "n0", 0xA00, 0x100, 256, 0, back=False),
                   InputCopy(1, "n1", 0xB00, 0x200, 128, 0, back=False)]
     out_arr = SliceableArray(0xC00, (4, 16))
@@ -222,7 +231,7 @@ def test_plain_replay_patches_only_moved_inputs_and_hands_out_torch_outputs_only
     assert patched == [] and out.data.ptr == 0xC00 and out is not out_arr and owned == ()
     call(0x300, 0x200)
     call(0x300, 0x200)  # the node already holds 0x300: no second patch
-    assert patched == [("n0", 0xA00, 0x300, 256)] and len(launches) == 3
+    assert patched == [("n0", 0xA00, 0x300, 256)] and launches == [("exec", 0x5001)] * 3
     rec.poison_idx = [0]  # a torch output: handed out to be poisoned when the generation ends
     out, owned = call(0x300, 0x200)
     assert owned == (out,)
