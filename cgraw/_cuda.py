@@ -4,7 +4,8 @@ Layer L1. Every driver call cgraw makes goes through ``check`` (or, on the hot p
 bound function whose result is compared with 0 inline). Wrappers are the driver call with ``cu``
 dropped and the rest in snake_case (``cuStreamBeginCapture`` -> ``stream_begin_capture``). Nothing
 here runs at import: the driver is loaded by the first call, and a machine with no driver or no
-device gets one ``CudaUnavailableError``. Imports only ``errors`` and ``_defer`` from cgraw.
+device gets one ``CudaUnavailableError``. Imports only ``errors``, ``_defer`` and ``_cuda_compat``
+(which picks, once, the calls that differ between cuda-bindings 12.8+ and 13.x) from cgraw.
 """
 
 from __future__ import annotations
@@ -15,11 +16,16 @@ import threading
 import warnings
 from collections import Counter
 
+import cuda.bindings
 from cuda.bindings import driver as drv
 from cuda.bindings import runtime as _rt
-from cuda.bindings.utils import get_cuda_native_handle
 
-from cgraw import _defer
+try:
+    from cuda.bindings import utils as _utils
+except ImportError:  # cuda-bindings 12.8 has no utils module
+    _utils = None
+
+from cgraw import _cuda_compat, _defer
 from cgraw.errors import (
     CaptureError,
     CudaError,
@@ -29,6 +35,8 @@ from cgraw.errors import (
 )
 
 log = logging.getLogger("cgraw")
+
+_compat = _cuda_compat.select(drv, _utils, getattr(cuda.bindings, "__version__", "0"))
 
 CUresult = drv.CUresult
 _R = CUresult
@@ -99,7 +107,7 @@ def make_error(err, call: str) -> CudaError:
         name = f"CUresult({code})"
     description = ""
     try:
-        e, s = drv.cuGetErrorString(code)
+        e, s = drv.cuGetErrorString(CUresult(code))  # 12.8 takes no int
         if e == 0 and s:
             description = s.decode() if isinstance(s, bytes) else str(s)
     except Exception:  # the driver may be unloadable; the name is enough then
@@ -146,7 +154,7 @@ def init() -> None:
             raise _init_error
         try:
             (err,) = drv.cuInit(0)
-        except RuntimeError as exc:  # cuda.pathfinder.DynamicLibNotFoundError: no libcuda
+        except RuntimeError as exc:  # no libcuda (cuda.pathfinder.DynamicLibNotFoundError; 12.8: dlopen)
             _init_error = CudaUnavailableError(
                 f"no CUDA driver found on this machine (libcuda could not be loaded: {exc}); "
                 "cgraw needs an NVIDIA GPU and driver"
@@ -230,7 +238,7 @@ def native(handle) -> int:
     """The integer value of a driver handle object (or of an int)."""
     if isinstance(handle, int):
         return handle
-    return int(get_cuda_native_handle(handle))
+    return int(_compat.native_handle(handle))
 
 
 # --------------------------------------------------------------------------- device and context
@@ -406,14 +414,14 @@ def stream_is_capturing(stream) -> int:
 
 def stream_capture_info(stream):
     """``(status, capture_id)`` of a stream; version differences of the binding stay here."""
-    res = check(drv.cuStreamGetCaptureInfo(stream), "cuStreamGetCaptureInfo")
+    res = check(_compat.capture_info(stream), "cuStreamGetCaptureInfo")
     return int(res[0]), int(res[1]) if res[1] is not None else 0
 
 
 def stream_capture_graph(stream):
     """``(graph, dependencies)`` of a stream that is capturing: the graph being built and the
     nodes the stream's next operation would depend on."""
-    res = check(drv.cuStreamGetCaptureInfo(stream), "cuStreamGetCaptureInfo")
+    res = check(_compat.capture_info(stream), "cuStreamGetCaptureInfo")
     return res[2], list(res[3] or [])
 
 
@@ -425,11 +433,11 @@ def thread_exchange_capture_mode(mode):
 
 INSTANTIATE_UPLOAD = int(drv.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD)
 
-_INSTANTIATE_RESULTS = {
-    1: "invalid graph structure (a cycle, or an invalid node)",
-    2: "the graph uses node types that device launch does not support",
-    3: "the graph has nodes from several contexts",
-    4: "the graph uses conditional nodes that this driver cannot launch",
+_INSTANTIATE_RESULTS = {  # CUgraphInstantiateResult (1, CUDA_GRAPH_INSTANTIATE_ERROR, has no more to say)
+    2: "invalid graph structure (a cycle, or an invalid node)",
+    3: "the graph uses node types that device launch does not support",
+    4: "the graph has nodes from several contexts",
+    5: "a conditional handle of the graph is not used by any conditional node",
 }
 
 
@@ -483,11 +491,11 @@ def graph_get_nodes(graph) -> list:
 
 
 def graph_get_edges(graph) -> list[tuple]:
-    res = check(drv.cuGraphGetEdges(graph, 0), "cuGraphGetEdges")
+    res = check(_compat.graph_get_edges(graph, 0), "cuGraphGetEdges")
     n = res[-1]
     if not n:
         return []
-    res = check(drv.cuGraphGetEdges(graph, n), "cuGraphGetEdges")
+    res = check(_compat.graph_get_edges(graph, n), "cuGraphGetEdges")
     return list(zip(res[0][:n], res[1][:n]))
 
 
