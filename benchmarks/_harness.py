@@ -46,6 +46,38 @@ def host_us(fn, *, loops: int = 1000, repeats: int = 7, warmup: int = 50, sync=N
             "repeats": repeats, "loops": loops}
 
 
+def host_us_interleaved(systems: dict, *, loops: int = 100, rounds: int = 41, warmup: int = 3, sync=None,
+                        seed: int = 0) -> dict:
+    """``{name: {"median_us", "p90_us", "samples"}}`` for no-argument callables ``systems[name]``,
+    timed in bursts of ``loops`` calls, the systems in a shuffled order in each of ``rounds``
+    rounds, ``sync`` after every burst (outside the timed region). A machine whose speed drifts
+    (clocks, another tenant) then moves every system alike, and per-round ratios stay fair."""
+    names = list(systems)
+    for name in names:
+        for _ in range(warmup):
+            for _ in range(loops):
+                systems[name]()
+            if sync:
+                sync()
+    samples = {name: [] for name in names}
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        rng.shuffle(names)
+        for name in names:
+            fn = systems[name]
+            t0 = time.perf_counter_ns()
+            for _ in range(loops):
+                fn()
+            samples[name].append((time.perf_counter_ns() - t0) / loops / 1e3)
+            if sync:
+                sync()
+    out = {}
+    for name, v in samples.items():
+        v_sorted = sorted(v)
+        out[name] = {"median_us": statistics.median(v_sorted), "p90_us": percentile(v_sorted, 0.9), "samples": v}
+    return out
+
+
 def alternating(fn, inputs, *extra):
     """A no-argument call of ``fn(inputs[k], *extra)`` with ``k`` alternating between 0 and 1, so
     every call brings inputs at other addresses than the call before."""
