@@ -31,7 +31,7 @@ import sys
 import time
 
 from benchmarks._harness import Report, bootstrap_ci, percentile, verdict
-from benchmarks.graphed_call import _fn
+from benchmarks.graphed_call import _fn, _hand_graph
 
 REPLAY_TARGET = 1.10  # Graph.replay() host cost / raw cuGraphLaunch (issue 8)
 NUMEL = 1024
@@ -267,38 +267,6 @@ TARGETS = (  # issue #10: (label, numerator piece, denominator piece, at most)
     ("graphed call same inputs / raw cuGraphLaunch", "graphed call, same inputs", "raw cuGraphLaunch (current stream)",
      1.3),
 )
-_hand_graphs: dict = {}  # k -> the peer's replay function (one capture per process)
-
-
-def _hand_graph(k: int):
-    """``run(xs)``: copy ``xs`` into a hand-made torch.cuda.CUDAGraph's static inputs, replay it,
-    return its static output."""
-    hand = _hand_graphs.get(k)
-    if hand is not None:
-        return hand
-    import torch
-
-    static = [torch.randn(NUMEL, device="cuda") for _ in range(k)]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        _fn(*static)
-    torch.cuda.current_stream().wait_stream(s)
-    tg = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(tg):
-        out = _fn(*static)
-
-    def hand(xs):
-        for d, x in zip(static, xs):
-            d.copy_(x)
-        tg.replay()
-        return out
-
-    hand.keep = (tg, static, out)
-    _hand_graphs[k] = hand
-    return hand
-
-
 CHECKS = {
     "hand": "profile: torch.cuda.CUDAGraph + copy_",
     "replay": "profile: Graph.replay()",
