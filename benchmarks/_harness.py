@@ -28,22 +28,10 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def host_us(fn, *, loops: int = 1000, repeats: int = 7, warmup: int = 50, sync=None) -> dict:
     """Median and p90 host microseconds per call of ``fn`` (``sync`` runs between repeats, outside
-    the timed loop: with ``loops`` small, each repeat is a burst submitted to a drained queue)."""
-    for _ in range(warmup):
-        fn()
-    if sync:
-        sync()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        for _ in range(loops):
-            fn()
-        samples.append((time.perf_counter_ns() - t0) / loops / 1e3)
-        if sync:
-            sync()
-    samples.sort()
-    return {"median_us": statistics.median(samples), "p90_us": samples[int(0.9 * (len(samples) - 1))],
-            "repeats": repeats, "loops": loops}
+    the timed loop: with ``loops`` small, each repeat is a burst submitted to a drained queue);
+    ``host_us_interleaved`` with one system, after at least ``warmup`` calls."""
+    r = host_us_interleaved({"fn": fn}, loops=loops, rounds=repeats, warmup=-(-warmup // loops), sync=sync)["fn"]
+    return {"median_us": r["median_us"], "p90_us": r["p90_us"], "repeats": repeats, "loops": loops}
 
 
 def host_us_interleaved(systems: dict, *, loops: int = 100, rounds: int = 41, warmup: int = 3, sync=None,

@@ -83,6 +83,22 @@ def _torch_chain_n(rep: Report, n: int, reps: int, start, end) -> None:
     def raw_launch():
         raw(raw_exec, legacy)
 
+    same_as_eager = _torch_check(y, y0, ref, sync)
+    rows = {
+        "eager": step,
+        "cgraw.replay": g.replay,
+        "raw cuGraphLaunch": raw_launch,
+        "torch.cuda.CUDAGraph": tg.replay,
+    }
+    _time_chain(rep, "torch", n, rows, same_as_eager, reps, start, end, sync)
+    g.close()
+
+
+def _torch_check(y, y0, ref, sync):
+    """``same_as_eager(launch)``: a check that ``launch()`` turns ``y`` (reset to ``y0``) into
+    ``ref`` bitwise."""
+    import torch
+
     def same_as_eager(launch):
         def check():
             y.copy_(y0)
@@ -91,24 +107,24 @@ def _torch_chain_n(rep: Report, n: int, reps: int, start, end) -> None:
             torch.testing.assert_close(y, ref, rtol=0, atol=0)
         return check
 
+    return same_as_eager
+
+
+def _time_chain(rep: Report, framework: str, n: int, rows: dict, same_as_eager, reps: int, start, end,
+                sync) -> None:
+    """Check each system of a chain of ``n`` kernels against eager, then time it: device µs per
+    kernel (events), host µs per step submitted, and submitted plus synchronised."""
     loops = max(20, 2000 // n)
-    rows = {
-        "eager": step,
-        "cgraw.replay": g.replay,
-        "raw cuGraphLaunch": raw_launch,
-        "torch.cuda.CUDAGraph": tg.replay,
-    }
     for system, fn in rows.items():
         # checked before it is timed (eager is the reference: it checks the harness)
-        if not rep.check(f"torch chain n={n}: {system}", same_as_eager(fn)):
+        if not rep.check(f"{framework} chain n={n}: {system}", same_as_eager(fn)):
             continue
         dev_ms = _events_ms(fn, reps if system != "eager" else max(5, reps // 4), start, end, sync)
         submit = host_us(fn, loops=loops, sync=sync)
         full = host_sync_us(fn, sync, loops=max(10, loops // 4))
-        rep.add(workload="chain", framework="torch", n=n, system=system,
+        rep.add(workload="chain", framework=framework, n=n, system=system,
                 device_us_per_kernel=dev_ms * 1e3 / n, submit_us_per_step=submit["median_us"],
                 sync_us_per_step=full["median_us"], sync_us_per_kernel=full["median_us"] / n)
-    g.close()
 
 
 def cupy_chain(rep: Report, sizes, reps: int) -> None:
@@ -172,16 +188,7 @@ def _cupy_chain_n(rep: Report, n: int, reps: int, s_ev, e_ev) -> None:
         return check
 
     rows = {"eager": step, "cgraw.replay": g.replay, "cupy Graph.launch": lambda: cg.launch(legacy)}
-    loops = max(20, 2000 // n)
-    for system, fn in rows.items():
-        if not rep.check(f"cupy chain n={n}: {system}", same_as_eager(fn)):
-            continue
-        dev_ms = _events_ms(fn, reps if system != "eager" else max(5, reps // 4), s_ev, e_ev, sync)
-        submit = host_us(fn, loops=loops, sync=sync)
-        full = host_sync_us(fn, sync, loops=max(10, loops // 4))
-        rep.add(workload="chain", framework="cupy", n=n, system=system,
-                device_us_per_kernel=dev_ms * 1e3 / n, submit_us_per_step=submit["median_us"],
-                sync_us_per_step=full["median_us"], sync_us_per_kernel=full["median_us"] / n)
+    _time_chain(rep, "cupy", n, rows, same_as_eager, reps, s_ev, e_ev, sync)
     g.close()
 
 
@@ -221,14 +228,7 @@ def replay_cost(rep: Report) -> dict:
     y0 = y.clone()
     ref = y0 * 1.0001
 
-    def same_as_eager(launch):
-        def check():
-            y.copy_(y0)
-            launch()
-            sync()
-            torch.testing.assert_close(y, ref, rtol=0, atol=0)
-        return check
-
+    same_as_eager = _torch_check(y, y0, ref, sync)
     systems = {k: fn for k, fn in systems.items() if rep.check(f"replay_1node: {k}", same_as_eager(fn))}
     # bursts of REPLAY_BURST launches between synchronisations: the queue never fills, so the
     # figure is the host's cost and not the device time of the replays

@@ -118,25 +118,45 @@ def capturable_optimizer_step_captured_per_round():
         close(p.detach(), q.detach(), 1e-4)
 
 
+class _Background:
+    """``with _Background(step) as errors:`` runs ``step(errors)`` in a loop on another thread for
+    the duration of the block; what it raises is appended to ``errors`` too. After the block the
+    thread has stopped (``hung`` says whether it failed to within 60 s)."""
+
+    def __init__(self, step):
+        self.step, self.errors, self.hung = step, [], False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self):
+        try:
+            while not self._stop.is_set():
+                self.step(self.errors)
+        except BaseException as e:  # noqa: BLE001 - reported by the scenario
+            self.errors.append(repr(e))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=60)
+        self.hung = self._thread.is_alive()
+        return False
+
+
 @scenario
 def capture_while_another_thread_allocates():
     """Item 1/2: captures rebinding ``g`` while another thread allocates and frees torch memory."""
-    stop = threading.Event()
-    errors = []
 
-    def worker():
-        try:
-            while not stop.is_set():
-                a = torch.randn(1 << 14, device="cuda")
-                if not torch.equal(a * 2.0, a + a):
-                    errors.append("wrong result in the other thread")
-                del a
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(repr(e))
+    def allocate(errors):
+        a = torch.randn(1 << 14, device="cuda")
+        if not torch.equal(a * 2.0, a + a):
+            errors.append("wrong result in the other thread")
+        del a
 
-    th = threading.Thread(target=worker)
-    th.start()
-    try:
+    with _Background(allocate) as bg:
         x = torch.randn(4096, device="cuda")
         for i in range(60):
             with cgraw.capture() as g:
@@ -144,47 +164,38 @@ def capture_while_another_thread_allocates():
             x.copy_(torch.randn(4096, device="cuda"))
             g.replay()
             close(y, torch.exp(x) - float(i % 3))
-    finally:
-        stop.set()
-        th.join()
-    assert not errors, errors
+    assert not bg.hung, "the other thread hung"
+    assert not bg.errors, bg.errors
 
 
 @scenario
 def other_thread_calls_torch_memory_apis_during_500_captures():
     """Item 2: another thread calls torch's memory APIs and allocates in a tight loop while this
     one runs 500 captures (and a graphed function): no hang, both threads correct."""
-    stop = threading.Event()
-    errors, counts = [], {"n": 0}
     f = cgraw.graphed(lambda v: v * 3.0 + 1.0)
     v = torch.randn(256, device="cuda")
     f(v)  # this thread owns device 0's tree from now on
+    counts = {"n": 0}
 
-    def worker():
-        try:
-            while not stop.is_set():
-                torch.cuda.memory_allocated()
-                torch.cuda.memory_stats()
-                torch.cuda.memory_reserved()
-                if counts["n"] % 50 == 0:
-                    torch.cuda.empty_cache()
-                a = torch.randn(1 << 12, device="cuda")
-                if not torch.equal(a * 3.0, a + a + a):
-                    errors.append("wrong result in the other thread")
-                if counts["n"] % 100 == 0:
-                    try:
-                        cgraw.reset()  # not this thread's tree: a clear error, no hang
-                        errors.append("reset() from another thread did not raise")
-                    except cgraw.CgrawError as e:
-                        if "thread" not in str(e):
-                            errors.append(f"unclear error: {e}")
-                counts["n"] += 1
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(repr(e))
+    def memory_apis(errors):
+        torch.cuda.memory_allocated()
+        torch.cuda.memory_stats()
+        torch.cuda.memory_reserved()
+        if counts["n"] % 50 == 0:
+            torch.cuda.empty_cache()
+        a = torch.randn(1 << 12, device="cuda")
+        if not torch.equal(a * 3.0, a + a + a):
+            errors.append("wrong result in the other thread")
+        if counts["n"] % 100 == 0:
+            try:
+                cgraw.reset()  # not this thread's tree: a clear error, no hang
+                errors.append("reset() from another thread did not raise")
+            except cgraw.CgrawError as e:
+                if "thread" not in str(e):
+                    errors.append(f"unclear error: {e}")
+        counts["n"] += 1
 
-    th = threading.Thread(target=worker)
-    th.start()
-    try:
+    with _Background(memory_apis) as bg:
         x = torch.randn(2048, device="cuda")
         for i in range(500):
             with cgraw.capture() as g:
@@ -197,12 +208,9 @@ def other_thread_calls_torch_memory_apis_during_500_captures():
                 assert cp.allclose(c, cp.sqrt(cp.abs(cp.from_dlpack(torch.tanh(x) * 2.0))), atol=1e-6)
                 w = torch.randn(256, device="cuda")
                 close(f(w), w * 3.0 + 1.0)
-    finally:
-        stop.set()
-        th.join(timeout=60)
-    assert not th.is_alive(), "the other thread hung"
+    assert not bg.hung, "the other thread hung"
     assert counts["n"] > 0, "the other thread never ran"
-    assert not errors, errors[:3]
+    assert not bg.errors, bg.errors[:3]
 
 
 @scenario
