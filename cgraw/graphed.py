@@ -95,8 +95,9 @@ def graphed(fn=None, *, static_argnums=(), mutates=(), pad_buckets=None):
 def unsafe(fn=None, *, reason: str = "must not be captured"):
     """Mark a function that must never be captured.
 
-    Graphed directly, it always runs eagerly. Called inside a capture (from a graphed function
-    or ``cgraw.capture()``), it raises ``CaptureError``, so the graphed function runs eagerly.
+    Graphed directly, it always runs eagerly. Called inside a capture it raises
+    ``cgraw.errors.UnsafeCallError``, which ends the capture: ``cgraw.capture()`` then raises a
+    ``CaptureError`` naming the function, and a graphed function runs eagerly with that reason.
     """
     if fn is None:
         return lambda f: unsafe(f, reason=reason)
