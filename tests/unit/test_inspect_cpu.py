@@ -235,3 +235,41 @@ def test_plain_replay_patches_only_moved_inputs_and_hands_out_torch_outputs_only
     rec.poison_idx = [0]  # a torch output: handed out to be poisoned when the generation ends
     out, owned = call(0x300, 0x200)
     assert owned == (out,)
+
+
+# ---------------------------------------------------------------------- the plain-tensor fast path
+
+
+def test_the_plain_tensor_fast_path_classifies_as_the_generic_path(torch_mod, monkeypatch):
+    """``calls.inspect`` takes a shortcut when every argument is an exact ``torch.Tensor`` (no
+    options): its Call must equal the generic path's, for tree outputs and marked tensors alike.
+    CPU tensors of a subclass that reports device 0 stand in for CUDA ones."""
+    import random
+
+    torch = torch_mod
+
+    class OnDevice0(torch.Tensor):
+        def get_device(self):
+            return 0
+
+    monkeypatch.setattr(calls, "_tensor", [OnDevice0])  # the exact type of the fast path
+    rng = random.Random(7)
+    for trial in range(200):
+        n = rng.randint(1, 4)
+        args = tuple(torch.randn(rng.choice([(4,), (2, 3), (3, 2)])).as_subclass(OnDevice0) for _ in range(n))
+        if rng.random() < 0.3:
+            args = args + (args[0],)  # the same tensor twice
+        tree_outputs = {a.data_ptr(): object() for a in args if rng.random() < 0.4}
+        marked = [calls.mark_static(a) for a in args if rng.random() < 0.2]
+        fast_fn, generic_fn = _fn(), _fn()
+        generic_fn.plain = False  # the same function, made to take the generic path
+        fast = calls.inspect(fast_fn, args, {}, tree_outputs, 0)
+        generic = calls.inspect(generic_fn, args, {}, tree_outputs, 0)
+        for field in ("key", "kinds", "ptrs", "arg_spans", "arg_specs", "kwarg_specs", "bucket", "rows", "padded"):
+            assert list(getattr(fast, field) or []) == list(getattr(generic, field) or []), (trial, field)
+        assert list(fast.ops) == list(generic.ops) and all(o is calls.TORCH for o in fast.ops)
+        assert fast.leaves == list(args) and generic.leaves == list(args)
+        assert (STATIC in fast.kinds) == bool(marked)
+        del marked
+    with pytest.raises(SkipCall, match="inputs on device 0, but this tree is on device 1"):
+        calls.inspect(_fn(), (torch.randn(3).as_subclass(OnDevice0),), {}, {}, 1)
