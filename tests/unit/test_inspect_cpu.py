@@ -273,3 +273,36 @@ def test_the_plain_tensor_fast_path_classifies_as_the_generic_path(torch_mod, mo
         del marked
     with pytest.raises(SkipCall, match="inputs on device 0, but this tree is on device 1"):
         calls.inspect(_fn(), (torch.randn(3).as_subclass(OnDevice0),), {}, {}, 1)
+
+
+def test_a_recording_is_stale_after_a_module_assignment_or_a_moved_closure_tensor():
+    """``Recording.stale`` (the replay check of what the warm-up learned): a module assignment
+    since the recording, or a closure tensor at another address, asks for a new warm-up."""
+    from cgraw.recording import Recording
+    from cgraw.treetypes import Rewarm
+
+    epoch = [5]
+    rec = Recording("f")
+    rec.epoch, rec.epoch_now = 5, epoch
+    addresses = [0x100, 0x200]
+    rec.ext_ptrs = [0x100, 0x200]
+    rec.same_external = lambda ptrs: list(addresses) == ptrs
+    assert rec.stale() is None
+    addresses[1] = 0x300  # param.data = ... on a closure tensor
+    reason = rec.stale()
+    assert isinstance(reason, Rewarm) and "closure moved" in reason
+    addresses[1] = 0x200
+    epoch[0] = 6  # model.layer = ... anywhere since the recording
+    reason = rec.stale()
+    assert isinstance(reason, Rewarm) and "reassigned" in reason
+    rec.epoch = -1  # a module was assigned between the warm-up and the recording: warm up again
+    assert isinstance(rec.stale(), Rewarm)
+
+
+def test_a_tree_capture_takes_a_thread_or_stream_route_only():
+    from cgraw.capture import capture
+
+    with pytest.raises(ValueError, match="route"):
+        capture.for_tree(None, None, warm_cublas=False, route="device")
+    cap = capture.for_tree(None, None, warm_cublas=False, route="stream")
+    assert (cap._tree, cap._route) == (True, "stream")
