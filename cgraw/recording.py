@@ -21,8 +21,8 @@ from cgraw import stream as _streams
 from cgraw.arrays import SINGLE, TORCH, unflatten
 from cgraw.treetypes import Rewarm
 
-OWNED, EXTERNAL = "owned", "external"
-_launch = _cuda.graph_launch_raw  # output kinds; an input alias is an InputAlias
+OWNED, EXTERNAL = "owned", "external"  # output kinds; an input alias is an InputAlias
+_launch = _cuda.graph_launch_raw
 
 
 class InputCopy:

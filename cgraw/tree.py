@@ -1,10 +1,9 @@
 """Graph trees: the decisions of ``@cgraw.graphed`` (warm up, record, replay, re-record, skip).
 
 Layer L6: pure bookkeeping. It knows nothing of CUDA, torch or CuPy: ``calls`` classifies each
-call's inputs (through the frameworks' ``arrays.Ops``), and a *backend* (the ``Backend``
-protocol of ``treetypes``; ``cgraw.treeexec.CudaBackend`` on a GPU, a simulated one in the CPU
-tests) does
-the work.
+call's inputs (through the frameworks' ``arrays.Ops``), and a *backend* does the work (the
+``Backend`` protocol of ``treetypes``; ``cgraw.treeexec.CudaBackend`` on a GPU, a simulated one
+in the CPU tests).
 
 Why a tree. Graphed functions share one memory pool per device. A CUDA graph bakes in every
 address it touches, so a graph recorded after graph A must allocate around A's outputs, which are
