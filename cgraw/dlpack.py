@@ -1,22 +1,30 @@
-"""DLPack 1.x structs, capsule export (producer) and capsule import (consumer).
+"""DLPack 1.x structs, dtypes and capsule import (consumer); capsule export is in ``dlpack_export``.
 
-Layer L1. Imports only the stdlib, ctypes and numpy: it makes NO CUDA calls and must not import
-cuda.bindings, torch or cupy. Stream synchronisation is the exporter's job (``tensor.py``); this
-module only builds and parses capsules. Producer lifetime: each exported struct, its shape and
-strides and the caller's ``owner`` live in ``_live`` (keyed by struct address) until the deleter
-runs, either from the consumer or from the destructor of a capsule nobody consumed.
+Layer L1. Imports only the stdlib, ctypes, numpy and its producer half ``dlpack_export``: it
+makes NO CUDA calls and must not import cuda.bindings, torch or cupy. Stream synchronisation is
+the exporter's job (``tensor.py``); this module only builds and parses capsules. The producer
+side (``make_capsule``, ``live_exports`` and the lifetime of what they export) is in
+``dlpack_export``, re-exported here: callers keep writing ``dlpack.make_capsule``.
 """
 
 from __future__ import annotations
 
 import ctypes
-import struct
-import sys
-import warnings
 import weakref
-from ctypes import CFUNCTYPE, POINTER, PYFUNCTYPE, c_char_p, c_int32, c_int64, c_uint8, c_uint16
-from ctypes import c_uint32, c_uint64, c_void_p, py_object
-from typing import Callable
+from ctypes import (
+    CFUNCTYPE,
+    POINTER,
+    PYFUNCTYPE,
+    c_char_p,
+    c_int32,
+    c_int64,
+    c_uint8,
+    c_uint16,
+    c_uint32,
+    c_uint64,
+    c_void_p,
+    py_object,
+)
 
 import numpy as np
 
@@ -187,187 +195,16 @@ _CapsuleType = type(_capsule_new(id(_NAME), b"cgraw.dlpack.probe", None))
 
 
 # ---------------------------------------------------------------------------------------------
-# Producer
+# Producer: in ``dlpack_export``, which imports the structs, dtypes and capsule names above (hence
+# imported here, not at the top). The consumer below calls deleters through its ``_call_deleter``.
 
-# Struct address -> (struct buffer, owner, on_release). The buffer holds the managed tensor
-# followed by shape[ndim] and strides[ndim]; popping the entry frees it and drops the owner.
-_live: dict[int, tuple] = {}
-
-
-def live_exports() -> int:
-    """Number of exported capsules whose deleter has not run yet (leak checks in tests)."""
-    return len(_live)
-
-
-def _report(what: str, exc: BaseException) -> None:
-    try:
-        if not sys.is_finalizing():
-            warnings.warn(f"cgraw.dlpack: {what} raised {exc!r}; ignored", RuntimeWarning, stacklevel=2)
-    except BaseException:  # warnings escalated to errors must not escape a C callback
-        pass
-
-
-def _release(addr: int) -> None:
-    """Run the producer side of the deleter for the struct at ``addr``; never raises."""
-    try:
-        if sys.is_finalizing():
-            return
-        entry = _live.pop(addr, None)
-        if entry is None or entry[2] is None:
-            return
-        try:
-            entry[2]()
-        except BaseException as e:
-            _report("DLPack on_release callback", e)
-    except BaseException:
-        pass
-
-
-def _destroy_versioned(cap) -> None:
-    # Only an unconsumed capsule still carries the unused name; a consumer renamed it otherwise.
-    try:
-        if cap and _capsule_is_valid(cap, _NAME_V):
-            _release(_capsule_get_pointer(cap, _NAME_V))
-    except BaseException:
-        pass
-
-
-def _destroy_legacy(cap) -> None:
-    try:
-        if cap and _capsule_is_valid(cap, _NAME):
-            _release(_capsule_get_pointer(cap, _NAME))
-    except BaseException:
-        pass
-
-
-_CapsuleDestructor = CFUNCTYPE(None, c_void_p)
-_DELETER = _immortal(DLDeleter(_release))
-_DESTRUCTOR_V = _immortal(_CapsuleDestructor(_destroy_versioned))
-_DESTRUCTOR = _immortal(_CapsuleDestructor(_destroy_legacy))
-_DELETER_ADDR = ctypes.cast(_DELETER, c_void_p).value
-_DESTRUCTOR_V_ADDR = ctypes.cast(_DESTRUCTOR_V, c_void_p).value
-_DESTRUCTOR_ADDR = ctypes.cast(_DESTRUCTOR, c_void_p).value
-
-# struct.Struct layouts mirroring the ctypes structs ('@' = native sizes and alignment):
-# versioned: version(II) manager_ctx deleter flags | data device(ii) ndim dtype(BBH) shape strides byte_offset
-# legacy:    data device(ii) ndim dtype(BBH) shape strides byte_offset | manager_ctx deleter
-_HEAD_V = "@IIPPQPiiiBBHPPQ"
-_HEAD = "@PiiiBBHPPQPP"
-if struct.calcsize(_HEAD_V) != ctypes.sizeof(DLManagedTensorVersioned) or struct.calcsize(
-    _HEAD
-) != ctypes.sizeof(DLManagedTensor):  # pragma: no cover - exotic ABI
-    raise ImportError("cgraw.dlpack: struct layout does not match the ctypes DLPack mirrors")
-
-_layouts_v: dict[int, tuple] = {}
-_layouts: dict[int, tuple] = {}
-
-
-def _layout(ndim: int, versioned: bool) -> tuple:
-    """(buffer type, packer, offset of shape) for one (ndim, kind); cached."""
-    head = _HEAD_V if versioned else _HEAD
-    base = struct.calcsize(head)  # already 8-aligned, so shape follows directly
-    packer = struct.Struct(f"{head}{ndim}q{ndim}q")
-    buf_type = c_int64 * (packer.size // 8)
-    entry = (buf_type, packer, base)
-    (_layouts_v if versioned else _layouts)[ndim] = entry
-    return entry
-
-
-def make_capsule(
-    ptr: int,
-    shape: tuple[int, ...],
-    strides: tuple[int, ...],
-    dtype,
-    device: tuple[int, int],
-    *,
-    owner: object,
-    versioned: bool,
-    readonly: bool = False,
-    on_release: Callable[[], None] | None = None,
-    byte_offset: int = 0,
-):
-    """Export memory as a DLPack PyCapsule without copying.
-
-    Args:
-        ptr: data pointer (ignored for size-0 tensors, which get data=NULL per the spec).
-        shape, strides: per-dimension extents and strides, strides in ELEMENTS (never NULL).
-        dtype: anything ``to_dl_dtype`` accepts.
-        device: ``(device_type, device_id)``, e.g. ``(kDLCUDA, 0)``.
-        owner: kept alive until the deleter runs.
-        versioned: "dltensor_versioned" (DLPack 1.x struct) if true, else legacy "dltensor".
-        readonly: sets the READ_ONLY flag. Legacy capsules cannot express it and ignore it.
-        on_release: called exactly once when the consumer (or the unconsumed capsule's
-            destructor) releases the tensor; exceptions become a RuntimeWarning.
-        byte_offset: added to ``ptr`` by the consumer.
-
-    Raises:
-        ValueError: ``len(shape) != len(strides)`` or a field does not fit its C type.
-        TypeError: unsupported dtype.
-    """
-    ndim = len(shape)
-    if len(strides) != ndim:
-        raise ValueError(f"len(shape)={ndim} != len(strides)={len(strides)}")
-    try:
-        code, bits, lanes = _NP_TO_DL[dtype]
-    except (KeyError, TypeError):
-        code, bits, lanes = _to_dl_dtype_slow(dtype)
-    try:
-        buf_type, packer, shape_off = (_layouts_v if versioned else _layouts)[ndim]
-    except KeyError:
-        buf_type, packer, shape_off = _layout(ndim, versioned)
-    buf = buf_type()
-    addr = ctypes.addressof(buf)
-    if ndim:
-        shape_ptr = addr + shape_off
-        strides_ptr = shape_ptr + 8 * ndim
-        if 0 in shape:
-            ptr = 0
-    else:
-        shape_ptr = strides_ptr = 0
-    dev_type, dev_id = device
-    try:
-        if versioned:
-            packer.pack_into(
-                buf, 0, 1, DLPACK_VERSION[1], 0, _DELETER_ADDR, READ_ONLY if readonly else 0,
-                ptr, dev_type, dev_id, ndim, code, bits, lanes, shape_ptr, strides_ptr,
-                byte_offset, *shape, *strides,
-            )
-        else:
-            packer.pack_into(
-                buf, 0, ptr, dev_type, dev_id, ndim, code, bits, lanes, shape_ptr, strides_ptr,
-                byte_offset, 0, _DELETER_ADDR, *shape, *strides,
-            )
-    except struct.error as e:
-        raise ValueError(
-            f"cannot export DLPack tensor ({e}): {ptr=} {shape=} {strides=} {device=} {byte_offset=}"
-        ) from None
-    _live[addr] = (buf, owner, on_release)
-    try:
-        if versioned:
-            return _capsule_new(addr, _NAME_V, _DESTRUCTOR_V_ADDR)
-        return _capsule_new(addr, _NAME, _DESTRUCTOR_ADDR)
-    except BaseException:
-        del _live[addr]
-        raise
-
+from cgraw.dlpack_export import _call_deleter, live_exports, make_capsule  # noqa: E402, F401
 
 # ---------------------------------------------------------------------------------------------
 # Consumer
 
 _OFF_DELETER_V = DLManagedTensorVersioned.deleter.offset
 _OFF_DELETER = DLManagedTensor.deleter.offset
-
-
-def _call_deleter(deleter_addr: int | None, addr: int) -> None:
-    if not deleter_addr:
-        return
-    try:
-        if deleter_addr == _DELETER_ADDR:  # our own export: skip the C round trip
-            _release(addr)
-        else:
-            DLDeleter(deleter_addr)(addr)
-    except BaseException as e:
-        _report("DLPack deleter", e)
 
 
 class DLPackView:

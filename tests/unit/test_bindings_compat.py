@@ -1,9 +1,9 @@
 """CPU tier: cgraw on cuda-bindings 12.8+ and 13.x.
 
 The installed bindings are checked against what ``_cuda`` calls (every name exists, every call's
-arguments fit the signature, the edge-data shapes ``_cuda_compat`` assumes are the ones its
+arguments fit the signature, the edge-data shapes ``_cuda.compat`` assumes are the ones its
 docstrings list). Fake driver modules shaped like 12.x and 13.x then run ``_cuda``'s wrappers
-through the adapters ``_cuda_compat.select`` picks, so one installed version tests both.
+through the adapters ``_cuda.compat.select`` picks, so one installed version tests both.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import pytest
 from cuda.bindings import driver as drv
 from cuda.bindings import runtime as rt
 
-from cgraw import _cuda, _cuda_compat
+from cgraw import _cuda
+from cgraw._cuda import compat as _cuda_compat
+from cgraw._cuda import graphs as _cuda_graphs
 from cgraw.errors import CaptureError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -41,13 +43,14 @@ def _returns(fn) -> list[str]:
 
 
 def _binding_calls():
-    """``(module, name, n_positional_args)`` of every ``drv.X(...)`` / ``_rt.X(...)`` call in _cuda.py."""
-    tree = ast.parse((ROOT / "cgraw" / "_cuda.py").read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            owner = node.func.value
-            if isinstance(owner, ast.Name) and owner.id in ("drv", "_rt") and node.func.attr[0].islower():
-                yield owner.id, node.func.attr, len(node.args)
+    """``(module, name, n_positional_args)`` of every ``drv.X(...)`` / ``_rt.X(...)`` call in the
+    ``cgraw/_cuda/`` package."""
+    for path in sorted((ROOT / "cgraw" / "_cuda").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = node.func.value
+                if isinstance(owner, ast.Name) and owner.id in ("drv", "_rt") and node.func.attr[0].islower():
+                    yield owner.id, node.func.attr, len(node.args)
 
 
 # --------------------------------------------------------------------------- installed bindings
@@ -57,12 +60,13 @@ def test_installed_version_is_supported():
     major, minor = (int(x) for x in cuda.bindings.__version__.split(".")[:2])
     assert (major, minor) >= (12, 8)
     assert _cuda._compat.major == MAJOR and _cuda._compat.version == cuda.bindings.__version__
+    assert _cuda_graphs._compat is _cuda._compat  # selected once, for the whole package
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert '"cuda-bindings>=12.8,<14"' in pyproject
 
 
 def test_compat_module_imports_no_bindings():
-    tree = ast.parse((ROOT / "cgraw" / "_cuda_compat.py").read_text())
+    tree = ast.parse((ROOT / "cgraw" / "_cuda" / "compat.py").read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert imported <= {"__future__", "types"}, imported
@@ -162,8 +166,9 @@ def fake13():
 
 
 def _through_cuda(monkeypatch, compat):
-    """Run _cuda's wrappers with ``compat`` as the adapters."""
-    monkeypatch.setattr(_cuda, "_compat", compat)
+    """Run _cuda's wrappers with ``compat`` as the adapters (the capture and edge queries live in
+    ``_cuda.graphs``, which holds its own reference to the package's adapters)."""
+    monkeypatch.setattr(_cuda_graphs, "_compat", compat)
     assert _cuda.stream_capture_info(5) == (1, 7)
     assert _cuda.stream_capture_graph(5) == ("graph", ["n1", "n2"])
     assert _cuda.graph_get_edges("graph") == [("a", "b"), ("c", "d")]
@@ -226,7 +231,7 @@ def test_failures_keep_the_call_name(monkeypatch, version):
     m = fake12() if version.startswith("12") else fake13()
     for fn in vars(m).values():
         fn.result = (err,) + (None,) * (len(fn.result) - 1)
-    monkeypatch.setattr(_cuda, "_compat", _cuda_compat.select(m, None, version))
+    monkeypatch.setattr(_cuda_graphs, "_compat", _cuda_compat.select(m, None, version))
     with pytest.raises(CaptureError, match="^cuStreamGetCaptureInfo: CUDA_ERROR_STREAM_CAPTURE_IMPLICIT"):
         _cuda.stream_capture_info(5)
     with pytest.raises(CaptureError, match="^cuGraphGetEdges:"):

@@ -1,11 +1,14 @@
-"""The CUDA call layer: the only module that imports ``cuda.bindings``.
+"""The CUDA call layer: the only package that imports ``cuda.bindings``.
 
 Layer L1. Every driver call cgraw makes goes through ``check`` (or, on the hot paths, through a
 bound function whose result is compared with 0 inline). Wrappers are the driver call with ``cu``
 dropped and the rest in snake_case (``cuStreamBeginCapture`` -> ``stream_begin_capture``). Nothing
 here runs at import: the driver is loaded by the first call, and a machine with no driver or no
-device gets one ``CudaUnavailableError``. Imports only ``errors``, ``_defer`` and ``_cuda_compat``
-(which picks, once, the calls that differ between cuda-bindings 12.8+ and 13.x) from cgraw.
+device gets one ``CudaUnavailableError``. Imports only ``errors`` and ``_defer`` from cgraw, besides
+its own modules: ``compat`` (which picks, once, the calls that differ between cuda-bindings 12.8+
+and 13.x) and ``graphs`` (capture, instantiate, launch and node queries, re-exported at the bottom
+so that callers write ``_cuda.graph_instantiate`` like every other call). This module holds the
+rest: errors, start-up, handle accounting, device and context, memory, streams, events.
 """
 
 from __future__ import annotations
@@ -18,14 +21,14 @@ from collections import Counter
 
 import cuda.bindings
 from cuda.bindings import driver as drv
-from cuda.bindings import runtime as _rt
 
 try:
     from cuda.bindings import utils as _utils
 except ImportError:  # cuda-bindings 12.8 has no utils module
     _utils = None
 
-from cgraw import _cuda_compat, _defer
+from cgraw import _defer
+from cgraw._cuda import compat as _cuda_compat
 from cgraw.errors import (
     CaptureError,
     CudaError,
@@ -210,11 +213,6 @@ def ctx_get_device() -> int:
     return int(check(drv.cuCtxGetDevice(), "cuCtxGetDevice"))
 
 
-def kernel_get_name(kern) -> str:
-    name = check(drv.cuKernelGetName(kern), "cuKernelGetName")
-    return name.decode() if isinstance(name, bytes) else str(name)
-
-
 def _destroy_now(fn, handle, kind: str) -> None:
     try:
         if sys.is_finalizing():
@@ -387,172 +385,32 @@ def event_elapsed_time(start, end) -> float:
     return float(check(drv.cuEventElapsedTime(start, end), "cuEventElapsedTime"))
 
 
-# --------------------------------------------------------------------------- capture
-
-CaptureModeEnum = drv.CUstreamCaptureMode
-CAPTURE_MODES = {
-    "global": CaptureModeEnum.CU_STREAM_CAPTURE_MODE_GLOBAL,
-    "thread_local": CaptureModeEnum.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-    "relaxed": CaptureModeEnum.CU_STREAM_CAPTURE_MODE_RELAXED,
-}
-def stream_begin_capture(stream, mode) -> None:
-    check(drv.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
-
-
-def stream_end_capture_raw(stream):
-    """End a capture; returns ``(err, graph_or_None)`` without raising, for clean aborts."""
-    err, graph = drv.cuStreamEndCapture(stream)
-    if graph is not None and not err:
-        live_handles["graph"] += 1
-    return err, graph
-
-
-def stream_is_capturing(stream) -> int:
-    """0 = none, 1 = active, 2 = invalidated."""
-    return int(check(drv.cuStreamIsCapturing(stream), "cuStreamIsCapturing"))
-
-
-def stream_capture_info(stream):
-    """``(status, capture_id)`` of a stream; version differences of the binding stay here."""
-    res = check(_compat.capture_info(stream), "cuStreamGetCaptureInfo")
-    return int(res[0]), int(res[1]) if res[1] is not None else 0
-
-
-def stream_capture_graph(stream):
-    """``(graph, dependencies)`` of a stream that is capturing: the graph being built and the
-    nodes the stream's next operation would depend on."""
-    res = check(_compat.capture_info(stream), "cuStreamGetCaptureInfo")
-    return res[2], list(res[3] or [])
-
-
-def thread_exchange_capture_mode(mode):
-    return check(drv.cuThreadExchangeStreamCaptureMode(mode), "cuThreadExchangeStreamCaptureMode")
-
-
-# --------------------------------------------------------------------------- graphs
-
-INSTANTIATE_UPLOAD = int(drv.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD)
-
-_INSTANTIATE_RESULTS = {  # CUgraphInstantiateResult (1, CUDA_GRAPH_INSTANTIATE_ERROR, has no more to say)
-    2: "invalid graph structure (a cycle, or an invalid node)",
-    3: "the graph uses node types that device launch does not support",
-    4: "the graph has nodes from several contexts",
-    5: "a conditional handle of the graph is not used by any conditional node",
-}
-
-
-def graph_instantiate(graph, flags: int = 0, upload_stream=None):
-    """Instantiate ``graph``; on failure the error names the reason and the failing node."""
-    params = drv.CUDA_GRAPH_INSTANTIATE_PARAMS()
-    params.flags = flags
-    if upload_stream is not None:
-        params.hUploadStream = upload_stream
-    err, exec_ = drv.cuGraphInstantiateWithParams(graph, params)
-    if err:
-        e = make_error(err, "cuGraphInstantiateWithParams")
-        reason = _INSTANTIATE_RESULTS.get(int(params.result_out))
-        if reason:
-            e = CaptureError(e.call, e.code, e.name, e.description, reason)
-        raise e
-    live_handles["graph_exec"] += 1
-    return exec_
-
-
-def graph_upload(exec_, stream) -> None:
-    check(drv.cuGraphUpload(exec_, stream), "cuGraphUpload")
-
-
-# Bound once for the replay hot path: callers compare the result with 0 inline.
-graph_launch_raw = drv.cuGraphLaunch
-
-
-def graph_exec_update(exec_, graph) -> tuple[bool, str]:
-    """Try ``cuGraphExecUpdate``; returns ``(ok, reason)``."""
-    err, info = drv.cuGraphExecUpdate(exec_, graph)
-    if not err:
-        return True, ""
-    reason = make_error(err, "cuGraphExecUpdate").name
-    if info is not None:
-        try:
-            reason = info.result.name
-        except AttributeError:
-            pass
-    if err != _R.CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE:
-        raise make_error(err, "cuGraphExecUpdate")
-    return False, reason
-
-
-def graph_get_nodes(graph) -> list:
-    _, n = check(drv.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
-    if not n:
-        return []
-    nodes, _ = check(drv.cuGraphGetNodes(graph, n), "cuGraphGetNodes")
-    return list(nodes[:n])
-
-
-def graph_get_edges(graph) -> list[tuple]:
-    res = check(_compat.graph_get_edges(graph, 0), "cuGraphGetEdges")
-    n = res[-1]
-    if not n:
-        return []
-    res = check(_compat.graph_get_edges(graph, n), "cuGraphGetEdges")
-    return list(zip(res[0][:n], res[1][:n]))
-
-
-def graph_node_get_type(node):
-    return check(drv.cuGraphNodeGetType(node), "cuGraphNodeGetType")
-
-
-def graph_kernel_node_get_params(node):
-    return check(drv.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
-
-
-def func_get_name(func) -> str:
-    name = check(drv.cuFuncGetName(func), "cuFuncGetName")
-    return name.decode() if isinstance(name, bytes) else str(name)
-
-
-def graph_debug_dot_print(graph, path: str, flags: int = 1) -> None:
-    check(drv.cuGraphDebugDotPrint(graph, path.encode(), flags), "cuGraphDebugDotPrint")
-
-
-NodeType = drv.CUgraphNodeType
-
-
-def graph_memcpy_node_dst_src(node) -> tuple[int, int]:
-    """``(dst, src)`` device addresses of a 1-D memcpy node."""
-    p = check(drv.cuGraphMemcpyNodeGetParams(node), "cuGraphMemcpyNodeGetParams")
-    return int(p.dstDevice), int(p.srcDevice)  # CUdeviceptr is an integer type
-
-
-# Per-call input copies are memcpy nodes whose pointers are patched before a launch. The runtime's
-# 1-D setter takes plain pointers (1.4 us measured on the H200); the driver's takes a CUDA_MEMCPY3D
-# that would have to be built in Python on every call. Handles convert once, at record time.
-MEMCPY_D2D = _rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
-memcpy_node_set_1d_raw = _rt.cudaGraphExecMemcpyNodeSetParams1D
-
-
-class MemcpyNodeSetter:
-    """Re-points memcpy nodes of one executable graph (``Graph.exec_memcpy_setter``): the hot
-    path of a graphed call whose eager input moved."""
-
-    __slots__ = ("exec_",)
-
-    def __init__(self, exec_):
-        self.exec_ = _rt.cudaGraphExec_t(native(exec_))
-
-    def __call__(self, node, dst: int, src: int, nbytes: int) -> None:
-        err = memcpy_node_set_1d_raw(self.exec_, node, dst, src, nbytes, MEMCPY_D2D)[0]
-        if err:
-            raise rt_error(err, "cudaGraphExecMemcpyNodeSetParams1D")
-
-
-def rt_node_handle(node):
-    return _rt.cudaGraphNode_t(native(node))
-
-
-def rt_error(err, call: str) -> CudaError:
-    """A runtime-API failure, reported like a driver one."""
-    name = getattr(err, "name", str(err))
-    hint = "the graph's memcpy node could not take the new pointer (different allocation or size?)"
-    return CudaError(call, int(err), name, "", hint)
+# Graph work lives in ``graphs``, which imports the names above from here (hence this import at the
+# bottom); these are the ones the rest of cgraw calls as ``_cuda.<name>``.
+from cgraw._cuda.graphs import (  # noqa: E402, F401
+    CAPTURE_MODES,
+    INSTANTIATE_UPLOAD,
+    MEMCPY_D2D,
+    MemcpyNodeSetter,
+    NodeType,
+    func_get_name,
+    graph_debug_dot_print,
+    graph_exec_update,
+    graph_get_edges,
+    graph_get_nodes,
+    graph_instantiate,
+    graph_kernel_node_get_params,
+    graph_launch_raw,
+    graph_memcpy_node_dst_src,
+    graph_node_get_type,
+    graph_upload,
+    kernel_get_name,
+    memcpy_node_set_1d_raw,
+    rt_node_handle,
+    stream_begin_capture,
+    stream_capture_graph,
+    stream_capture_info,
+    stream_end_capture_raw,
+    stream_is_capturing,
+    thread_exchange_capture_mode,
+)

@@ -1,9 +1,10 @@
 """What differs between cuda-bindings 12.8+ and 13.x, chosen once when ``cgraw._cuda`` is imported.
 
-Layer L1. Imports nothing: ``_cuda`` (the only module that imports ``cuda.bindings``) passes the
-binding modules to ``select``, and the CPU tests pass fakes shaped like either major version.
-The calls every hot path makes (``cuGraphLaunch``, ``cudaGraphExecMemcpyNodeSetParams1D``) are
-the same in both and stay plain bound functions in ``_cuda``. The differences cgraw meets:
+Layer L1. Imports nothing: the package's ``__init__`` (``cgraw._cuda`` is the only package that
+imports ``cuda.bindings``) passes the binding modules to ``select``, and the CPU tests pass fakes
+shaped like either major version. The calls every hot path makes (``cuGraphLaunch``,
+``cudaGraphExecMemcpyNodeSetParams1D``) are the same in both and stay plain bound functions in
+``_cuda.graphs``. The differences cgraw meets:
 
 - ``cuStreamGetCaptureInfo`` / ``cuGraphGetEdges``: 13.x returns edge data
   (``(err, status, id, graph, deps, edge_data, n)`` / ``(err, from, to, edge_data, n)``); 12.x's
