@@ -1,16 +1,15 @@
-"""DLPack 1.x structs, dtypes and capsule import (consumer); capsule export is in ``dlpack_export``.
+"""DLPack 1.x definitions: structs, flags, dtype mapping, capsule names, the Python C-API
+prototypes for capsules, and the array-API protocol helpers.
 
-Layer L1. Imports only the stdlib, ctypes, numpy and its producer half ``dlpack_export``: it
-makes NO CUDA calls and must not import cuda.bindings, torch or cupy. Stream synchronisation is
-the exporter's job (``tensor.py``); this module only builds and parses capsules. The producer
-side (``make_capsule``, ``live_exports`` and the lifetime of what they export) is in
-``dlpack_export``, re-exported here: callers keep writing ``dlpack.make_capsule``.
+Layer L1. Imports only the stdlib, ctypes and numpy: it makes NO CUDA calls and must not import
+cuda.bindings, torch or cupy. Building and parsing capsules (and the lifetime of what they
+export) is ``dlpack_capsules``, which builds on this module; stream synchronisation is the
+exporter's job (``tensor.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import weakref
 from ctypes import (
     CFUNCTYPE,
     POINTER,
@@ -192,106 +191,6 @@ _USED_V = _immortal(b"used_dltensor_versioned")
 _USED = _immortal(b"used_dltensor")
 
 _CapsuleType = type(_capsule_new(id(_NAME), b"cgraw.dlpack.probe", None))
-
-
-# ---------------------------------------------------------------------------------------------
-# Producer: in ``dlpack_export``, which imports the structs, dtypes and capsule names above (hence
-# imported here, not at the top). The consumer below calls deleters through its ``_call_deleter``.
-
-from cgraw.dlpack_export import _call_deleter, live_exports, make_capsule  # noqa: E402, F401
-
-# ---------------------------------------------------------------------------------------------
-# Consumer
-
-_OFF_DELETER_V = DLManagedTensorVersioned.deleter.offset
-_OFF_DELETER = DLManagedTensor.deleter.offset
-
-
-class DLPackView:
-    """An imported DLPack tensor: a borrowed pointer plus metadata, owning the producer's deleter.
-
-    ``release()`` calls the producer's deleter exactly once; garbage collection does the same.
-    ``ptr`` already includes ``byte_offset``; ``strides`` are in elements.
-    """
-
-    __slots__ = ("ptr", "shape", "strides", "dtype", "device", "readonly", "versioned",
-                 "_finalizer", "__weakref__")
-
-    def release(self) -> None:
-        """Call the producer's deleter (idempotent). ``ptr`` must not be used afterwards."""
-        self._finalizer()
-
-    @property
-    def is_released(self) -> bool:
-        return not self._finalizer.alive
-
-    def __repr__(self) -> str:
-        return (f"DLPackView(ptr={self.ptr:#x}, shape={self.shape}, strides={self.strides}, "
-                f"dtype={self.dtype}, device={self.device}, readonly={self.readonly}, "
-                f"versioned={self.versioned}, released={self.is_released})")
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
-
-
-def parse_capsule(capsule) -> DLPackView:
-    """Take ownership of a "dltensor_versioned" or "dltensor" capsule and describe its tensor.
-
-    The capsule is renamed to its "used_" name, so its producer's destructor no longer frees it.
-
-    Raises:
-        TypeError: not a PyCapsule, or not a DLPack one; unsupported dtype (tensor released).
-        ValueError: the capsule was already consumed.
-        BufferError: unsupported major version (the deleter has been called).
-    """
-    if type(capsule) is not _CapsuleType:
-        raise TypeError(f"expected a DLPack PyCapsule, got {type(capsule).__name__}")
-    name = _capsule_get_name(capsule)
-    if name == _NAME_V:
-        versioned = True
-    elif name == _NAME:
-        versioned = False
-    elif name in (_USED_V, _USED):
-        raise ValueError(f"DLPack capsule {name.decode()!r} was already consumed; "
-                         "call __dlpack__() again for a fresh one")
-    else:
-        raise TypeError(f"not a DLPack capsule: name {name!r}")
-    addr = _capsule_get_pointer_obj(capsule, name)
-    _capsule_set_name(capsule, _USED_V if versioned else _USED)  # ownership is ours from here
-    if versioned:
-        deleter_addr = c_void_p.from_address(addr + _OFF_DELETER_V).value
-        managed = DLManagedTensorVersioned.from_address(addr)
-        major = managed.version.major
-        if major != 1:
-            _call_deleter(deleter_addr, addr)
-            raise BufferError(f"unsupported DLPack major version {major}.{managed.version.minor} "
-                              f"(this consumer supports {DLPACK_VERSION[0]}.x)")
-        flags, t = managed.flags, managed.dl_tensor
-    else:
-        deleter_addr = c_void_p.from_address(addr + _OFF_DELETER).value
-        flags, t = 0, DLManagedTensor.from_address(addr).dl_tensor
-
-    view = DLPackView()
-    view._finalizer = weakref.finalize(view, _call_deleter, deleter_addr, addr)
-    try:
-        ndim = t.ndim
-        shape = tuple(t.shape[:ndim]) if ndim else ()
-        view.shape = shape
-        view.strides = tuple(t.strides[:ndim]) if ndim and t.strides else _contiguous_strides(shape)
-        view.dtype = from_dl_dtype(t.dtype.code, t.dtype.bits, t.dtype.lanes)
-        view.ptr = (t.data or 0) + t.byte_offset
-        view.device = (t.device.device_type, t.device.device_id)
-        view.readonly = bool(flags & READ_ONLY)
-        view.versioned = versioned
-    except BaseException:
-        view.release()
-        raise
-    return view
 
 
 # ---------------------------------------------------------------------------------------------

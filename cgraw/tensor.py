@@ -1,9 +1,9 @@
 """``cgraw.Tensor``: a typed, strided view of device memory that torch and CuPy consume zero-copy.
 
-Layer L5: imports ``_cuda``, ``device``, ``stream``, ``memory`` and ``dlpack``; no framework
-imports. A Tensor exports DLPack 1.x capsules (versioned or legacy, as the consumer asks) and
-``__cuda_array_interface__`` v3. Exports honour the consumer's stream: it waits on the stream
-the tensor was last written on. Every export holds the tensor's memory until the consumer's
+Layer L5: imports ``_cuda``, ``device``, ``stream``, ``memory``, ``dlpack`` and
+``dlpack_capsules``; no framework imports. A Tensor exports DLPack 1.x capsules (versioned or
+legacy, as the consumer asks) and ``__cuda_array_interface__`` v3. Exports honour the consumer's
+stream: it waits on the stream the tensor was last written on. Every export holds the tensor's memory until the consumer's
 deleter runs, and the owning pool can report which blocks consumers still hold.
 """
 
@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 
-from cgraw import _cuda, dlpack
+from cgraw import _cuda, dlpack, dlpack_capsules
 from cgraw.device import Device
 from cgraw.errors import CgrawError
 from cgraw.memory import free_quietly
@@ -200,7 +200,7 @@ class Tensor:
             self._order_before(consumer)
         mem = self._mem
         mem.add_export()
-        return dlpack.make_capsule(
+        return dlpack_capsules.make_capsule(
             self.ptr, self.shape, self.strides, self.dtype, (dlpack.kDLCUDA, self.device.ordinal),
             owner=mem, versioned=versioned, readonly=self.readonly,
             on_release=mem.release_export,
@@ -253,7 +253,7 @@ def from_dlpack(obj, *, stream=None) -> Tensor:
         cap = obj.__dlpack__(stream=s, max_version=(1, 0))
     except TypeError:
         cap = obj.__dlpack__(stream=s)
-    view = dlpack.parse_capsule(cap)
+    view = dlpack_capsules.parse_capsule(cap)
     device = Device(int(view.device[1]))
     mem = _Memory(None, view.ptr, 0, 0, base=view)
     return Tensor._make(view.ptr, tuple(view.shape), tuple(view.strides), view.dtype, device, mem,

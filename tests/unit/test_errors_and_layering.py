@@ -89,7 +89,7 @@ def test_allocator_imports_alone():
 LAYER = {
     "allocator": 0,
     "cgraw.errors": 1, "cgraw._defer": 1, "cgraw._cuda": 1, "cgraw._cuda.compat": 1, "cgraw._cuda.graphs": 1,
-    "cgraw.dlpack": 1, "cgraw.dlpack_export": 1,
+    "cgraw.dlpack": 1, "cgraw.dlpack_capsules": 1,
     "cgraw.interop.torch_c": 1,
     "cgraw.device": 2, "cgraw.stream": 3,
     "cgraw.memory": 4, "cgraw.tensor": 5,
@@ -181,4 +181,5 @@ def test_module_docstrings_quote_the_layer_table():
 def test_modules_stay_small():
     for name, path in _modules():
         n = len(path.read_text().splitlines())
-        assert n <= 650, f"{name} has {n} lines; split it"
+        limit = 450 if name.startswith("cgraw") else 650  # issue 10: no module of cgraw/ over ~450 lines
+        assert n <= limit, f"{name} has {n} lines; split it"

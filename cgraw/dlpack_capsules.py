@@ -1,12 +1,11 @@
-"""DLPack capsule export (producer): ``make_capsule`` and the lifetime of what it exports.
+"""DLPack capsules: export (``make_capsule``) and import (``parse_capsule``).
 
-Layer L1, the producer half of ``dlpack`` (which re-exports ``make_capsule`` and ``live_exports``;
-callers go through it). Imports only the stdlib, ctypes and ``dlpack``'s structs, dtypes and
-capsule names: no CUDA calls, no cuda.bindings, torch or cupy. Each exported struct, its shape and
+Layer L1, on ``dlpack``'s structs, dtypes, capsule names and C-API prototypes; stdlib and ctypes
+otherwise: no CUDA calls, no cuda.bindings, torch or cupy. Each exported struct, its shape and
 strides and the caller's ``owner`` live in ``_live`` (keyed by struct address) until the deleter
 runs, either from the consumer or from the destructor of a capsule nobody consumed. The consumer
-(``dlpack.parse_capsule``) calls a producer's deleter through ``_call_deleter``, which runs
-``_release`` directly when the capsule is one of ours.
+(``parse_capsule``) calls a producer's deleter through ``_call_deleter``, which runs ``_release``
+directly when the capsule is one of ours.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import ctypes
 import struct
 import sys
 import warnings
+import weakref
 from ctypes import CFUNCTYPE, c_int64, c_void_p
 from typing import Callable
 
@@ -22,16 +22,23 @@ from cgraw.dlpack import (
     _NAME,
     _NAME_V,
     _NP_TO_DL,
+    _USED,
+    _USED_V,
     DLPACK_VERSION,
     READ_ONLY,
     DLDeleter,
     DLManagedTensor,
     DLManagedTensorVersioned,
+    _capsule_get_name,
     _capsule_get_pointer,
+    _capsule_get_pointer_obj,
     _capsule_is_valid,
     _capsule_new,
+    _capsule_set_name,
+    _CapsuleType,
     _immortal,
     _to_dl_dtype_slow,
+    from_dl_dtype,
 )
 
 # Struct address -> (struct buffer, owner, on_release). The buffer holds the managed tensor
@@ -206,3 +213,97 @@ def _call_deleter(deleter_addr: int | None, addr: int) -> None:
             DLDeleter(deleter_addr)(addr)
     except BaseException as e:
         _report("DLPack deleter", e)
+
+
+# ---------------------------------------------------------------------------------------------
+# Consumer
+
+_OFF_DELETER_V = DLManagedTensorVersioned.deleter.offset
+_OFF_DELETER = DLManagedTensor.deleter.offset
+
+
+class DLPackView:
+    """An imported DLPack tensor: a borrowed pointer plus metadata, owning the producer's deleter.
+
+    ``release()`` calls the producer's deleter exactly once; garbage collection does the same.
+    ``ptr`` already includes ``byte_offset``; ``strides`` are in elements.
+    """
+
+    __slots__ = ("ptr", "shape", "strides", "dtype", "device", "readonly", "versioned",
+                 "_finalizer", "__weakref__")
+
+    def release(self) -> None:
+        """Call the producer's deleter (idempotent). ``ptr`` must not be used afterwards."""
+        self._finalizer()
+
+    @property
+    def is_released(self) -> bool:
+        return not self._finalizer.alive
+
+    def __repr__(self) -> str:
+        return (f"DLPackView(ptr={self.ptr:#x}, shape={self.shape}, strides={self.strides}, "
+                f"dtype={self.dtype}, device={self.device}, readonly={self.readonly}, "
+                f"versioned={self.versioned}, released={self.is_released})")
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def parse_capsule(capsule) -> DLPackView:
+    """Take ownership of a "dltensor_versioned" or "dltensor" capsule and describe its tensor.
+
+    The capsule is renamed to its "used_" name, so its producer's destructor no longer frees it.
+
+    Raises:
+        TypeError: not a PyCapsule, or not a DLPack one; unsupported dtype (tensor released).
+        ValueError: the capsule was already consumed.
+        BufferError: unsupported major version (the deleter has been called).
+    """
+    if type(capsule) is not _CapsuleType:
+        raise TypeError(f"expected a DLPack PyCapsule, got {type(capsule).__name__}")
+    name = _capsule_get_name(capsule)
+    if name == _NAME_V:
+        versioned = True
+    elif name == _NAME:
+        versioned = False
+    elif name in (_USED_V, _USED):
+        raise ValueError(f"DLPack capsule {name.decode()!r} was already consumed; "
+                         "call __dlpack__() again for a fresh one")
+    else:
+        raise TypeError(f"not a DLPack capsule: name {name!r}")
+    addr = _capsule_get_pointer_obj(capsule, name)
+    _capsule_set_name(capsule, _USED_V if versioned else _USED)  # ownership is ours from here
+    if versioned:
+        deleter_addr = c_void_p.from_address(addr + _OFF_DELETER_V).value
+        managed = DLManagedTensorVersioned.from_address(addr)
+        major = managed.version.major
+        if major != 1:
+            _call_deleter(deleter_addr, addr)
+            raise BufferError(f"unsupported DLPack major version {major}.{managed.version.minor} "
+                              f"(this consumer supports {DLPACK_VERSION[0]}.x)")
+        flags, t = managed.flags, managed.dl_tensor
+    else:
+        deleter_addr = c_void_p.from_address(addr + _OFF_DELETER).value
+        flags, t = 0, DLManagedTensor.from_address(addr).dl_tensor
+
+    view = DLPackView()
+    view._finalizer = weakref.finalize(view, _call_deleter, deleter_addr, addr)
+    try:
+        ndim = t.ndim
+        shape = tuple(t.shape[:ndim]) if ndim else ()
+        view.shape = shape
+        view.strides = tuple(t.strides[:ndim]) if ndim and t.strides else _contiguous_strides(shape)
+        view.dtype = from_dl_dtype(t.dtype.code, t.dtype.bits, t.dtype.lanes)
+        view.ptr = (t.data or 0) + t.byte_offset
+        view.device = (t.device.device_type, t.device.device_id)
+        view.readonly = bool(flags & READ_ONLY)
+        view.versioned = versioned
+    except BaseException:
+        view.release()
+        raise
+    return view
