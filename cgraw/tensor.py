@@ -3,8 +3,9 @@
 Layer L5: imports ``_cuda``, ``device``, ``stream``, ``memory``, ``dlpack`` and
 ``dlpack_capsules``; no framework imports. A Tensor exports DLPack 1.x capsules (versioned or
 legacy, as the consumer asks) and ``__cuda_array_interface__`` v3. Exports honour the consumer's
-stream: it waits on the stream the tensor was last written on. Every export holds the tensor's memory until the consumer's
-deleter runs, and the owning pool can report which blocks consumers still hold.
+stream: it waits on the stream the tensor was last written on. Every export holds the tensor's
+memory until the consumer's deleter runs, and the owning pool can report which blocks consumers
+still hold.
 """
 
 from __future__ import annotations

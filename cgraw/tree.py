@@ -390,5 +390,5 @@ def _alive_in_tree(node: TreeNode, mgr: TreeManager) -> bool:
     return any(n is node for n in mgr.nodes()) and node.recording is not None
 
 
-__all__ = ["Backend", "Config", "FunctionStats", "NodeState", "Replayable", "Rewarm", "SkipCall", "TreeError", "TreeManager",
-           "TreeNode", "Warm", "config"]
+__all__ = ["Backend", "Config", "FunctionStats", "NodeState", "Replayable", "Rewarm", "SkipCall", "TreeError",
+           "TreeManager", "TreeNode", "Warm", "config"]
