@@ -1,8 +1,8 @@
 """``python -m benchmarks``: every benchmark part in one run, each writing its JSON under results/.
 
 Order: the real models, memory side by side with torch's trees, then the microbenchmarks (launch
-overhead, graphed call and its pieces, workloads, allocator, eager overhead). ``--only PART`` runs
-one part. With no GPU it exits with status 2 and a one-line reason. A part that raises is reported
+overhead, graphed call and its pieces, workloads, allocator, eager overhead). ``--only PART[,PART]``
+runs those parts (in this order). With no GPU it exits with status 2 and a one-line reason. A part that raises is reported
 and the others still run; the exit status is then 1. The CPU-only allocator figure is
 ``python -m benchmarks.alloc_overhead``.
 """
@@ -30,7 +30,7 @@ PARTS = {
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks")
-    ap.add_argument("--only", choices=list(PARTS), default=None)
+    ap.add_argument("--only", type=_parts, default=None, help=f"comma-separated parts of: {', '.join(PARTS)}")
     ap.add_argument("--sizes", default="1,16,256,1024", help="chain lengths for the launch benchmark")
     args = ap.parse_args(argv)
 
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         return 2
     failed = []
     for part, (module, part_args) in PARTS.items():
-        if args.only not in (None, part):
+        if args.only is not None and part not in args.only:
             continue
         t0 = time.perf_counter()
         try:
@@ -58,6 +58,14 @@ def main(argv=None) -> int:
         print(f"[benchmarks] failed parts: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _parts(text: str) -> frozenset:
+    parts = frozenset(p.strip() for p in text.split(",") if p.strip())
+    unknown = sorted(parts - set(PARTS))
+    if unknown or not parts:
+        raise argparse.ArgumentTypeError(f"unknown part(s) {unknown or text!r}; choose from {', '.join(PARTS)}")
+    return parts
 
 
 if __name__ == "__main__":

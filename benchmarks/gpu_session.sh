@@ -9,7 +9,7 @@
 #         smoke  benchmarks.sanitize_smoke under compute-sanitizer memcheck (about 1 min)
 #         memcheck  the whole "gpu and not slow" tier under compute-sanitizer memcheck
 #         threads  python -m benchmarks.allocator_threads (about 1 min)
-#         bench  python -m benchmarks, all parts, then the plots (CGRAW_BENCH_ARGS: e.g. "--only models")
+#         bench  python -m benchmarks, all parts, then the plots (CGRAW_BENCH_ARGS: e.g. "--only models,graphed")
 # all = tests,slow,smoke,bench
 set -u
 stages=${1:-all}; shift || true
