@@ -424,6 +424,29 @@ def test_non_root_function_called_twice_becomes_child(tree, rng):
     assert ("affine", "square", "square") in tree.recorded_paths()
 
 
+def test_repeated_non_root_function_deepens_the_path_until_made_a_root(tree, rng):
+    """The README's "a function that is not a root extends the path, one node per call": after
+    one call of ``a``, every call of ``g`` is a node one deeper (warmed up, never recorded while
+    no later generation comes back); ``mark_step_begin()`` before its next call makes ``g`` a root,
+    recorded once and replayed from then on."""
+    a, g = tree.fn(affine), tree.fn(double)
+    a(tree.tensor(rand(rng, 16)))
+    for i in range(1, 13):
+        x = tree.tensor(rand(rng, 16))
+        assert_same(g(x), tree.eager(g, x))
+        assert len(tree.mgr.current.path()) == i + 1  # a -> g -> g -> ...
+    st = tree.mgr.stats[g.fn_id]
+    assert (st.warmups, st.recordings, st.replays) == (12, 0, 0)
+    assert g.fn_id not in tree.mgr.root_fns
+    tree.mgr.mark_step_begin()
+    for _ in range(12):
+        x = tree.tensor(rand(rng, 16))
+        assert_same(g(x), tree.eager(g, x))
+        assert tree.mgr.current.parent is None  # each call begins a generation: g is a root
+    assert g.fn_id in tree.mgr.root_fns
+    assert (st.warmups, st.recordings, st.replays) == (13, 1, 10)
+
+
 # ---------------------------------------------------------------------- 4. tree outputs
 
 
