@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from benchmarks._harness import Report, bootstrap_ci, host_sync_us, host_us_interleaved, verdict
+from benchmarks._harness import Report, alternating, bootstrap_ci, host_sync_us, host_us_interleaved, verdict
 
 NUMEL = 1024
 
@@ -271,13 +271,7 @@ def extra_inputs(rep: Report, ks=(1, 4, 16)) -> dict | None:
         cgraw.mark_step_begin()
         if not rep.check(f"extra inputs k={k}: cgraw.graphed", check):
             return None
-        state = {"i": 0}
-
-        def run(g=g, sets=sets, state=state):
-            state["i"] ^= 1
-            g(*sets[state["i"]])
-
-        timed[k], checks[k] = run, check
+        timed[k], checks[k] = alternating(lambda xs, g=g: g(*xs), sets), check
     res = host_us_interleaved(timed, loops=100, rounds=41, sync=sync)
     for k in ks:  # each recording still equals eager after the timing
         rep.check(f"extra inputs k={k}: cgraw.graphed after the timing", checks[k])
