@@ -32,6 +32,7 @@ from cgraw.graphed import (
     unsafe,
 )
 from cgraw.memory import DevicePool
+from cgraw.rng import initial_seed, manual_seed
 from cgraw.stream import Event, Stream
 from cgraw.tensor import Tensor, from_dlpack
 from cgraw.tree import config
@@ -63,6 +64,8 @@ __all__ = [
     "config",
     "from_dlpack",
     "graphed",
+    "initial_seed",
+    "manual_seed",
     "mark_static",
     "mark_step_begin",
     "report",

@@ -16,13 +16,15 @@ import logging
 import threading
 import time
 
-from cgraw import _cuda, _defer
+from cgraw import _cuda, _defer, rng, rngexec
 from cgraw import stream as _stream_mod
 from cgraw.device import Device
 from cgraw.errors import CaptureError, UnsafeCallError
 from cgraw.graph import Graph
 from cgraw.interop import cupy as _icupy
+from cgraw.interop import cupy_rng as _cupy_rng
 from cgraw.interop import torch as _itorch
+from cgraw.interop import torch_rng as _torch_rng
 from cgraw.memory import DevicePool, capture_guard_enter, capture_guard_exit
 
 log = logging.getLogger("cgraw")
@@ -58,10 +60,14 @@ class capture:
         frameworks: which of ``"torch"`` and ``"cupy"`` to route; by default each one the
             process has imported.
         warm_cublas: run a tiny torch matmul before capture so cuBLAS is initialised.
+        random: draw torch's and CuPy's random numbers inside the capture from cgraw's generator,
+            fresh on every replay (``cgraw.manual_seed`` seeds it; README "Random numbers"). With
+            ``False`` a random-number call fails the capture.
     """
 
     def __init__(self, *, pool: DevicePool | None = None, mode: str = "thread_local", device=None,
-                 warmup=None, upload: bool = True, frameworks=None, warm_cublas: bool = True):
+                 warmup=None, upload: bool = True, frameworks=None, warm_cublas: bool = True,
+                 random: bool = True):
         if mode not in _MODES:
             raise ValueError(f"{mode=} must be one of {_MODES}")
         if pool is not None and not isinstance(pool, DevicePool):
@@ -75,6 +81,8 @@ class capture:
         self.upload = upload
         self.frameworks = frameworks
         self.warm_cublas = warm_cublas
+        self.random = random
+        self._rng: rng.RngStream | None = None
         self._tree = False  # a graph-tree recording (for_tree)
         self._route = "thread"
         self.graph: Graph | None = None
@@ -112,6 +120,11 @@ class capture:
         stream = pool.capture_stream
         self.graph = Graph._pending(dev, pool, stream)
         self._adapters = self._make_adapters(pool, stream)
+        if self.random and self._adapters:
+            # the graph's offset slot, zeroed on the capture stream before the capture begins
+            self._rng = rng.RngStream(rngexec.reserve(dev.ordinal, stream.handle), dev.ordinal,
+                                      threading.get_ident())
+            self._adapters += self._rng_routers(dev.ordinal)
 
         # Work queued before the capture (inputs being written) must finish before the graph's
         # first node: the capture stream waits on the legacy stream and the frameworks' current streams.
@@ -149,6 +162,7 @@ class capture:
             finally:
                 _defer.capture_ends()
                 self._restore_context()
+                self._release_rng()
             raise
         return self.graph
 
@@ -169,11 +183,18 @@ class capture:
         if status == 1 and exc_type is None and _has_unjoined_work(stream):
             # name the culprits while they are still capturing (EndCapture takes them out)
             unjoined = _itorch.side_streams(capture_id, stream.ptr, _cuda.stream_capture_info)
+        rng_error = None
+        rs = self._rng
+        if rs is not None and rs.calls and status == 1 and exc_type is None:
+            try:  # the graph's last node: the next replay draws fresh numbers
+                rngexec.advance(rs, stream.handle)
+            except BaseException as e:
+                rng_error = e
         err, cugraph = _cuda.stream_end_capture_raw(stream.handle)
         capture_guard_exit()
         capture_ms = (time.perf_counter() - self._t0) * 1e3
-        failed = exc_type is not None or bool(err)
-        exit_error = None
+        failed = exc_type is not None or bool(err) or rng_error is not None
+        exit_error = rng_error
         host_funcs = []
         try:
             for a in reversed(self._adapters):
@@ -189,6 +210,7 @@ class capture:
         host_funcs.extend(stream.take_host_funcs())
 
         if exc_type is not None or err or exit_error is not None:
+            self._release_rng()
             if cugraph is not None:
                 _cuda.destroy_quietly("graph", cugraph)
             self._restore_pool()
@@ -211,8 +233,14 @@ class capture:
             graph._finish(cugraph, upload=self.upload)
         except BaseException:
             self._restore_pool()  # instantiation failed: as after any failed capture
+            self._release_rng()
             raise
         graph._keepalive.extend(host_funcs)
+        if rs is not None and rs.calls:
+            graph.rng = rngexec.SlotHolder(rs)  # returns the slot when the graph is gone
+            self._rng = None
+        else:
+            self._release_rng()
         graph.instantiate_ms = (time.perf_counter() - t0) * 1e3
         if self._tree:
             self._disown()
@@ -243,6 +271,21 @@ class capture:
                 raise ImportError("frameworks=('cupy',) but cupy is not imported")
             out.append(_icupy.CupyRouting(pool, stream, self._owners, warm_cublas=self.warm_cublas))
         return out
+
+    def _rng_routers(self, device: int) -> list:
+        """The random-number routers of the frameworks being routed (entered after them)."""
+        out = []
+        for a in self._adapters:
+            if isinstance(a, _itorch.TorchRouting):
+                out.append(_RngAdapter(_torch_rng.TorchRng(self._rng)))
+            elif isinstance(a, _icupy.CupyRouting):
+                out.append(_RngAdapter(_cupy_rng.CupyRng(self._rng, device)))
+        return out
+
+    def _release_rng(self) -> None:
+        rs, self._rng = self._rng, None
+        if rs is not None:
+            rngexec.release(rs.device, rs.slot)
 
     def _restore_context(self) -> None:
         """Make the context that was current before the capture current again (a capture on
@@ -301,6 +344,24 @@ class capture:
                                 "make the capture stream wait on each side stream (an event, or "
                                 "torch.cuda.current_stream().wait_stream(side)) before the block ends")
         return e if isinstance(e, CaptureError) else CaptureError(e.call, e.code, e.name, e.description, e.hint)
+
+
+class _RngAdapter:
+    """A random-number router in the capture's adapter list (no streams of its own)."""
+
+    __slots__ = ("router",)
+
+    def __init__(self, router):
+        self.router = router
+
+    def producer_streams(self) -> list[int]:
+        return []
+
+    def enter(self) -> None:
+        self.router.enter()
+
+    def exit(self, failed: bool = False) -> None:
+        self.router.exit()
 
 
 def _has_unjoined_work(stream) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
-from cgraw import _cuda
+from cgraw import _cuda, rngexec
 from cgraw import stream as _streams
 from cgraw.device import Device
 from cgraw.errors import CaptureError, CgrawError
@@ -65,6 +65,7 @@ class Graph:
         "num_nodes",
         "capture_ms",
         "instantiate_ms",
+        "rng",
         "__weakref__",
     )
 
@@ -86,6 +87,7 @@ class Graph:
         self.num_nodes = 0
         self.capture_ms = 0.0
         self.instantiate_ms = 0.0
+        self.rng = None  # random numbers drawn in the graph: key, draws, offset slot (rngexec.SlotHolder)
         return self
 
     def _finish(self, cugraph, *, flags: int = 0, upload: bool = True) -> None:
@@ -180,6 +182,7 @@ class Graph:
         self._exec = None
         self._graph = None
         self._keepalive = []
+        self.rng = None
         unregister = getattr(self.pool, "_unregister_graph", None)
         if unregister is not None:
             unregister(self)
@@ -189,6 +192,13 @@ class Graph:
     @property
     def closed(self) -> bool:
         return self._exec is None
+
+    def rng_offset(self) -> int:
+        """The Philox offset the next replay starts from (replays so far times ``rng.draws``);
+        synchronises the device. 0 for a graph without random numbers."""
+        if self.rng is None:
+            return 0
+        return rngexec.read_offset(self.rng.device, self.rng.slot)
 
     def update_from(self, other: "Graph") -> None:
         """Take ``other``'s node parameters with ``cuGraphExecUpdate`` (same topology required).
@@ -214,6 +224,9 @@ class Graph:
                 "update_from needs the same topology and node types; capture again or instantiate the other graph",
             )
         self._keepalive.append(other.pool)
+        if other.rng is not None:  # its kernels read the other graph's offset slot from now on
+            self._keepalive.append(other.rng)
+        self.rng = other.rng
         self._nodes = None
 
     def _require_open(self) -> None:

@@ -1,6 +1,6 @@
 """Graph-safe random numbers: seeds, per-graph streams and launch geometry (pure).
 
-Layer L0: no CUDA, no framework. The kernels are in ``rng_kernels`` and run through
+Layer L1 (pure): no CUDA, no framework. The kernels are in ``rng_kernels`` and run through
 ``rngexec``; torch and CuPy calls reach them through ``interop.torch_rng`` and
 ``interop.cupy_rng``.
 
@@ -133,3 +133,32 @@ def reference_uniform_f32(key: int, offset: int, n: int) -> np.ndarray:
     """``torch.rand(n)`` (float32, [0, 1)) as the kernel draws it at ``offset``."""
     w = reference_words(key, offset, -(-n // 4)).reshape(-1)[:n]
     return ((w >> 8).astype(np.float32) * np.float32(2.0 ** -24)).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------- argument rules
+
+# significand bits of the float dtypes: torch's random_() on a float tensor draws [0, 2**digits]
+_DIGITS = {"f32": 24, "f64": 53, "f16": 11, "bf16": 8}
+_INT_MAX = {"i8": 127, "u8": 255, "i16": 32767, "i32": 2**31 - 1, "i64": 2**63 - 1, "b8": 1}
+
+
+def random_range(dtype: str, low: int | None = None, high: int | None = None) -> tuple[int, int]:
+    """``(lo, range)`` of ``Tensor.random_`` (and ``randint``) for a dtype code: ``[low, high)``;
+    a missing ``high`` is the dtype's top (inclusive, as torch does); no arguments is
+    ``[0, top]``."""
+    top = 2 ** _DIGITS[dtype] if dtype in _DIGITS else _INT_MAX[dtype]
+    lo = 0 if low is None else int(low)
+    hi = top + 1 if high is None else int(high)
+    if hi <= lo:
+        raise ValueError(f"random_ expects 'from' < 'to', got from={lo} >= to={hi}")
+    return lo, hi - lo
+
+
+def is_wide(dist: str, dtype: str, rng_range: int = 0) -> bool:
+    """Whether a draw needs 64 random bits per value: float64 continuous values, and integer
+    ranges wider than 2**32."""
+    if dist == "randint":
+        return rng_range > 2**32
+    if dist in ("bernoulli", "bernoulli_t"):
+        return False
+    return dtype == "f64"

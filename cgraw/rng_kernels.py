@@ -1,6 +1,6 @@
 """CUDA C source of cgraw's random-number kernels (compiled with NVRTC at first use).
 
-Layer L0 (pure): strings only. ``source(name)`` gives the source that defines the one kernel
+Layer L1 (pure): strings only. ``source(name)`` gives the source that defines the one kernel
 ``name``: the shared body below plus an ``extern "C"`` wrapper that instantiates it.
 
 Every kernel draws from Philox4x32-10 (Salmon et al. 2011; the generator of torch and cuRAND) with

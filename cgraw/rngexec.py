@@ -5,7 +5,7 @@ element counts and dtype codes (``rng_kernels.CTYPES``). The pure decisions are 
 
 Slots. A graph's offset lives in an 8-byte slot of a per-device arena (``cuMemAlloc`` of
 ``SLOTS`` slots, made outside any capture and kept for the process: a graph's kernels hold its
-address). ``reserve`` (before a capture begins) takes one and zeroes it on the capture stream;
+address). ``reserve`` (before a capture begins) takes one and zeroes it (waiting for the zeroing);
 ``SlotHolder`` (kept by the graph) gives it back when the graph is gone. Reuse is safe: a reused
 slot is zeroed again, and the next graph has another key.
 """
@@ -32,7 +32,8 @@ _ADVANCE_TYPES = (_k.ARG_PTR, _k.ARG_U64)
 
 
 def reserve(device: int, stream) -> int:
-    """A zeroed offset slot on ``device`` (the zeroing is queued on ``stream``). Outside captures."""
+    """A zeroed offset slot on ``device`` (zeroed on ``stream``, which is synchronised: call it
+    before that stream waits on other work). Outside captures."""
     with _lock:
         free = _free.setdefault(device, [])
         if not free:
@@ -41,7 +42,9 @@ def reserve(device: int, stream) -> int:
             free.extend(base + 8 * i for i in range(SLOTS - 1, -1, -1))
         slot = free.pop()
     try:
+        # zeroed before any replay: a replay runs on the caller's stream, not this one
         _k.memset_d32_async(slot, 0, 2, stream)
+        _cuda.stream_synchronize(stream)
     except BaseException:
         release(device, slot)
         raise
@@ -60,10 +63,13 @@ def release(device: int, slot: int) -> None:
 class SlotHolder:
     """Kept by a graph that draws random numbers: returns its slot when the graph is gone."""
 
-    __slots__ = ("device", "slot", "key", "calls")
+    __slots__ = ("device", "slot", "key", "draws")
 
     def __init__(self, stream: rng.RngStream):
-        self.device, self.slot, self.key, self.calls = stream.device, stream.slot, stream.key, stream.calls
+        self.device, self.slot, self.key, self.draws = stream.device, stream.slot, stream.key, stream.calls
+
+    def __repr__(self) -> str:
+        return f"<cgraw graph random numbers: key 0x{self.key:016x}, {self.draws} draw(s) per replay>"
 
     def __del__(self):
         release(self.device, self.slot)

@@ -1,0 +1,238 @@
+"""``cupy.random`` inside captures, drawn by cgraw's Philox kernels (issue 11).
+
+Layer L7: CuPy is imported lazily; kernels are reached through ``rngexec``.
+
+CuPy's module functions (``cupy.random.random``, ``rand``, ``randn``, ``standard_normal``,
+``normal``, ``uniform``, ``randint``, ``choice``, ...) draw from the device's ``RandomState``,
+which calls cuRAND, and cuRAND refuses stream capture. During a capture cgraw puts a
+``CaptureRandomState`` in CuPy's table of states for the capture's device: on the capturing
+thread it draws from the graph's stream, on any other thread it forwards to CuPy's own state.
+After the capture CuPy's own state is back, untouched, so eager code draws the same numbers as
+if no capture had run.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+from cgraw import _cuda, rng, rngexec
+from cgraw.errors import CaptureError
+
+_CODES = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.float16): "f16",
+          np.dtype(np.int8): "i8", np.dtype(np.uint8): "u8", np.dtype(np.int16): "i16",
+          np.dtype(np.int32): "i32", np.dtype(np.int64): "i64", np.dtype(np.bool_): "b8"}
+COVERED = ("random_sample", "random", "rand", "randn", "standard_normal", "normal", "uniform",
+           "randint", "random_integers", "choice", "standard_exponential", "exponential")
+
+
+def _not_covered(name: str, why: str = "cgraw draws its own numbers inside captures and does not cover it"):
+    return CaptureError(f"cupy.random.{name}", 0, "RNG_NOT_COVERED",
+                        f"cupy.random.{name} cannot be captured ({why})",
+                        "draw the random array outside the capture and pass it in, or use one of "
+                        + ", ".join(COVERED))
+
+
+def _shape(size) -> tuple:
+    if size is None:
+        return ()
+    if isinstance(size, (int, np.integer)):
+        return (int(size),)
+    return tuple(int(s) for s in size)
+
+
+class CaptureRandomState:
+    """Stands in for the device's ``cupy.random.RandomState`` during one capture."""
+
+    def __init__(self, stream: rng.RngStream, original, device: int):
+        self._rs = stream
+        self._original = original
+        self._device = device
+        self._thread = threading.get_ident()
+
+    def _mine(self) -> bool:
+        return threading.get_ident() == self._thread
+
+    def _orig(self):
+        if self._original is None:
+            self._original = sys.modules["cupy"].random.RandomState()
+        return self._original
+
+    def __getattr__(self, name):
+        # only reached for methods this class does not define
+        if self._mine():
+            raise _not_covered(name)
+        return getattr(self._orig(), name)
+
+    # -- drawing
+    def _fill(self, shape, dtype, dist: str, *, a=0.0, b=0.0, lo=0, rng_range=0):
+        cupy = sys.modules["cupy"]
+        dtype = np.dtype(dtype)
+        code = _CODES.get(dtype)
+        if code is None:
+            raise _not_covered(dist, f"dtype {dtype} is not supported")
+        out = cupy.empty(shape, dtype=dtype)
+        stream = _cuda.stream_handle(cupy.cuda.get_current_stream().ptr)
+        rngexec.fill(self._rs, dist, code, out.data.ptr, out.size, stream, a=a, b=b, lo=lo, rng_range=rng_range,
+                     wide=rng.is_wide(dist, code, rng_range))
+        return out
+
+    def _float(self, name, dtype):
+        dtype = np.dtype(dtype)
+        if dtype.char not in "fd":
+            raise TypeError(f"cupy.random.{name}: dtype must be float32 or float64, not {dtype}")
+        return dtype
+
+    def random_sample(self, size=None, dtype=float):
+        if not self._mine():
+            return self._orig().random_sample(size=size, dtype=dtype)
+        return self._fill(_shape(size), self._float("random_sample", dtype), "uniform", a=0.0, b=1.0)
+
+    random = random_sample
+
+    def rand(self, *size, **kwarg):
+        if not self._mine():
+            return self._orig().rand(*size, **kwarg)
+        return self.random_sample(size=size, dtype=kwarg.pop("dtype", float))
+
+    def randn(self, *size, **kwarg):
+        if not self._mine():
+            return self._orig().randn(*size, **kwarg)
+        return self.normal(size=size, dtype=kwarg.pop("dtype", float))
+
+    def standard_normal(self, size=None, dtype=float):
+        if not self._mine():
+            return self._orig().standard_normal(size=size, dtype=dtype)
+        return self.normal(size=size, dtype=dtype)
+
+    def _param_shape(self, size, *params):
+        arrays = [p for p in params if hasattr(p, "shape")]
+        if size is not None or not arrays:
+            return _shape(size), arrays
+        return tuple(np.broadcast_shapes(*(tuple(p.shape) for p in arrays))), arrays
+
+    def normal(self, loc=0.0, scale=1.0, size=None, dtype=float):
+        if not self._mine():
+            return self._orig().normal(loc=loc, scale=scale, size=size, dtype=dtype)
+        dtype = self._float("normal", dtype)
+        shape, arrays = self._param_shape(size, loc, scale)
+        if not arrays:
+            return self._fill(shape, dtype, "normal", a=float(loc), b=float(scale))
+        z = self._fill(shape, dtype, "normal", a=0.0, b=1.0)
+        return (z * scale + loc).astype(dtype, copy=False)
+
+    def uniform(self, low=0.0, high=1.0, size=None, dtype=float):
+        if not self._mine():
+            return self._orig().uniform(low=low, high=high, size=size, dtype=dtype)
+        dtype = self._float("uniform", dtype)
+        shape, arrays = self._param_shape(size, low, high)
+        if not arrays:
+            return self._fill(shape, dtype, "uniform", a=float(low), b=float(high))
+        u = self._fill(shape, dtype, "uniform", a=0.0, b=1.0)
+        return (low + (high - low) * u).astype(dtype, copy=False)
+
+    def standard_exponential(self, size=None, dtype=float):
+        if not self._mine():
+            return self._orig().standard_exponential(size=size, dtype=dtype)
+        return self._fill(_shape(size), self._float("standard_exponential", dtype), "exponential", a=1.0)
+
+    def exponential(self, scale=1.0, size=None, dtype=float):
+        if not self._mine():
+            return self._orig().exponential(scale=scale, size=size, dtype=dtype)
+        if hasattr(scale, "shape"):
+            raise _not_covered("exponential", "an array scale is not supported")
+        return self._fill(_shape(size), self._float("exponential", dtype), "exponential", a=1.0 / float(scale))
+
+    def randint(self, low, high=None, size=None, dtype="l"):
+        if not self._mine():
+            return self._orig().randint(low, high=high, size=size, dtype=dtype)
+        if hasattr(low, "shape") or hasattr(high, "shape"):
+            raise _not_covered("randint", "array bounds are not supported")
+        lo, hi = (0, int(low)) if high is None else (int(low), int(high))
+        if hi <= lo:
+            raise ValueError(f"cupy.random.randint: low >= high ({lo} >= {hi})")
+        return self._fill(_shape(size), dtype, "randint", lo=lo, rng_range=hi - lo)
+
+    def random_integers(self, low, high=None, size=None):
+        if not self._mine():
+            return self._orig().random_integers(low, high=high, size=size)
+        lo, hi = (1, int(low)) if high is None else (int(low), int(high))
+        return self.randint(lo, hi + 1, size=size)
+
+    def choice(self, a, size=None, replace=True, p=None):
+        if not self._mine():
+            return self._orig().choice(a, size=size, replace=replace, p=p)
+        cupy = sys.modules["cupy"]
+        if isinstance(a, (int, np.integer)):
+            n, values = int(a), None
+        else:
+            values = cupy.asarray(a) if not hasattr(a, "shape") else a
+            if values.ndim != 1:
+                raise ValueError("cupy.random.choice: a must be 1-dimensional or an integer")
+            n = int(values.shape[0])
+        if n <= 0:
+            raise ValueError("cupy.random.choice: a must be non-empty")
+        shape = _shape(size)
+        k = int(np.prod(shape)) if shape else 1
+        if p is not None:
+            p = cupy.asarray(p, dtype=cupy.float64)
+            if p.ndim != 1 or int(p.shape[0]) != n:
+                raise ValueError("cupy.random.choice: p must be 1-dimensional and as long as a")
+        if replace:
+            if p is None:
+                idx = self.randint(0, n, size=shape)
+            else:
+                c = cupy.cumsum(p)
+                u = self._fill(shape, np.float64, "uniform", a=0.0, b=1.0)
+                idx = cupy.minimum(cupy.searchsorted(c, u * c[-1], side="right"), n - 1)
+        else:
+            if k > n:
+                raise ValueError("cupy.random.choice: cannot take a larger sample than the population "
+                                 "when replace=False")
+            if p is None:
+                keys = self._fill((n,), np.float64, "uniform", a=0.0, b=1.0)
+            else:
+                keys = p / self._fill((n,), np.float64, "exponential", a=1.0)
+            idx = cupy.argsort(-keys)[:k].reshape(shape)
+        return idx if values is None else values[idx]
+
+
+class CupyRng:
+    """Puts a ``CaptureRandomState`` in CuPy's table for the capture's device, and takes it out."""
+
+    def __init__(self, stream: rng.RngStream, device: int):
+        self.stream = stream
+        self.device = device
+        self._states = None
+        self._had = False
+        self._before = None
+        self._sub = None
+
+    def enter(self) -> None:
+        gen = sys.modules.get("cupy.random._generator")
+        if gen is None:
+            import importlib
+
+            gen = importlib.import_module("cupy.random._generator")
+        states = getattr(gen, "_random_states", None)
+        if not isinstance(states, dict):
+            return  # another CuPy: cupy.random fails as before
+        self._states = states
+        self._had = self.device in states
+        self._before = states.get(self.device)
+        self._sub = CaptureRandomState(self.stream, self._before, self.device)
+        states[self.device] = self._sub
+
+    def exit(self) -> None:
+        states, self._states = self._states, None
+        if states is None:
+            return
+        sub, self._sub = self._sub, None
+        if states.get(self.device) is sub:
+            original = sub._original  # made on another thread during the capture, if it was None
+            if original is not None:
+                states[self.device] = original
+            else:
+                states.pop(self.device, None)
