@@ -1,10 +1,10 @@
 """``python -m benchmarks``: every benchmark part in one run, each writing its JSON under results/.
 
 Order: the real models, memory side by side with torch's trees, then the microbenchmarks (launch
-overhead, graphed call and its pieces, workloads, allocator, eager overhead). ``--only PART[,PART]``
-runs those parts (in this order). With no GPU it exits with status 2 and a one-line reason. A part that raises is reported
-and the others still run; the exit status is then 1. The CPU-only allocator figure is
-``python -m benchmarks.alloc_overhead``.
+overhead, graphed call and its pieces, workloads, graph-safe random numbers, allocator, eager
+overhead). ``--only PART[,PART]`` runs those parts (in this order). With no GPU it exits with
+status 2 and a one-line reason. A part that raises is reported and the others still run; the exit
+status is then 1. The CPU-only allocator figure is ``python -m benchmarks.alloc_overhead``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ PARTS = {
     "graphed": ("benchmarks.graphed_call", []),
     "profile": ("benchmarks.profile_graphed", []),
     "workloads": ("benchmarks.workloads", []),
+    "rng": ("benchmarks.rng", []),
     "alloc": ("benchmarks.alloc_gpu", []),
     "eager": ("benchmarks.eager_overhead", []),
 }
