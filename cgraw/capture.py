@@ -316,6 +316,8 @@ class capture:
 
     def _classify(self, exc, err, status) -> str | None:
         """The plain-words reason a capture failed, or None for the user's own exception."""
+        if isinstance(exc, CaptureError) and exc.name == "RNG_NOT_COVERED":  # names the op itself
+            return f"{exc.description}; {exc.hint}"
         for e in _chain(exc):
             cupy_first = type(e).__module__.startswith("cupy")
             for cls in ((_icupy.CupyRouting, _itorch.TorchRouting) if cupy_first

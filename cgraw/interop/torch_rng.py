@@ -151,6 +151,13 @@ def _make_mode_class():
     T = torch.Tensor
     sdpa = {getattr(aten, n) for n in _SDPA_OPS if hasattr(aten, n)}
 
+    scalar_types = {4: torch.int64, 6: torch.float32, 7: torch.float64, 3: torch.int32, 5: torch.float16,
+                    15: torch.bfloat16, 11: torch.bool, 0: torch.uint8, 1: torch.int8, 2: torch.int16}
+
+    def _as_dtype(dt):
+        """A schema default arrives as a ScalarType number (randint's ``long``)."""
+        return scalar_types.get(dt) if isinstance(dt, int) else dt
+
     def dense(t) -> bool:
         return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
 
@@ -209,7 +216,7 @@ def _make_mode_class():
             return t
 
         def factory(self, func, d, size):
-            kw = {"dtype": d.get("dtype"), "layout": d.get("layout"), "device": d.get("device"),
+            kw = {"dtype": _as_dtype(d.get("dtype")), "device": d.get("device"),
                   "pin_memory": d.get("pin_memory")}
             out = d.get("out")
             if out is not None:
@@ -219,7 +226,8 @@ def _make_mode_class():
 
         def like(self, d):
             src = d["self"]
-            kw = {k: d.get(k) for k in ("dtype", "layout", "device", "pin_memory", "memory_format")}
+            kw = {k: d.get(k) for k in ("device", "pin_memory", "memory_format")}
+            kw["dtype"] = _as_dtype(d.get("dtype"))
             t = torch.empty_like(src, **{k: v for k, v in kw.items() if v is not None})
             return t if self.mine(t) else None
 
@@ -233,7 +241,7 @@ def _make_mode_class():
         return NotImplemented if t is None else m.fill(t, "normal", a=0.0, b=1.0)
 
     def randint(m, func, d):
-        if d.get("dtype") is None and d.get("out") is None:
+        if _as_dtype(d.get("dtype")) is None and d.get("out") is None:
             d["dtype"] = torch.int64
         t = m.factory(func, d, d["size"])
         if t is None:

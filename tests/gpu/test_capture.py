@@ -168,8 +168,20 @@ def test_failure_cupy_get(pool):
     _fail(pool, body, "host synchronisation")
 
 
-def test_failure_torch_rng(pool):
-    _fail(pool, lambda: torch.rand(10, device="cuda"), "random")
+def test_failure_torch_rng_uncovered_op_is_named(pool):
+    # cgraw draws rand/randn/dropout/... itself (tests/gpu/test_rng.py); randperm it does not cover
+    _fail(pool, lambda: torch.randperm(10, device="cuda"), "randperm")
+
+
+def test_failure_torch_rng_with_random_off(pool):
+    snap = pool.snapshot()
+    with pytest.raises(cgraw.CaptureError, match="random") as ei:
+        with cgraw.capture(pool=pool, random=False):
+            torch.rand(10, device="cuda")
+    assert ei.value.__cause__ is not None
+    assert pool.snapshot() == snap
+    not_capturing(pool)
+    _capture_works(pool)
 
 
 def test_failure_cupy_cublas(pool):

@@ -230,7 +230,7 @@ def test_skips_run_eagerly_with_reason(kind, caplog):
     bodies = {
         "item": lambda x: x * float((x > 0).sum().item()),
         "cpu_input": lambda x: x * 2.0,
-        "rng": lambda x: x + torch.rand_like(x) * 0.0,
+        "rng": lambda x: x + torch.randperm(x.numel(), device=x.device).reshape(x.shape).to(x.dtype) * 0.0,
         "unsafe": lambda x: host_side(x) + 1.0,
     }
     body = bodies[kind]

@@ -1,0 +1,225 @@
+"""CPU tier of graph-safe random numbers: the Philox reference, seeds and keys, argument rules,
+kernel sources, and the routers' pass-through paths (no GPU needed)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from cgraw import rng
+from cgraw import rng_kernels as K
+
+# Random123's published known answers for Philox4x32-10 (its tests/kat_vectors)
+KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("ctr,key,want", KAT)
+def test_philox_reference_matches_random123(ctr, key, want):
+    assert tuple(int(x) for x in rng.philox4x32_10(ctr, key)) == want
+
+
+def test_philox_reference_is_vectorised_consistently():
+    ctrs = np.array([c for c, _, _ in KAT[:2]], dtype=np.uint32)
+    both = rng.philox4x32_10(ctrs, (0, 0))
+    assert tuple(int(x) for x in both[0]) == KAT[0][2]
+    assert tuple(both[1]) != tuple(rng.philox4x32_10(ctrs[1], (0xFFFFFFFF, 0xFFFFFFFF)))  # key matters
+
+
+def test_reference_uniform_layout():
+    key = 0x0123456789ABCDEF
+    u = rng.reference_uniform_f32(key, 5, 10)
+    words = rng.reference_words(key, 5, 3)
+    assert u.dtype == np.float32 and u.shape == (10,)
+    assert np.all((u >= 0) & (u < 1))
+    # element i is word i of the flattened (group, word) table, top 24 bits
+    np.testing.assert_array_equal(u, (words.reshape(-1)[:10] >> 8).astype(np.float32) / np.float32(2 ** 24))
+    assert not np.array_equal(u, rng.reference_uniform_f32(key, 6, 10))  # offset matters
+    assert not np.array_equal(u, rng.reference_uniform_f32(key ^ 1, 5, 10))  # key matters
+    # the counter's high words carry the offset: offsets past 2**32 differ from their low half
+    assert not np.array_equal(rng.reference_words(key, 1 << 32, 2), rng.reference_words(key, 0, 2))
+
+
+def test_splitmix64_known_first_output():
+    assert rng.splitmix64(0) == 0xE220A8397B1DCDAF
+
+
+def test_manual_seed_restarts_the_sequence_of_graph_keys():
+    rng.manual_seed(7)
+    first = [rng.next_key() for _ in range(3)]
+    rng.manual_seed(7)
+    assert [rng.next_key() for _ in range(3)] == first
+    assert len(set(first)) == 3
+    rng.manual_seed(8)
+    assert rng.next_key() != first[0]
+    assert rng.initial_seed() == 8
+    rng.manual_seed(-1)
+    assert rng.initial_seed() == (1 << 64) - 1
+    with pytest.raises(ValueError):
+        rng.manual_seed(1 << 64)
+    rng.manual_seed(rng.DEFAULT_SEED)
+
+
+def test_stream_takes_its_key_on_first_draw_and_counts_offsets():
+    rng.manual_seed(3)
+    s = rng.RngStream(slot=0x1000, device=0, thread=threading.get_ident())
+    assert s.key is None and s.calls == 0
+    k, off = s.take()
+    assert off == 0 and s.take() == (k, 1) and s.take(2) == (k, 2) and s.calls == 4
+    quiet = rng.RngStream(0x1008, 0, 0)  # a capture that draws nothing takes no serial number
+    rng.manual_seed(3)
+    assert rng.next_key() == k
+    assert quiet.key is None
+    rng.manual_seed(rng.DEFAULT_SEED)
+
+
+@pytest.mark.parametrize("dtype,args,want", [
+    ("f32", (), (0, 2 ** 24 + 1)), ("bf16", (), (0, 257)), ("f64", (), (0, 2 ** 53 + 1)),
+    ("i8", (), (0, 128)), ("u8", (), (0, 256)), ("b8", (), (0, 2)), ("i64", (), (0, 2 ** 63)),
+    ("i32", (-5, 7), (-5, 12)), ("f16", (3, None), (3, 2 ** 11 + 1 - 3)),
+])
+def test_random_ranges_follow_torch(dtype, args, want):
+    assert rng.random_range(dtype, *args) == want
+
+
+def test_random_range_rejects_empty():
+    with pytest.raises(ValueError):
+        rng.random_range("i32", 5, 5)
+
+
+def test_wide_draws():
+    assert rng.is_wide("uniform", "f64") and not rng.is_wide("uniform", "f32")
+    assert not rng.is_wide("bernoulli", "f64")
+    assert rng.is_wide("randint", "i64", 2 ** 32 + 1) and not rng.is_wide("randint", "i64", 2 ** 32)
+
+
+def test_grid_is_bounded_and_covers():
+    assert rng.grid(1, 4, 132) == 1
+    assert rng.grid(4 * 256 * 3, 4, 132) == 3
+    assert rng.grid(10 ** 9, 4, 132) == 132 * 8
+
+
+def test_every_kernel_name_has_a_source_defining_it():
+    names = [K.ADVANCE_NAME] + [K.dropout_name(d) for d in K.FLOATS]
+    names += [K.fill_name(d, t, w) for d in K.DISTS for t in K.CTYPES for w in (False, True)]
+    assert len(set(names)) == len(names)
+    for n in names:
+        src = K.source(n)
+        assert src.count(f" {n}(") == 1, n
+        assert "#include" not in src  # NVRTC needs no include path
+    with pytest.raises(KeyError):
+        K.source("cgraw_fill_poisson_f32_n")
+    with pytest.raises(KeyError):
+        K.fill_name("uniform", "c64", False)
+    with pytest.raises(KeyError):
+        K.dropout_name("i32")
+
+
+def test_capture_names_an_uncovered_random_op():
+    from cgraw import capture
+    from cgraw.interop import torch_rng
+
+    err = torch_rng.not_covered("aten.randperm.default")
+    msg = capture(pool=None)._classify(err, 0, 0)
+    assert "randperm" in msg and "outside the capture" in msg
+
+
+# ----------------------------------------------------------------------------- torch routers (CPU)
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def test_bind_fills_defaults_by_schema_name():
+    torch = _torch()
+    from cgraw.interop import torch_rng
+
+    d = torch_rng._bind(torch.ops.aten.randint.low, (0, 10, [5]), {"device": "cpu"})
+    assert d["low"] == 0 and d["high"] == 10 and list(d["size"]) == [5] and d["device"] == "cpu"
+    d = torch_rng._bind(torch.ops.aten.uniform_.default, (torch.empty(3),), {"to": 4.0})
+    assert d["from"] == 0.0 and d["to"] == 4.0
+
+
+def test_mode_passes_cpu_random_numbers_through_unchanged():
+    torch = _torch()
+    from cgraw.interop import torch_rng
+
+    torch.manual_seed(11)
+    want = (torch.rand(5), torch.randn(3), torch.randint(0, 9, (4,)), torch.empty(6).bernoulli_(0.5))
+    torch.manual_seed(11)
+    r = torch_rng.TorchRng(rng.RngStream(0, 0, threading.get_ident()))
+    r.enter()
+    try:
+        got = (torch.rand(5), torch.randn(3), torch.randint(0, 9, (4,)), torch.empty(6).bernoulli_(0.5))
+        y = torch.nn.functional.dropout(torch.ones(8), 0.5, training=True)  # CPU: torch's own dropout
+    finally:
+        r.exit()
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert y.shape == (8,)
+    assert r.stream.calls == 0  # nothing drawn from cgraw's stream
+
+
+def test_sdpa_patch_is_only_in_place_during_captures():
+    torch = _torch()
+    from cgraw.interop import torch_rng
+
+    orig = torch.nn.functional.scaled_dot_product_attention
+    a = torch_rng.TorchRng(rng.RngStream(0, 0, 0))
+    b = torch_rng.TorchRng(rng.RngStream(8, 0, 0))
+    a.enter()
+    b.enter()  # overlapping captures (two threads): one patch, counted
+    assert torch.nn.functional.scaled_dot_product_attention.__wrapped__ is orig
+    b.exit()
+    assert torch.nn.functional.scaled_dot_product_attention is not orig
+    q = torch.randn(1, 2, 4, 8)
+    torch.testing.assert_close(torch.nn.functional.scaled_dot_product_attention(q, q, q), orig(q, q, q))
+    a.exit()
+    assert torch.nn.functional.scaled_dot_product_attention is orig
+
+
+# ----------------------------------------------------------------------------- CuPy stand-in (CPU)
+
+class _FakeState:
+    def __init__(self):
+        self.calls = []
+
+    def random_sample(self, size=None, dtype=float):
+        self.calls.append(("random_sample", size))
+        return "eager"
+
+    def gamma(self, *a, **k):
+        return "eager gamma"
+
+
+def test_cupy_stand_in_forwards_other_threads_and_names_uncovered_calls():
+    from cgraw.errors import CaptureError
+    from cgraw.interop import cupy_rng
+
+    orig = _FakeState()
+    sub = cupy_rng.CaptureRandomState(rng.RngStream(0, 0, threading.get_ident()), orig, 0)
+    with pytest.raises(CaptureError, match="cupy.random.gamma"):
+        sub.gamma(2.0)
+    out = {}
+
+    def other():
+        out["r"] = sub.random_sample(size=3)
+        out["g"] = sub.gamma(1.0)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert out == {"r": "eager", "g": "eager gamma"} and orig.calls == [("random_sample", 3)]
+
+
+def test_cupy_shape_rules():
+    from cgraw.interop import cupy_rng
+
+    assert cupy_rng._shape(None) == () and cupy_rng._shape(5) == (5,) and cupy_rng._shape((2, 3)) == (2, 3)
+    assert cupy_rng._shape(np.int64(4)) == (4,)
