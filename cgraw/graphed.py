@@ -133,6 +133,8 @@ def report(*, file=None) -> str:
                          f"{s.replays} replay(s), {s.warmups} warm-up(s), {s.eager_calls} eager call(s), "
                          f"{s.variants} input signature(s), capture {s.capture_ms:.1f} ms, "
                          f"instantiate {s.instantiate_ms:.1f} ms")
+            if s.promoted:
+                lines.append("    made a root function: called cgraw.config.path_repeat_limit times on one path")
             for r in s.rerecord_reasons[-5:]:
                 lines.append(f"    re-recorded: {r}")
             for r, n in s.skip_reasons.items():

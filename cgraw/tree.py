@@ -144,6 +144,9 @@ class TreeManager:
             return self._rerecord(node, fn, call, reason, args, kwargs)
         st = self._stats(fn)
         if node is None:
+            limit = config.path_repeat_limit
+            if parent is not None and limit and _repeats(parent, fn) >= limit:
+                return self._promote(fn, args, kwargs)
             node = TreeNode(fn, call.key, parent, st)
             siblings[(fn.fn_id, call.key)] = node
             if parent is None:
@@ -157,6 +160,24 @@ class TreeManager:
             self.current = node
             return self._eager(fn, st, node.skip_reason, args, kwargs)
         return self._record(node, fn, st, call, args, kwargs)
+
+    def _promote(self, fn, args, kwargs):
+        """``fn`` keeps extending the path under way (``prefill(x)`` once, then ``decode(tok)`` in a
+        loop: one node deeper per call, each warmed up, none replayed). Make it a root function:
+        this call, and each later one, begins a generation, as the inference rule does."""
+        log.warning("cgraw: %s was called %d times on one path of the graph tree (no root function "
+                    "called in between); it now begins a generation at each call, like a root function. "
+                    "Call cgraw.mark_step_begin() where your step begins, or raise "
+                    "cgraw.config.path_repeat_limit for longer loops inside one step",
+                    fn.name, config.path_repeat_limit)
+        self.root_fns.add(fn.fn_id)
+        self._stats(fn).promoted = True
+        deferred = self._begin_step(args)
+        try:
+            return self._call(fn, args, kwargs)
+        finally:
+            if deferred:
+                self.backend.end_generation(deferred, None)
 
     def _stats(self, fn) -> FunctionStats:
         st = self.stats.get(fn.fn_id)
@@ -370,6 +391,16 @@ def _arg_ids(x, ids: set) -> None:
     elif t is dict:
         for v in x.values():
             _arg_ids(v, ids)
+
+
+def _repeats(node: TreeNode, fn) -> int:
+    """How many nodes of ``fn`` the path ending at ``node`` holds."""
+    n = 0
+    while node is not None:
+        if node.fn is fn:
+            n += 1
+        node = node.parent
+    return n
 
 
 def _walk(node: TreeNode):

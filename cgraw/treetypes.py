@@ -29,6 +29,9 @@ class Config:
     generation_cloning: str | None = None  # None or "user_visible"
     warm_cublas: bool = True
     rewarm_limit: int = 8  # a node warmed up again this often (its closure tensors keep moving) runs eagerly
+    # a function already this often on the path under way becomes a root (each call begins a
+    # generation) instead of deepening the path by one node per call; 0 turns the bound off
+    path_repeat_limit: int = 64
 
     def __setattr__(self, name, value):
         if name not in self.__dataclass_fields__:
@@ -56,6 +59,7 @@ class FunctionStats:
     capture_ms: float = 0.0
     instantiate_ms: float = 0.0
     variants: int = 0  # distinct input signatures seen
+    promoted: bool = False  # made a root function by config.path_repeat_limit
 
 
 class TreeNode:

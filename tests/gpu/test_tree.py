@@ -343,6 +343,41 @@ def test_recurrent_state_loop():
     assert _stats(f).replays >= 7
 
 
+def test_decode_loop_after_one_prefill_becomes_a_root(caplog):
+    """The README's bound on path growth: ``prefill`` once, then ``tok = decode(tok)`` in a loop
+    that never calls ``prefill`` again. Past ``config.path_repeat_limit`` nodes of ``decode`` on
+    the path it becomes a root (one warning): recorded once, replayed, every token equal to
+    eager; a token kept from an earlier call raises when read, as the generation rules say."""
+    w = trand(256, 256) * 0.05
+
+    def prefill(x):
+        return torch.tanh(x @ w)
+
+    def decode(h):
+        return torch.tanh(h @ w) * 0.9 + 0.1
+
+    p, d = cgraw.graphed(prefill), cgraw.graphed(decode)
+    limit, cgraw.config.path_repeat_limit = cgraw.config.path_repeat_limit, 8
+    try:
+        x = trand(4, 256)
+        h, ref = p(x), prefill(x)
+        torch.testing.assert_close(h, ref)
+        kept = None
+        with caplog.at_level(logging.WARNING, logger="cgraw"):
+            for i in range(40):
+                h, ref = d(h), decode(ref)
+                torch.testing.assert_close(h, ref)
+                if i == 20:
+                    kept = h
+        s = _stats(d)
+        assert s.promoted and s.recordings == 1 and s.replays == 40 - 8 - 2
+        assert sum("path_repeat_limit" in r.getMessage() for r in caplog.records) == 1
+        with pytest.raises(RuntimeError, match="overwritten"):
+            kept.sum()
+    finally:
+        cgraw.config.path_repeat_limit = limit
+
+
 def test_containers_scalars_and_none():
     def body(d, scale, flag):
         a, rest = d["a"], d["b"]

@@ -427,8 +427,8 @@ def test_non_root_function_called_twice_becomes_child(tree, rng):
 def test_repeated_non_root_function_deepens_the_path_until_made_a_root(tree, rng):
     """The README's "a function that is not a root extends the path, one node per call": after
     one call of ``a``, every call of ``g`` is a node one deeper (warmed up, never recorded while
-    no later generation comes back); ``mark_step_begin()`` before its next call makes ``g`` a root,
-    recorded once and replayed from then on."""
+    no later generation comes back; 12 calls stay under ``config.path_repeat_limit``);
+    ``mark_step_begin()`` before its next call makes ``g`` a root, recorded once and replayed."""
     a, g = tree.fn(affine), tree.fn(double)
     a(tree.tensor(rand(rng, 16)))
     for i in range(1, 13):
@@ -445,6 +445,55 @@ def test_repeated_non_root_function_deepens_the_path_until_made_a_root(tree, rng
         assert tree.mgr.current.parent is None  # each call begins a generation: g is a root
     assert g.fn_id in tree.mgr.root_fns
     assert (st.warmups, st.recordings, st.replays) == (13, 1, 10)
+
+
+def test_function_repeated_past_the_limit_on_one_path_becomes_a_root(tree, rng, caplog):
+    """``prefill`` once, then ``decode`` in a loop that never calls a root again: past
+    ``config.path_repeat_limit`` nodes of ``decode`` on the path, ``decode`` becomes a root (a
+    warning, once): one recording, replayed, the tree bounded; results equal eager throughout."""
+    config.path_repeat_limit = 6
+    prefill, decode = tree.fn(affine), tree.fn(double)
+    tok = prefill(tree.tensor(rand(rng, 16)))
+    with caplog.at_level(logging.WARNING, logger="cgraw"):
+        for _ in range(40):
+            ref = tree.eager(decode, tok)
+            tok = decode(tok)  # the previous token is this call's argument: readable until copied in
+            assert_same(tok, ref)
+    st = tree.mgr.stats[decode.fn_id]
+    assert st.promoted and decode.fn_id in tree.mgr.root_fns
+    assert st.recordings == 1 and st.replays == 40 - 6 - 2
+    assert len(tree.mgr.nodes()) == 1 + 6 + 1  # prefill, the 6 abandoned path nodes, decode's root
+    assert sum("path_repeat_limit" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_two_functions_alternating_past_the_limit_keep_their_path(tree, rng):
+    """``logits = model(tok); tok = sample(logits)`` after one ``prefill``: ``model`` becomes the
+    root, and ``sample`` stays its child (one recorded path model -> sample, replayed)."""
+    def shrink(x):
+        return new(np.tanh(x.value) * 0.9 + 0.05)
+
+    def halve(x):
+        return new(x.value * 0.5 - 0.1)
+
+    config.path_repeat_limit = 4
+    prefill, model, sample = tree.fn(affine), tree.fn(shrink), tree.fn(halve)
+    tok = prefill(tree.tensor(rand(rng, 8)))
+    for _ in range(30):
+        ref = tree.eager(sample, tree.tensor(tree.eager(model, tok)))
+        tok = sample(model(tok))
+        assert_same(tok, ref)
+    assert model.fn_id in tree.mgr.root_fns and sample.fn_id not in tree.mgr.root_fns
+    assert tree.node("shrink", "halve").state is NodeState.RECORDED
+    assert tree.mgr.stats[sample.fn_id].replays > 20
+
+
+def test_path_repeat_limit_zero_keeps_deepening_the_path(tree, rng):
+    config.path_repeat_limit = 0
+    f, g = tree.fn(affine), tree.fn(double)
+    f(tree.tensor(rand(rng, 8)))
+    for _ in range(100):
+        g(tree.tensor(rand(rng, 8)))
+    assert len(tree.mgr.current.path()) == 101 and not tree.mgr.stats[g.fn_id].promoted
 
 
 # ---------------------------------------------------------------------- 4. tree outputs
