@@ -10,7 +10,8 @@ the statistic, the threshold and where the samples disagree (``raise_on_fail=Fal
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -165,9 +166,10 @@ def _bits16(values: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def _from_bits16(bits: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "float16":
-        return bits.astype(np.uint16).view(np.float16).astype(np.float64)
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    with np.errstate(invalid="ignore"):  # NaN patterns, when every pattern is asked for
+        if dtype == "float16":
+            return bits.astype(np.uint16).view(np.float16).astype(np.float64)
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
 def _step16(bits: np.ndarray, up: bool, dtype: str) -> np.ndarray:
@@ -193,6 +195,41 @@ def rounding_bounds(values, dtype) -> tuple[np.ndarray, np.ndarray]:
     hi = np.where(np.isposinf(v), np.inf, hi)
     lo = np.where(np.isneginf(v), -np.inf, lo)
     return lo, hi
+
+
+def representable(dtype) -> np.ndarray:
+    """Every finite value of float16 or bfloat16, ascending, as float64 (one zero)."""
+    dtype = _dtype_name(dtype)
+    v = _from_bits16(np.arange(1 << 16, dtype=np.int64), dtype)
+    return np.unique(v[np.isfinite(v)])
+
+
+def rounded_moments(cdf: Callable, dtype) -> tuple[float, float]:
+    """Mean and variance of a continuous ``cdf`` rounded to nearest into ``dtype`` (exact sums
+    over every representable value; mass beyond the largest finite value is left out)."""
+    v = representable(dtype)
+    vv = v.astype(np.float16) if _dtype_name(dtype) == "float16" else v.astype(np.float32)
+    lo, hi = rounding_bounds(vv, dtype)
+    p = np.asarray(cdf(hi), dtype=np.float64) - np.asarray(cdf(lo), dtype=np.float64)
+    mean = float(np.dot(p, v) / p.sum())
+    return mean, float(np.dot(p, (v - mean) ** 2) / p.sum())
+
+
+def wrapped_uniform_cdf(lo: float, hi: float, dtype) -> Callable:
+    """The CDF, over the continuous source, of a uniform [lo, hi) draw stored in ``dtype`` the way
+    torch's ``uniform_`` stores it: round to nearest, and a value that rounds up to ``hi`` becomes
+    ``lo`` (so ``lo`` carries the extra mass of the top half-ulp). For ``ks_discretised`` and
+    ``rounded_moments``; evaluate it at rounding bounds, not at arbitrary points."""
+    top = float(rounding_bounds(np.array([hi], dtype=np.float32 if _dtype_name(dtype) == "bfloat16"
+                                         else np.float16), dtype)[0][0])
+    extra = (hi - top) / (hi - lo)
+    base = uniform_cdf(lo, hi)
+
+    def cdf(x):
+        x = np.asarray(x, dtype=np.float64)
+        return np.where(x < lo, 0.0, np.where(x >= top, 1.0, base(x) + extra))
+
+    return cdf
 
 
 def ks_discretised(samples, cdf: Callable, dtype, *, what: str = "", raise_on_fail: bool = True) -> Result:
@@ -231,8 +268,10 @@ def ks_discretised(samples, cdf: Callable, dtype, *, what: str = "", raise_on_fa
 # ----------------------------------------------------------------- counts and moments
 
 
-def chi_square(counts, probs, *, what: str = "", raise_on_fail: bool = True) -> Result:
-    """Pearson's chi-square test of category ``counts`` against ``probs``.
+def chi_square(counts, probs, *, ddof: int = 0, what: str = "", raise_on_fail: bool = True) -> Result:
+    """Pearson's chi-square test of category ``counts`` against ``probs``, with
+    ``len(cells) - 1 - ddof`` degrees of freedom (``ddof``: further constraints, e.g. the fixed
+    totals of the other rows when the cells of several independent rows are tested together).
 
     Cells expected fewer than 5 times are pooled into one cell (which joins the smallest other
     cell if it is still under 5). A count in a cell of probability 0 fails outright."""
@@ -267,7 +306,9 @@ def chi_square(counts, probs, *, what: str = "", raise_on_fail: bool = True) -> 
     o, e = np.array(obs_cells), np.array(exp_cells)
     terms = (o - e) ** 2 / e
     stat = float(terms.sum())
-    df = len(o) - 1
+    df = len(o) - 1 - ddof
+    if df < 1:
+        raise ValueError(f"{_label(what)}{len(o)} cells and {ddof=} leave no degree of freedom")
     thr = chi2_isf(ALPHA, df)
     worst = np.argsort(terms)[::-1][:3]
     where = ", ".join(f"observed {o[j]:.0f} expected {e[j]:.1f}" for j in worst)

@@ -161,13 +161,30 @@ def test_chi_square_pools_small_cells():
     p = np.concatenate([np.full(10, 0.09), np.full(1000, 0.1 / 1000)])  # 1000 cells expected 2 each
     n = 20_000
     counts = np.bincount(g.choice(p.size, n, p=p), minlength=p.size)
-    s, thr, ok = S.chi_square(counts, p)
+    _, thr, ok = S.chi_square(counts, p)
     assert ok and thr == pytest.approx(S.chi2_isf(S.ALPHA, 10))  # 10 large cells + 1 pooled
     # the pooled tail drawn twice as often fails
     q = p.copy()
     q[10:] *= 2
     counts = np.bincount(g.choice(p.size, n, p=q / q.sum()), minlength=p.size)
     assert not S.chi_square(counts, p, raise_on_fail=False).passed
+
+
+def test_chi_square_rows_with_ddof():
+    """Independent rows, each with its own probabilities and a fixed total: all cells tested
+    together with ddof = rows - 1 (the statistic is a sum of per-row chi-squares)."""
+    g = _gen(14)
+    rows, cats, per_row = 400, 6, 300
+    w = g.random((rows, cats)) + 0.2
+    p = w / w.sum(1, keepdims=True)
+    counts = np.stack([np.bincount(g.choice(cats, per_row, p=r), minlength=cats) for r in p])
+    _, thr, ok = S.chi_square(counts.ravel(), p.ravel(), ddof=rows - 1)
+    assert ok and thr == pytest.approx(S.chi2_isf(S.ALPHA, rows * (cats - 1)))
+    # every row drawn with row 0's probabilities
+    wrong = np.stack([np.bincount(g.choice(cats, per_row, p=p[0]), minlength=cats) for _ in p])
+    assert not S.chi_square(wrong.ravel(), p.ravel(), ddof=rows - 1, raise_on_fail=False).passed
+    with pytest.raises(ValueError, match="degree of freedom"):
+        S.chi_square([10, 10], [0.5, 0.5], ddof=1)
 
 
 def test_chi_square_rejects_impossible_draws():
@@ -200,7 +217,7 @@ def test_mean_var_check():
 def test_corr_check():
     g = _gen(11)
     a, b = g.random(N), g.random(N)
-    s, thr, ok = S.corr_check(a, b)
+    _, thr, ok = S.corr_check(a, b)
     assert ok and thr == 0.01
     assert S.corr_check(a[:-1], a[1:]).passed  # neighbours of an independent sequence
     with pytest.raises(AssertionError, match="correlation"):
@@ -221,3 +238,36 @@ def test_no_false_failures_over_many_seeds():
         assert S.mean_var_check(x, 0.0, 1.0, raise_on_fail=False).passed, seed
         assert S.chi_square(np.bincount(g.choice(4, 4000, p=p), minlength=4), p, raise_on_fail=False).passed, seed
         assert S.corr_check(x[:-1], x[1:], raise_on_fail=False).passed, seed
+
+
+# ----------------------------------------------------------------- exact distributions of 16-bit draws
+
+
+def test_representable_and_rounded_moments():
+    f16 = S.representable(np.float16)
+    assert f16.size == 65536 - 2046 - 2 - 1  # minus the NaNs, the two infinities and -0
+    assert f16[0] == -65504.0 and f16[-1] == 65504.0 and np.all(np.diff(f16) > 0)
+    assert S.representable("bf16")[-1] == float(np.float32(3.3895314e38))
+    for dt in ("float16", "bfloat16"):
+        m, v = S.rounded_moments(S.normal_cdf(1.5, 0.5), dt)
+        assert m == pytest.approx(1.5, abs=1e-4) and v == pytest.approx(0.25, rel=1e-3)
+        m, v = S.rounded_moments(S.uniform_cdf(-2, 3), dt)
+        assert m == pytest.approx(0.5, abs=1e-3) and v == pytest.approx(25 / 12, rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_wrapped_uniform_matches_a_simulated_torch_rand(dtype):
+    """u = 24 random bits * 2^-24, rounded to nearest into the dtype, 1.0 replaced by 0.0: what
+    torch.rand(dtype=...) and cgraw's kernel draw. The wrapped CDF and its moments fit; the plain
+    uniform CDF does not (bfloat16 moves 2^-9 of the mass from 1 to 0)."""
+    u = _uniform24(_gen(12), N)
+    x = u.astype(np.float16) if dtype == "float16" else _to_bf16_rn(u)
+    x = np.where(x.astype(np.float64) >= 1.0, 0.0, x).astype(x.dtype)
+    cdf = S.wrapped_uniform_cdf(0.0, 1.0, dtype)
+    S.ks_discretised(x, cdf, dtype)
+    S.mean_var_check(x, *S.rounded_moments(cdf, dtype))
+    if dtype == "bfloat16":
+        assert not S.mean_var_check(x, 0.5, 1 / 12, raise_on_fail=False).passed
+        assert not S.ks_discretised(x, S.uniform_cdf(), dtype, raise_on_fail=False).passed
+    y = np.where(_gen(13).random(N) < 0.01, 0.0, x).astype(x.dtype)  # 1% too many zeros
+    assert not S.ks_discretised(y, cdf, dtype, raise_on_fail=False).passed
