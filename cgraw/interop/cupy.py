@@ -38,9 +38,10 @@ CUSOLVER = (
 )
 CUSPARSE = "CuPy refuses cuSPARSE calls during stream capture (sparse products); do them outside the capture"
 RNG = (
-    "cupy.random is not capturable yet (cuRAND refuses stream capture; CuPy's legacy generator "
-    "cannot be initialised inside one): draw the random array outside the capture and pass it in. "
-    "CuPy's random state is left as it was before the capture"
+    "cupy.random through cuRAND cannot be captured (cuRAND refuses stream capture; CuPy's legacy "
+    "generator cannot be initialised inside one): cgraw draws cupy.random's covered functions itself "
+    "unless the capture has random=False; otherwise draw the random array outside the capture and "
+    "pass it in. CuPy's random state is left as it was before the capture"
 )
 UPLOAD = (
     "a host-to-device upload is not capturable: CuPy stages host data through pinned memory, whose "

@@ -36,8 +36,9 @@ H2D = (
     "or copy from pinned memory (x.pin_memory()) with non_blocking=True"
 )
 RNG = (
-    "torch random numbers are not capturable by cgraw (torch.rand*, dropout in training mode, ...): "
-    "'generator not in capture mode'; draw the random tensor outside the capture and pass it in"
+    "torch random numbers from torch's own CUDA generator cannot be captured by cgraw ('generator not "
+    "in capture mode'): cgraw draws them itself unless the capture has random=False; draw the random "
+    "tensor outside the capture and pass it in, or leave random on"
 )
 CUBLAS_COLD = (
     "cuBLAS was not initialised on this thread before the capture; run one matmul before capturing "
