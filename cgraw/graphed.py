@@ -141,7 +141,10 @@ def report(*, file=None) -> str:
                 lines.append(f"    skipped {n}x: {r}")
         for n in mgr.nodes():
             if n.recording is not None:
-                lines.append(f"    node {n.fn.name} depth {n.depth}: {mgr.backend.num_nodes(n.recording)} graph nodes")
+                k = mgr.backend.random_draws(n.recording)
+                draws = f", {k} random draw(s) per replay" if k else ""
+                lines.append(f"    node {n.fn.name} depth {n.depth}: {mgr.backend.num_nodes(n.recording)} graph nodes"
+                             + draws)
         lines.append(mgr.describe())
     text = "\n".join(lines) if lines else "cgraw: no graphed function has run"
     print(text, file=file or sys.stdout)

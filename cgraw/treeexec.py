@@ -277,6 +277,10 @@ class CudaBackend:
     def num_nodes(self, rec: Recording) -> int:
         return rec.graph.num_nodes
 
+    def random_draws(self, rec: Recording) -> int:
+        """Random-number kernels in the recording (fresh numbers on every replay)."""
+        return 0 if rec.graph.rng is None else rec.graph.rng.draws
+
     def discard(self, rec: Recording) -> None:
         rec.graph.close()
         rec.keep = None

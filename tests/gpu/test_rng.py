@@ -75,6 +75,8 @@ def _assert_recorded_once(f, replays: int):
     for part in (": 1 recording(s)", f", {st.replays} replay(s)", ", 0 eager call(s)"):
         assert part in line, (part, line)
     assert "skipped" not in text, text
+    node = next(ln for ln in text.splitlines() if ln.strip().startswith(f"node {f.name} "))
+    assert "random draw(s) per replay" in node, node  # the recording draws its own numbers
     return st
 
 

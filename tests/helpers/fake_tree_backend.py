@@ -369,6 +369,9 @@ class FakeTreeBackend:
     def num_nodes(self, rec: FakeRecording) -> int:
         return len(rec.placeholders) + len(rec.allocs) + len(rec.mutated) + 1
 
+    def random_draws(self, rec: FakeRecording) -> int:
+        return 0
+
     def discard(self, rec: FakeRecording) -> None:
         self.log.append(("discard", rec.name))
         assert not rec.discarded, f"{rec} discarded twice"
