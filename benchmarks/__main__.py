@@ -2,7 +2,8 @@
 
 Order: the real models, memory side by side with torch's trees, then the microbenchmarks (launch
 overhead, graphed call and its pieces, workloads, graph-safe random numbers, allocator, eager
-overhead). ``--only PART[,PART]`` runs those parts (in this order). With no GPU it exits with
+overhead), then which CuPy functions a capture records (cupy_coverage, issue 17: a table, not
+timings). ``--only PART[,PART]`` runs those parts (in this order). With no GPU it exits with
 status 2 and a one-line reason. A part that raises is reported and the others still run; the exit
 status is then 1. The CPU-only allocator figure is ``python -m benchmarks.alloc_overhead``.
 """
@@ -26,6 +27,7 @@ PARTS = {
     "rng": ("benchmarks.rng", []),
     "alloc": ("benchmarks.alloc_gpu", []),
     "eager": ("benchmarks.eager_overhead", []),
+    "cupy_coverage": ("benchmarks.cupy_coverage", []),
 }
 
 
