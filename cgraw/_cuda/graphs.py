@@ -136,6 +136,52 @@ def graph_kernel_node_get_params(node):
     return check(drv.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
 
 
+def graph_kernel_node_args(node) -> tuple[object, list[tuple[int, bytes]]]:
+    """A kernel node's ``CUDA_KERNEL_NODE_PARAMS`` and its arguments' bytes by parameter index
+    (sizes from ``cuFuncGetParamInfo``). Empty when the node was launched with ``extra`` (one
+    packed buffer) instead of ``kernelParams``. Issue 12; not yet run on a GPU."""
+    import ctypes
+
+    p = graph_kernel_node_get_params(node)
+    func = p.func
+    if int(func) == 0 and int(p.kern) != 0:
+        func = check(drv.cuKernelGetFunction(p.kern), "cuKernelGetFunction")
+    table = int(p.kernelParams)
+    args: list[tuple[int, bytes]] = []
+    if not table:
+        return p, args
+    i = 0
+    while True:
+        err, _offset, size = drv.cuFuncGetParamInfo(func, i)
+        if err != 0:  # past the last parameter
+            break
+        value = ctypes.c_void_p.from_address(table + 8 * i).value
+        args.append((i, ctypes.string_at(value, int(size))))
+        i += 1
+    return p, args
+
+
+def graph_exec_kernel_node_set_args(exec_, node, params, args: list[bytes]) -> None:
+    """Give ``node`` of ``exec_`` the arguments ``args`` (bytes by parameter index), the rest of
+    ``params`` (function, grid, block, shared memory) unchanged. The driver copies the
+    arguments during the call. Issue 12; not yet run on a GPU."""
+    import ctypes
+
+    bufs = [ctypes.create_string_buffer(bytes(a), max(len(a), 1)) for a in args]
+    table = (ctypes.c_void_p * max(len(bufs), 1))(*[ctypes.addressof(b) for b in bufs])
+    q = drv.CUDA_KERNEL_NODE_PARAMS()
+    if int(params.func) != 0:
+        q.func = params.func
+    else:  # captured as a CUkernel (library-loaded module)
+        q.kern = params.kern
+        q.ctx = params.ctx
+    q.gridDimX, q.gridDimY, q.gridDimZ = params.gridDimX, params.gridDimY, params.gridDimZ
+    q.blockDimX, q.blockDimY, q.blockDimZ = params.blockDimX, params.blockDimY, params.blockDimZ
+    q.sharedMemBytes = params.sharedMemBytes
+    q.kernelParams = ctypes.addressof(table)
+    check(drv.cuGraphExecKernelNodeSetParams(exec_, node, q), "cuGraphExecKernelNodeSetParams")
+
+
 def func_get_name(func) -> str:
     name = check(drv.cuFuncGetName(func), "cuFuncGetName")
     return name.decode() if isinstance(name, bytes) else str(name)

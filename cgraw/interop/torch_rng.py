@@ -202,7 +202,8 @@ def _make_mode_class():
                                   "float32/float64 values and integer/bool tensors only")
             if t.numel() == 0:
                 return t
-            if not dense(t):
+            # per-element probabilities pair p[i] with out[i] in memory order: row-major only
+            if not (t.is_contiguous() if p is not None else dense(t)):
                 tmp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
                 self.fill(tmp, dist, a=a, b=b, p=p, lo=lo, rng_range=rng_range)
                 t.copy_(tmp)
@@ -220,7 +221,11 @@ def _make_mode_class():
                   "pin_memory": d.get("pin_memory")}
             out = d.get("out")
             if out is not None:
-                return out if self.mine(out) else None
+                if not self.mine(out):
+                    return None
+                if tuple(out.shape) != tuple(size):
+                    out.resize_(size)  # as torch's out= does
+                return out
             t = torch.empty(size, **{k: v for k, v in kw.items() if v is not None})
             return t if self.mine(t) else None
 

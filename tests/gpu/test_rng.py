@@ -680,3 +680,21 @@ def test_llama_static_cache_sampled_decode():
     assert np.unique(second).size > 10
     S.chi_square(np.bincount(first, minlength=probs_ref.size), probs_ref, what="first sampled token")
     _assert_recorded_once(f, replays=2 * runs)
+
+
+def test_bernoulli_tensor_p_into_channels_last_and_rand_out_resized():
+    # probabilities 0 and 1 make the draws exact: each element must pair with its own p, whatever
+    # the target's memory layout; out= of another size is resized as torch does
+    p = torch.zeros(2, 3, 8, 8, device="cuda")
+    p[:, :, 4:] = 1.0
+    p[1, 2] = 1.0 - p[1, 2]
+    t = torch.empty(2, 3, 8, 8, device="cuda").to(memory_format=torch.channels_last)
+    o = torch.empty(3, device="cuda")
+    with cgraw.capture() as g:
+        t.bernoulli_(p)
+        torch.rand(1000, device="cuda", out=o)
+    for _ in range(2):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(t, p)
+        assert o.shape == (1000,) and bool(((o >= 0) & (o < 1)).all())

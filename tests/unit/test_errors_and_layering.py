@@ -90,7 +90,7 @@ LAYER = {
     "allocator": 0,
     "cgraw.errors": 1, "cgraw._defer": 1, "cgraw._cuda": 1, "cgraw._cuda.compat": 1, "cgraw._cuda.graphs": 1,
     "cgraw.dlpack": 1, "cgraw.dlpack_capsules": 1, "cgraw._cuda.kernels": 1,
-    "cgraw.interop.torch_c": 1, "cgraw.rng": 1, "cgraw.rng_kernels": 1,
+    "cgraw.interop.torch_c": 1, "cgraw.rng": 1, "cgraw.rng_kernels": 1, "cgraw.rebind": 1,
     "cgraw.device": 2, "cgraw.stream": 3, "cgraw.rngexec": 3,
     "cgraw.memory": 4, "cgraw.tensor": 5,
     "cgraw.graph": 6, "cgraw.arrays": 6, "cgraw.buckets": 6, "cgraw.calls": 6, "cgraw.recording": 6,

@@ -223,3 +223,160 @@ def test_cupy_shape_rules():
 
     assert cupy_rng._shape(None) == () and cupy_rng._shape(5) == (5,) and cupy_rng._shape((2, 3)) == (2, 3)
     assert cupy_rng._shape(np.int64(4)) == (4,)
+
+
+# ----------------------------------------------------------------------------- torch routing logic
+# The mode's handlers run on CPU tensors here, with fake kernels that write a known pattern, so
+# the argument handling (shapes, dtypes, out=, layouts, ranges, multinomial, dropout's mask and
+# scale) is checked without a GPU. The kernels themselves are tested on the GPU (test_rng.py).
+
+_NP = {"f32": np.float32, "f64": np.float64, "f16": np.float16, "i8": np.int8, "u8": np.uint8,
+       "i16": np.int16, "i32": np.int32, "i64": np.int64, "b8": np.uint8}
+
+
+def _view(ptr, n, code):
+    import ctypes
+
+    dt = np.dtype(_NP[code])
+    buf = (ctypes.c_char * (n * dt.itemsize)).from_address(ptr)
+    return np.frombuffer(buf, dtype=dt)
+
+
+def _fake_fill(stream, dist, dtype, out, n, cu_stream, *, a=0.0, b=0.0, p=0, lo=0, rng_range=0, wide=False):
+    stream.take(1)
+    i = np.arange(n)
+    v = {"uniform": lambda: a + (b - a) * ((i % 7) / 7.0),
+         "normal": lambda: a + b * ((i % 5) - 2.0),
+         "exponential": lambda: (1.0 + i % 3) / a,
+         "bernoulli": lambda: ((i % 10) < 10 * a).astype(np.float64),
+         "bernoulli_t": lambda: (_view(p, n, "f32") > 0.5).astype(np.float64),
+         "randint": lambda: lo + (i % rng_range)}[dist]()
+    _view(out, n, dtype)[:] = v.astype(_NP[dtype])
+
+
+def _fake_dropout(stream, dtype, src, out, mask, n, keep, scale, cu_stream):
+    stream.take(1)
+    m = (np.arange(n) % 2 == 0)
+    _view(mask, n, "b8")[:] = m
+    _view(out, n, dtype)[:] = np.where(m, _view(src, n, dtype) * np.float32(scale), 0)
+
+
+@pytest.fixture
+def cpu_mode(monkeypatch):
+    torch = _torch()
+    from cgraw import rngexec
+    from cgraw.interop import torch_rng
+
+    monkeypatch.setattr(rngexec, "fill", _fake_fill)
+    monkeypatch.setattr(rngexec, "dropout", _fake_dropout)
+    base = torch_rng._make_mode_class()
+
+    class CpuMode(base):
+        def mine(self, t):
+            return isinstance(t, torch.Tensor) and t.device.type == "cpu"
+
+        def cu_stream(self):
+            return None
+
+    stream = rng.RngStream(0, 0, threading.get_ident())
+    return torch, CpuMode(stream), stream
+
+
+def test_routed_factories_shapes_dtypes_and_out(cpu_mode):
+    torch, mode, stream = cpu_mode
+    o = torch.empty(3)
+    with mode:
+        u = torch.rand(3, 4)
+        z = torch.randn(10, dtype=torch.float64)
+        r = torch.randint(-5, 7, (24,))
+        like = torch.rand_like(u, dtype=torch.float16)
+        torch.rand(5, out=o)  # out= of another size is resized, as torch does
+    assert u.shape == (3, 4) and u.dtype == torch.float32
+    np.testing.assert_allclose(u.flatten().numpy(), (np.arange(12) % 7) / 7.0, rtol=1e-6)
+    assert z.dtype == torch.float64 and z.tolist()[:5] == [-2.0, -1.0, 0.0, 1.0, 2.0]
+    assert r.dtype == torch.int64 and r.tolist()[:13] == list(range(-5, 7)) + [-5]
+    assert like.dtype == torch.float16 and like.shape == (3, 4)
+    assert o.shape == (5,)
+    assert stream.calls == 5  # one draw each
+    with pytest.raises(Exception, match="cannot be captured"), mode:
+        torch.randn(3, dtype=torch.complex64)
+
+
+def test_routed_random_ranges(cpu_mode):
+    torch, mode, _ = cpu_mode
+    with mode:
+        a = torch.empty(40, dtype=torch.int32).random_(3, 9)
+        b = torch.empty(40, dtype=torch.int64).random_(7)
+        c = torch.empty(300, dtype=torch.int8).random_()
+    assert sorted(set(a.tolist())) == list(range(3, 9))
+    assert sorted(set(b.tolist())) == list(range(7))
+    assert min(c.tolist()) == 0 and max(c.tolist()) == 127
+
+
+def test_routed_bernoulli_pairs_probabilities_with_elements_in_any_layout(cpu_mode):
+    torch, mode, _ = cpu_mode
+    p = torch.rand(2, 3, 4, 5)
+    t = torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last)  # dense, not row-major
+    with mode:
+        t.bernoulli_(p)
+        q = torch.bernoulli(p)  # the input holds the probabilities
+        s = torch.empty(20).bernoulli_(0.3)
+    want = (p > 0.5).float()
+    assert torch.equal(t, want) and torch.equal(q, want)
+    assert s.sum().item() == 6.0
+
+
+def test_routed_normal_with_tensor_parameters_broadcasts(cpu_mode):
+    torch, mode, _ = cpu_mode
+    mean = torch.arange(3.0).reshape(3, 1)
+    std = torch.full((1, 4), 2.0)
+    with mode:
+        out = torch.normal(mean, std)
+    z = torch.tensor(((np.arange(12) % 5) - 2.0).reshape(3, 4), dtype=torch.float32)
+    assert torch.equal(out, mean + std * z)
+
+
+def test_routed_multinomial_inverse_cdf_and_topk(cpu_mode):
+    torch, mode, _ = cpu_mode
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.5, 0.0, 0.1, 0.4]])
+    with mode:
+        w = torch.multinomial(probs, 7, replacement=True)
+        wo = torch.multinomial(probs, 2, replacement=False)
+        one = torch.multinomial(probs[0], 3, replacement=True)
+    u = ((np.arange(14) % 7) / 7.0).reshape(2, 7)
+    c = np.cumsum(probs.double().numpy(), axis=1)
+    want = np.stack([np.searchsorted(c[i], u[i] * c[i, -1], side="right") for i in range(2)])
+    assert w.dtype == torch.int64 and w.tolist() == want.tolist()
+    assert 1 not in w[1].tolist()  # a zero-probability category is never drawn
+    e = (1.0 + np.arange(8) % 3).reshape(2, 4)  # the fake Exp(1) keys
+    keys = probs.double().numpy() / e
+    assert wo.tolist() == np.argsort(-keys, axis=1, kind="stable")[:, :2].tolist()
+    assert one.shape == (3,)
+
+
+def test_routed_dropout_mask_scale_and_gradient(cpu_mode):
+    torch, mode, stream = cpu_mode
+    x = torch.randn(4, 6, requires_grad=True)
+    with mode:
+        y, mask = torch.native_dropout(x, 0.2, True)  # what F.dropout runs on the GPU
+        y.sum().backward()
+        e, _ = torch.native_dropout(x, 0.2, False)
+    keep = (torch.arange(24) % 2 == 0).reshape(4, 6)
+    scale = torch.tensor(np.float32(1 / 0.8))
+    assert mask.dtype == torch.bool and torch.equal(mask, keep)
+    assert torch.equal(y, torch.where(keep, x.detach() * scale, torch.zeros(())))
+    assert torch.equal(x.grad, torch.where(keep, scale, torch.zeros(())))  # autograd's own backward
+    assert torch.equal(e, x)  # evaluation draws nothing
+    assert stream.calls == 1
+
+
+def test_routed_unfused_dropout_goes_through_bernoulli(cpu_mode):
+    torch, mode, stream = cpu_mode
+    x, f = torch.randn(2, 10), torch.randn(1, 10, 3, 3)
+    with mode:  # on the CPU (and for feature dropout) torch decomposes dropout into bernoulli_
+        y = torch.nn.functional.dropout(x, 0.3, training=True)
+        z = torch.nn.functional.dropout2d(f, 0.3, training=True)
+    noise = torch.tensor(((np.arange(20) % 10) < 7).astype(np.float32)).reshape(2, 10)
+    torch.testing.assert_close(y, x * noise / 0.7)
+    kept = (z != 0).flatten(2).all(-1) | (z == 0).flatten(2).all(-1)  # whole channels kept or dropped
+    assert z.shape == (1, 10, 3, 3) and bool(kept.all()) and stream.calls == 2

@@ -1,0 +1,124 @@
+"""``python -m benchmarks.rebind_probe``: can a recording read an input in place? (issue 12)
+
+A feasibility probe for the next GPU session, not a benchmark. For a few kernels that read a
+tensor captured at one address ("the placeholder"), it reads the kernel nodes' argument bytes,
+finds the words that point into the placeholder (``cgraw.rebind.scan``), rewrites them to another
+tensor's address on the executable graph (``cuGraphExecKernelNodeSetParams``), replays, and
+compares with eager on that other tensor. Cases: torch elementwise (contiguous and strided),
+a torch reduction, a torch matmul (cuBLAS), a CuPy ElementwiseKernel, and a CuPy RawKernel that
+reads its input through a pointer table in device memory (the scan cannot see it: the probe
+expects zero words there, and a wrong result if the table is not rewritten). Writes
+``$OUT/rebind_probe.json`` (or ``benchmarks/results/rebind_probe.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+
+def _rebind_case(name, make_inputs, body, torch, cgraw):
+    from cgraw import _cuda
+    from cgraw.rebind import Placeholder, Plan, scan
+
+    ph, other = make_inputs()
+    with cgraw.capture() as g:
+        out = body(ph)
+    nodes = _cuda.graph_get_nodes(g._graph)
+    kernel_type = _cuda.NodeType.CU_GRAPH_NODE_TYPE_KERNEL
+    kernels, params = [], {}
+    for i, n in enumerate(nodes):
+        if _cuda.graph_node_get_type(n) == kernel_type:
+            p, args = _cuda.graph_kernel_node_args(n)
+            params[i] = (n, p, args)
+            kernels.append((i, args))
+    ptr = ph.data_ptr() if hasattr(ph, "data_ptr") else ph.data.ptr
+    nbytes = ph.numel() * ph.element_size() if hasattr(ph, "numel") else ph.nbytes
+    plan = Plan(*scan(kernels, [Placeholder(0, ptr, nbytes)]))
+    new = other.data_ptr() if hasattr(other, "data_ptr") else other.data.ptr
+    for i in plan.nodes_of(0):
+        n, p, args = params[i]
+        patched = plan.patch(i, [a for _, a in args], {0: new})
+        _cuda.graph_exec_kernel_node_set_args(g._exec, n, p, patched)
+    g.replay()
+    _cuda.ctx_synchronize()
+    want = body(other)
+    if hasattr(want, "cpu"):
+        equal = bool(torch.equal(out, want))
+        diff = float((out.double() - want.double()).abs().max()) if out.numel() else 0.0
+    else:
+        import cupy as cp
+
+        equal = bool(cp.array_equal(out, want))
+        diff = float(cp.abs(out.astype(cp.float64) - want.astype(cp.float64)).max())
+    return {"case": name, "kernel_nodes": len(kernels), "words": len(plan.words),
+            "nodes_rebound": plan.nodes_of(0), "equal_after_rebind": equal, "max_abs_diff": diff}
+
+
+def main(argv=None) -> int:
+    import torch
+
+    import cgraw
+    from cgraw import _cuda
+
+    ok, reason = _cuda.driver_available()
+    if not ok:
+        print(f"rebind_probe needs a CUDA GPU: {reason}", file=sys.stderr)
+        return 2
+    rows = []
+
+    def t(*shape):
+        return torch.randn(*shape, device="cuda")
+
+    cases = [
+        ("torch x*2+1 contiguous", lambda: (t(1 << 16), t(1 << 16)), lambda x: x * 2 + 1),
+        ("torch sin of a transposed view", lambda: (t(256, 128), t(256, 128)), lambda x: torch.sin(x.t())),
+        ("torch sum over rows", lambda: (t(512, 64), t(512, 64)), lambda x: x.sum(1)),
+        ("torch matmul (cuBLAS)", lambda: (t(64, 64), t(64, 64)), lambda x: x @ x),
+    ]
+    try:
+        import cupy as cp
+
+        add1 = cp.ElementwiseKernel("float32 x", "float32 y", "y = x + 1", "cgraw_probe_add1")
+        table_kernel = cp.RawKernel(r"""
+        extern "C" __global__ void through_table(const float* const* table, float* out, int n) {
+          int i = blockIdx.x * blockDim.x + threadIdx.x;
+          if (i < n) out[i] = table[0][i] * 3.0f;
+        }""", "through_table")
+
+        tables = {}  # input address -> its one-entry pointer table, made before the capture
+
+        def via_table(x):
+            out = cp.empty_like(x)
+            table_kernel((4,), (256,), (tables[x.data.ptr], out, cp.int32(x.size)))
+            return out
+
+        def crand():
+            pair = (cp.random.standard_normal(1000, dtype=cp.float32),
+                    cp.random.standard_normal(1000, dtype=cp.float32))
+            for a in pair:
+                tables[a.data.ptr] = cp.asarray([a.data.ptr], dtype=cp.uint64)
+            return pair
+
+        cases.append(("cupy ElementwiseKernel", crand, add1))
+        cases.append(("cupy RawKernel through a pointer table", crand, via_table))
+    except Exception as e:  # noqa: BLE001
+        rows.append({"case": "cupy", "error": repr(e)})
+    for name, make, body in cases:
+        try:
+            rows.append(_rebind_case(name, make, body, torch, cgraw))
+        except Exception:  # noqa: BLE001 -- a probe: every case reports
+            rows.append({"case": name, "error": traceback.format_exc()[-1500:]})
+        print(json.dumps(rows[-1])[:400], flush=True)
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    path = os.path.join(out_dir, "rebind_probe.json")
+    with open(path, "w") as f:
+        json.dump({"benchmark": "rebind_probe", "rows": rows}, f, indent=1)
+    print("results:", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
