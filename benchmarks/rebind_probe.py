@@ -57,6 +57,110 @@ def _rebind_case(name, make_inputs, body, torch, cgraw):
             "nodes_rebound": plan.nodes_of(0), "equal_after_rebind": equal, "max_abs_diff": diff}
 
 
+def _timing(torch, cgraw) -> dict:
+    """Host cost of re-pointing one kernel node, three ways, next to a memcpy node's re-point in
+    the same run; and whether a disabled memcpy node (``cuGraphNodeSetEnabled``) stops copying."""
+    import ctypes
+    import time
+
+    from cuda.bindings import driver as drv
+
+    from cgraw import _cuda
+    from cgraw.rebind import Placeholder, Plan, scan
+
+    n_iter = 4000
+    x, x2 = torch.randn(4096, device="cuda"), torch.randn(4096, device="cuda")
+    ph = torch.empty_like(x)
+    with cgraw.capture() as g:
+        ph.copy_(x)
+        y = (ph * 2 + 1).sin() + ph
+    nodes = _cuda.graph_get_nodes(g._graph)
+    kt = _cuda.NodeType.CU_GRAPH_NODE_TYPE_KERNEL
+    kernels, params = [], {}
+    for i, nd in enumerate(nodes):
+        if _cuda.graph_node_get_type(nd) == kt:
+            p, args = _cuda.graph_kernel_node_args(nd)
+            params[i] = (nd, p, args)
+            kernels.append((i, args))
+    plan = Plan(*scan(kernels, [Placeholder(0, ph.data_ptr(), ph.numel() * 4)]))
+    rows = {"kernel_nodes": len(kernels), "nodes_reading_input": plan.nodes_of(0)}
+    i0 = plan.nodes_of(0)[0]
+    nd, p, args = params[i0]
+    addrs = [x.data_ptr(), x2.data_ptr()]
+
+    def per_call(f):
+        for k in range(200):
+            f(addrs[k & 1])
+        t0 = time.perf_counter()
+        for k in range(n_iter):
+            f(addrs[k & 1])
+        return (time.perf_counter() - t0) / n_iter * 1e6
+
+    raw = [a for _, a in args]
+    rows["us_python_build_each_call"] = per_call(
+        lambda a: _cuda.graph_exec_kernel_node_set_args(g._exec, nd, p, plan.patch(i0, raw, {0: a})))
+    # prebuilt: our argument buffers and one CUDA_KERNEL_NODE_PARAMS, only the words rewritten
+    bufs = [ctypes.create_string_buffer(bytes(a), max(len(a), 1)) for a in raw]
+    table = (ctypes.c_void_p * len(bufs))(*[ctypes.addressof(b) for b in bufs])
+    words = [ctypes.c_uint64.from_address(ctypes.addressof(bufs[w.param]) + w.offset)
+             for w in plan.by_node[i0]]
+    deltas = [w.delta for w in plan.by_node[i0]]
+    q = drv.CUDA_KERNEL_NODE_PARAMS()
+    if int(p.func) != 0:
+        q.func = p.func
+    else:
+        q.kern, q.ctx = p.kern, p.ctx
+    q.gridDimX, q.gridDimY, q.gridDimZ = p.gridDimX, p.gridDimY, p.gridDimZ
+    q.blockDimX, q.blockDimY, q.blockDimZ = p.blockDimX, p.blockDimY, p.blockDimZ
+    q.sharedMemBytes = p.sharedMemBytes
+    q.kernelParams = ctypes.addressof(table)
+    setp = drv.cuGraphExecKernelNodeSetParams
+    ex = g._exec
+
+    def prebuilt(a):
+        for w, d in zip(words, deltas):
+            w.value = a + d
+        setp(ex, nd, q)
+
+    rows["us_prebuilt_cuda_python"] = per_call(prebuilt)
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = getattr(lib, "cuGraphExecKernelNodeSetParams_v2", None) or lib.cuGraphExecKernelNodeSetParams
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    exi, ndi, qp = _cuda.native(ex), _cuda.native(nd), q.getPtr()
+
+    def direct(a):
+        for w, d in zip(words, deltas):
+            w.value = a + d
+        err = fn(exi, ndi, qp)
+        if err:
+            raise RuntimeError(f"cuGraphExecKernelNodeSetParams_v2 returned {err}")
+
+    rows["us_prebuilt_ctypes"] = per_call(direct)
+    memcpys = g.memcpy_nodes()
+    mnode = memcpys.get((ph.data_ptr(), x.data_ptr()))
+    rows["memcpy_node_found"] = mnode is not None
+    if mnode is not None:
+        setter = g.exec_memcpy_setter()
+        dst = ph.data_ptr()
+        rows["us_memcpy_setter"] = per_call(lambda a: setter(mnode, dst, a, 4096 * 4))
+        # rebind every reading node to x2, disable the copy, poison the placeholder: replay = eager on x2
+        for i in plan.nodes_of(0):
+            n2, p2, a2 = params[i]
+            _cuda.graph_exec_kernel_node_set_args(ex, n2, p2, plan.patch(i, [b for _, b in a2], {0: x2.data_ptr()}))
+        err = drv.cuGraphNodeSetEnabled(ex, drv.CUgraphNode(_cuda.native(mnode)), 0)
+        rows["set_enabled_err"] = int(err[0])
+        ph.fill_(float("nan"))
+        torch.cuda.synchronize()
+        g.replay()
+        torch.cuda.synchronize()
+        want = (x2 * 2 + 1).sin() + x2
+        rows["disabled_copy_rebound_equal"] = bool(torch.equal(y, want))
+        rows["placeholder_untouched_nan"] = bool(torch.isnan(ph).all())
+    g.close()
+    return rows
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -112,6 +216,11 @@ def main(argv=None) -> int:
         except Exception:  # noqa: BLE001 -- a probe: every case reports
             rows.append({"case": name, "error": traceback.format_exc()[-1500:]})
         print(json.dumps(rows[-1])[:400], flush=True)
+    try:
+        rows.append({"case": "timing", **_timing(torch, cgraw)})
+    except Exception:  # noqa: BLE001
+        rows.append({"case": "timing", "error": traceback.format_exc()[-1500:]})
+    print(json.dumps(rows[-1])[:600], flush=True)
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     path = os.path.join(out_dir, "rebind_probe.json")
     with open(path, "w") as f:
