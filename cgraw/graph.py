@@ -235,6 +235,11 @@ class Graph:
 
     # ------------------------------------------------------------------ inspection
 
+    def node_handles(self) -> list:
+        """The graph's driver node handles, in ``cuGraphGetNodes`` order (``nodes()``'s indices)."""
+        self._require_open()
+        return _cuda.graph_get_nodes(self._graph)
+
     def nodes(self) -> list[NodeInfo]:
         """Every node with its type and, for kernels, name, grid, block and dynamic shared memory."""
         self._require_open()

@@ -143,8 +143,16 @@ def report(*, file=None) -> str:
             if n.recording is not None:
                 k = mgr.backend.random_draws(n.recording)
                 draws = f", {k} random draw(s) per replay" if k else ""
+                notes = mgr.backend.input_notes(n.recording)
+                inputs = ""
+                if notes:
+                    rebound = sum(1 for why in notes.values() if why is None)
+                    inputs = f", {rebound} input(s) rebound, {len(notes) - rebound} copied"
                 lines.append(f"    node {n.fn.name} depth {n.depth}: {mgr.backend.num_nodes(n.recording)} graph nodes"
-                             + draws)
+                             + draws + inputs)
+                for leaf, why in sorted(notes.items()):
+                    if why is not None:
+                        lines.append(f"      input {leaf} copied: {why}")
         lines.append(mgr.describe())
     text = "\n".join(lines) if lines else "cgraw: no graphed function has run"
     print(text, file=file or sys.stdout)

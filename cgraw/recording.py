@@ -8,6 +8,9 @@ the memcpy-node setter ``Graph`` hands out.
   graph's work, or a mutated one back after it. Its caller-side pointer (and, for a padded input,
   its byte count) is re-pointed before a launch only when it changed: one ``patch`` for plain
   and padded replays.
+- ``InputRebind``: an eager input read in place (issue 12): the kernel-argument words and memcpy
+  addresses that pointed into its placeholder, rewritten to the caller's address before a launch
+  only when it changed (``rebindexec`` proves it at record time).
 - ``InputAlias``: an output that is an input or a view of one, rebuilt from the caller's input
   on every call (as eager returns it).
 - ``Recording``: the graph, its copies, its outputs (owned by the tree's pool: aliased per call
@@ -49,6 +52,31 @@ class InputCopy:
         self.ptr, self.count = ptr, count
 
 
+class InputRebind:
+    """One eager input whose kernels read (and write) the caller's memory in place. ``words``:
+    ``(c_uint64 view into a KernelArgs buffer, delta)``; ``kernels``: the ``KernelArgs`` to hand
+    to the executable after the words change; ``memcpys``: ``(node, dst delta or None, src delta
+    or None, dst, src, bytes)`` of memcpy nodes that read or write it."""
+
+    __slots__ = ("leaf", "ptr", "base", "words", "kernels", "memcpys")
+
+    def __init__(self, leaf: int, base: int, words: list, kernels: list, memcpys: list):
+        self.leaf = leaf
+        self.base = base  # the placeholder's address at record time (what the words held)
+        self.ptr = base  # the address the words hold now
+        self.words, self.kernels, self.memcpys = words, kernels, memcpys
+
+    def patch(self, setter, ptr: int) -> None:
+        """Point every word and memcpy address of this input at ``ptr``."""
+        for w, d in self.words:
+            w.value = ptr + d
+        for k in self.kernels:
+            k()
+        for node, dd, sd, dst, src, n in self.memcpys:
+            setter(node, dst if dd is None else ptr + dd, src if sd is None else ptr + sd, n)
+        self.ptr = ptr
+
+
 class InputAlias:
     """An output that is input ``j`` or a view of it: rebuilt from the caller's input each call."""
 
@@ -83,6 +111,9 @@ class Recording:
         "ordinal",  # its device
         "setter",  # the executable's memcpy-node setter (Graph.exec_memcpy_setter)
         "copies",  # [InputCopy]: copies in, then copies back
+        "rebinds",  # [InputRebind]: inputs read in place (no copy)
+        "input_notes",  # {leaf: None (read in place) or why it is copied} for report()
+        "proof",  # rebindexec.Pending until the first replay proves (or refutes) rebinding, else None
         "slow_in",  # [(leaf index, placeholder)]: non-contiguous eager inputs, copied eagerly
         "copy_slow",  # copy_slow(rec, call, rows or None): copies them on the replay's stream
         "out_leaves",  # the recording's output arrays, flattened
@@ -112,6 +143,7 @@ class Recording:
         self.graph = self.setter = self.copy_slow = self.exec_ = None
         self.ordinal = 0
         self.copies, self.slow_in = [], []
+        self.rebinds, self.input_notes, self.proof = [], {}, None
         self.out_leaves, self.out_kinds, self.out_alias = [], [], []
         self.owned_idx, self.poison_idx, self.out_ptrs = [], [], []
         self.out_spec = self.alias0 = self.bucket = None
@@ -146,6 +178,10 @@ class Recording:
             p = ptrs[c.leaf]
             if p != c.ptr:
                 c.patch(self.setter, p, c.count)
+        for r in self.rebinds:
+            p = ptrs[r.leaf]
+            if p != r.ptr:
+                r.patch(self.setter, p)
         if self.slow_in:
             self.copy_slow(self, call, None)
         ptr = _streams._current(self.ordinal)  # Graph.replay(), inlined

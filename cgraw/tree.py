@@ -243,12 +243,16 @@ class TreeManager:
         node.recording = rec
         node.plan = InputPlan(call)
         node.state = NodeState.RECORDED
-        node.checkpoint = self.backend.snapshot()
-        self.pool_state = node
         st.recordings += 1
         st.capture_ms += rec.capture_ms
         st.instantiate_ms += rec.instantiate_ms
-        out, owned = rec.replay(call)  # recording computes nothing: replay for this call
+        try:
+            # recording computes nothing: replay for this call (the backend may free placeholders
+            # it proved unneeded here, so the checkpoint follows)
+            out, owned = self.backend.first_replay(rec, call)
+        finally:
+            node.checkpoint = self.backend.snapshot()
+            self.pool_state = node
         self.current = node
         self._register(node, owned)
         return out

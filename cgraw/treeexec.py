@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from cgraw import buckets
+from cgraw import buckets, rebindexec
 from cgraw import stream as _streams
 from cgraw.arrays import EAGER, SINGLE, TORCH, ops_of, out_spec, replace_leaves
 from cgraw.calls import Call, use_torch
@@ -232,6 +232,28 @@ class CudaBackend:
         # only storages in torch's MemPool take part in its checkpoints: a torch view of CuPy
         # memory (torch.from_dlpack) has a DLPack deleter and lives in cgraw's own pool
         rec.spans = [] if self._tts is None else self._tts.spans(list(placeholders.values()) + owned)
+        # which eager inputs may be read in place (issue 12): proven on the first replay
+        rebindexec.plan(rec, g, call, placeholders, _config())
+
+    def first_replay(self, rec: Recording, call: Call):
+        """The recording's first call: its inputs read in place where ``rebindexec.prove`` shows
+        that is safe, else as recorded. Returns what ``Recording.replay`` returns."""
+        if rec.proof is None:
+            return rec.replay(call)
+        return rebindexec.prove(self, rec, call)
+
+    def drop_placeholders(self, rec: Recording, placeholders: list) -> None:
+        """Let placeholders no graph node reads any more go back to the pool."""
+        gone = {id(p) for p in placeholders}
+        kept, out = rec.keep
+        kept = [p for p in kept if id(p) not in gone]
+        rec.keep = (kept, out)
+        if self._tts is not None:
+            rec.spans = self._tts.spans(kept + [rec.out_leaves[i] for i in rec.owned_idx])
+
+    def input_notes(self, rec: Recording) -> dict:
+        """``{leaf: None (read in place) or why it is copied}`` of the contiguous eager inputs."""
+        return rec.input_notes
 
     def _output_kinds(self, call: Call, placeholders: dict, out_leaves: list) -> list:
         """Per output: OWNED (recorded in the tree's pool), an ``InputAlias`` (input ``j`` or a
@@ -282,6 +304,8 @@ class CudaBackend:
         return 0 if rec.graph.rng is None else rec.graph.rng.draws
 
     def discard(self, rec: Recording) -> None:
+        rec.proof = None
+        rec.rebinds = []
         rec.graph.close()
         rec.keep = None
         _observe.unwatch(rec.external)

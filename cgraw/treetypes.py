@@ -32,6 +32,9 @@ class Config:
     # a function already this often on the path under way becomes a root (each call begins a
     # generation) instead of deepening the path by one node per call; 0 turns the bound off
     path_repeat_limit: int = 64
+    # eager inputs read in place (their kernels' arguments rewritten) where a proof replay shows
+    # it safe, instead of copied into a placeholder on every call (issue 12)
+    rebind_inputs: bool = True
 
     def __setattr__(self, name, value):
         if name not in self.__dataclass_fields__:
@@ -151,6 +154,13 @@ class Backend(Protocol):
     def record(self, fn, call, warm: Warm) -> Replayable:
         """Capture the function for ``call``; ``SkipCall`` when it cannot be (``dirty`` when the
         capture's blocks stayed in the pool)."""
+
+    def first_replay(self, rec, call) -> tuple[Any, Any]:
+        """The recording's first call (``Replayable.replay``'s result); the backend may decide
+        here how later replays take their inputs."""
+
+    def input_notes(self, rec) -> dict:
+        """Per eager input copied or read in place: None (in place) or why it is copied."""
 
     def num_nodes(self, rec) -> int:
         """Graph nodes of ``rec`` (reports)."""

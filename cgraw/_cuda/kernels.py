@@ -151,3 +151,9 @@ def memset_d32_async(ptr: int, value: int, count: int, stream) -> None:
     from cgraw._cuda import check
 
     check(drv.cuMemsetD32Async(ptr, value, count, stream), "cuMemsetD32Async")
+
+
+def memset_d8_async(ptr: int, value: int, count: int, stream) -> None:
+    from cgraw._cuda import check
+
+    check(drv.cuMemsetD8Async(ptr, value, count, stream), "cuMemsetD8Async")

@@ -296,6 +296,12 @@ class FakeTreeBackend:
         new_args, new_kwargs = replace_leaves(call.arg_specs, call.kwarg_specs, call.leaves, subs)
         return rec.fn.fn(*new_args, **new_kwargs)
 
+    def first_replay(self, rec: FakeRecording, call):
+        return rec.replay(call)
+
+    def input_notes(self, rec: FakeRecording) -> dict:
+        return {}
+
     def record(self, fn, call, warm: Warm) -> FakeRecording:
         self.log.append(("record", fn.name))
         rec = FakeRecording(fn, call, warm.mutated)

@@ -1,0 +1,389 @@
+"""Zero-copy eager inputs of graph trees: plan at record time, prove at the first replay (issue 12).
+
+Layer L8 (beside ``treeexec``, which calls it): uses ``_cuda``, ``rebind`` (the pure scan),
+``recording`` and ``rngexec``; torch only when the user imported it (to find the caching
+allocator's block around an address).
+
+A recording copies each contiguous eager input into a placeholder by a memcpy node
+(``recording.InputCopy``). ``plan`` reads every node of the captured graph and finds the
+kernel-argument words and 1-D memcpy addresses that point into a placeholder (``rebind.scan``);
+``prove`` then decides, on the recording's first call, whether those words are *all* of the
+ways the graph reaches the input, by running the call twice:
+
+1. every device range the graph's nodes point at (kernel-argument words, memcpy and memset
+   addresses, and one level of pointer tables found in small ranges) is saved; the graph is
+   replayed as recorded (copies on) and the ranges' contents after it are kept;
+2. the ranges are put back, the input copies are disabled (``cuGraphNodeSetEnabled``), the words
+   rewritten to the caller's addresses, the placeholders filled with 0xFF, and the graph replayed
+   again; its ranges' contents must equal the first replay's, byte for byte.
+
+Equal: the inputs are read in place from now on (``recording.InputRebind``) and their
+placeholders are freed. Different (a read the scan did not see, a non-deterministic kernel):
+the ranges are put back once more, the graph is restored as recorded and replayed with its
+copies; the inputs keep them, with the reason in ``report()``. So the call runs once as far as
+anything outside the graph can tell, whatever the outcome. Inputs read through a pointer table
+in device memory, written by a memset node, or whose graph holds a host node or packed kernel
+arguments keep their copies without a proof. A graph whose ranges exceed ``SNAPSHOT_LIMIT`` (or
+a quarter of the free device memory) is not proven: its inputs keep their copies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+from bisect import bisect_right
+
+from cgraw import _cuda, _defer, rngexec
+from cgraw import stream as _streams
+from cgraw._cuda import kernels as _k
+from cgraw.rebind import WORD, Placeholder, Plan, scan
+from cgraw.recording import InputRebind
+
+log = logging.getLogger("cgraw")
+
+SNAPSHOT_LIMIT = 1 << 30  # bytes of device ranges one proof may save (three copies are made)
+TABLE_SCAN_LIMIT = 64 << 10  # ranges at most this large are read for pointer tables
+OFF = "cgraw.config.rebind_inputs is False"
+PADDED = "a padded input (padding bucket): its copy node also sets the rows of this call"
+DIFFER = ("a replay reading it in place did not equal the replay with its copy (a read cgraw's "
+          "argument scan cannot see, or kernels whose results vary run to run)")
+POINTER_TABLE = "it is read through a pointer table in device memory, which cgraw does not rewrite"
+MEMSET = "a memset node writes into it (cgraw re-points kernel arguments and 1-D copies only)"
+COPY_SHAPE = "a 2-D or 3-D copy node reads or writes it (cgraw re-points 1-D copies only)"
+TWO_INPUTS = "one copy node moves data between two eager inputs (cgraw re-points one end only)"
+
+_ALLOWED_TYPES = ("CU_GRAPH_NODE_TYPE_KERNEL", "CU_GRAPH_NODE_TYPE_MEMCPY", "CU_GRAPH_NODE_TYPE_MEMSET",
+                  "CU_GRAPH_NODE_TYPE_EMPTY", "CU_GRAPH_NODE_TYPE_WAIT_EVENT",
+                  "CU_GRAPH_NODE_TYPE_EVENT_RECORD")
+
+DIFFER_SRC = r"""
+extern "C" __global__ void cgraw_rebind_differ(const unsigned long long* a, const unsigned long long* b,
+                                               unsigned long long n, unsigned int* flag) {
+  unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
+    if (a[i] != b[i]) { *flag = 1u; return; }
+  }
+}
+"""
+DIFFER_NAME = "cgraw_rebind_differ"
+_DIFFER_TYPES = (_k.ARG_PTR, _k.ARG_PTR, _k.ARG_U64, _k.ARG_PTR)
+
+
+class Pending:
+    """What ``prove`` needs, made by ``plan``: the graph's kernel arguments and copy addresses,
+    and per candidate input its ``InputRebind`` (words into ``KernelArgs`` buffers)."""
+
+    __slots__ = ("rebinds", "placeholders", "values", "copy_nodes")
+
+    def __init__(self, rebinds: list, placeholders: dict, values: set, copy_nodes: dict):
+        self.rebinds = rebinds  # [InputRebind]
+        self.placeholders = placeholders  # leaf -> (placeholder array, base, nbytes)
+        self.values = values  # every 8-byte word and copy address of the graph (device pointers or not)
+        self.copy_nodes = copy_nodes  # leaf -> [InputCopy] (its copy in, and back when mutated)
+
+
+def plan(rec, g, call, placeholders: dict, config) -> None:
+    """Fill ``rec.input_notes`` and, when an input may be read in place, ``rec.proof``."""
+    copies_in = [c for c in rec.copies if not c.back]
+    notes = rec.input_notes = {c.leaf: None for c in copies_in}
+    if not notes:
+        return
+    if not config.rebind_inputs:
+        _all(notes, OFF)
+        return
+    if call.bucket is not None:
+        _all(notes, PADDED)
+        return
+    copy_handles = {_cuda.native(c.node) for c in rec.copies}
+    T = _cuda.NodeType
+    allowed = {int(getattr(T, n)) for n in _ALLOWED_TYPES if hasattr(T, n)}
+    kernel_t, memcpy_t, memset_t = (int(T.CU_GRAPH_NODE_TYPE_KERNEL), int(T.CU_GRAPH_NODE_TYPE_MEMCPY),
+                                    int(T.CU_GRAPH_NODE_TYPE_MEMSET))
+    kernels, kargs, memcpys = [], {}, {}
+    fixed: list[tuple[int, str, int]] = []  # addresses that cannot be re-pointed: memsets, 2-D/3-D copies
+    fixed_why: dict[int, str] = {}
+    values: set[int] = set()
+    for i, nd in enumerate(g.node_handles()):
+        t = int(_cuda.graph_node_get_type(nd))
+        if t not in allowed:
+            _all(notes, f"the graph holds a {_type_name(t)} node, which cgraw's proof replay would run twice")
+            return
+        if t == kernel_t:
+            p, args = _cuda.graph_kernel_node_args(nd)
+            if args is None:
+                _all(notes, "a kernel of the graph takes its arguments packed ('extra'), which cgraw cannot read")
+                return
+            kernels.append((i, args))
+            kargs[i] = (nd, p, args)
+            for _, blob in args:
+                for off in range(0, len(blob) - WORD + 1, WORD):
+                    values.add(int.from_bytes(blob[off:off + WORD], "little"))
+        elif t == memcpy_t:
+            ext = _cuda.graph_memcpy_node_extent(nd)
+            if ext is None:
+                dst, src = _cuda.graph_memcpy_node_dst_src(nd)
+                fixed += [(i, "dst", dst), (i, "src", src)]
+                fixed_why[i] = COPY_SHAPE
+                values.update((dst, src))
+                continue
+            values.update(ext[:2])
+            if _cuda.native(nd) not in copy_handles:
+                memcpys[i] = (nd, *ext)
+        elif t == memset_t:
+            dst, _n = _cuda.graph_memset_node_extent(nd)
+            fixed.append((i, "dst", dst))
+            fixed_why[i] = MEMSET
+            values.add(dst)
+    ph_info = {}
+    for c in copies_in:
+        ph = placeholders[c.leaf]
+        ph_info[c.leaf] = (ph, c.fixed, c.count)
+    phs = [Placeholder(leaf, base, n) for leaf, (_, base, n) in ph_info.items()]
+    copy_refs = [(i, f, a) for i, (_, dst, src, _n) in memcpys.items() for f, a in (("dst", dst), ("src", src))]
+    words, refs = scan(kernels, phs, copy_refs)
+    for r in scan([], phs, fixed)[1]:
+        notes[r.leaf] = fixed_why[r.node]
+    by_node: dict[int, set] = {}
+    for r in refs:
+        by_node.setdefault(r.node, set()).add(r.leaf)
+    for leaves in by_node.values():
+        if len(leaves) > 1:
+            for leaf in leaves:
+                notes[leaf] = TWO_INPUTS
+    cands = [leaf for leaf, why in notes.items() if why is None]
+    if not cands:
+        return
+    pl = Plan(words, refs).restricted(cands)
+    kas = {}
+    for i in pl.by_node:
+        nd, p, args = kargs[i]
+        kas[i] = _cuda.KernelArgs(rec.exec_, nd, p, [a for _, a in args])
+    rebinds = []
+    for leaf in cands:
+        base = ph_info[leaf][1]
+        ws = [(kas[w.node].word(w.param, w.offset), w.delta) for w in pl.words if w.leaf == leaf]
+        ks = list({id(kas[w.node]): kas[w.node] for w in pl.words if w.leaf == leaf}.values())
+        ms = []
+        for r in pl.refs:
+            if r.leaf != leaf:
+                continue
+            nd, dst, src, n = memcpys[r.node]
+            rt = _cuda.rt_node_handle(nd)
+            ms.append((rt, r.delta, None, dst, src, n) if r.field == "dst" else (rt, None, r.delta, dst, src, n))
+        rebinds.append(InputRebind(leaf, base, ws, ks, ms))
+    copy_nodes = {leaf: [c for c in rec.copies if c.leaf == leaf] for leaf in cands}
+    rec.proof = Pending(rebinds, {leaf: ph_info[leaf] for leaf in cands}, values, copy_nodes)
+
+
+def _all(notes: dict, why: str) -> None:
+    for leaf in notes:
+        notes[leaf] = why
+
+
+def _type_name(t: int) -> str:
+    try:
+        return _cuda.NodeType(t).name.replace("CU_GRAPH_NODE_TYPE_", "").lower()
+    except Exception:  # noqa: BLE001
+        return str(t)
+
+
+# ---------------------------------------------------------------------- device ranges
+
+
+class _Blocks:
+    """Allocations known by address: torch's caching-allocator blocks (every pool) and the tree
+    pool's live blocks; ``around(ptr)`` gives the block holding ``ptr``, or None."""
+
+    def __init__(self, pool):
+        spans = []
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            for seg in torch.cuda.memory_snapshot():
+                addr = int(seg["address"])
+                for b in seg.get("blocks", ()):
+                    size = int(b["size"])
+                    spans.append((int(b.get("address", addr)), size))
+                    addr += size
+        if pool is not None and not pool.closed:
+            spans.extend((b.ptr, b.size) for b in pool.live_blocks())
+        spans.sort()
+        self.bases = [s[0] for s in spans]
+        self.spans = spans
+
+    def around(self, ptr: int):
+        i = bisect_right(self.bases, ptr) - 1
+        if i >= 0:
+            base, size = self.spans[i]
+            if ptr < base + size:
+                return base, size
+        return None
+
+
+def _ranges(values, blocks: _Blocks, phs: list, cache: dict) -> list[tuple[int, int]]:
+    out = []
+    for v in values:
+        if v < 4096 or v in cache:
+            if v in cache and cache[v] is not None:
+                out.append(cache[v])
+            continue
+        r = None
+        if not any(base <= v < base + n for base, n in phs):
+            r = rngexec.slot_range(v) or blocks.around(v) or _cuda.mem_address_range(v)
+        cache[v] = r
+        if r is not None:
+            out.append(r)
+    return out
+
+
+def _merge(ranges) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for base, n in sorted(set(ranges)):
+        if out and base <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], base + n - out[-1][0])
+        else:
+            out.append([base, n])
+    return [(b, n) for b, n in out]
+
+
+def _tables(ranges, phs: list, blocks: _Blocks, cache: dict) -> tuple[set, list]:
+    """One level of pointer tables: small ranges read to the host; leaves whose placeholder a
+    word points into, and the further ranges the words point at."""
+    hit, more = set(), []
+    for base, n in ranges:
+        if n > TABLE_SCAN_LIMIT or n < WORD:
+            continue
+        buf = (ctypes.c_uint64 * (n // WORD))()
+        _cuda.memcpy_dtoh(ctypes.addressof(buf), base, (n // WORD) * WORD)
+        words = set(buf)
+        for leaf, (pb, pn) in phs.items():
+            if any(pb <= w < pb + pn for w in words):
+                hit.add(leaf)
+        more.extend(_ranges(words, blocks, list(phs.values()), cache))
+    return hit, more
+
+
+# ---------------------------------------------------------------------- the proof
+
+
+def prove(backend, rec, call):
+    """The recording's first call: decide which inputs are read in place (see the module's
+    docstring) and return the call's ``(outputs, owned outputs)`` from exactly one effective run."""
+    pend, rec.proof = rec.proof, None
+    notes = rec.input_notes
+    ordinal = rec.ordinal
+    stream = _cuda.stream_handle(_streams._current(ordinal))
+    phs = {leaf: (base, n) for leaf, (_, base, n) in pend.placeholders.items()}
+    _cuda.ctx_synchronize()  # the recording's copies and every caller's work are done: ranges are stable
+    blocks = _Blocks(backend.pool)
+    cache: dict = {}
+    ranges = _ranges(pend.values, blocks, list(phs.values()), cache)
+    hit, more = _tables(_merge(ranges), phs, blocks, cache)
+    for leaf in hit:
+        notes[leaf] = POINTER_TABLE
+    ranges = _merge(ranges + more)
+    rebinds = [r for r in pend.rebinds if notes[r.leaf] is None]
+    if not rebinds:
+        return rec.replay(call)
+    total = sum((n + WORD - 1) // WORD * WORD for _, n in ranges)
+    free, _ = _cuda.mem_get_info()
+    if total > min(SNAPSHOT_LIMIT, free // 4):
+        why = (f"the memory its graph reaches ({total / (1 << 20):.0f} MiB) is more than cgraw saves to prove "
+               "that reading inputs in place is safe")
+        for r in rebinds:
+            notes[r.leaf] = why
+        return rec.replay(call)
+    bufs = []
+    try:
+        size = max(total, WORD)
+        saved, after_a, after_b, flag = (_alloc(bufs, size), _alloc(bufs, size), _alloc(bufs, size),
+                                         _alloc(bufs, WORD))
+        for b in (saved, after_a, after_b):
+            _k.memset_d8_async(b, 0, size, stream)
+        _k.memset_d8_async(flag, 0, WORD, stream)
+        _pack(ranges, saved, stream, out=True)
+        rec.replay(call)  # A: as recorded, with the copies
+        _pack(ranges, after_a, stream, out=True)
+        _pack(ranges, saved, stream, out=False)
+        _switch(rec, pend, rebinds, on=True)
+        for r in rebinds:
+            base, n = phs[r.leaf]
+            _k.memset_d8_async(base, 0xFF, n, stream)
+        result = rec.replay(call)  # B: reading the caller's inputs in place
+        _pack(ranges, after_b, stream, out=True)
+        same = _equal(ordinal, after_a, after_b, total, flag, stream)
+        if same:
+            for r in rebinds:
+                notes[r.leaf] = None
+            backend.drop_placeholders(rec, [pend.placeholders[r.leaf][0] for r in rebinds])
+            return result
+        log.info("cgraw: %s: inputs %s keep their copies: %s", rec.name, [r.leaf for r in rebinds], DIFFER)
+        _pack(ranges, saved, stream, out=False)
+        _switch(rec, pend, rebinds, on=False)
+        for r in rebinds:
+            notes[r.leaf] = DIFFER
+        return rec.replay(call)  # as recorded: the call's one effective run
+    except BaseException:
+        if rec.rebinds:
+            try:
+                _switch(rec, pend, rebinds, on=False)
+            except Exception:  # noqa: BLE001 -- the original error is the one to report
+                pass
+        for r in rebinds:
+            if notes.get(r.leaf) is None:
+                notes[r.leaf] = "the proof replay failed"
+        raise
+    finally:
+        try:
+            _cuda.stream_synchronize(stream)
+        finally:
+            for b in bufs:
+                _defer.release(_cuda.mem_free, b)
+
+
+def _alloc(bufs: list, n: int) -> int:
+    p = _cuda.mem_alloc(n)
+    bufs.append(p)
+    return p
+
+
+def _pack(ranges, buf: int, stream, *, out: bool) -> None:
+    """Copy the ranges into ``buf`` (packed, 8-byte aligned), or back out of it."""
+    off = 0
+    for base, n in ranges:
+        if out:
+            _cuda.memcpy_dtod_async(buf + off, base, n, stream)
+        else:
+            _cuda.memcpy_dtod_async(base, buf + off, n, stream)
+        off += (n + WORD - 1) // WORD * WORD
+
+
+def _equal(ordinal: int, a: int, b: int, total: int, flag: int, stream) -> bool:
+    func = _k.function(ordinal, DIFFER_NAME, lambda _name: DIFFER_SRC)
+    n = max(total, WORD) // WORD
+    grid = max(1, min(1024, (n + 255) // 256))
+    _k.launch(func, grid, 256, (a, b, n, flag), _DIFFER_TYPES, stream)
+    out = ctypes.c_uint32(0)
+    _cuda.stream_synchronize(stream)
+    _cuda.memcpy_dtoh(ctypes.addressof(out), flag, 4)
+    return out.value == 0
+
+
+def _switch(rec, pend: Pending, rebinds: list, *, on: bool) -> None:
+    """Read ``rebinds``' inputs in place (their copy nodes disabled), or go back to the copies."""
+    leaves = {r.leaf for r in rebinds}
+    for leaf in leaves:
+        for c in pend.copy_nodes[leaf]:
+            _cuda.graph_exec_node_set_enabled(rec.exec_, c.node, not on)
+    if on:
+        rec.copies = [c for c in rec.copies if c.leaf not in leaves]
+        rec.rebinds = list(rebinds)
+        return
+    for r in rec.rebinds:
+        if r.ptr != r.base:
+            r.patch(rec.setter, r.base)
+    rec.rebinds = []
+    kept = {id(c) for c in rec.copies}
+    for leaf in leaves:
+        rec.copies.extend(c for c in pend.copy_nodes[leaf] if id(c) not in kept)
+    rec.copies.sort(key=lambda c: c.back)  # copies in before copies back, as recorded

@@ -1,0 +1,302 @@
+"""Zero-copy inputs on the CPU tier: the plan's decisions over a fake graph, the proof's two
+outcomes (kept in place / back to the copies) with the device work faked, the hot path's
+re-pointing, and the range bookkeeping (``cgraw.rebindexec``, ``cgraw.recording.InputRebind``)."""
+
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("cuda.bindings")
+
+from cgraw import _cuda, rebindexec, recording  # noqa: E402
+from cgraw.recording import InputCopy, InputRebind, Recording  # noqa: E402
+from cgraw.treetypes import Config  # noqa: E402
+
+T = _cuda.NodeType
+KERNEL, MEMCPY, MEMSET, HOST = (int(T.CU_GRAPH_NODE_TYPE_KERNEL), int(T.CU_GRAPH_NODE_TYPE_MEMCPY),
+                                int(T.CU_GRAPH_NODE_TYPE_MEMSET), int(T.CU_GRAPH_NODE_TYPE_HOST))
+PH_A, PH_B = 0x7F00_0000_0000, 0x7F00_0001_0000  # placeholders of leaves 0 and 1 (4 KiB each)
+CALLER = 0x7E00_0000_0000
+
+
+def word(v: int) -> bytes:
+    return v.to_bytes(8, "little")
+
+
+class FakeKernelArgs:
+    """``_cuda.KernelArgs`` without the driver: buffers, word views, and a log of hand-overs."""
+
+    log: list = []
+
+    def __init__(self, exec_, node, params, args):
+        self.node = node
+        self.bufs = [ctypes.create_string_buffer(bytes(a), max(len(a), 1)) for a in args]
+
+    def word(self, param, offset):
+        return ctypes.c_uint64.from_address(ctypes.addressof(self.bufs[param]) + offset)
+
+    def value(self, param, offset):
+        return int.from_bytes(self.bufs[param].raw[offset:offset + 8], "little")
+
+    def __call__(self):
+        FakeKernelArgs.log.append(self.node)
+
+
+class FakeGraph:
+    """Nodes: ``(type, payload)``; kernel payload = argument bytes, memcpy = (dst, src, n),
+    memset = (dst, n)."""
+
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+    def node_handles(self):
+        return list(range(len(self.nodes)))
+
+
+@pytest.fixture
+def fake_graph(monkeypatch):
+    holder = {}
+
+    def graph(nodes):
+        holder["g"] = FakeGraph(nodes)
+        return holder["g"]
+
+    monkeypatch.setattr(_cuda, "graph_node_get_type", lambda i: holder["g"].nodes[i][0])
+    monkeypatch.setattr(_cuda, "graph_kernel_node_args",
+                        lambda i: (None, None if holder["g"].nodes[i][1] is None
+                                   else list(enumerate(holder["g"].nodes[i][1]))))
+    monkeypatch.setattr(_cuda, "graph_memcpy_node_extent", lambda i: holder["g"].nodes[i][1])
+    monkeypatch.setattr(_cuda, "graph_memcpy_node_dst_src", lambda i: holder["g"].nodes[i][1][:2])
+    monkeypatch.setattr(_cuda, "graph_memset_node_extent", lambda i: holder["g"].nodes[i][1])
+    monkeypatch.setattr(_cuda, "KernelArgs", FakeKernelArgs)
+    monkeypatch.setattr(_cuda, "rt_node_handle", lambda i: ("rt", i))
+    monkeypatch.setattr(_cuda, "native", lambda h: h if isinstance(h, int) else h[1])
+    FakeKernelArgs.log = []
+    return graph
+
+
+def make_rec(copies, bucket=None):
+    rec = Recording("f")
+    rec.exec_ = "exec"
+    rec.copies = copies
+    call = SimpleNamespace(bucket=bucket)
+    return rec, call
+
+
+def copy_in(leaf, node, ph):
+    return InputCopy(leaf, node, ph, CALLER + leaf * 0x10000, 4096, 0, back=False)
+
+
+def test_plan_finds_words_per_input_and_shares_kernel_buffers(fake_graph):
+    g = fake_graph([
+        (MEMCPY, (PH_A, CALLER, 4096)),  # 0: input copy of leaf 0
+        (MEMCPY, (PH_B, CALLER + 0x10000, 4096)),  # 1: input copy of leaf 1
+        (KERNEL, [word(PH_A + 64) + word(7), word(PH_B), b"\x01\x00\x00\x00"]),  # 2: reads both
+        (KERNEL, [word(PH_A)]),  # 3: reads leaf 0
+        (MEMCPY, (0x7D00_0000_0000, PH_B + 8, 16)),  # 4: a 1-D copy out of leaf 1
+    ])
+    rec, call = make_rec([copy_in(0, 0, PH_A), copy_in(1, 1, PH_B)])
+    rebindexec.plan(rec, g, call, {0: "ph0", 1: "ph1"}, Config())
+    assert rec.input_notes == {0: None, 1: None}
+    p = rec.proof
+    assert p is not None and [r.leaf for r in p.rebinds] == [0, 1]
+    r0, r1 = p.rebinds
+    assert sorted(d for _, d in r0.words) == [0, 64] and len(r0.kernels) == 2
+    assert [d for _, d in r1.words] == [0] and len(r1.kernels) == 1
+    assert r1.memcpys == [(("rt", 4), None, 8, 0x7D00_0000_0000, PH_B + 8, 16)]
+    shared = [k for k in r0.kernels if k in r1.kernels]
+    assert len(shared) == 1 and shared[0].node == 2  # one buffer per node, both inputs' words in it
+    assert {PH_A + 64, 7, PH_B, PH_A, CALLER} <= p.values
+
+
+def test_plan_reasons(fake_graph):
+    base = [(MEMCPY, (PH_A, CALLER, 4096)), (KERNEL, [word(PH_A)])]
+    cases = [
+        (base + [(MEMSET, (PH_A + 128, 64))], rebindexec.MEMSET),
+        (base + [(HOST, None)], "host node"),
+        (base + [(KERNEL, None)], "packed"),
+        (base + [(MEMCPY, (PH_B, PH_A, 64))], None),  # leaf 1 is not an input here: a plain copy out
+    ]
+    for nodes, want in cases:
+        g = fake_graph(nodes)
+        rec, call = make_rec([copy_in(0, 0, PH_A)])
+        rebindexec.plan(rec, g, call, {0: "ph"}, Config())
+        if want is None:
+            assert rec.input_notes == {0: None} and rec.proof is not None
+        else:
+            assert want in rec.input_notes[0] and rec.proof is None
+    g = fake_graph(base)
+    rec, call = make_rec([copy_in(0, 0, PH_A)])
+    rebindexec.plan(rec, g, call, {0: "ph"}, Config(rebind_inputs=False))
+    assert rec.input_notes == {0: rebindexec.OFF} and rec.proof is None
+    rec, call = make_rec([copy_in(0, 0, PH_A)], bucket=8)
+    rebindexec.plan(rec, g, call, {0: "ph"}, Config())
+    assert rec.input_notes == {0: rebindexec.PADDED}
+
+
+def test_plan_copy_between_two_inputs_keeps_both_copies(fake_graph):
+    g = fake_graph([(MEMCPY, (PH_A, CALLER, 4096)), (MEMCPY, (PH_B, CALLER + 0x10000, 4096)),
+                    (MEMCPY, (PH_B, PH_A, 4096))])
+    rec, call = make_rec([copy_in(0, 0, PH_A), copy_in(1, 1, PH_B)])
+    rebindexec.plan(rec, g, call, {0: "a", 1: "b"}, Config())
+    assert rec.input_notes == {0: rebindexec.TWO_INPUTS, 1: rebindexec.TWO_INPUTS} and rec.proof is None
+
+
+def test_input_rebind_patch_points_words_kernels_and_copies():
+    k = FakeKernelArgs("e", 5, None, [word(PH_A + 16) + word(PH_A)])
+    FakeKernelArgs.log = []
+    calls = []
+    r = InputRebind(0, PH_A, [(k.word(0, 0), 16), (k.word(0, 8), 0)], [k],
+                    [("n", None, 32, 0xD, PH_A + 32, 64), ("m", 8, None, PH_A + 8, 0xE, 64)])
+    r.patch(lambda *a: calls.append(a), CALLER)
+    assert (k.value(0, 0), k.value(0, 8)) == (CALLER + 16, CALLER)
+    assert FakeKernelArgs.log == [5] and r.ptr == CALLER
+    assert calls == [("n", 0xD, CALLER + 32, 64), ("m", CALLER + 8, 0xE, 64)]
+    r.patch(lambda *a: calls.append(a), r.base)  # back to the placeholder: the recorded bytes
+    assert (k.value(0, 0), k.value(0, 8)) == (PH_A + 16, PH_A)
+
+
+def test_replay_repoints_only_moved_inputs(monkeypatch):
+    launches = []
+    monkeypatch.setattr(recording, "_launch", lambda exec_, stream: launches.append(exec_) or (0,))
+    monkeypatch.setattr(recording._streams, "_current", lambda ordinal: 0)
+    rec = Recording("f")
+    rec.exec_, rec.setter = "exec", None
+    moved = []
+
+    class R(InputRebind):
+        __slots__ = ()
+
+        def patch(self, setter, ptr):
+            moved.append(ptr)
+            self.ptr = ptr
+
+    rec.rebinds = [R(0, PH_A, [], [], [])]
+    rec.out_leaves, rec.out_kinds, rec.out_alias = [], [], []
+    rec.alias0 = lambda: "out"
+    for p in (CALLER, CALLER, CALLER + 4096, CALLER + 4096, CALLER):
+        assert rec.replay(SimpleNamespace(ptrs=[p], leaves=[None]))[0] == "out"
+    assert moved == [CALLER, CALLER + 4096, CALLER] and len(launches) == 5
+
+
+def test_merge_and_blocks():
+    assert rebindexec._merge([(100, 10), (105, 10), (200, 8), (108, 1)]) == [(100, 15), (200, 8)]
+    pool = SimpleNamespace(closed=False, live_blocks=lambda: [SimpleNamespace(ptr=1000, size=100)])
+    b = rebindexec._Blocks(pool)
+    assert b.around(1050) == (1000, 100) and b.around(1100) is None and b.around(10) is None
+
+
+def test_ranges_skip_placeholders_and_non_pointers(monkeypatch):
+    monkeypatch.setattr(rebindexec.rngexec, "slot_range", lambda v: None)
+    monkeypatch.setattr(_cuda, "mem_address_range", lambda v: (v & ~0xFFF, 0x1000) if v >= 0x7000_0000_0000 else None)
+    blocks = SimpleNamespace(around=lambda v: None)
+    got = rebindexec._ranges({3, 4096 * 5, PH_A + 8, CALLER + 12}, blocks, [(PH_A, 4096)], {})
+    assert got == [(CALLER, 0x1000)]
+
+
+class ProofRig:
+    """``prove`` with the device faked: replays counted with the mode they ran in."""
+
+    def __init__(self, monkeypatch, equal: bool):
+        self.events = []
+        self.enabled = {}
+        monkeypatch.setattr(_cuda, "stream_handle", lambda p: "stream")
+        monkeypatch.setattr(rebindexec._streams, "_current", lambda o: 0)
+        monkeypatch.setattr(_cuda, "ctx_synchronize", lambda: None)
+        monkeypatch.setattr(_cuda, "stream_synchronize", lambda s: None)
+        monkeypatch.setattr(_cuda, "mem_get_info", lambda: (1 << 34, 1 << 35))
+        monkeypatch.setattr(_cuda, "mem_alloc", lambda n: 0xA000_0000 + 0x1000_0000 * len(self.events))
+        monkeypatch.setattr(_cuda, "mem_free", lambda p: self.events.append("free"))
+        monkeypatch.setattr(rebindexec._k, "memset_d8_async",
+                            lambda p, v, n, s: self.events.append(("poison", p)) if v == 0xFF else None)
+        monkeypatch.setattr(rebindexec, "_Blocks", lambda pool: SimpleNamespace(around=lambda v: None))
+        monkeypatch.setattr(rebindexec, "_ranges", lambda values, blocks, phs, cache: [(CALLER, 4096)])
+        monkeypatch.setattr(rebindexec, "_tables", lambda ranges, phs, blocks, cache: (set(), []))
+        monkeypatch.setattr(rebindexec, "_pack", lambda r, buf, s, out: self.events.append(("pack", out)))
+        monkeypatch.setattr(rebindexec, "_equal", lambda *a: equal)
+        monkeypatch.setattr(_cuda, "graph_exec_node_set_enabled",
+                            lambda e, n, on: self.enabled.__setitem__(n, on))
+
+
+class _Rec(Recording):
+    __slots__ = ("replay",)
+
+
+def _rig_rec(monkeypatch, equal):
+    rig = ProofRig(monkeypatch, equal)
+    rec = _Rec("f")
+    rec.exec_, rec.setter = "exec", lambda *a: None
+    cin, cback = copy_in(0, "in", PH_A), InputCopy(0, "back", PH_A, CALLER, 4096, 0, back=True)
+    rec.copies = [cin, cback]
+    k = FakeKernelArgs("exec", 9, None, [word(PH_A)])
+    r = InputRebind(0, PH_A, [(k.word(0, 0), 0)], [k], [])
+    rec.input_notes = {0: None}
+    rec.proof = rebindexec.Pending([r], {0: ("ph", PH_A, 4096)}, {PH_A, CALLER}, {0: [cin, cback]})
+    modes = []
+
+    def replay(call):
+        for rb in rec.rebinds:  # what Recording.replay does before its launch
+            if call.ptrs[rb.leaf] != rb.ptr:
+                rb.patch(rec.setter, call.ptrs[rb.leaf])
+        modes.append(("copy" if rec.copies else "in place", k.value(0, 0)))
+        return ("out", len(modes)), ()
+
+    rec.replay = replay
+    dropped = []
+    backend = SimpleNamespace(pool=None, drop_placeholders=lambda rec, phs: dropped.append(phs))
+    return rig, rec, k, modes, dropped, backend, (cin, cback)
+
+
+def test_proof_kept_in_place(monkeypatch):
+    rig, rec, k, modes, dropped, backend, (cin, cback) = _rig_rec(monkeypatch, equal=True)
+    out = rebindexec.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
+    assert modes == [("copy", PH_A), ("in place", CALLER)] and out == (("out", 2), ())
+    assert rec.copies == [] and [r.leaf for r in rec.rebinds] == [0] and rec.proof is None
+    assert rig.enabled == {"in": False, "back": False} and dropped == [["ph"]]
+    assert rec.input_notes == {0: None}
+    assert ("poison", PH_A) in rig.events
+    packs = [e for e in rig.events if isinstance(e, tuple) and e[0] == "pack"]
+    assert packs == [("pack", True), ("pack", True), ("pack", False), ("pack", True)]
+
+
+def test_proof_refuted_goes_back_to_the_copies(monkeypatch):
+    rig, rec, k, modes, dropped, backend, (cin, cback) = _rig_rec(monkeypatch, equal=False)
+    out = rebindexec.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
+    # A (copies), B (in place), then the ranges put back and the call run once more as recorded
+    assert modes == [("copy", PH_A), ("in place", CALLER), ("copy", PH_A)] and out == (("out", 3), ())
+    assert rec.copies == [cin, cback] and rec.rebinds == [] and dropped == []
+    assert rig.enabled == {"in": True, "back": True}
+    assert rec.input_notes == {0: rebindexec.DIFFER}
+    packs = [e for e in rig.events if isinstance(e, tuple) and e[0] == "pack"]
+    assert packs[-1] == ("pack", False)  # the saved ranges restored before the last replay
+
+
+def test_proof_too_much_memory_keeps_copies(monkeypatch):
+    rig, rec, k, modes, dropped, backend, _ = _rig_rec(monkeypatch, equal=True)
+    monkeypatch.setattr(_cuda, "mem_get_info", lambda: (1 << 20, 1 << 35))  # 1 MiB free: limit 256 KiB
+    monkeypatch.setattr(rebindexec, "_ranges", lambda values, blocks, phs, cache: [(CALLER, 1 << 20)])
+    rebindexec.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
+    assert modes == [("copy", PH_A)] and "more than cgraw saves" in rec.input_notes[0]
+
+
+def test_proof_pointer_table_keeps_copy(monkeypatch):
+    rig, rec, k, modes, dropped, backend, _ = _rig_rec(monkeypatch, equal=True)
+    monkeypatch.setattr(rebindexec, "_tables", lambda ranges, phs, blocks, cache: ({0}, []))
+    rebindexec.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
+    assert modes == [("copy", PH_A)] and rec.input_notes[0] == rebindexec.POINTER_TABLE
+
+
+def test_tables_find_a_pointer_to_a_placeholder(monkeypatch):
+    table = (ctypes.c_uint64 * 2)(PH_A + 256, 5)
+
+    def dtoh(dst, src, n):
+        ctypes.memmove(dst, ctypes.addressof(table), n)
+
+    monkeypatch.setattr(_cuda, "memcpy_dtoh", dtoh)
+    monkeypatch.setattr(rebindexec, "_ranges", lambda values, blocks, phs, cache: [])
+    hit, more = rebindexec._tables([(CALLER, 16), (CALLER + 4096, 1 << 20)], {0: (PH_A, 4096), 1: (PH_B, 64)},
+                                   None, {})
+    assert hit == {0}
