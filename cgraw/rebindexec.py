@@ -14,8 +14,9 @@ ways the graph reaches the input, by running the call twice:
    addresses, and one level of pointer tables found in small ranges) is saved; the graph is
    replayed as recorded (copies on) and the ranges' contents after it are kept;
 2. the ranges are put back, the input copies are disabled (``cuGraphNodeSetEnabled``), the words
-   rewritten to the caller's addresses, the placeholders filled with 0xFF, and the graph replayed
-   again; its ranges' contents must equal the first replay's, byte for byte.
+   rewritten to the caller's addresses, the placeholders poisoned (0xFF bytes, NaN, for floating
+   inputs; zeros for integer ones, which cannot send an index out of bounds), and the graph
+   replayed again; its ranges' contents must equal the first replay's, byte for byte.
 
 Equal: the inputs are read in place from now on (``recording.InputRebind``) and their
 placeholders are freed. Different (a read the scan did not see, a non-deterministic kernel):
@@ -37,13 +38,16 @@ from bisect import bisect_right
 from cgraw import _cuda, _defer, rngexec
 from cgraw import stream as _streams
 from cgraw._cuda import kernels as _k
+from cgraw.errors import CudaError
 from cgraw.rebind import WORD, Placeholder, Plan, scan
 from cgraw.recording import InputRebind
 
 log = logging.getLogger("cgraw")
 
 SNAPSHOT_LIMIT = 1 << 30  # bytes of device ranges one proof may save (three copies are made)
-TABLE_SCAN_LIMIT = 64 << 10  # ranges at most this large are read for pointer tables
+TABLE_SCAN_LIMIT = 64 << 10
+PATCH_NODES = 4  # an input read by more nodes than this is copied, unless it is at least BIG_INPUT
+BIG_INPUT = 1 << 20  # ranges at most this large are read for pointer tables
 OFF = "cgraw.config.rebind_inputs is False"
 PADDED = "a padded input (padding bucket): its copy node also sets the rows of this call"
 DIFFER = ("a replay reading it in place did not equal the replay with its copy (a read cgraw's "
@@ -155,6 +159,17 @@ def plan(rec, g, call, placeholders: dict, config) -> None:
     if not cands:
         return
     pl = Plan(words, refs).restricted(cands)
+    for leaf in cands:
+        n_nodes = len(pl.nodes_of(leaf)) + sum(1 for r in pl.refs if r.leaf == leaf)
+        nbytes = ph_info[leaf][2]
+        if n_nodes > PATCH_NODES and nbytes < BIG_INPUT:
+            notes[leaf] = (f"read by {n_nodes} graph nodes: re-pointing them when it moves (about 1.5 us each) "
+                           f"costs more than copying its {nbytes / 1024:.0f} KiB (inputs of 1 MiB or more are "
+                           f"read in place whatever the count)")
+    cands = [leaf for leaf in cands if notes[leaf] is None]
+    if not cands:
+        return
+    pl = pl.restricted(cands)
     kas = {}
     for i in pl.by_node:
         nd, p, args = kargs[i]
@@ -171,7 +186,8 @@ def plan(rec, g, call, placeholders: dict, config) -> None:
             nd, dst, src, n = memcpys[r.node]
             rt = _cuda.rt_node_handle(nd)
             ms.append((rt, r.delta, None, dst, src, n) if r.field == "dst" else (rt, None, r.delta, dst, src, n))
-        rebinds.append(InputRebind(leaf, base, ws, ks, ms))
+        back = any(c.back and c.leaf == leaf for c in rec.copies)
+        rebinds.append(InputRebind(leaf, base, ws, ks, ms, back))
     copy_nodes = {leaf: [c for c in rec.copies if c.leaf == leaf] for leaf in cands}
     rec.proof = Pending(rebinds, {leaf: ph_info[leaf] for leaf in cands}, values, copy_nodes)
 
@@ -268,60 +284,67 @@ def _tables(ranges, phs: list, blocks: _Blocks, cache: dict) -> tuple[set, list]
 
 def prove(backend, rec, call):
     """The recording's first call: decide which inputs are read in place (see the module's
-    docstring) and return the call's ``(outputs, owned outputs)`` from exactly one effective run."""
+    docstring) and return the call's ``(outputs, owned outputs)`` from exactly one effective run.
+    cgraw's own failures (reading the graph, allocating the saved copies, the driver refusing a
+    rewritten node) keep the copies with the reason; a failure of the graph itself is raised."""
     pend, rec.proof = rec.proof, None
     notes = rec.input_notes
-    ordinal = rec.ordinal
-    stream = _cuda.stream_handle(_streams._current(ordinal))
+    stream = _cuda.stream_handle(_streams._current(rec.ordinal))
     phs = {leaf: (base, n) for leaf, (_, base, n) in pend.placeholders.items()}
-    _cuda.ctx_synchronize()  # the recording's copies and every caller's work are done: ranges are stable
-    blocks = _Blocks(backend.pool)
-    cache: dict = {}
-    ranges = _ranges(pend.values, blocks, list(phs.values()), cache)
-    hit, more = _tables(_merge(ranges), phs, blocks, cache)
+    try:
+        _cuda.ctx_synchronize()  # every caller's work is done: the ranges hold what the call sees
+        blocks = _Blocks(backend.pool)
+        cache: dict = {}
+        ranges = _ranges(pend.values, blocks, list(phs.values()), cache)
+        hit, more = _tables(_merge(ranges), phs, blocks, cache)
+        ranges = _merge(ranges + more)
+    except CudaError as exc:
+        _note(notes, pend.rebinds, f"cgraw could not read what its graph points at ({exc.call}: {exc.name})")
+        return rec.replay(call)
     for leaf in hit:
         notes[leaf] = POINTER_TABLE
-    ranges = _merge(ranges + more)
     rebinds = [r for r in pend.rebinds if notes[r.leaf] is None]
     if not rebinds:
         return rec.replay(call)
     total = sum((n + WORD - 1) // WORD * WORD for _, n in ranges)
+    size = max(total, WORD)
     free, _ = _cuda.mem_get_info()
     if total > min(SNAPSHOT_LIMIT, free // 4):
-        why = (f"the memory its graph reaches ({total / (1 << 20):.0f} MiB) is more than cgraw saves to prove "
-               "that reading inputs in place is safe")
-        for r in rebinds:
-            notes[r.leaf] = why
+        _note(notes, rebinds, f"the memory its graph reaches ({total / (1 << 20):.0f} MiB) is more than cgraw "
+                              "saves to prove that reading inputs in place is safe")
         return rec.replay(call)
-    bufs = []
+    bufs: list[int] = []
     try:
-        size = max(total, WORD)
-        saved, after_a, after_b, flag = (_alloc(bufs, size), _alloc(bufs, size), _alloc(bufs, size),
-                                         _alloc(bufs, WORD))
-        for b in (saved, after_a, after_b):
-            _k.memset_d8_async(b, 0, size, stream)
-        _k.memset_d8_async(flag, 0, WORD, stream)
-        _pack(ranges, saved, stream, out=True)
+        try:
+            saved, after_a, after_b, flag = (_alloc(bufs, size), _alloc(bufs, size), _alloc(bufs, size),
+                                             _alloc(bufs, WORD))
+            for b in (saved, after_a, after_b, flag):
+                _k.memset_d8_async(b, 0, size if b != flag else WORD, stream)
+            _pack(ranges, saved, stream, out=True)
+        except CudaError as exc:
+            _note(notes, rebinds, f"cgraw could not save what its graph reaches ({exc.call}: {exc.name})")
+            return rec.replay(call)
         rec.replay(call)  # A: as recorded, with the copies
         _pack(ranges, after_a, stream, out=True)
         _pack(ranges, saved, stream, out=False)
-        _switch(rec, pend, rebinds, on=True)
-        for r in rebinds:
-            base, n = phs[r.leaf]
-            _k.memset_d8_async(base, 0xFF, n, stream)
-        result = rec.replay(call)  # B: reading the caller's inputs in place
-        _pack(ranges, after_b, stream, out=True)
-        same = _equal(ordinal, after_a, after_b, total, flag, stream)
-        if same:
+        try:
+            _switch(rec, pend, rebinds, on=True)
             for r in rebinds:
-                notes[r.leaf] = None
+                base, n = phs[r.leaf]
+                _k.memset_d8_async(base, _poison(pend.placeholders[r.leaf][0]), n, stream)
+            result = rec.replay(call)  # B: reading the caller's inputs in place
+            _pack(ranges, after_b, stream, out=True)
+            why = None if _equal(rec.ordinal, after_a, after_b, total, flag, stream) else DIFFER
+        except CudaError as exc:
+            why = f"the driver refused a rewritten node ({exc.call}: {exc.name})"
+        if why is None:
+            _note(notes, rebinds, None)
             backend.drop_placeholders(rec, [pend.placeholders[r.leaf][0] for r in rebinds])
             return result
-        log.info("cgraw: %s: inputs %s keep their copies: %s", rec.name, [r.leaf for r in rebinds], DIFFER)
+        log.info("cgraw: %s: inputs %s keep their copies: %s", rec.name, [r.leaf for r in rebinds], why)
         _pack(ranges, saved, stream, out=False)
         _switch(rec, pend, rebinds, on=False)
-        for r in rebinds:
-            notes[r.leaf] = DIFFER
+        _note(notes, rebinds, why)
         return rec.replay(call)  # as recorded: the call's one effective run
     except BaseException:
         if rec.rebinds:
@@ -329,9 +352,7 @@ def prove(backend, rec, call):
                 _switch(rec, pend, rebinds, on=False)
             except Exception:  # noqa: BLE001 -- the original error is the one to report
                 pass
-        for r in rebinds:
-            if notes.get(r.leaf) is None:
-                notes[r.leaf] = "the proof replay failed"
+        _note(notes, [r for r in rebinds if notes.get(r.leaf) is None], "the proof replay failed")
         raise
     finally:
         try:
@@ -339,6 +360,21 @@ def prove(backend, rec, call):
         finally:
             for b in bufs:
                 _defer.release(_cuda.mem_free, b)
+
+
+def _note(notes: dict, rebinds, why) -> None:
+    for r in rebinds:
+        notes[r.leaf] = why
+
+
+def _poison(ph) -> int:
+    """The byte a placeholder is filled with before the in-place replay: 0xFF (NaN) for floating
+    and complex inputs; 0 for integers and bools, so that a read the scan missed cannot send an
+    index out of bounds (a device assert would end the process)."""
+    dt = getattr(ph, "dtype", None)
+    if getattr(dt, "is_floating_point", False) or getattr(dt, "is_complex", False):
+        return 0xFF
+    return 0xFF if getattr(dt, "kind", "") in ("f", "c") else 0
 
 
 def _alloc(bufs: list, n: int) -> int:

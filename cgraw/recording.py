@@ -58,13 +58,14 @@ class InputRebind:
     to the executable after the words change; ``memcpys``: ``(node, dst delta or None, src delta
     or None, dst, src, bytes)`` of memcpy nodes that read or write it."""
 
-    __slots__ = ("leaf", "ptr", "base", "words", "kernels", "memcpys")
+    __slots__ = ("leaf", "ptr", "base", "words", "kernels", "memcpys", "back")
 
-    def __init__(self, leaf: int, base: int, words: list, kernels: list, memcpys: list):
+    def __init__(self, leaf: int, base: int, words: list, kernels: list, memcpys: list, back: bool = False):
         self.leaf = leaf
         self.base = base  # the placeholder's address at record time (what the words held)
         self.ptr = base  # the address the words hold now
         self.words, self.kernels, self.memcpys = words, kernels, memcpys
+        self.back = back  # the function writes the input (staged copies are copied back)
 
     def patch(self, setter, ptr: int) -> None:
         """Point every word and memcpy address of this input at ``ptr``."""
@@ -114,6 +115,9 @@ class Recording:
         "rebinds",  # [InputRebind]: inputs read in place (no copy)
         "input_notes",  # {leaf: None (read in place) or why it is copied} for report()
         "proof",  # rebindexec.Pending until the first replay proves (or refutes) rebinding, else None
+        "in_pool",  # ptr -> bool: memory of the tree's pool (a rebound input there is staged)
+        "stage",  # stage(rec, call, rebind) -> address of a staged copy of the input (see replay)
+        "staged",  # [(rebind, staged copy)] of the last launch, alive until the next one
         "slow_in",  # [(leaf index, placeholder)]: non-contiguous eager inputs, copied eagerly
         "copy_slow",  # copy_slow(rec, call, rows or None): copies them on the replay's stream
         "out_leaves",  # the recording's output arrays, flattened
@@ -144,6 +148,8 @@ class Recording:
         self.ordinal = 0
         self.copies, self.slow_in = [], []
         self.rebinds, self.input_notes, self.proof = [], {}, None
+        self.in_pool = self.stage = None
+        self.staged = []
         self.out_leaves, self.out_kinds, self.out_alias = [], [], []
         self.owned_idx, self.poison_idx, self.out_ptrs = [], [], []
         self.out_spec = self.alias0 = self.bucket = None
@@ -178,15 +184,25 @@ class Recording:
             p = ptrs[c.leaf]
             if p != c.ptr:
                 c.patch(self.setter, p, c.count)
+        if self.staged:
+            self.staged = []
         for r in self.rebinds:
             p = ptrs[r.leaf]
             if p != r.ptr:
-                r.patch(self.setter, p)
+                # kernels chosen for the recording's alignment (vector loads, cuBLAS) must not get a
+                # less aligned address, and one in the tree's pool may be memory this graph writes:
+                # such an input is read from a fresh copy instead
+                if (p - r.base) & 255 or self.in_pool(p):
+                    p = self.stage(self, call, r)
+                if p != r.ptr:
+                    r.patch(self.setter, p)
         if self.slow_in:
             self.copy_slow(self, call, None)
         ptr = _streams._current(self.ordinal)  # Graph.replay(), inlined
         if _launch(self.exec_, ptr)[0]:
             self.graph.replay()  # raises the launch's error (or recovers on another current device)
+        if self.staged:
+            self.stage(self, call, None)  # copies written inputs back from their staged copies
         alias0 = self.alias0
         if alias0 is not None:
             o = alias0()

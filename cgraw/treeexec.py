@@ -28,7 +28,7 @@ from cgraw import stream as _streams
 from cgraw.arrays import EAGER, SINGLE, TORCH, ops_of, out_spec, replace_leaves
 from cgraw.calls import Call, use_torch
 from cgraw.capture import capture
-from cgraw.errors import CaptureError, SkipCall, UnsafeCallError
+from cgraw.errors import CaptureError, CudaError, SkipCall, UnsafeCallError
 from cgraw.interop import observe as _observe
 from cgraw.interop import torch_c
 from cgraw.interop.torch_tree import TorchTreeState
@@ -233,7 +233,30 @@ class CudaBackend:
         # memory (torch.from_dlpack) has a DLPack deleter and lives in cgraw's own pool
         rec.spans = [] if self._tts is None else self._tts.spans(list(placeholders.values()) + owned)
         # which eager inputs may be read in place (issue 12): proven on the first replay
-        rebindexec.plan(rec, g, call, placeholders, _config())
+        rec.in_pool, rec.stage = self._pool_owner(), self._stage
+        try:
+            rebindexec.plan(rec, g, call, placeholders, _config())
+        except CudaError as exc:
+            rec.proof = None
+            rec.input_notes = {c.leaf: f"cgraw could not read the graph's nodes ({exc.call}: {exc.name})"
+                               for c in rec.copies if not c.back}
+
+    def _stage(self, rec: Recording, call: Call, rebind):  # a Recording's ``stage``
+        """``rebind`` given: copy its input into fresh memory on the replay's stream, keep the copy
+        until the next launch (``rec.staged``) and return its address. None: after the launch,
+        copy the staged inputs the function writes back into the caller's arrays."""
+        target = _streams._current(self.device.ordinal)
+        if rebind is None:
+            for r, copy in rec.staged:
+                if r.back:
+                    _copy_on(call.leaves[r.leaf], copy, call.ops[r.leaf], target)
+            return None
+        j = rebind.leaf
+        o, t = call.ops[j], call.leaves[j]
+        copy = o.empty(t.shape, t)
+        _copy_on(copy, t, o, target)
+        rec.staged.append((rebind, copy))
+        return o.ptr(copy)
 
     def first_replay(self, rec: Recording, call: Call):
         """The recording's first call: its inputs read in place where ``rebindexec.prove`` shows

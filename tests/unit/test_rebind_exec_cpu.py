@@ -174,12 +174,32 @@ def test_replay_repoints_only_moved_inputs(monkeypatch):
             moved.append(ptr)
             self.ptr = ptr
 
-    rec.rebinds = [R(0, PH_A, [], [], [])]
+    rec.rebinds = [R(0, PH_A, [], [], [], back=True)]
     rec.out_leaves, rec.out_kinds, rec.out_alias = [], [], []
     rec.alias0 = lambda: "out"
+    pool = 0x7C00_0000_0000
+    rec.in_pool = lambda p: pool <= p < pool + (1 << 20)
+    staged = []
+
+    def stage(rec_, call, r):  # treeexec's: a fresh, aligned copy of the input; None: copy back
+        staged.append("back" if r is None else call.ptrs[r.leaf])
+        if r is None:
+            return None
+        rec_.staged.append((r, "copy"))
+        return 0x7B00_0000_0000 + 512 * len(staged)
+
+    rec.stage = stage
     for p in (CALLER, CALLER, CALLER + 4096, CALLER + 4096, CALLER):
         assert rec.replay(SimpleNamespace(ptrs=[p], leaves=[None]))[0] == "out"
-    assert moved == [CALLER, CALLER + 4096, CALLER] and len(launches) == 5
+    assert moved == [CALLER, CALLER + 4096, CALLER] and len(launches) == 5 and staged == []
+    # a view 4 bytes off the recorded alignment, and memory of the tree's pool: read from copies,
+    # which the function's writes go back from after the launch
+    for p in (CALLER + 4, pool + 512):
+        rec.replay(SimpleNamespace(ptrs=[p], leaves=[None]))
+    assert staged == [CALLER + 4, "back", pool + 512, "back"]
+    assert moved[-2:] == [0x7B00_0000_0000 + 512, 0x7B00_0000_0000 + 1536]
+    rec.replay(SimpleNamespace(ptrs=[CALLER], leaves=[None]))  # aligned again: in place, nothing staged
+    assert moved[-1] == CALLER and rec.staged == [] and staged[-1] == "back"
 
 
 def test_merge_and_blocks():
@@ -211,7 +231,7 @@ class ProofRig:
         monkeypatch.setattr(_cuda, "mem_alloc", lambda n: 0xA000_0000 + 0x1000_0000 * len(self.events))
         monkeypatch.setattr(_cuda, "mem_free", lambda p: self.events.append("free"))
         monkeypatch.setattr(rebindexec._k, "memset_d8_async",
-                            lambda p, v, n, s: self.events.append(("poison", p)) if v == 0xFF else None)
+                            lambda p, v, n, s: self.events.append(("poison", p, v)) if p == PH_A else None)
         monkeypatch.setattr(rebindexec, "_Blocks", lambda pool: SimpleNamespace(around=lambda v: None))
         monkeypatch.setattr(rebindexec, "_ranges", lambda values, blocks, phs, cache: [(CALLER, 4096)])
         monkeypatch.setattr(rebindexec, "_tables", lambda ranges, phs, blocks, cache: (set(), []))
@@ -257,7 +277,7 @@ def test_proof_kept_in_place(monkeypatch):
     assert rec.copies == [] and [r.leaf for r in rec.rebinds] == [0] and rec.proof is None
     assert rig.enabled == {"in": False, "back": False} and dropped == [["ph"]]
     assert rec.input_notes == {0: None}
-    assert ("poison", PH_A) in rig.events
+    assert ("poison", PH_A, 0) in rig.events  # the placeholder "ph" has no float dtype: zeros
     packs = [e for e in rig.events if isinstance(e, tuple) and e[0] == "pack"]
     assert packs == [("pack", True), ("pack", True), ("pack", False), ("pack", True)]
 
@@ -300,3 +320,31 @@ def test_tables_find_a_pointer_to_a_placeholder(monkeypatch):
     hit, more = rebindexec._tables([(CALLER, 16), (CALLER + 4096, 1 << 20)], {0: (PH_A, 4096), 1: (PH_B, 64)},
                                    None, {})
     assert hit == {0}
+
+
+def test_poison_byte_by_dtype():
+    torch = pytest.importorskip("torch")
+    assert rebindexec._poison(torch.empty(2)) == 0xFF
+    assert rebindexec._poison(torch.empty(2, dtype=torch.complex64)) == 0xFF
+    assert rebindexec._poison(torch.empty(2, dtype=torch.int64)) == 0
+    assert rebindexec._poison(torch.empty(2, dtype=torch.bool)) == 0
+    np = pytest.importorskip("numpy")
+    assert rebindexec._poison(np.empty(2, np.float16)) == 0xFF and rebindexec._poison(np.empty(2, np.int32)) == 0
+
+
+def test_plan_copies_small_inputs_read_by_many_nodes(fake_graph):
+    nodes = [(MEMCPY, (PH_A, CALLER, 4096))] + [(KERNEL, [word(PH_A)]) for _ in range(rebindexec.PATCH_NODES + 1)]
+    g = fake_graph(nodes)
+    rec, call = make_rec([copy_in(0, 0, PH_A)])
+    rebindexec.plan(rec, g, call, {0: "ph"}, Config())
+    assert "read by 5 graph nodes" in rec.input_notes[0] and rec.proof is None
+    g = fake_graph(nodes[:-1])
+    rec, call = make_rec([copy_in(0, 0, PH_A)])
+    rebindexec.plan(rec, g, call, {0: "ph"}, Config())
+    assert rec.input_notes == {0: None} and rec.proof is not None
+    big = InputCopy(0, 0, PH_A, CALLER, 1 << 20, 0, back=False)
+    g = fake_graph(nodes)
+    rec, call = make_rec([big])
+    rebindexec.plan(rec, g, call, {0: "ph"}, Config())
+    assert rec.input_notes == {0: None}
+
