@@ -3,9 +3,11 @@
 Order: the real models, memory side by side with torch's trees, then the microbenchmarks (launch
 overhead, graphed call and its pieces, workloads, graph-safe random numbers, allocator, eager
 overhead), then which CuPy functions a capture records (cupy_coverage, issue 17: a table, not
-timings). ``--only PART[,PART]`` runs those parts (in this order). With no GPU it exits with
-status 2 and a one-line reason. A part that raises is reported and the others still run; the exit
-status is then 1. The CPU-only allocator figure is ``python -m benchmarks.alloc_overhead``.
+timings), then zero-copy inputs (rebind, issue 12; last, because it drives the newest runtime code
+and a sticky CUDA error there would fail every later part of the process). ``--only PART[,PART]``
+runs those parts (in this order). With no GPU it exits with status 2 and a one-line reason. A part
+that raises is reported and the others still run; the exit status is then 1. The CPU-only
+allocator figure is ``python -m benchmarks.alloc_overhead``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ PARTS = {
     "alloc": ("benchmarks.alloc_gpu", []),
     "eager": ("benchmarks.eager_overhead", []),
     "cupy_coverage": ("benchmarks.cupy_coverage", []),
+    "rebind": ("benchmarks.rebind", []),
 }
 
 
