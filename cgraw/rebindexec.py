@@ -416,8 +416,18 @@ def _switch(rec, pend: Pending, rebinds: list, *, on: bool) -> None:
         rec.rebinds = list(rebinds)
         return
     for r in rec.rebinds:
-        if r.ptr != r.base:
-            r.patch(rec.setter, r.base)
+        if r.ptr == r.base:
+            continue
+        for w, d in r.words:
+            w.value = r.base + d
+        for k in r.kernels:
+            try:
+                k()
+            except CudaError:  # refused again: the node still holds what it held before the refusal
+                log.debug("cgraw: %s: a kernel node refused its recorded arguments back", rec.name)
+        for node, dd, sd, dst, src, n in r.memcpys:
+            rec.setter(node, dst, src, n)
+        r.ptr = r.base
     rec.rebinds = []
     kept = {id(c) for c in rec.copies}
     for leaf in leaves:

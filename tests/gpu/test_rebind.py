@@ -635,3 +635,27 @@ def test_inputs_less_aligned_than_the_recording():
         f"child exited with status {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     for name in ("scale", "gemm"):
         _nodes(name, out.stdout)
+
+
+def test_driver_refusing_a_rewritten_node_keeps_the_copy(monkeypatch):
+    """Fault injection: ``cuGraphExecKernelNodeSetParams`` fails during the proof. The call still
+    runs once, right; the input keeps its copy with the driver's refusal as the reason; later
+    calls at new addresses stay right."""
+    from cgraw import _cuda
+
+    def refuse(self):
+        raise cgraw.CudaError("cuGraphExecKernelNodeSetParams", 1, "CUDA_ERROR_INVALID_VALUE", "forced")
+
+    monkeypatch.setattr(_cuda.KernelArgs, "__call__", refuse)
+
+    def body(x):
+        return (x * 3.0 + 1.0).tanh()
+
+    f = cgraw.graphed(body)
+    for i in range(6):
+        cgraw.mark_step_begin()
+        x = trand(4096)
+        torch.testing.assert_close(f(x), body(x), rtol=0, atol=0, msg=f"call {i}")
+    _assert_graphed(f, 6)
+    node = _assert_inputs(f, 0, 1)
+    assert "the driver refused a rewritten node" in node.reasons[0], node.reasons
