@@ -452,6 +452,11 @@ class Pool:
         with self._lock:
             return self._owns_locked(ptr)
 
+    def segment_ranges(self) -> list[tuple[int, int]]:
+        """``(base, bytes)`` of the pool's bookkept segments, by address (spares excluded)."""
+        with self._lock:
+            return [(b, self._segments[b]) for b in self._seg_bases]
+
     def block_at(self, ptr: int) -> Block | None:
         """The live block starting at ``ptr``, or None."""
         with self._lock:

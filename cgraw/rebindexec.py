@@ -223,9 +223,13 @@ class _Blocks:
                     addr += size
         if pool is not None and not pool.closed:
             spans.extend((b.ptr, b.size) for b in pool.live_blocks())
+        spans.extend(rngexec.arenas())
         spans.sort()
         self.bases = [s[0] for s in spans]
         self.spans = spans
+        # device memory cgraw does not know of (CuPy's pool, a library's workspace) is looked for
+        # near what it knows: within 1 TiB of it
+        self.window = (spans[0][0] - (1 << 40), spans[-1][0] + spans[-1][1] + (1 << 40)) if spans else (0, 1 << 49)
 
     def around(self, ptr: int):
         i = bisect_right(self.bases, ptr) - 1
@@ -237,16 +241,23 @@ class _Blocks:
 
 
 def _ranges(values, blocks: _Blocks, phs: list, cache: dict) -> list[tuple[int, int]]:
+    """The device ranges ``values`` point into (placeholders left out). A value is looked up in
+    the known blocks and offset slots; the driver (``cuMemGetAddressRange``) is asked only for a
+    value near known device memory: argument words and table contents are mostly numbers, and one
+    driver call per number (it releases the GIL) would make a proof take seconds."""
     out = []
+    lo, hi = blocks.window
     for v in values:
-        if v < 4096 or v in cache:
-            if v in cache and cache[v] is not None:
-                out.append(cache[v])
+        if v < 4096 or v >= 1 << 49:
             continue
-        r = None
-        if not any(base <= v < base + n for base, n in phs):
-            r = rngexec.slot_range(v) or blocks.around(v) or _cuda.mem_address_range(v)
-        cache[v] = r
+        r = cache.get(v, False)
+        if r is False:
+            r = None
+            if not any(base <= v < base + n for base, n in phs):
+                r = rngexec.slot_range(v) or blocks.around(v)
+                if r is None and lo <= v < hi:
+                    r = _cuda.mem_address_range(v)
+            cache[v] = r
         if r is not None:
             out.append(r)
     return out
@@ -255,7 +266,7 @@ def _ranges(values, blocks: _Blocks, phs: list, cache: dict) -> list[tuple[int, 
 def _merge(ranges) -> list[tuple[int, int]]:
     out: list[list[int]] = []
     for base, n in sorted(set(ranges)):
-        if out and base <= out[-1][0] + out[-1][1]:
+        if out and base < out[-1][0] + out[-1][1]:  # overlapping only: touching ranges may be two allocations
             out[-1][1] = max(out[-1][1], base + n - out[-1][0])
         else:
             out.append([base, n])

@@ -132,3 +132,10 @@ def slot_range(ptr: int) -> tuple[int, int] | None:
         if base <= ptr < base + SLOTS * 8:
             return ptr - (ptr - base) % 8, 8
     return None
+
+
+def arenas() -> list[tuple[int, int]]:
+    """``(base, bytes)`` of every offset arena."""
+    with _lock:
+        return [(b, SLOTS * 8) for bases in _arenas.values() for b in bases]
+

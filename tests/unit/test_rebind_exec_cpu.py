@@ -204,6 +204,8 @@ def test_replay_repoints_only_moved_inputs(monkeypatch):
 
 def test_merge_and_blocks():
     assert rebindexec._merge([(100, 10), (105, 10), (200, 8), (108, 1)]) == [(100, 15), (200, 8)]
+    # touching ranges stay apart: they may be two allocations, and one copy across both is refused
+    assert rebindexec._merge([(100, 10), (110, 10)]) == [(100, 10), (110, 10)]
     pool = SimpleNamespace(closed=False, live_blocks=lambda: [SimpleNamespace(ptr=1000, size=100)])
     b = rebindexec._Blocks(pool)
     assert b.around(1050) == (1000, 100) and b.around(1100) is None and b.around(10) is None
@@ -211,10 +213,13 @@ def test_merge_and_blocks():
 
 def test_ranges_skip_placeholders_and_non_pointers(monkeypatch):
     monkeypatch.setattr(rebindexec.rngexec, "slot_range", lambda v: None)
-    monkeypatch.setattr(_cuda, "mem_address_range", lambda v: (v & ~0xFFF, 0x1000) if v >= 0x7000_0000_0000 else None)
-    blocks = SimpleNamespace(around=lambda v: None)
-    got = rebindexec._ranges({3, 4096 * 5, PH_A + 8, CALLER + 12}, blocks, [(PH_A, 4096)], {})
-    assert got == [(CALLER, 0x1000)]
+    asked = []
+    monkeypatch.setattr(_cuda, "mem_address_range",
+                        lambda v: asked.append(v) or ((v & ~0xFFF, 0x1000) if v >= 0x7000_0000_0000 else None))
+    blocks = SimpleNamespace(around=lambda v: None, window=(0x7000_0000_0000, 0x8000_0000_0000))
+    floats = 0x3F80_0000_BF80_0000  # two floats read as one word: never asked about
+    got = rebindexec._ranges({3, 4096 * 5, PH_A + 8, CALLER + 12, floats}, blocks, [(PH_A, 4096)], {})
+    assert got == [(CALLER, 0x1000)] and asked == [CALLER + 12]
 
 
 class ProofRig:
