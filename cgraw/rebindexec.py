@@ -1,8 +1,7 @@
 """Zero-copy eager inputs of graph trees: plan at record time, prove at the first replay (issue 12).
 
 Layer L8 (beside ``treeexec``, which calls it): uses ``_cuda``, ``rebind`` (the pure scan),
-``recording`` and ``rngexec``; torch only when the user imported it (to find the caching
-allocator's block around an address).
+``rebindmem`` (the device ranges a graph reaches) and ``recording``; no framework import.
 
 A recording copies each contiguous eager input into a placeholder by a memcpy node
 (``recording.InputCopy``). ``plan`` reads every node of the captured graph and finds the
@@ -32,10 +31,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import sys
-from bisect import bisect_right
 
-from cgraw import _cuda, _defer, rngexec
+from cgraw import _cuda, _defer
+from cgraw import rebindmem as _mem
 from cgraw import stream as _streams
 from cgraw._cuda import kernels as _k
 from cgraw.errors import CudaError
@@ -45,9 +43,8 @@ from cgraw.recording import InputRebind
 log = logging.getLogger("cgraw")
 
 SNAPSHOT_LIMIT = 1 << 30  # bytes of device ranges one proof may save (three copies are made)
-TABLE_SCAN_LIMIT = 64 << 10
 PATCH_NODES = 4  # an input read by more nodes than this is copied, unless it is at least BIG_INPUT
-BIG_INPUT = 1 << 20  # ranges at most this large are read for pointer tables
+BIG_INPUT = 1 << 20
 OFF = "cgraw.config.rebind_inputs is False"
 PADDED = "a padded input (padding bucket): its copy node also sets the rows of this call"
 DIFFER = ("a replay reading it in place did not equal the replay with its copy (a read cgraw's "
@@ -204,92 +201,6 @@ def _type_name(t: int) -> str:
         return str(t)
 
 
-# ---------------------------------------------------------------------- device ranges
-
-
-class _Blocks:
-    """Allocations known by address: torch's caching-allocator blocks (every pool) and the tree
-    pool's live blocks; ``around(ptr)`` gives the block holding ``ptr``, or None."""
-
-    def __init__(self, pool):
-        spans = []
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            for seg in torch.cuda.memory_snapshot():
-                addr = int(seg["address"])
-                for b in seg.get("blocks", ()):
-                    size = int(b["size"])
-                    spans.append((int(b.get("address", addr)), size))
-                    addr += size
-        if pool is not None and not pool.closed:
-            spans.extend((b.ptr, b.size) for b in pool.live_blocks())
-        spans.extend(rngexec.arenas())
-        spans.sort()
-        self.bases = [s[0] for s in spans]
-        self.spans = spans
-        # device memory cgraw does not know of (CuPy's pool, a library's workspace) is looked for
-        # near what it knows: within 1 TiB of it
-        self.window = (spans[0][0] - (1 << 40), spans[-1][0] + spans[-1][1] + (1 << 40)) if spans else (0, 1 << 49)
-
-    def around(self, ptr: int):
-        i = bisect_right(self.bases, ptr) - 1
-        if i >= 0:
-            base, size = self.spans[i]
-            if ptr < base + size:
-                return base, size
-        return None
-
-
-def _ranges(values, blocks: _Blocks, phs: list, cache: dict) -> list[tuple[int, int]]:
-    """The device ranges ``values`` point into (placeholders left out). A value is looked up in
-    the known blocks and offset slots; the driver (``cuMemGetAddressRange``) is asked only for a
-    value near known device memory: argument words and table contents are mostly numbers, and one
-    driver call per number (it releases the GIL) would make a proof take seconds."""
-    out = []
-    lo, hi = blocks.window
-    for v in values:
-        if v < 4096 or v >= 1 << 49:
-            continue
-        r = cache.get(v, False)
-        if r is False:
-            r = None
-            if not any(base <= v < base + n for base, n in phs):
-                r = rngexec.slot_range(v) or blocks.around(v)
-                if r is None and lo <= v < hi:
-                    r = _cuda.mem_address_range(v)
-            cache[v] = r
-        if r is not None:
-            out.append(r)
-    return out
-
-
-def _merge(ranges) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for base, n in sorted(set(ranges)):
-        if out and base < out[-1][0] + out[-1][1]:  # overlapping only: touching ranges may be two allocations
-            out[-1][1] = max(out[-1][1], base + n - out[-1][0])
-        else:
-            out.append([base, n])
-    return [(b, n) for b, n in out]
-
-
-def _tables(ranges, phs: list, blocks: _Blocks, cache: dict) -> tuple[set, list]:
-    """One level of pointer tables: small ranges read to the host; leaves whose placeholder a
-    word points into, and the further ranges the words point at."""
-    hit, more = set(), []
-    for base, n in ranges:
-        if n > TABLE_SCAN_LIMIT or n < WORD:
-            continue
-        buf = (ctypes.c_uint64 * (n // WORD))()
-        _cuda.memcpy_dtoh(ctypes.addressof(buf), base, (n // WORD) * WORD)
-        words = set(buf)
-        for leaf, (pb, pn) in phs.items():
-            if any(pb <= w < pb + pn for w in words):
-                hit.add(leaf)
-        more.extend(_ranges(words, blocks, list(phs.values()), cache))
-    return hit, more
-
-
 # ---------------------------------------------------------------------- the proof
 
 
@@ -304,11 +215,11 @@ def prove(backend, rec, call):
     phs = {leaf: (base, n) for leaf, (_, base, n) in pend.placeholders.items()}
     try:
         _cuda.ctx_synchronize()  # every caller's work is done: the ranges hold what the call sees
-        blocks = _Blocks(backend.pool)
+        blocks = _mem.Blocks(backend.pool)
         cache: dict = {}
-        ranges = _ranges(pend.values, blocks, list(phs.values()), cache)
-        hit, more = _tables(_merge(ranges), phs, blocks, cache)
-        ranges = _merge(ranges + more)
+        ranges = _mem.ranges(pend.values, blocks, list(phs.values()), cache)
+        hit, more = _mem.tables(_mem.merge(ranges), phs, blocks, cache)
+        ranges = _mem.merge(ranges + more)
     except CudaError as exc:
         _note(notes, pend.rebinds, f"cgraw could not read what its graph points at ({exc.call}: {exc.name})")
         return rec.replay(call)

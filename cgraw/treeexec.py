@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from bisect import bisect_right
 
-from cgraw import buckets, rebindexec
+from cgraw import buckets, rebindexec, rebindmem
 from cgraw import stream as _streams
 from cgraw.arrays import EAGER, SINGLE, TORCH, ops_of, out_spec, replace_leaves
 from cgraw.calls import Call, use_torch
@@ -234,7 +233,8 @@ class CudaBackend:
         # memory (torch.from_dlpack) has a DLPack deleter and lives in cgraw's own pool
         rec.spans = [] if self._tts is None else self._tts.spans(list(placeholders.values()) + owned)
         # which eager inputs may be read in place (issue 12): proven on the first replay
-        rec.in_pool, rec.stage = self._pool_at_record(), self._stage
+        rec.in_pool = rebindmem.pool_at_record(self.pool, None if self._tts is None else self._tts.pool)
+        rec.stage = self._stage
         try:
             rebindexec.plan(rec, g, call, placeholders, _config())
         except CudaError as exc:
@@ -311,19 +311,6 @@ class CudaBackend:
             return lambda p: bool(p) and owns(p)
         torch_owns = self._tts.pool.owner_of()
         return lambda p: bool(p) and (owns(p) or torch_owns(p))
-
-    def _pool_at_record(self):
-        """``ptr -> bool``: whether memory lies in a segment the tree's pool (cgraw's part or
-        torch's) holds now, one bisect: a rebound input's hot-path check. Segments added later hold
-        nothing this recording writes, so the segments of now are the ones that matter."""
-        spans = sorted(self.pool.segment_ranges() + ([] if self._tts is None else self._tts.pool.segments()))
-        bases = [b for b, _ in spans]
-        ends = [b + n for b, n in spans]
-
-        def in_pool(p: int) -> bool:
-            i = bisect_right(bases, p) - 1
-            return i >= 0 and p < ends[i]
-        return in_pool
 
     def _slow_copies(self, rec: Recording, call: Call, rows) -> None:  # a Recording's ``copy_slow``
         """Copy non-contiguous eager inputs into their placeholders, on the stream the replay

@@ -92,7 +92,7 @@ LAYER = {
     "cgraw.dlpack": 1, "cgraw.dlpack_capsules": 1, "cgraw._cuda.kernels": 1,
     "cgraw.interop.torch_c": 1, "cgraw.rng": 1, "cgraw.rng_kernels": 1, "cgraw.rebind": 1,
     "cgraw.device": 2, "cgraw.stream": 3, "cgraw.rngexec": 3,
-    "cgraw.memory": 4, "cgraw.tensor": 5,
+    "cgraw.memory": 4, "cgraw.rebindmem": 4, "cgraw.tensor": 5,
     "cgraw.graph": 6, "cgraw.arrays": 6, "cgraw.buckets": 6, "cgraw.calls": 6, "cgraw.recording": 6,
     "cgraw.treetypes": 6, "cgraw.tree": 6,
     "cgraw.interop": 7,

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("cuda.bindings")
 
-from cgraw import _cuda, rebindexec, recording  # noqa: E402
+from cgraw import _cuda, rebindexec, rebindmem, recording  # noqa: E402
 from cgraw.recording import InputCopy, InputRebind, Recording  # noqa: E402
 from cgraw.treetypes import Config  # noqa: E402
 
@@ -203,22 +203,22 @@ def test_replay_repoints_only_moved_inputs(monkeypatch):
 
 
 def test_merge_and_blocks():
-    assert rebindexec._merge([(100, 10), (105, 10), (200, 8), (108, 1)]) == [(100, 15), (200, 8)]
+    assert rebindmem.merge([(100, 10), (105, 10), (200, 8), (108, 1)]) == [(100, 15), (200, 8)]
     # touching ranges stay apart: they may be two allocations, and one copy across both is refused
-    assert rebindexec._merge([(100, 10), (110, 10)]) == [(100, 10), (110, 10)]
+    assert rebindmem.merge([(100, 10), (110, 10)]) == [(100, 10), (110, 10)]
     pool = SimpleNamespace(closed=False, live_blocks=lambda: [SimpleNamespace(ptr=1000, size=100)])
-    b = rebindexec._Blocks(pool)
+    b = rebindmem.Blocks(pool)
     assert b.around(1050) == (1000, 100) and b.around(1100) is None and b.around(10) is None
 
 
 def test_ranges_skip_placeholders_and_non_pointers(monkeypatch):
-    monkeypatch.setattr(rebindexec.rngexec, "slot_range", lambda v: None)
+    monkeypatch.setattr(rebindmem.rngexec, "slot_range", lambda v: None)
     asked = []
     monkeypatch.setattr(_cuda, "mem_address_range",
                         lambda v: asked.append(v) or ((v & ~0xFFF, 0x1000) if v >= 0x7000_0000_0000 else None))
     blocks = SimpleNamespace(around=lambda v: None, window=(0x7000_0000_0000, 0x8000_0000_0000))
     floats = 0x3F80_0000_BF80_0000  # two floats read as one word: never asked about
-    got = rebindexec._ranges({3, 4096 * 5, PH_A + 8, CALLER + 12, floats}, blocks, [(PH_A, 4096)], {})
+    got = rebindmem.ranges({3, 4096 * 5, PH_A + 8, CALLER + 12, floats}, blocks, [(PH_A, 4096)], {})
     assert got == [(CALLER, 0x1000)] and asked == [CALLER + 12]
 
 
@@ -237,9 +237,9 @@ class ProofRig:
         monkeypatch.setattr(_cuda, "mem_free", lambda p: self.events.append("free"))
         monkeypatch.setattr(rebindexec._k, "memset_d8_async",
                             lambda p, v, n, s: self.events.append(("poison", p, v)) if p == PH_A else None)
-        monkeypatch.setattr(rebindexec, "_Blocks", lambda pool: SimpleNamespace(around=lambda v: None))
-        monkeypatch.setattr(rebindexec, "_ranges", lambda values, blocks, phs, cache: [(CALLER, 4096)])
-        monkeypatch.setattr(rebindexec, "_tables", lambda ranges, phs, blocks, cache: (set(), []))
+        monkeypatch.setattr(rebindexec._mem, "Blocks", lambda pool: SimpleNamespace(around=lambda v: None))
+        monkeypatch.setattr(rebindexec._mem, "ranges", lambda values, blocks, phs, cache: [(CALLER, 4096)])
+        monkeypatch.setattr(rebindexec._mem, "tables", lambda ranges, phs, blocks, cache: (set(), []))
         monkeypatch.setattr(rebindexec, "_pack", lambda r, buf, s, out: self.events.append(("pack", out)))
         monkeypatch.setattr(rebindexec, "_equal", lambda *a: equal)
         monkeypatch.setattr(_cuda, "graph_exec_node_set_enabled",
@@ -302,14 +302,14 @@ def test_proof_refuted_goes_back_to_the_copies(monkeypatch):
 def test_proof_too_much_memory_keeps_copies(monkeypatch):
     rig, rec, k, modes, dropped, backend, _ = _rig_rec(monkeypatch, equal=True)
     monkeypatch.setattr(_cuda, "mem_get_info", lambda: (1 << 20, 1 << 35))  # 1 MiB free: limit 256 KiB
-    monkeypatch.setattr(rebindexec, "_ranges", lambda values, blocks, phs, cache: [(CALLER, 1 << 20)])
+    monkeypatch.setattr(rebindexec._mem, "ranges", lambda values, blocks, phs, cache: [(CALLER, 1 << 20)])
     rebindexec.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
     assert modes == [("copy", PH_A)] and "more than cgraw saves" in rec.input_notes[0]
 
 
 def test_proof_pointer_table_keeps_copy(monkeypatch):
     rig, rec, k, modes, dropped, backend, _ = _rig_rec(monkeypatch, equal=True)
-    monkeypatch.setattr(rebindexec, "_tables", lambda ranges, phs, blocks, cache: ({0}, []))
+    monkeypatch.setattr(rebindexec._mem, "tables", lambda ranges, phs, blocks, cache: ({0}, []))
     rebindexec.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
     assert modes == [("copy", PH_A)] and rec.input_notes[0] == rebindexec.POINTER_TABLE
 
@@ -321,8 +321,8 @@ def test_tables_find_a_pointer_to_a_placeholder(monkeypatch):
         ctypes.memmove(dst, ctypes.addressof(table), n)
 
     monkeypatch.setattr(_cuda, "memcpy_dtoh", dtoh)
-    monkeypatch.setattr(rebindexec, "_ranges", lambda values, blocks, phs, cache: [])
-    hit, more = rebindexec._tables([(CALLER, 16), (CALLER + 4096, 1 << 20)], {0: (PH_A, 4096), 1: (PH_B, 64)},
+    monkeypatch.setattr(rebindexec._mem, "ranges", lambda values, blocks, phs, cache: [])
+    hit, more = rebindmem.tables([(CALLER, 16), (CALLER + 4096, 1 << 20)], {0: (PH_A, 4096), 1: (PH_B, 64)},
                                    None, {})
     assert hit == {0}
 
