@@ -185,9 +185,12 @@ def test_failure_torch_rng_with_random_off(pool):
 
 
 def test_failure_cupy_cublas(pool):
-    a = crand(32, 32)
-    (a @ a).sum()  # warm CuPy's cuBLAS handle
-    _fail(pool, lambda: a @ a, "cuBLAS")
+    import cupy.cublas
+
+    x = crand(32)
+    cupy.cublas.iamax(x)  # warm CuPy's cuBLAS handle
+    # CuPy's matrix products are routed to cgraw's handle (tests/gpu/test_cupy_libs.py); isamax is not
+    _fail(pool, lambda: cupy.cublas.iamax(x), "cuBLAS")
 
 
 def test_user_exception_propagates_unchanged(pool):
