@@ -171,6 +171,13 @@ def _well_conditioned(n: int, dtype: str = "float32") -> Maker:
     return Maker(lambda rng: (rng.standard_normal((n, n)) + n * np.eye(n)).astype(dtype), f"A+{n}I({n}x{n})")
 
 
+def _gemv(f, a, x):
+    """``cupy.cublas.gemv`` writes ``y = alpha op(a) x + beta y`` in place and returns None."""
+    y = x * 0  # a fresh array (beta = 0 does not read it)
+    f("N", 0.5, a, x, 0.0, y)
+    return y
+
+
 def _batched_well_conditioned(b: int, n: int) -> Maker:
     return Maker(lambda rng: (rng.standard_normal((b, n, n)) + n * np.eye(n)).astype(np.float32),
                  f"{b} x A+{n}I({n}x{n})")
@@ -396,7 +403,7 @@ def _linalg() -> list[Case]:
         Case("cupy.kron", s, (Arr((4, 4)), Arr((4, 4)))),
         Case("cupy.trace", s, (M,)),
         Case("cupy.cublas.gemm", s, sq2, lambda f, a, b: f("N", "T", a, b), note=blas + ", host alpha and beta"),
-        Case("cupy.cublas.gemv", s, (SQ, Arr((16,))), lambda f, a, x: f("N", a, x), note=blas),
+        Case("cupy.cublas.gemv", s, (SQ, Arr((16,))), _gemv, note=blas + ", y = 0.5 a x, written in place"),
         Case("cupy.cublas.geam", s, sq2, lambda f, a, b: f("T", "N", 1.5, a, -0.5, b), note=blas),
         Case("cupy.cublas.dot", s, (V, W), note=blas + ", the result on the device (pointer mode DEVICE)"),
         Case("cupy.cublas.nrm2", s, (V,), note=blas + ", the result on the device (pointer mode DEVICE)"),
