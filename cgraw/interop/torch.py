@@ -67,7 +67,12 @@ class TorchPool:
         self.id = self.mempool.id
 
     def _snapshot(self) -> list:
-        return self.mempool.snapshot()
+        """The segments of this MemPool. Never ``self.mempool.snapshot()``: that hands torch the
+        pool's id to parse, and torch 2.11 frees the id's int while it is in use
+        (``torch_c.memory_segments``)."""
+        pid, dev = tuple(self.id), self.device
+        return [s for s in torch_c.memory_segments()
+                if s.get("device", dev) == dev and tuple(s["segment_pool_id"]) == pid]
 
     def segments(self) -> list[tuple[int, int]]:
         """``(address, bytes)`` of the pool's segments, by address."""
