@@ -97,6 +97,20 @@ class TorchPool:
 
         return owns
 
+    def close(self) -> None:
+        """Before the MemPool goes: free torch's cuBLAS workspaces. torch keeps one per (cuBLAS
+        handle, stream) in a map that outlives every pool, and the one a capture's warm-up made
+        for this pool's capture stream is a block of this MemPool: it would keep the MemPool's
+        private pool, and a segment of device memory, allocated for the life of the process
+        (session 8 counted 79 such pools in one test file). torch makes workspaces again when
+        next needed, and graph trees clear them at every recording too. A live graph of another
+        pool whose workspace this frees keeps it as one of its temporaries (README: graphs that
+        share a pool replay in capture order). Never raises."""
+        try:
+            torch_c.api()._cuda_clearCublasWorkspaces()
+        except Exception:  # noqa: BLE001 - a finalizer path: the pool then keeps its workspace
+            pass
+
     def checkpoint(self):
         """torch's checkpoint of the pool and the blocks allocated at it."""
         state = torch_c.api()._cuda_getCheckpointState(self.device, self.id)

@@ -395,6 +395,34 @@ def test_tensor_consumer_stream_waits(pool):
     s.close()
 
 
+def test_closed_pools_leave_no_torch_private_pool_behind(device):
+    """Each capture's warm-up matmul makes torch's cuBLAS workspace for the pool's capture stream
+    inside the pool's torch MemPool, and torch's (handle, stream) map holds it after the pool is
+    closed: before session 8's fix every closed pool kept one torch private pool and its segment
+    (79 of them during test_cupy_libs.py). Read from torch's own segment table, not device-wide."""
+    ids = []
+    for i in range(4):
+        a, b = trand(64, 64), trand(64, 32)
+        p = cgraw.DevicePool(device, name=f"closed {i}")
+        with cgraw.capture(pool=p) as g:
+            y = torch.tanh(a @ b)
+        a.copy_(trand(64, 64))
+        g.replay()
+        torch.testing.assert_close(y, torch.tanh(a @ b))
+        ids.append(tuple(p.torch_state.id))
+        del y
+        p.close()  # closes g
+        assert g.closed
+    gc.collect()
+    torch.cuda.synchronize()
+    from cgraw.interop import torch_c
+
+    left = {tuple(s["segment_pool_id"]) for s in torch_c.memory_segments()} & set(ids)
+    assert not left, f"torch private pools of closed cgraw pools still hold segments: {sorted(left)}"
+    x = trand(64, 64)
+    torch.testing.assert_close(x @ x, (x.cpu() @ x.cpu()).cuda(), rtol=1e-2, atol=1e-2)  # eager cuBLAS still works
+
+
 def test_private_pool_memory_returns_when_graph_and_outputs_die(device):
     import weakref
 

@@ -79,6 +79,50 @@ def test_every_private_torch_name_cgraw_uses_is_declared():
 # ---------------------------------------------------------------------- deferred releases
 
 
+def test_dropping_torchs_side_of_a_pool_frees_torchs_cublas_workspaces_first(fake_torch):
+    """Session 8: the workspace torch's warm-up matmul made for a pool's capture stream is a block
+    of the pool's MemPool, held by torch's (handle, stream) map; unless it is freed before the
+    MemPool goes, the MemPool's private pool keeps a segment for good. Deferred while a capture
+    routes allocations, like every release."""
+    from cgraw.interop.torch import TorchPool
+    from cgraw.memory import _drop_torch
+
+    events = []
+    fake_torch._C._cuda_clearCublasWorkspaces = lambda: events.append("clear workspaces")
+
+    class MemPool:
+        def __del__(self):
+            events.append("MemPool destroyed")
+
+    tp = TorchPool.__new__(TorchPool)
+    tp.torch, tp.device, tp.mempool, tp.id = fake_torch, 0, MemPool(), (0, 7)
+    holder = [tp]
+    del tp
+    _defer.capture_begins()
+    try:
+        _defer.release(_drop_torch, holder[:])
+        holder.clear()
+        assert events == []  # a capture routes allocations: nothing yet
+    finally:
+        _defer.capture_ends()
+    assert events == ["clear workspaces", "MemPool destroyed"]
+
+
+def test_a_failing_workspace_clear_still_drops_the_pool(fake_torch):
+    from cgraw.interop.torch import TorchPool
+    from cgraw.memory import _drop_torch
+
+    def boom():
+        raise RuntimeError("no CUDA")
+
+    fake_torch._C._cuda_clearCublasWorkspaces = boom
+    tp = TorchPool.__new__(TorchPool)
+    tp.torch, tp.device, tp.mempool, tp.id = fake_torch, 0, object(), (0, 8)
+    items = [tp]
+    _drop_torch(items)  # never raises: it runs from finalizers
+    assert items == []
+
+
 def test_torch_segments_are_read_without_handing_torch_a_pool_id(fake_torch):
     """torch 2.11's _cuda_memorySnapshot releases a reference it never took to each item of a
     tuple argument: MemPool.snapshot() frees its pool id's int (a mortal int after 256 MemPools),
