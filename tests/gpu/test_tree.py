@@ -474,11 +474,13 @@ def test_more_than_256_mempools_and_no_pool_id_handed_to_torchs_snapshot(device,
     probe = torch.cuda.MemPool()
     x = probe.id[1]
     assert x > 256
+    t, keep = (0, x, False), [x, x]  # references enough that one taken by torch frees nothing
     before = sys.getrefcount(x)
-    torch._C._cuda_memorySnapshot((0, x, False))  # what torch does with a tuple (for the log)
+    torch._C._cuda_memorySnapshot(t)  # what torch does with a tuple (for the log)
     dropped = before - sys.getrefcount(x)
     for _ in range(max(dropped, 0)):
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(x))  # give back what torch took: this process stays sound
+    del t, keep
     print(f"torch {torch.__version__}: _cuda_memorySnapshot dropped {dropped} reference(s) of a pool id's int")
     real, args = torch._C._cuda_memorySnapshot, []
 
