@@ -79,12 +79,20 @@ def test_every_private_torch_name_cgraw_uses_is_declared():
 # ---------------------------------------------------------------------- deferred releases
 
 
+def _torch_pool(torch, mempool, pool_id):
+    """An ``interop.torch.TorchPool`` over a fake MemPool (its constructor would make a real one)."""
+    from cgraw.interop.torch import TorchPool
+
+    tp = TorchPool.__new__(TorchPool)
+    tp.torch, tp.device, tp.mempool, tp.id = torch, 0, mempool, pool_id
+    return tp
+
+
 def test_dropping_torchs_side_of_a_pool_frees_torchs_cublas_workspaces_first(fake_torch):
     """Session 8: the workspace torch's warm-up matmul made for a pool's capture stream is a block
     of the pool's MemPool, held by torch's (handle, stream) map; unless it is freed before the
     MemPool goes, the MemPool's private pool keeps a segment for good. Deferred while a capture
     routes allocations, like every release."""
-    from cgraw.interop.torch import TorchPool
     from cgraw.memory import _drop_torch
 
     events = []
@@ -94,8 +102,7 @@ def test_dropping_torchs_side_of_a_pool_frees_torchs_cublas_workspaces_first(fak
         def __del__(self):
             events.append("MemPool destroyed")
 
-    tp = TorchPool.__new__(TorchPool)
-    tp.torch, tp.device, tp.mempool, tp.id = fake_torch, 0, MemPool(), (0, 7)
+    tp = _torch_pool(fake_torch, MemPool(), (0, 7))
     holder = [tp]
     del tp
     _defer.capture_begins()
@@ -109,15 +116,13 @@ def test_dropping_torchs_side_of_a_pool_frees_torchs_cublas_workspaces_first(fak
 
 
 def test_a_failing_workspace_clear_still_drops_the_pool(fake_torch):
-    from cgraw.interop.torch import TorchPool
     from cgraw.memory import _drop_torch
 
     def boom():
         raise RuntimeError("no CUDA")
 
     fake_torch._C._cuda_clearCublasWorkspaces = boom
-    tp = TorchPool.__new__(TorchPool)
-    tp.torch, tp.device, tp.mempool, tp.id = fake_torch, 0, object(), (0, 8)
+    tp = _torch_pool(fake_torch, object(), (0, 8))
     items = [tp]
     _drop_torch(items)  # never raises: it runs from finalizers
     assert items == []
@@ -128,7 +133,6 @@ def test_torch_segments_are_read_without_handing_torch_a_pool_id(fake_torch):
     tuple argument: MemPool.snapshot() frees its pool id's int (a mortal int after 256 MemPools),
     which corrupted the heap and aborted the one-process GPU tier (sessions 7 and 8). cgraw asks
     with None and filters the segments itself."""
-    from cgraw.interop.torch import TorchPool
 
     asked = []
     segs = [
@@ -150,8 +154,7 @@ def test_torch_segments_are_read_without_handing_torch_a_pool_id(fake_torch):
         def snapshot(self):
             raise AssertionError("MemPool.snapshot() hands torch the pool id")
 
-    tp = TorchPool.__new__(TorchPool)
-    tp.torch, tp.device, tp.mempool, tp.id = fake_torch, 0, MemPool(), (0, 300)
+    tp = _torch_pool(fake_torch, MemPool(), (0, 300))
     assert tp.segments() == [(0x1000, 512)]
     assert tp.allocated() == {0x1000: 200}
     assert tp.reserved_bytes() == 512 and tp.owner_of()(0x1100) and not tp.owner_of()(0x3000)
