@@ -18,6 +18,8 @@ import sys
 import time
 import traceback
 
+from benchmarks._harness import no_gpu
+
 # part -> (module, arguments of its main)
 PARTS = {
     "models": ("benchmarks.models", []),
@@ -41,11 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="1,16,256,1024", help="chain lengths for the launch benchmark")
     args = ap.parse_args(argv)
 
-    from cgraw import _cuda
-
-    ok, reason = _cuda.driver_available()
-    if not ok:
-        print(f"benchmarks need a CUDA GPU: {reason}", file=sys.stderr)
+    if no_gpu():
         return 2
     failed = []
     for part, (module, part_args) in PARTS.items():

@@ -26,6 +26,17 @@ RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def no_gpu() -> bool:
+    """True, after saying why on stderr, when this machine has no CUDA driver: a benchmark's
+    ``main`` then returns 2."""
+    from cgraw import _cuda
+
+    ok, reason = _cuda.driver_available()
+    if not ok:
+        print(f"benchmarks need a CUDA GPU: {reason}", file=sys.stderr)
+    return not ok
+
+
 def host_us(fn, *, loops: int = 1000, repeats: int = 7, warmup: int = 50, sync=None) -> dict:
     """Median and p90 host microseconds per call of ``fn`` (``sync`` runs between repeats, outside
     the timed loop: with ``loops`` small, each repeat is a burst submitted to a drained queue);

@@ -37,7 +37,7 @@ import numpy as np
 
 from benchmarks import _cupy_cases
 from benchmarks._cupy_cases import EXPECT_TEXT, Case, Law
-from benchmarks._harness import RESULTS_DIR, Report
+from benchmarks._harness import RESULTS_DIR, Report, no_gpu
 
 CAPTURED_EQUAL, CAPTURE_ERROR, OTHER_ERROR = "captured_equal", "capture_error", "other_error"
 SILENTLY_WRONG, NOT_APPLICABLE = "silently_wrong", "not_applicable"
@@ -520,11 +520,7 @@ def main(argv=None) -> int:
         print(f"{len(chosen)} cases, {len({c.function for c in chosen})} functions")
         return 0
     t_start = time.perf_counter()
-    from cgraw import _cuda
-
-    ok, reason = _cuda.driver_available()
-    if not ok:
-        print(f"benchmarks need a CUDA GPU: {reason}", file=sys.stderr)
+    if no_gpu():
         return 2
     try:
         import cupy

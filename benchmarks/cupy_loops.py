@@ -24,7 +24,7 @@ import argparse
 import statistics
 import sys
 
-from benchmarks._harness import Report, bootstrap_ci, host_us_interleaved
+from benchmarks._harness import Report, bootstrap_ci, host_us_interleaved, no_gpu
 
 WIDTH, CG_N, CG_ITERS = 256, 256, 20
 ROUNDS, LOOPS = 31, 20
@@ -126,11 +126,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m benchmarks.cupy_loops", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few rounds (a smoke run; figures not for the README)")
     args = ap.parse_args(argv)
-    from cgraw import _cuda
-
-    ok, reason = _cuda.driver_available()
-    if not ok:
-        print(f"benchmarks need a CUDA GPU: {reason}", file=sys.stderr)
+    if no_gpu():
         return 2
     import cupy as cp
 

@@ -40,7 +40,7 @@ import threading
 import time
 import traceback
 
-from benchmarks._harness import REPO_ROOT, RESULTS_DIR, Report
+from benchmarks._harness import REPO_ROOT, RESULTS_DIR, Report, no_gpu
 
 DEVICE = "cuda"  # "cpu" with the hidden --device cpu: eager and compiled systems, the logic without figures
 TAG = "@@models "  # prefixes the children's protocol lines (other output is ignored)
@@ -975,11 +975,7 @@ def main(argv=None) -> int:
         return _child_main(args)
     t_start = time.perf_counter()
     if DEVICE != "cpu":
-        from cgraw import _cuda
-
-        ok, reason = _cuda.driver_available()
-        if not ok:
-            print(f"benchmarks need a CUDA GPU: {reason}", file=sys.stderr)
+        if no_gpu():
             return 2
     import torch
 

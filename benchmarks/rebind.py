@@ -39,7 +39,16 @@ import statistics
 import sys
 import time
 
-from benchmarks._harness import RESULTS_DIR, Report, alternating, bootstrap_ci, host_us_interleaved, percentile, verdict
+from benchmarks._harness import (
+    RESULTS_DIR,
+    Report,
+    alternating,
+    bootstrap_ci,
+    host_us_interleaved,
+    no_gpu,
+    percentile,
+    verdict,
+)
 
 SMALL_NUMEL = 1024  # 4 KB of float32
 LARGE_NUMEL = 64 << 20  # 256 MiB of float32
@@ -656,11 +665,7 @@ def main(argv=None) -> int:
     args = _parse(argv)
     sections = _sections(args.only)
     t_start = time.perf_counter()
-    from cgraw import _cuda
-
-    ok, reason = _cuda.driver_available()
-    if not ok:
-        print(f"benchmarks need a CUDA GPU: {reason}", file=sys.stderr)
+    if no_gpu():
         return 2
     import torch
 

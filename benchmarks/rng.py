@@ -34,7 +34,7 @@ import sys
 import time
 
 from benchmarks import models as _models
-from benchmarks._harness import REPO_ROOT, RESULTS_DIR, Report, bootstrap_ci, percentile, verdict
+from benchmarks._harness import REPO_ROOT, RESULTS_DIR, Report, bootstrap_ci, no_gpu, percentile, verdict
 
 TAG = "@@rng "  # prefixes the child's result line (other output is ignored)
 
@@ -718,11 +718,7 @@ def main(argv=None) -> int:
     exponents = (tuple(int(e) for e in args.sizes.split(",") if e.strip()) if args.sizes
                  else QUICK_SIZE_EXPONENTS if args.quick else SIZE_EXPONENTS)
     t_start = time.perf_counter()
-    from cgraw import _cuda
-
-    ok, reason = _cuda.driver_available()
-    if not ok:
-        print(f"benchmarks need a CUDA GPU: {reason}", file=sys.stderr)
+    if no_gpu():
         return 2
     import torch
 
