@@ -21,7 +21,7 @@ call, when ``cupyx.errstate(linalg='raise')`` would make them synchronise.
 from __future__ import annotations
 
 import ctypes
-import importlib
+import functools
 import os
 import sys
 import threading
@@ -128,9 +128,8 @@ class Library(_route.CLibrary):
 SONAMES = ("libcublas.so.13", "libcublas.so.12", "libcublas.so")
 
 
-def candidate_paths(maps_text: str | None = None) -> list[str]:
-    """libcublas files to try: those this process has loaded (CuPy's first), then the sonames."""
-    return _route.candidate_paths("libcublas", SONAMES, maps_text)
+# libcublas files to try: those this process has loaded (CuPy's first), then the sonames
+candidate_paths = functools.partial(_route.candidate_paths, "libcublas", SONAMES)
 
 
 _routing = _route.Routing()
@@ -144,8 +143,7 @@ def library() -> Library | None:
 
 
 def _backend():
-    mod = sys.modules.get(BACKEND)
-    return mod if mod is not None else importlib.import_module(BACKEND)
+    return _route.import_backend(BACKEND)
 
 
 def router(pool, stream, *, warm: bool = True) -> "Router | None":

@@ -39,6 +39,12 @@ def candidate_paths(stem: str, sonames: tuple[str, ...], maps_text: str | None =
     return sorted(loaded, key=lambda p: "cupy" not in p) + list(sonames)
 
 
+def import_backend(name: str):
+    """CuPy's wrapper module ``name`` (already imported by CuPy in practice)."""
+    mod = sys.modules.get(name)
+    return mod if mod is not None else importlib.import_module(name)
+
+
 def load_once(cache: list, paths, make):
     """The library in ``cache``, else the first of ``paths()`` that loads, wrapped by ``make(dll, path)``."""
     for path in () if cache else paths():

@@ -27,7 +27,7 @@ batched qr) call the C functions directly: CuPy's own refusal, as before.
 from __future__ import annotations
 
 import ctypes
-import importlib
+import functools
 import sys
 import threading
 
@@ -127,9 +127,8 @@ class Library(_route.CLibrary):
         self._setup(fn, "cusolverDnSetStream", handle, stream)
 
 
-def candidate_paths(maps_text: str | None = None) -> list[str]:
-    """libcusolver files to try: those this process has loaded (CuPy's first), then the sonames."""
-    return _route.candidate_paths("libcusolver", SONAMES, maps_text)
+# libcusolver files to try: those this process has loaded (CuPy's first), then the sonames
+candidate_paths = functools.partial(_route.candidate_paths, "libcusolver", SONAMES)
 
 
 _routing = _route.Routing()
@@ -143,8 +142,7 @@ def library() -> Library | None:
 
 
 def _backend():
-    mod = sys.modules.get(BACKEND)
-    return mod if mod is not None else importlib.import_module(BACKEND)
+    return _route.import_backend(BACKEND)
 
 
 def router(pool, stream) -> "Router | None":
