@@ -1,5 +1,5 @@
 """CuPy's dense cuSOLVER calls inside captures, on a cgraw-owned handle (issue 17, part 2).
-Written without a GPU: not yet run on the H200.
+Written without a GPU; first run on the H200 in session 9 (see REFUSED for what that changed).
 
 Layer L7: CuPy is reached through ``sys.modules``, cuSOLVER through ``ctypes``; the shared machinery
 is ``cupy_route``.
@@ -18,8 +18,13 @@ touched; cgraw's handles go back to an idle pool per device, unbound (stream 0),
 
 Refused by name (``CaptureError``, kind ``CUSOLVER_NOT_COVERED``): the non-batched Jacobi routines
 (gesvdj, syevj: they read their sweeps and residual back to the host), gesvdaStridedBatched (writes
-residual norms to host memory), Xgeev (host workspace) and Xsyevd with a host workspace. A routed
-call that invalidates the capture (a synchronisation inside cuSOLVER) is reported naming it.
+residual norms to host memory), Xgeev (host workspace), and gesvd and syevd/heevd/Xsyevd, which
+synchronise inside cuSOLVER: on the H200 they returned CUSOLVER_STATUS_INTERNAL_ERROR inside a capture
+and left a CUDA error in libcusolver that failed the thread's next cuSOLVER call, eager, in CuPy or
+torch. So single-matrix ``eigh``/``eigvalsh``/``svd`` (and ``lstsq``, ``pinv``, ``matrix_rank``,
+``norm(ord=2)``, ``cond``) are refused; stacked input of matrices up to 32x32 goes through the batched
+Jacobi routines, which are routed. A routed call that invalidates the capture anyway is reported
+naming it.
 ``cupyx/_cusolver.pyx``'s loops over gesvd and geqrf/orgqr (batched svd with matrices over 32,
 batched qr) call the C functions directly: CuPy's own refusal, as before.
 """
@@ -36,10 +41,10 @@ from cgraw.interop import cupy_route as _route
 
 BACKEND = "cupy_backends.cuda.libs.cusolver"
 INFO_CHECK = "_check_cusolver_dev_info_if_synchronization_allowed"
-# Argument kinds after the handle, in cuSOLVER's order: i int (and enums), c signed char, L int64,
-# z size_t, p device pointer, h host pointer, q a parameter structure; o an int and O a size_t the
-# routine writes, which CuPy's wrapper does not take but returns. Orders follow CuPy 14.2's wrappers
-# (signatures embedded in cusolver.cpython-311-x86_64-linux-gnu.so) and the CUDA 13 cuSOLVER docs.
+# Argument kinds after the handle, in cuSOLVER's order: i int (and enums), p device pointer, q a
+# parameter structure; o an int the routine writes, which CuPy's wrapper does not take but returns.
+# Orders follow CuPy 14.2's wrappers (signatures embedded in cusolver.cpython-311-x86_64-linux-gnu.so)
+# and the CUDA 13 cuSOLVER docs.
 SPECS: dict[str, str] = {}
 for _names, _kinds in (
     ("sgetrf_bufferSize dgetrf_bufferSize cgetrf_bufferSize zgetrf_bufferSize", "iipio"),
@@ -56,22 +61,22 @@ for _names, _kinds in (
     ("sorgqr dorgqr cungqr zungqr", "iiipippip"),
     ("sormqr_bufferSize dormqr_bufferSize cunmqr_bufferSize zunmqr_bufferSize", "iiiiipippio"),
     ("sormqr dormqr cunmqr zunmqr", "iiiiipippipip"),
-    ("sgesvd_bufferSize dgesvd_bufferSize cgesvd_bufferSize zgesvd_bufferSize", "iio"),
-    ("sgesvd dgesvd cgesvd zgesvd", "cciipippipipipp"),
     ("sgesvdjBatched_bufferSize dgesvdjBatched_bufferSize cgesvdjBatched_bufferSize zgesvdjBatched_bufferSize",
      "iiipippipioqi"),
     ("sgesvdjBatched dgesvdjBatched cgesvdjBatched zgesvdjBatched", "iiipippipipipqi"),
     ("ssyevjBatched_bufferSize dsyevjBatched_bufferSize cheevjBatched_bufferSize zheevjBatched_bufferSize",
      "iiipipoqi"),
     ("ssyevjBatched dsyevjBatched cheevjBatched zheevjBatched", "iiipippipqi"),
-    ("ssyevd_bufferSize dsyevd_bufferSize cheevd_bufferSize zheevd_bufferSize", "iiipipo"),
-    ("ssyevd dsyevd cheevd zheevd", "iiipippip"),
-    ("xsyevd_bufferSize", "qiiLipLipiOO"),
-    ("xsyevd", "qiiLipLipipzhzp"),
 ):
     SPECS.update(dict.fromkeys(_names.split(), _kinds))
 _JACOBI = ("iterates until it converges and reads its sweeps and residual back to the host "
            "(cusolverDnXsyevjGetSweeps/GetResidual report them), which a capture cannot")
+# Measured on the H200 (CUDA 13 cuSOLVER, session 9): gesvd and syevd/Xsyevd inside a capture returned
+# CUSOLVER_STATUS_INTERNAL_ERROR and invalidated it, and the next cuSOLVER call of that thread, eager,
+# in CuPy or in torch, then failed once with EXECUTION_FAILED (a CUDA error left inside libcusolver).
+# So they are refused before cuSOLVER is called at all.
+_HYBRID = ("synchronises with the host inside cuSOLVER (on the H200 it returned CUSOLVER_STATUS_INTERNAL_ERROR "
+           "and invalidated the capture), so cgraw refuses it before calling cuSOLVER")
 REFUSED: dict[str, str] = {}
 for _names, _why in (
     ("sgesvdj dgesvdj cgesvdj zgesvdj sgesvdj_bufferSize dgesvdj_bufferSize cgesvdj_bufferSize "
@@ -80,18 +85,20 @@ for _names, _why in (
     ("sgesvdaStridedBatched dgesvdaStridedBatched cgesvdaStridedBatched zgesvdaStridedBatched",
      "it writes the residual norms (h_R_nrmF) to host memory, which waits for the GPU"),
     ("xgeev xgeev_bufferSize", "cusolverDnXgeev works in a host workspace, which waits for the GPU"),
+    ("sgesvd_bufferSize dgesvd_bufferSize cgesvd_bufferSize zgesvd_bufferSize sgesvd dgesvd cgesvd zgesvd", _HYBRID),
+    ("ssyevd_bufferSize dsyevd_bufferSize cheevd_bufferSize zheevd_bufferSize ssyevd dsyevd cheevd zheevd "
+     "xsyevd_bufferSize xsyevd", _HYBRID),
 ):
     REFUSED.update(dict.fromkeys(_names.split(), _why))
-HINTS = {_JACOBI: "pass a batch (..., M, M): cupy.linalg.eigh and svd use the batched Jacobi routines, which "
-                  "cgraw routes; or call it outside the capture"}
+_BATCHED = ("pass a batch (..., M, M) of matrices up to 32x32: cupy.linalg.eigh, eigvalsh and svd use the batched "
+            "Jacobi routines for stacked input, which cgraw routes; or call it outside the capture")
+HINTS = {_JACOBI: _BATCHED, _HYBRID: _BATCHED}
 STATUS = {1: "NOT_INITIALIZED", 2: "ALLOC_FAILED", 3: "INVALID_VALUE", 4: "ARCH_MISMATCH", 5: "MAPPING_ERROR",
           6: "EXECUTION_FAILED", 7: "INTERNAL_ERROR", 8: "MATRIX_TYPE_NOT_SUPPORTED", 9: "NOT_SUPPORTED"}
 CAPTURE_INVALIDATED = 2  # cuStreamIsCapturing's CU_STREAM_CAPTURE_STATUS_INVALIDATED
-_RANGES = {"i": (-(1 << 31), (1 << 31) - 1), "c": (-128, 127), "L": (-(1 << 63), (1 << 63) - 1), "z": (0, (1 << 64) - 1)}
-_CTYPES = {"i": ctypes.c_int, "c": ctypes.c_byte, "L": ctypes.c_int64, "z": ctypes.c_size_t, "p": ctypes.c_void_p,
-           "h": ctypes.c_void_p, "q": ctypes.c_void_p, "o": ctypes.POINTER(ctypes.c_int),
-           "O": ctypes.POINTER(ctypes.c_size_t)}
-_OUTS = {"o": ctypes.c_int, "O": ctypes.c_size_t}
+_RANGES = {"i": (-(1 << 31), (1 << 31) - 1)}
+_CTYPES = {"i": ctypes.c_int, "p": ctypes.c_void_p, "q": ctypes.c_void_p, "o": ctypes.POINTER(ctypes.c_int)}
+_OUTS = {"o": ctypes.c_int}
 SONAMES = ("libcusolver.so.12", "libcusolver.so.11", "libcusolver.so")
 
 
@@ -217,21 +224,18 @@ class Router:
             lo_hi = _RANGES.get(k)
             if lo_hi is not None and not lo_hi[0] <= int(v) <= lo_hi[1]:  # ctypes would truncate it silently
                 raise _not_covered(name, f"the argument {v} does not fit in its C type")
-        if name == "xsyevd" and int(vals[13]):
-            raise _not_covered(name, f"cusolverDnXsyevd asked for a host workspace ({int(vals[13])} bytes), "
-                                     "which waits for the GPU")
         outs = [_OUTS[k]() for k in kinds if k in _OUTS]
         it_in, it_out, cargs = iter(vals), iter(outs), []
         for k in kinds:
             cargs.append(ctypes.byref(next(it_out)) if k in _OUTS else next(it_in))
         fn = self.lib.function(name, kinds)
         self.calls += 1
-        _check(fn(self.handle, *cargs), name)
+        status = fn(self.handle, *cargs)
         if self._status is not None and self._status() == CAPTURE_INVALIDATED:
-            raise _not_covered(name, "it synchronised with the host inside the capture, which invalidated it")
-        if not outs:
-            return None
-        return int(outs[0].value) if len(outs) == 1 else tuple(int(o.value) for o in outs)
+            raise _not_covered(name, "it synchronised with the host inside the capture, which invalidated it"
+                               + _stale_note(status))
+        _check(status, name)
+        return int(outs[0].value) if outs else None  # a _bufferSize query's one output
 
 
 def _check(status: int, name: str) -> None:
@@ -241,6 +245,14 @@ def _check(status: int, name: str) -> None:
             check(int(status))  # CuPy's own CUSOLVERError, as eager CuPy raises it
         raise CaptureError(symbol(name), int(status), f"CUSOLVER_STATUS_{STATUS.get(status, status)}",
                            f"cuSOLVER {name} failed inside the capture")
+
+
+def _stale_note(status: int) -> str:
+    """What a failure inside the capture leaves behind (seen on the H200 with gesvd and syevd)."""
+    if not status:
+        return ""
+    return (f" (it returned CUSOLVER_STATUS_{STATUS.get(status, status)}; the next cuSOLVER call of this "
+            "thread, in CuPy or torch, may then fail once with EXECUTION_FAILED)")
 
 
 def _not_covered(name: str, why: str, hint: str = "") -> CaptureError:

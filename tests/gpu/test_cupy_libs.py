@@ -333,7 +333,7 @@ def test_a_cusolver_call_cgraw_does_not_route_is_refused_naming_the_call(pool, m
     assert "qr" in str(ei.value)
 
 
-# ---------------------------------------------------------------- cuSOLVER (not yet run on the H200)
+# ---------------------------------------------------------------- cuSOLVER (first H200 run: session 9)
 
 
 def spd(n, dtype="float32", batch=()):
@@ -351,26 +351,31 @@ def well(n, dtype="float32", batch=()):
 
 
 SOLVER_DTYPES = ["float32", "float64", "complex64", "complex128"]
-SOLVER_OPS = {  # name: (function, input makers), each maker(dtype) -> array
+SOLVER_OPS = {  # name: (function, input makers), each maker(dtype) -> array; routed, so captured
     "solve": (cp.linalg.solve, (lambda d: well(16, d), lambda d: rand((16, 3), d))),
-    "solve [batched]": (cp.linalg.solve, (lambda d: well(8, d, (3,)), lambda d: rand((3, 8), d))),
+    "solve [batched]": (cp.linalg.solve, (lambda d: well(8, d, (3,)), lambda d: rand((3, 8, 2), d))),
     "inv": (cp.linalg.inv, (lambda d: well(16, d),)),
     "cholesky": (cp.linalg.cholesky, (lambda d: spd(16, d),)),
     "cholesky [batched]": (cp.linalg.cholesky, (lambda d: spd(8, d, (4,)),)),
     "qr": (lambda a: cp.linalg.qr(a)[1], (lambda d: rand((24, 16), d),)),  # R: unique up to signs; see below
-    "eigvalsh": (cp.linalg.eigvalsh, (lambda d: hermitian(16, d),)),
     "eigvalsh [batched]": (cp.linalg.eigvalsh, (lambda d: hermitian(8, d, (4,)),)),
-    "eigh values": (lambda a: cp.linalg.eigh(a)[0], (lambda d: hermitian(16, d),)),
-    "svd values": (lambda a: cp.linalg.svd(a, compute_uv=False), (lambda d: rand((24, 16), d),)),
+    "eigvalsh [batch of one]": (cp.linalg.eigvalsh, (lambda d: hermitian(16, d, (1,)),)),  # the refusal's hint
     "svd [batched, small]": (lambda a: cp.linalg.svd(a, compute_uv=False), (lambda d: rand((4, 12, 10), d),)),
-    "lstsq": (lambda a, b: cp.linalg.lstsq(a, b, rcond=None)[0], (lambda d: rand((24, 8), d),
-                                                                  lambda d: rand((24,), d))),
-    "pinv": (cp.linalg.pinv, (lambda d: rand((16, 8), d),)),
-    "matrix_rank": (cp.linalg.matrix_rank, (lambda d: rand((16, 16), d),)),
-    "norm ord=2": (lambda a: cp.linalg.norm(a, 2), (lambda d: rand((16, 16), d),)),
-    "cond": (cp.linalg.cond, (lambda d: well(16, d),)),
     "tensorsolve": (cp.linalg.tensorsolve, (lambda d: well(16, d).reshape(4, 4, 16), lambda d: rand((4, 4), d))),
     "tensorinv": (lambda a: cp.linalg.tensorinv(a, ind=2), (lambda d: well(16, d).reshape(4, 4, 4, 4),)),
+}
+# single-matrix syevd/gesvd synchronise inside cuSOLVER (H200, session 9): refused by name before
+# cuSOLVER is called; name -> (function, input makers, routine named in the error)
+REFUSED_OPS = {
+    "eigvalsh": (cp.linalg.eigvalsh, (lambda d: hermitian(16, d),), "syevd"),
+    "eigh values": (lambda a: cp.linalg.eigh(a)[0], (lambda d: hermitian(16, d),), "syevd"),
+    "svd values": (lambda a: cp.linalg.svd(a, compute_uv=False), (lambda d: rand((24, 16), d),), "gesvd"),
+    "lstsq": (lambda a, b: cp.linalg.lstsq(a, b, rcond=None)[0], (lambda d: rand((24, 8), d),
+                                                                  lambda d: rand((24,), d)), "gesvd"),
+    "pinv": (cp.linalg.pinv, (lambda d: rand((16, 8), d),), "gesvd"),
+    "matrix_rank": (cp.linalg.matrix_rank, (lambda d: rand((16, 16), d),), "gesvd"),
+    "norm ord=2": (lambda a: cp.linalg.norm(a, 2), (lambda d: rand((16, 16), d),), "gesvd"),
+    "cond": (cp.linalg.cond, (lambda d: well(16, d),), "gesvd"),
 }
 
 
@@ -406,18 +411,36 @@ def test_linalg_captures_and_replays_equal_eager(pool, op, dtype, originals):
     g.close()
 
 
-def test_savgol_filter_captures_and_replays(pool):
+@pytest.mark.parametrize("dtype", SOLVER_DTYPES)
+@pytest.mark.parametrize("op", list(REFUSED_OPS))
+def test_routines_that_synchronise_inside_cusolver_are_refused_and_leave_cusolver_working(pool, op, dtype):
+    """On the H200 a capture of gesvd or syevd returned CUSOLVER_STATUS_INTERNAL_ERROR and the next
+    cuSOLVER call of the thread (eager, CuPy or torch) failed with EXECUTION_FAILED: refused before
+    cuSOLVER runs, so the eager calls right after work, in CuPy and in torch."""
+    f, makers, routine = REFUSED_OPS[op]
+    args = [m(dtype) for m in makers]
+    want = f(*args)
+    with pytest.raises(cgraw.CaptureError, match=routine) as ei:
+        with cgraw.capture(pool=pool):
+            f(*args)
+    assert "synchronises with the host inside cuSOLVER" in str(ei.value) and "batch" in str(ei.value)
+    assert not cupy_solver._routers and not cupy_solver._patches
+    close(f(*args), want, dtype)  # eager CuPy, same inputs: same result, no stale error
+    torch = pytest.importorskip("torch")
+    t = torch.randn(24, 16, device="cuda", dtype=torch.float64)
+    q, r = torch.linalg.qr(t)  # torch's cuSOLVER (geqrf) right after
+    torch.testing.assert_close(q @ r, t)
+
+
+def test_savgol_filter_is_refused_naming_gesvd(pool):
     import cupyx.scipy.signal as _signal
 
     x = rand((256,), "float64")
-    _signal.savgol_filter(x, 11, 3)
-    with cgraw.capture(pool=pool) as g:
-        y = _signal.savgol_filter(x, 11, 3)
-    for _ in range(2):
-        x[...] = rand((256,), "float64")
-        g.replay()
-        close(y, _signal.savgol_filter(x, 11, 3), "float64")
-    g.close()
+    want = _signal.savgol_filter(x, 11, 3)
+    with pytest.raises(cgraw.CaptureError, match="gesvd"):
+        with cgraw.capture(pool=pool):
+            _signal.savgol_filter(x, 11, 3)
+    close(_signal.savgol_filter(x, 11, 3), want, "float64")
 
 
 def test_the_linalg_raise_check_is_refused_naming_cusolver(pool):

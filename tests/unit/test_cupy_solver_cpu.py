@@ -25,9 +25,9 @@ CAPTURE, EAGER = 0x5000, 0x6000
 # argument counts of CuPy 14.2's wrappers (cupy_backends/cuda/libs/cusolver.pyx), the handle included
 CUPY14_ARITY = {"sgetrf_bufferSize": 5, "sgetrf": 8, "zgetrs": 10, "spotrf_bufferSize": 5, "dpotrf": 8,
                 "cpotrs": 9, "spotrfBatched": 7, "zpotrsBatched": 10, "sgeqrf_bufferSize": 5, "dgeqrf": 9,
-                "sorgqr_bufferSize": 7, "cungqr": 10, "dormqr_bufferSize": 11, "zunmqr": 14, "sgesvd_bufferSize": 3,
-                "zgesvd": 16, "sgesvdjBatched_bufferSize": 13, "dgesvdjBatched": 16, "ssyevjBatched_bufferSize": 9,
-                "zheevjBatched": 12, "ssyevd_bufferSize": 7, "cheevd": 10, "xsyevd_bufferSize": 11, "xsyevd": 16}
+                "sorgqr_bufferSize": 7, "cungqr": 10, "dormqr_bufferSize": 11, "zunmqr": 14,
+                "sgesvdjBatched_bufferSize": 13, "dgesvdjBatched": 16, "ssyevjBatched_bufferSize": 9,
+                "zheevjBatched": 12}
 
 
 class FakeFn:
@@ -168,9 +168,12 @@ def test_table_matches_cupy14_wrapper_signatures():
     assert all(set(kinds) <= set(S._CTYPES) for kinds in S.SPECS.values())
     assert not set(S.SPECS) & set(S.REFUSED)
     for dtype in "sdcz":  # every precision of each routed routine
-        for base in ("getrf", "getrs", "potrf", "potrs", "potrfBatched", "potrsBatched", "geqrf", "gesvd",
-                     "gesvdjBatched"):
+        for base in ("getrf", "getrs", "potrf", "potrs", "potrfBatched", "potrsBatched", "geqrf", "gesvdjBatched"):
             assert f"{dtype}{base}" in S.SPECS
+        for base in ("gesvd", "gesvd_bufferSize"):  # synchronise inside cuSOLVER (H200, session 9)
+            assert S.REFUSED[f"{dtype}{base}"] is S._HYBRID
+    for name in ("ssyevd", "dsyevd", "cheevd", "zheevd", "xsyevd", "xsyevd_bufferSize", "zheevd_bufferSize"):
+        assert S.REFUSED[name] is S._HYBRID
     assert S.symbol("cheevjBatched_bufferSize") == "cusolverDnCheevjBatched_bufferSize"
     assert S.symbol("xsyevd") == "cusolverDnXsyevd"
 
@@ -253,15 +256,23 @@ def test_calls_of_the_capture_go_to_cgraws_handle_and_the_handle_is_reused(env):
     r2.exit()
 
 
-def test_two_size_outputs_come_back_as_cupys_tuple(env):
-    backend, dll = env["backend"], env["dll"]
+def test_routines_that_synchronise_inside_cusolver_never_reach_it_in_a_capture(env):
+    """gesvd and syevd/Xsyevd broke the thread's next cuSOLVER call on the H200 once called inside a
+    capture: refused before libcusolver is touched, with the batched hint; eager calls stay CuPy's."""
+    backend, dll, state = env["backend"], env["dll"], env
     r = _router(env)
     r.enter()
-    dll.out_value = 4096
-    got = backend.xsyevd_bufferSize(r.cupy_handle, 0x10, 1, 0, 1 << 33, 0, 0x1000, 1 << 33, 0, 0x2000, 0)
-    assert got == (4096, 4096)
-    (args,) = dll.named("cusolverDnXsyevd_bufferSize")
-    assert args[4] == 1 << 33 and len(args) == 13  # int64 n passed whole; two size_t outputs appended
+    h = r.cupy_handle
+    for call in (lambda: backend.xsyevd_bufferSize(h, 0x10, 1, 0, 8, 0, 0x1000, 8, 0, 0x2000, 0),
+                 lambda: backend.xsyevd(h, 0x10, 1, 0, 8, 0, 0x1000, 8, 0, 0x2000, 0, 0x3000, 1024, 0x4000, 0, 0x5000)):
+        with pytest.raises(CaptureError, match="synchronises with the host inside cuSOLVER") as ei:
+            _call_from_cupy("cupy.linalg._eigenvalue", "_syevd", call)
+        assert "cupy.linalg._eigenvalue._syevd" in ei.value.description and "batch" in ei.value.hint
+        assert ei.value.name == "CUSOLVER_NOT_COVERED"
+    assert not [n for n, _ in dll.calls if "syevd" in n.lower()]
+    state["current"] = EAGER  # another stream: CuPy's own wrapper runs
+    backend.xsyevd(h, 0x10, 1, 0, 8, 0, 0x1000, 8, 0, 0x2000, 0, 0x3000, 1024, 0x4000, 0, 0x5000)
+    assert state["eager"][-1] == "xsyevd"
     r.exit()
 
 
@@ -270,14 +281,6 @@ def test_refusals_name_the_entry_point_and_the_routine(env):
     r = _router(env)
     r.enter()
     h = r.cupy_handle
-    with pytest.raises(CaptureError, match="host workspace") as ei:
-        _call_from_cupy("cupy.linalg._eigenvalue", "_syevd", lambda: backend.xsyevd(
-            h, 0x10, 1, 0, 8, 0, 0x1000, 8, 0, 0x2000, 0, 0x3000, 1024, 0x4000, 64, 0x5000))
-    assert "cupy.linalg._eigenvalue._syevd" in ei.value.description and "cusolverDnXsyevd" in ei.value.description
-    assert ei.value.name == "CUSOLVER_NOT_COVERED" and not dll.named("cusolverDnXsyevd")
-    backend.xsyevd(h, 0x10, 1, 0, 8, 0, 0x1000, 8, 0, 0x2000, 0, 0x3000, 1024, 0x4000, 0, 0x5000)  # no host bytes
-    assert len(dll.named("cusolverDnXsyevd")) == 1
-
     with pytest.raises(CaptureError, match="sweeps") as ei:
         _call_from_cupy("cupyx.cusolver", "syevj", lambda: backend.ssyevj(h, 0, 0, 4, 1, 4, 2, 3, 8, 4, 5))
     assert "cupyx.cusolver.syevj" in ei.value.description and "cusolverDnSsyevj" in ei.value.description
@@ -289,6 +292,10 @@ def test_refusals_name_the_entry_point_and_the_routine(env):
     with pytest.raises(CaptureError, match="invalidated") as ei:
         _call_from_cupy("cupy.linalg._decomposition", "svd", lambda: backend.sgetrf(h, 4, 4, 1, 4, 2, 3, 4))
     assert "cupy.linalg._decomposition.svd" in ei.value.description
+    assert "EXECUTION_FAILED" not in ei.value.description  # it returned success: nothing left behind
+    dll.status["cusolverDnSgetrf"] = 7  # failed and invalidated: the stale error is announced
+    with pytest.raises(CaptureError, match="INTERNAL_ERROR.*fail once with EXECUTION_FAILED"):
+        backend.sgetrf(h, 4, 4, 1, 4, 2, 3, 4)
     env["status"] = 1
     dll.status["cusolverDnSgetrf"] = 7
     with pytest.raises(FakeCUSOLVERError, match="7"):  # CuPy's own error, as eager
