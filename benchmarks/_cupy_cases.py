@@ -7,7 +7,8 @@ objects from the device inputs before the capture (sparse matrices, generators);
 ``cp`` (cupy) and ``sparse`` (cupyx.scipy.sparse). ``expect`` says why a case is expected to fail
 the capture today (None: expected to record and replay equal); the run reports where it was wrong.
 The cuBLAS expectations follow ``cgraw.interop.cupy_blas`` (CuPy's matrix products routed to a
-cgraw handle), which has not run on a GPU yet: they are predictions.
+cgraw handle). The cuSOLVER ones follow ``cgraw.interop.cupy_solver`` (CuPy's dense cuSOLVER calls
+routed to a cgraw handle), which has not run on a GPU yet: they are predictions.
 """
 
 from __future__ import annotations
@@ -191,12 +192,12 @@ def _spd(n: int, dtype: str = "float32") -> Maker:
     return Maker(make, f"SPD({n})")
 
 
-def _symmetric(n: int) -> Maker:
+def _symmetric(n: int, batch: tuple = ()) -> Maker:
     def make(rng):
-        a = rng.standard_normal((n, n))
-        return ((a + a.T) / 2).astype(np.float32)
+        a = rng.standard_normal((*batch, n, n))
+        return ((a + a.swapaxes(-1, -2)) / 2).astype(np.float32)
 
-    return Maker(make, f"symmetric({n})")
+    return Maker(make, f"{' x '.join(map(str, batch))}{' x ' if batch else ''}symmetric({n})")
 
 
 def _probabilities(k: int) -> Maker:
@@ -381,6 +382,8 @@ def _linalg() -> list[Case]:
     s = "linear algebra"
     sq2 = (SQ, Arr((16, 16)))
     blas = "cuBLAS through cgraw's handle (interop.cupy_blas)"
+    solver = "cuSOLVER through cgraw's handle (interop.cupy_solver)"
+    hybrid = "gesvd/syevd synchronise inside cuSOLVER (H200, session 9): refused by name before cuSOLVER runs"
     cases = [
         Case("cupy.matmul", s, sq2, note=blas),
         Case("cupy.matmul [batched]", s, (Arr((4, 16, 16)), Arr((4, 16, 16))), note="gemmStridedBatchedEx"),
@@ -413,31 +416,35 @@ def _linalg() -> list[Case]:
              note="cuBLAS isamax: not routed (its result's width follows CuPy's build)"),
         Case("cupy.linalg.norm", s, (V,)),
         Case("cupy.linalg.norm [fro]", s, (M,), lambda f, x: f(x, "fro")),
-        Case("cupy.linalg.norm [ord=2]", s, (SQ,), lambda f, x: f(x, 2), expect=CUSOLVER),
-        Case("cupy.linalg.solve", s, (_well_conditioned(16), Arr((16,))), expect=CUSOLVER),
-        Case("cupy.linalg.inv", s, (_well_conditioned(16),), expect=CUSOLVER),
+        Case("cupy.linalg.norm [ord=2]", s, (SQ,), lambda f, x: f(x, 2), expect=CUSOLVER, note=hybrid),
+        Case("cupy.linalg.solve", s, (_well_conditioned(16), Arr((16,))), note=solver),
+        Case("cupy.linalg.inv", s, (_well_conditioned(16),), note=solver),
         Case("cupy.linalg.det", s, (_well_conditioned(8),), note="refused as cuBLAS by CuPy 14.2: now routed"),
         Case("cupy.linalg.slogdet", s, (_well_conditioned(16),), note="refused as cuBLAS by CuPy 14.2: now routed"),
         Case("cupy.linalg.inv [batched]", s, (_batched_well_conditioned(4, 8),),
              note="cuBLAS getrfBatched and getriBatched (routed)"),
-        Case("cupy.linalg.cholesky", s, (_spd(16),), expect=CUSOLVER),
-        Case("cupy.linalg.qr", s, (SQ,), expect=CUSOLVER),
-        Case("cupy.linalg.eigh", s, (_symmetric(16),), expect=CUSOLVER),
-        Case("cupy.linalg.eigvalsh", s, (_symmetric(16),), expect=CUSOLVER),
-        Case("cupy.linalg.svd", s, (SQ,), expect=CUSOLVER),
-        Case("cupy.linalg.lstsq", s, (Arr((16, 8)), Arr((16,))), expect=CUSOLVER),
-        Case("cupy.linalg.pinv", s, (Arr((16, 8)),), expect=CUSOLVER),
+        Case("cupy.linalg.cholesky", s, (_spd(16),), note=solver),
+        Case("cupy.linalg.qr", s, (SQ,), note=solver),
+        Case("cupy.linalg.eigh", s, (_symmetric(16),), expect=CUSOLVER, note=hybrid),
+        Case("cupy.linalg.eigvalsh", s, (_symmetric(16),), expect=CUSOLVER, note=hybrid),
+        Case("cupy.linalg.svd", s, (SQ,), expect=CUSOLVER, note=hybrid),
+        Case("cupy.linalg.lstsq", s, (Arr((16, 8)), Arr((16,))), expect=CUSOLVER, note=hybrid),
+        Case("cupy.linalg.pinv", s, (Arr((16, 8)),), expect=CUSOLVER, note=hybrid),
         Case("cupy.linalg.matrix_power", s, (Arr((16, 16), lo=-0.3, hi=0.3),), lambda f, x: f(x, 3), note=blas),
-        Case("cupy.linalg.matrix_rank", s, (SQ,), expect=CUSOLVER),
-        Case("cupy.linalg.cond", s, (_well_conditioned(16),), expect=CUSOLVER),
-        Case("cupy.linalg.eig", s, (_well_conditioned(8),), expect=CUSOLVER),
+        Case("cupy.linalg.matrix_rank", s, (SQ,), expect=CUSOLVER, note=hybrid),
+        Case("cupy.linalg.cond", s, (_well_conditioned(16),), expect=CUSOLVER, note=hybrid),
+        Case("cupy.linalg.eigh [batch of one]", s, (_symmetric(16, (1,)),),
+             note="stacked input: syevjBatched, routed (the hint of the single-matrix refusal)"),
+        Case("cupy.linalg.svd [batch of one]", s, (Arr((1, 16, 16)),), lambda f, x: f(x, compute_uv=False),
+             note="stacked input up to 32x32: gesvdjBatched, routed"),
+        Case("cupy.linalg.eig", s, (_well_conditioned(8),), expect=CUSOLVER, note="Xgeev: host workspace, refused"),
         Case("cupy.linalg.eigvals", s, (_well_conditioned(8),), expect=CUSOLVER),
         Case("cupy.linalg.tensorsolve", s,
              (Maker(lambda rng: (rng.standard_normal((16, 16)) + 16 * np.eye(16)).reshape(4, 4, 16).astype(np.float32),
-                    "(A+16I) as 4x4x16"), Arr((4, 4))), expect=CUSOLVER),
+                    "(A+16I) as 4x4x16"), Arr((4, 4))), note=solver),
         Case("cupy.linalg.tensorinv", s,
              (Maker(lambda rng: (rng.standard_normal((16, 16)) + 16 * np.eye(16)).reshape(4, 4, 16).astype(np.float32),
-                    "(A+16I) as 4x4x16"),), expect=CUSOLVER),
+                    "(A+16I) as 4x4x16"),), note=solver),
     ]
     return cases
 
@@ -574,7 +581,8 @@ def _signal() -> list[Case]:
         Case(p + "resample_poly", s, (V,), lambda f, x: f(x, 2, 3)),
         Case(p + "upfirdn", s, (h9, V), lambda f, h, x: f(h, x, 2, 3)),
         Case(p + "decimate", s, (V,), lambda f, x: f(x, 4)),
-        Case(p + "savgol_filter", s, (V,), lambda f, x: f(x, 7, 2)),
+        Case(p + "savgol_filter", s, (V,), lambda f, x: f(x, 7, 2), expect=CUSOLVER,
+             note="its coefficients come from lstsq: gesvd, refused by name"),
         Case(p + "periodogram", s, (V,)),
         Case(p + "chirp", s, (t,), lambda f, x: f(x, 1.0, 1.0, 10.0)),
         Case(p + "gausspulse", s, (t,), lambda f, x: f(x - 0.5, fc=5.0)),

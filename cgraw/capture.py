@@ -24,6 +24,7 @@ from cgraw.graph import Graph
 from cgraw.interop import cupy as _icupy
 from cgraw.interop import cupy_blas as _cupy_blas
 from cgraw.interop import cupy_rng as _cupy_rng
+from cgraw.interop import cupy_solver as _cupy_solver
 from cgraw.interop import torch as _itorch
 from cgraw.interop import torch_rng as _torch_rng
 from cgraw.memory import DevicePool, capture_guard_enter, capture_guard_exit
@@ -275,6 +276,9 @@ class capture:
             blas = _cupy_blas.router(pool, stream, warm=self.warm_cublas)  # after CuPy's routing: needs it
             if blas is not None:
                 out.append(blas)
+            solver = _cupy_solver.router(pool, stream)  # not yet run on the H200
+            if solver is not None:
+                out.append(solver)
         return out
 
     def _rng_routers(self, device: int) -> list:

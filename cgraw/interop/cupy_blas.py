@@ -21,12 +21,13 @@ call, when ``cupyx.errstate(linalg='raise')`` would make them synchronise.
 from __future__ import annotations
 
 import ctypes
-import importlib
+import functools
 import os
 import sys
 import threading
 
 from cgraw.errors import CaptureError
+from cgraw.interop import cupy_route as _route
 
 # Argument kinds after the handle: e enum/int, i int, n int (int64 in cuBLAS's ``_64`` API), p pointer,
 # L long long, r a result pointer (device memory unless the pointer mode is HOST), E a compute type
@@ -57,8 +58,7 @@ for _names, _kinds in (
 ):
     SPECS.update(dict.fromkeys(_names.split(), _kinds))
 MODE_SETTERS = ("setPointerMode", "setMathMode")
-INFO_CHECKS = {"_check_cublas_info_array_if_synchronization_allowed": "cuBLAS",
-               "_check_cusolver_dev_info_if_synchronization_allowed": "cuSOLVER"}
+INFO_CHECKS = {"_check_cublas_info_array_if_synchronization_allowed": "cuBLAS"}  # cuSOLVER's: cupy_solver
 BACKEND = "cupy_backends.cuda.libs.cublas"
 POINTER_MODE_HOST, PEDANTIC_MATH, NOT_SUPPORTED = 0, 2, 15
 # cudaDataType -> cublasComputeType_t (R_32F, C_32F -> 32F; R_64F, C_64F -> 64F; R_16F -> 16F; R_32I -> 32I);
@@ -90,22 +90,14 @@ def workspace_nbytes(cc_major: int, environ=os.environ) -> int:
     return 32 << 20 if cc_major >= 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
-class Library:
+class Library(_route.CLibrary):
     """cuBLAS through ctypes: each entry point resolved by name, its prototype from ``SPECS``."""
 
-    def __init__(self, dll, path: str = ""):
-        self._dll, self.path, self._fns = dll, path, {}
+    label, statuses = "cuBLAS", STATUS
 
     def _bind(self, key, base: str, wide: bool, argtypes: list):
-        fn = self._fns.get(key)
-        if fn is None:
-            # the _v2 names first: libcublas also exports the legacy API (no handle) under the plain ones
-            names = (f"cublas{base}{v}{'_64' if wide else ''}" for v in ("_v2", ""))
-            fn = next((f for f in (getattr(self._dll, n, None) for n in names) if f is not None), None)
-            if fn is not None:
-                fn.argtypes, fn.restype = argtypes, ctypes.c_int
-                self._fns[key] = fn
-        return fn
+        # the _v2 names first: libcublas also exports the legacy API (no handle) under the plain ones
+        return self._symbol(key, [f"cublas{base}{v}{'_64' if wide else ''}" for v in ("_v2", "")], argtypes)
 
     def function(self, name: str, kinds: str, wide: bool = False):
         types = [ctypes.c_int64 if wide and k == "n" else _CTYPES[k] for k in kinds]
@@ -115,12 +107,7 @@ class Library:
         return fn
 
     def _call(self, base: str, argtypes: list, *args) -> None:
-        fn = self._bind(base, base, False, argtypes)
-        status = -1 if fn is None else fn(*args)
-        if status:
-            name = "CUBLAS_SYMBOL_MISSING" if fn is None else f"CUBLAS_STATUS_{STATUS.get(status, status)}"
-            raise CaptureError(f"cublas{base}", status, name,
-                               f"setting up cgraw's cuBLAS handle failed (libcublas {self.path or '?'})")
+        self._setup(self._bind(base, base, False, argtypes), f"cublas{base}", *args)
 
     def create(self) -> int:
         h = ctypes.c_void_p()
@@ -138,46 +125,31 @@ class Library:
         self._call("S" + setter[1:], [ctypes.c_void_p, ctypes.c_int], handle, int(mode))
 
 
-def candidate_paths(maps_text: str | None = None) -> list[str]:
-    """libcublas files to try: those this process has loaded (CuPy's first), then the sonames."""
-    if maps_text is None:
-        try:
-            with open("/proc/self/maps") as f:
-                maps_text = f.read()
-        except OSError:
-            maps_text = ""
-    paths = (line.split()[-1] for line in maps_text.splitlines() if "/" in line)
-    loaded = list(dict.fromkeys(p for p in paths if os.path.basename(p).startswith("libcublas.so")))
-    return sorted(loaded, key=lambda p: "cupy" not in p) + ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]
+SONAMES = ("libcublas.so.13", "libcublas.so.12", "libcublas.so")
 
 
-_lock = threading.Lock()
-_routers: dict[int, "Router"] = {}  # thread ident -> the router of its capture; written under _lock
-_patches: list = []  # (module, name, original, forwarder) while _routers is non-empty; guarded by _lock
-_idle: dict[int, list[int]] = {}  # device -> cgraw's handles not in use (never destroyed); guarded by _lock
-_library_cache: list = []  # [Library | None], once loaded
+# libcublas files to try: those this process has loaded (CuPy's first), then the sonames
+candidate_paths = functools.partial(_route.candidate_paths, "libcublas", SONAMES)
+
+
+_routing = _route.Routing()
+_routers, _patches, _idle = _routing.routers, _routing.patches, _routing.idle  # for tests and diagnosis
+_library_cache: list = []  # [Library], once loaded
 
 
 def library() -> Library | None:
     """The libcublas cgraw calls (loaded once), or None."""
-    for path in () if _library_cache else candidate_paths():
-        try:
-            _library_cache.append(Library(ctypes.CDLL(path), path))
-            break
-        except OSError:
-            continue
-    return _library_cache[0] if _library_cache else None
+    return _route.load_once(_library_cache, candidate_paths, Library)
 
 
 def _backend():
-    mod = sys.modules.get(BACKEND)
-    return mod if mod is not None else importlib.import_module(BACKEND)
+    return _route.import_backend(BACKEND)
 
 
 def router(pool, stream, *, warm: bool = True) -> "Router | None":
     """The cuBLAS router of a capture that routes CuPy, or None (disabled with ``CGRAW_CUPY_CUBLAS=0``,
     or this CuPy or libcublas is not as expected): CuPy's cuBLAS calls then meet CuPy's refusal."""
-    if os.environ.get("CGRAW_CUPY_CUBLAS", "1").strip().lower() in ("0", "false", "no", "off"):
+    if _route.disabled("CGRAW_CUPY_CUBLAS"):
         return None
     try:
         backend = _backend()
@@ -217,16 +189,16 @@ class Router:
         self._modes_at_enter = modes
         self.pointer_mode, self.math_mode = modes
         self._get_stream = cupy.cuda.get_current_stream
-        self.handle, fresh = _take_handle(self.lib, self.device)
+        self.handle, fresh = _routing.take_handle(self.device, self.lib.create)
         try:
             self.lib.set_stream(self.handle, self.stream_ptr)
             if fresh and self.warm:
                 self._warm_up(cupy)
             for setter, mode in zip(MODE_SETTERS, modes, strict=True):
                 self.lib.set_mode(setter, self.handle, mode)
-            _register(self)
+            _routing.register(self, _install)
         except BaseException:
-            _unregister(self)
+            _routing.unregister(self)
             try:
                 self._release_handle()
             except Exception:  # the handle is leaked; the first error is the one to report
@@ -234,7 +206,7 @@ class Router:
             raise
 
     def exit(self, failed: bool = False) -> None:
-        _unregister(self)
+        _routing.unregister(self)
         modes, self._modes_at_enter = self._modes_at_enter, None
         try:
             backend = _backend()
@@ -259,8 +231,7 @@ class Router:
         h, self.handle = self.handle, None
         if h is not None:
             self.lib.set_stream(h, 0)  # also drops the workspace (cuBLAS resets it to its default)
-            with _lock:
-                _idle.setdefault(self.device, []).append(h)  # if that failed, the handle is leaked instead
+            _routing.put_back(self.device, h)  # if that failed, the handle is leaked instead
 
     def mirror(self, setter: str, mode: int) -> None:
         """CuPy set a mode on its handle: cgraw's handle takes it too."""
@@ -307,13 +278,6 @@ class Router:
         self._workspace = ws
 
 
-def _take_handle(lib: Library, device: int) -> tuple[int, bool]:
-    with _lock:
-        if _idle.get(device):
-            return _idle[device].pop(), False
-    return lib.create(), True
-
-
 def _check(status: int, name: str) -> None:
     if status:
         check = getattr(sys.modules.get(BACKEND), "check_status", None)
@@ -333,117 +297,26 @@ def _not_covered(name: str, why: str, hint: str = "") -> CaptureError:
 
 
 def _forwarder(name: str, kinds: str, original):
-    def forward(*args, **kwargs):
-        r = _routers.get(threading.get_ident())
-        if r is None or kwargs or not args or args[0] != r.cupy_handle:
-            return original(*args, **kwargs)
-        return r.run(name, kinds, original, args)
-
-    return _named(forward, name, original)
+    return _route.forwarder(_routing, name, original, lambda r, args: r.run(name, kinds, original, args))
 
 
 def _mode_forwarder(name: str, original):
     def forward(handle, mode):
         original(handle, mode)  # CuPy's handle keeps the mode CuPy asked for
-        r = _routers.get(threading.get_ident())
+        r = _routing.active()
         if r is not None and handle == r.cupy_handle:
             r.mirror(name, mode)
 
-    return _named(forward, name, original)
-
-
-def _info_forwarder(name: str, library_name: str, original):
-    def check(routine, info, *rest):
-        r = _routers.get(threading.get_ident())
-        if r is None or r._get_stream().ptr != r.stream_ptr or _linalg_config() in ("ignore", None):
-            return original(routine, info, *rest)
-        routine_name = getattr(routine, "__name__", routine)
-        raise CaptureError(
-            f"cupy.linalg._util.{name}", 0, "LINALG_CHECK_NOT_COVERED",
-            f"{_entry_point()} checks {library_name}'s info of {routine_name} on the host because "
-            "cupyx.errstate(linalg='raise') is in effect, which waits for the GPU; a capture cannot",
-            "capture under linalg='ignore' (CuPy's default; eager CuPy does not check then either) and "
-            "check the result outside the capture")
-
-    return _named(check, name, original)
-
-
-def _named(fn, name: str, original):
-    fn.__name__, fn.__qualname__, fn.__doc__ = name, name, getattr(original, "__doc__", None)
-    fn._cgraw_original = original
-    return fn
-
-
-def _linalg_config() -> str | None:
-    try:
-        return importlib.import_module("cupyx._ufunc_config").get_config_linalg()
-    except Exception:  # another CuPy: let its own check decide
-        return None
-
-
-def _entry_point() -> str:
-    """The outermost of the CuPy functions that called this one (the call the user made)."""
-    entry, f = None, sys._getframe(1)
-    while f is not None:
-        mod = f.f_globals.get("__name__", "")
-        if mod.startswith(("cupy.", "cupyx.")) and mod != __name__:
-            entry = f"{mod}.{f.f_code.co_name}"
-        elif entry is not None:
-            break
-        f = f.f_back
-    return entry or "a CuPy function"
-
-
-def _arity_ok(fn, n: int) -> bool:
-    code = getattr(fn, "__code__", None)  # Cython's binding functions have one; builtins do not
-    return code is None or getattr(code, "co_argcount", n) == n
-
-
-def _register(r: Router) -> None:
-    with _lock:
-        if not _routers:
-            try:
-                _install()
-            except BaseException:
-                _uninstall()
-                raise
-        _routers[r.thread] = r
-
-
-def _unregister(r: Router) -> None:
-    with _lock:
-        if _routers.get(r.thread) is r:
-            del _routers[r.thread]
-            if not _routers:
-                _uninstall()
+    return _route.named(forward, name, original)
 
 
 def _install() -> None:
     backend = _backend()
     for name, kinds in SPECS.items():
         fn = getattr(backend, name, None)
-        if fn is not None and _arity_ok(fn, len(kinds) + 1):  # a wrapper of another shape stays CuPy's
-            _patch(backend, name, _forwarder(name, kinds, fn))
+        if fn is not None and _route.arity_ok(fn, len(kinds) + 1):  # a wrapper of another shape stays CuPy's
+            _routing.patch(backend, name, _forwarder(name, kinds, fn))
     for name in MODE_SETTERS:
-        _patch(backend, name, _mode_forwarder(name, getattr(backend, name)))
-    try:
-        util = importlib.import_module("cupy.linalg._util")
-    except Exception:
-        return
+        _routing.patch(backend, name, _mode_forwarder(name, getattr(backend, name)))
     for name, library_name in INFO_CHECKS.items():
-        fn = getattr(util, name, None)
-        if callable(fn):
-            _patch(util, name, _info_forwarder(name, library_name, fn))
-
-
-def _patch(module, name: str, forwarder) -> None:
-    _patches.append((module, name, forwarder._cgraw_original, forwarder))
-    setattr(module, name, forwarder)
-
-
-def _uninstall() -> None:
-    while _patches:
-        module, name, original, forwarder = _patches.pop()
-        if getattr(module, name, None) is forwarder:  # someone else's replacement stays
-            setattr(module, name, original)
-
+        _route.install_info_check(_routing, name, library_name)

@@ -1,7 +1,8 @@
 """GPU tier of issue 17 (first part): CuPy's cuBLAS calls inside ``cgraw.capture()``, routed to a
 cgraw-owned cuBLAS handle (``cgraw/interop/cupy_blas.py``). All passed on the H200 in session 7
 (66, also with cuda-bindings 12.9.10 and under memcheck). Every replay is compared with eager CuPy
-on new input values written in place."""
+on new input values written in place. The cuSOLVER tests (issue 17, part 2: ``cupy_solver.py``)
+were written without a GPU: not yet run on the H200."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 import cgraw
-from cgraw.interop import cupy_blas
+from cgraw.interop import cupy_blas, cupy_solver
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -316,13 +317,190 @@ def test_an_info_check_that_would_synchronise_is_refused_by_name(pool):
     g.close()
 
 
-def test_a_cusolver_call_is_refused_naming_the_call(pool):
+def test_a_cusolver_call_cgraw_does_not_route_is_refused_naming_the_call(pool, monkeypatch):
     a, b = well_conditioned(16, 16), rand((16,))
     cp.linalg.solve(a, b)
+    monkeypatch.setenv("CGRAW_CUPY_CUSOLVER", "0")  # not routed: CuPy's own refusal, named
     with pytest.raises(cgraw.CaptureError, match="cuSOLVER") as ei:
         with cgraw.capture(pool=pool):
             cp.linalg.solve(a, b)
-    assert "solve" in str(ei.value)
+    assert "solve" in str(ei.value) and "getrf" in str(ei.value)
+    monkeypatch.delenv("CGRAW_CUPY_CUSOLVER")
+    q = rand((4, 48, 40))  # batched qr: cupyx/_cusolver.pyx calls geqrf in C, which cgraw cannot route
+    with pytest.raises(cgraw.CaptureError, match="cuSOLVER") as ei:
+        with cgraw.capture(pool=pool):
+            cp.linalg.qr(q)
+    assert "qr" in str(ei.value)
+
+
+# ---------------------------------------------------------------- cuSOLVER (first H200 run: session 9)
+
+
+def spd(n, dtype="float32", batch=()):
+    x = rand((*batch, n, n), dtype)
+    return x @ x.swapaxes(-1, -2).conj() + n * cp.eye(n, dtype=dtype)
+
+
+def hermitian(n, dtype="float32", batch=()):
+    x = rand((*batch, n, n), dtype)
+    return x + x.swapaxes(-1, -2).conj()
+
+
+def well(n, dtype="float32", batch=()):
+    return rand((*batch, n, n), dtype) + n * cp.eye(n, dtype=dtype)
+
+
+SOLVER_DTYPES = ["float32", "float64", "complex64", "complex128"]
+SOLVER_OPS = {  # name: (function, input makers), each maker(dtype) -> array; routed, so captured
+    "solve": (cp.linalg.solve, (lambda d: well(16, d), lambda d: rand((16, 3), d))),
+    "solve [batched]": (cp.linalg.solve, (lambda d: well(8, d, (3,)), lambda d: rand((3, 8, 2), d))),
+    "inv": (cp.linalg.inv, (lambda d: well(16, d),)),
+    "cholesky": (cp.linalg.cholesky, (lambda d: spd(16, d),)),
+    "cholesky [batched]": (cp.linalg.cholesky, (lambda d: spd(8, d, (4,)),)),
+    "qr": (lambda a: cp.linalg.qr(a)[1], (lambda d: rand((24, 16), d),)),  # R: unique up to signs; see below
+    "eigvalsh [batched]": (cp.linalg.eigvalsh, (lambda d: hermitian(8, d, (4,)),)),
+    "eigvalsh [batch of one]": (cp.linalg.eigvalsh, (lambda d: hermitian(16, d, (1,)),)),  # the refusal's hint
+    "svd [batched, small]": (lambda a: cp.linalg.svd(a, compute_uv=False), (lambda d: rand((4, 12, 10), d),)),
+    "tensorsolve": (cp.linalg.tensorsolve, (lambda d: well(16, d).reshape(4, 4, 16), lambda d: rand((4, 4), d))),
+    "tensorinv": (lambda a: cp.linalg.tensorinv(a, ind=2), (lambda d: well(16, d).reshape(4, 4, 4, 4),)),
+}
+# single-matrix syevd/gesvd synchronise inside cuSOLVER (H200, session 9): refused by name before
+# cuSOLVER is called; name -> (function, input makers, routine named in the error)
+REFUSED_OPS = {
+    "eigvalsh": (cp.linalg.eigvalsh, (lambda d: hermitian(16, d),), "syevd"),
+    "eigh values": (lambda a: cp.linalg.eigh(a)[0], (lambda d: hermitian(16, d),), "syevd"),
+    "svd values": (lambda a: cp.linalg.svd(a, compute_uv=False), (lambda d: rand((24, 16), d),), "gesvd"),
+    "lstsq": (lambda a, b: cp.linalg.lstsq(a, b, rcond=None)[0], (lambda d: rand((24, 8), d),
+                                                                  lambda d: rand((24,), d)), "gesvd"),
+    "pinv": (cp.linalg.pinv, (lambda d: rand((16, 8), d),), "gesvd"),
+    "matrix_rank": (cp.linalg.matrix_rank, (lambda d: rand((16, 16), d),), "gesvd"),
+    "norm ord=2": (lambda a: cp.linalg.norm(a, 2), (lambda d: rand((16, 16), d),), "gesvd"),
+    "cond": (cp.linalg.cond, (lambda d: well(16, d),), "gesvd"),
+}
+
+
+def _solver_input(maker, dtype):
+    return maker(dtype)
+
+
+@pytest.mark.parametrize("dtype", SOLVER_DTYPES)
+@pytest.mark.parametrize("op", list(SOLVER_OPS))
+def test_linalg_captures_and_replays_equal_eager(pool, op, dtype, originals):
+    f, makers = SOLVER_OPS[op]
+    if dtype.startswith("complex") and op == "matrix_rank":
+        pytest.skip("real inputs suffice for a rank")
+    args = [_solver_input(m, dtype) for m in makers]
+    f(*args)  # eager first: kernels, CuPy's handles
+    with cgraw.capture(pool=pool) as g:
+        out = f(*args)
+    assert g.num_nodes >= 1
+    assert not cupy_solver._routers and not cupy_solver._patches
+    tol = "float32" if dtype in ("float32", "complex64") else "float64"
+    for _ in range(3):
+        for x, m in zip(args, makers, strict=True):
+            x[...] = _solver_input(m, dtype)  # new values, written in place
+        g.replay()
+        want = f(*args)
+        if op == "qr":  # R's rows are defined up to a phase
+            out_, want = cp.abs(out), cp.abs(want)
+        else:
+            out_ = out
+        rtol, atol = {"float32": (2e-4, 2e-4), "float64": (1e-9, 1e-9)}[tol]
+        scale = max(1.0, float(cp.abs(want).max()))
+        cp.testing.assert_allclose(out_, want, rtol=rtol, atol=atol * scale)
+    g.close()
+
+
+@pytest.mark.parametrize("dtype", SOLVER_DTYPES)
+@pytest.mark.parametrize("op", list(REFUSED_OPS))
+def test_routines_that_synchronise_inside_cusolver_are_refused_and_leave_cusolver_working(pool, op, dtype):
+    """On the H200 a capture of gesvd or syevd returned CUSOLVER_STATUS_INTERNAL_ERROR and the next
+    cuSOLVER call of the thread (eager, CuPy or torch) failed with EXECUTION_FAILED: refused before
+    cuSOLVER runs, so the eager calls right after work, in CuPy and in torch."""
+    f, makers, routine = REFUSED_OPS[op]
+    args = [m(dtype) for m in makers]
+    want = f(*args)
+    with pytest.raises(cgraw.CaptureError, match=routine) as ei:
+        with cgraw.capture(pool=pool):
+            f(*args)
+    assert "synchronises with the host inside cuSOLVER" in str(ei.value) and "batch" in str(ei.value)
+    assert not cupy_solver._routers and not cupy_solver._patches
+    close(f(*args), want, dtype)  # eager CuPy, same inputs: same result, no stale error
+    torch = pytest.importorskip("torch")
+    t = torch.randn(24, 16, device="cuda", dtype=torch.float64)
+    q, r = torch.linalg.qr(t)  # torch's cuSOLVER (geqrf) right after
+    torch.testing.assert_close(q @ r, t)
+
+
+def test_savgol_filter_is_refused_naming_gesvd(pool):
+    import cupyx.scipy.signal as _signal
+
+    x = rand((256,), "float64")
+    want = _signal.savgol_filter(x, 11, 3)
+    with pytest.raises(cgraw.CaptureError, match="gesvd"):
+        with cgraw.capture(pool=pool):
+            _signal.savgol_filter(x, 11, 3)
+    close(_signal.savgol_filter(x, 11, 3), want, "float64")
+
+
+def test_the_linalg_raise_check_is_refused_naming_cusolver(pool):
+    import cupyx
+
+    a, b = well(16), rand((16,))
+    cp.linalg.solve(a, b)
+    with cupyx.errstate(linalg="raise"):
+        with pytest.raises(cgraw.CaptureError, match="cuSOLVER") as ei:
+            with cgraw.capture(pool=pool):
+                cp.linalg.solve(a, b)
+    assert "getrf" in str(ei.value) and "linalg='ignore'" in str(ei.value)
+
+
+def test_jacobi_on_one_matrix_is_refused_by_name(pool):
+    import cupyx.cusolver
+
+    a = hermitian(8)
+    cupyx.cusolver.syevj(a)
+    with pytest.raises(cgraw.CaptureError, match="syevj") as ei:
+        with cgraw.capture(pool=pool):
+            cupyx.cusolver.syevj(a)
+    assert "sweeps" in str(ei.value)
+
+
+@pytest.mark.parametrize("how", ["user exception", "refused routine"])
+def test_a_failed_solver_capture_restores_the_handles(pool, how):
+    import cupyx.cusolver
+
+    cusolver = pytest.importorskip("cupy_backends.cuda.libs.cusolver")
+    originals = {n: getattr(cusolver, n) for n in ("sgetrf", "spotrf", "ssyevj", "xsyevd")}
+    h = cp.cuda.device.get_cusolver_handle()
+    stream_before = cusolver.getStream(h)
+    a = well(8)
+    with pytest.raises((cgraw.CaptureError, ValueError)):
+        with cgraw.capture(pool=pool):
+            cp.linalg.inv(a)
+            if how == "user exception":
+                raise ValueError("boom")
+            cupyx.cusolver.syevj(hermitian(8))
+    assert all(getattr(cusolver, n) is f for n, f in originals.items())
+    assert not cupy_solver._routers and not cupy_solver._patches
+    assert cusolver.getStream(h) == stream_before  # CuPy's handle untouched
+    getstream = cupy_solver.library()._dll.cusolverDnGetStream
+    getstream.argtypes, getstream.restype = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)], ctypes.c_int
+    for handles in cupy_solver._idle.values():
+        for mine in handles:
+            out = ctypes.c_void_p()
+            assert getstream(mine, ctypes.byref(out)) == 0 and not out.value  # unbound
+    close(cp.linalg.inv(a) @ a, cp.eye(8, dtype=cp.float32))  # eager CuPy unaffected
+
+
+def test_many_solver_captures_reuse_one_cgraw_handle(pool):
+    a = spd(8)
+    cp.linalg.cholesky(a)
+    for _ in range(3):
+        with cgraw.capture(pool=pool) as g:
+            cp.linalg.cholesky(a)
+        g.close()
+    assert sum(len(v) for v in cupy_solver._idle.values()) == 1
 
 
 # ---------------------------------------------------------------- the table against the installed CuPy

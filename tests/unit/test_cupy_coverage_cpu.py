@@ -84,7 +84,10 @@ def test_expected_failures_cover_the_known_refusals():
     by_name = {c.name: c for c in CASES}
     assert by_name["cupy.matmul"].expect is None  # routed to cgraw's cuBLAS handle (interop.cupy_blas)
     assert by_name["cupy.cublas.iamax"].expect == C.CUBLAS
-    assert by_name["cupy.linalg.svd"].expect == C.CUSOLVER
+    assert by_name["cupy.linalg.solve"].expect is None  # routed to cgraw's cuSOLVER handle (interop.cupy_solver)
+    assert by_name["cupy.linalg.svd [batch of one]"].expect is None  # gesvdjBatched: routed
+    assert by_name["cupy.linalg.svd"].expect == C.CUSOLVER  # gesvd synchronises inside cuSOLVER: refused
+    assert by_name["cupy.linalg.eig"].expect == C.CUSOLVER  # Xgeev's host workspace: refused
     assert by_name["cupyx.scipy.ndimage.gaussian_filter"].expect == C.UPLOAD
     assert by_name["cupy.random.gamma"].expect == C.RNG
     assert by_name["cupy.random.normal"].expect is None and by_name["cupy.random.normal"].compare == "random"

@@ -1,0 +1,210 @@
+"""What the routers of CuPy's library calls inside captures share (``cupy_blas``: cuBLAS,
+``cupy_solver``: cuSOLVER).
+
+Layer L7: pure Python and ``ctypes``; CuPy is reached through ``sys.modules``. Each library keeps
+one ``Routing``: the router of each capturing thread, the CuPy functions replaced while any
+router runs (put back when the last one ends), and the idle handles of each device (reused by the
+next capture, never destroyed). A forwarder sends a call to its thread's router only when CuPy
+passed its own handle of the capture; anything else is CuPy's call, unchanged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import sys
+import threading
+
+from cgraw.errors import CaptureError
+
+OFF = ("0", "false", "no", "off")
+
+
+def disabled(env_name: str, environ=os.environ) -> bool:
+    """Whether the environment turns a router off (``CGRAW_CUPY_CUBLAS=0``, ``CGRAW_CUPY_CUSOLVER=0``)."""
+    return environ.get(env_name, "1").strip().lower() in OFF
+
+
+def candidate_paths(stem: str, sonames: tuple[str, ...], maps_text: str | None = None) -> list[str]:
+    """``stem``'s library files to try: those this process has loaded (CuPy's first), then ``sonames``."""
+    if maps_text is None:
+        try:
+            with open("/proc/self/maps") as f:
+                maps_text = f.read()
+        except OSError:
+            maps_text = ""
+    paths = (line.split()[-1] for line in maps_text.splitlines() if "/" in line)
+    loaded = list(dict.fromkeys(p for p in paths if os.path.basename(p).startswith(stem + ".so")))
+    return sorted(loaded, key=lambda p: "cupy" not in p) + list(sonames)
+
+
+def import_backend(name: str):
+    """CuPy's wrapper module ``name`` (already imported by CuPy in practice)."""
+    mod = sys.modules.get(name)
+    return mod if mod is not None else importlib.import_module(name)
+
+
+def load_once(cache: list, paths, make):
+    """The library in ``cache``, else the first of ``paths()`` that loads, wrapped by ``make(dll, path)``."""
+    for path in () if cache else paths():
+        try:
+            cache.append(make(ctypes.CDLL(path), path))
+            break
+        except OSError:
+            continue
+    return cache[0] if cache else None
+
+
+class CLibrary:
+    """A C library through ctypes: entry points resolved once by name, set-up calls checked."""
+
+    label = "?"  # the library's name in messages ("cuBLAS")
+    statuses: dict[int, str] = {}
+
+    def __init__(self, dll, path: str = ""):
+        self._dll, self.path, self._fns = dll, path, {}
+
+    def _symbol(self, key, names, argtypes: list):
+        """The first of ``names`` the library exports, with its prototype (None: none of them)."""
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = next((f for f in (getattr(self._dll, n, None) for n in names) if f is not None), None)
+            if fn is not None:
+                fn.argtypes, fn.restype = argtypes, ctypes.c_int
+                self._fns[key] = fn
+        return fn
+
+    def _setup(self, fn, symbol: str, *args) -> None:
+        """Call ``fn`` (``symbol``, None when missing), which sets cgraw's handle up."""
+        status = -1 if fn is None else fn(*args)
+        if status:
+            prefix = self.label.upper()
+            name = f"{prefix}_SYMBOL_MISSING" if fn is None else f"{prefix}_STATUS_{self.statuses.get(status, status)}"
+            raise CaptureError(symbol, status, name,
+                               f"setting up cgraw's {self.label} handle failed ({self.path or '?'})")
+
+
+class Routing:
+    """One library's routers, replaced CuPy functions and idle handles."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.routers: dict[int, object] = {}  # thread ident -> the router of its capture; written under lock
+        self.patches: list = []  # (module, name, original, forwarder) while routers is non-empty; under lock
+        self.idle: dict[int, list[int]] = {}  # device -> handles not in use (never destroyed); under lock
+
+    def active(self):
+        return self.routers.get(threading.get_ident())
+
+    def register(self, router, install) -> None:
+        """``router`` routes its thread's calls; the first one replaces CuPy's functions (``install()``)."""
+        with self.lock:
+            if not self.routers:
+                try:
+                    install()
+                except BaseException:
+                    self._uninstall()
+                    raise
+            self.routers[router.thread] = router
+
+    def unregister(self, router) -> None:
+        with self.lock:
+            if self.routers.get(router.thread) is router:
+                del self.routers[router.thread]
+                if not self.routers:
+                    self._uninstall()
+
+    def patch(self, module, name: str, forwarder) -> None:
+        """Replace ``module.name`` (called by ``install``, under the lock)."""
+        self.patches.append((module, name, forwarder._cgraw_original, forwarder))
+        setattr(module, name, forwarder)
+
+    def _uninstall(self) -> None:
+        while self.patches:
+            module, name, original, forwarder = self.patches.pop()
+            if getattr(module, name, None) is forwarder:  # someone else's replacement stays
+                setattr(module, name, original)
+
+    def take_handle(self, device: int, create) -> tuple[int, bool]:
+        """An idle handle of ``device``, else ``create()``; and whether it is new."""
+        with self.lock:
+            if self.idle.get(device):
+                return self.idle[device].pop(), False
+        return create(), True
+
+    def put_back(self, device: int, handle: int) -> None:
+        with self.lock:
+            self.idle.setdefault(device, []).append(handle)
+
+
+def forwarder(routing: Routing, name: str, original, run):
+    """``original`` that sends calls made with the thread's router's CuPy handle to ``run(router, args)``."""
+
+    def forward(*args, **kwargs):
+        r = routing.active()
+        if r is None or kwargs or not args or args[0] != r.cupy_handle:
+            return original(*args, **kwargs)
+        return run(r, args)
+
+    return named(forward, name, original)
+
+
+def info_forwarder(routing: Routing, name: str, library_name: str, original):
+    """``cupy.linalg._util``'s info check ``name``, refused (naming the call) while the thread's capture
+    routes and ``cupyx.errstate(linalg=...)`` would make it wait for the GPU."""
+
+    def check(routine, info, *rest):
+        r = routing.active()
+        if r is None or r._get_stream().ptr != r.stream_ptr or linalg_config() in ("ignore", None):
+            return original(routine, info, *rest)
+        routine_name = getattr(routine, "__name__", routine)
+        raise CaptureError(
+            f"cupy.linalg._util.{name}", 0, "LINALG_CHECK_NOT_COVERED",
+            f"{entry_point()} checks {library_name}'s info of {routine_name} on the host because "
+            "cupyx.errstate(linalg='raise') is in effect, which waits for the GPU; a capture cannot",
+            "capture under linalg='ignore' (CuPy's default; eager CuPy does not check then either) and "
+            "check the result outside the capture")
+
+    return named(check, name, original)
+
+
+def install_info_check(routing: Routing, name: str, library_name: str) -> None:
+    try:
+        util = importlib.import_module("cupy.linalg._util")
+    except Exception:
+        return
+    fn = getattr(util, name, None)
+    if callable(fn):
+        routing.patch(util, name, info_forwarder(routing, name, library_name, fn))
+
+
+def named(fn, name: str, original):
+    fn.__name__, fn.__qualname__, fn.__doc__ = name, name, getattr(original, "__doc__", None)
+    fn._cgraw_original = original
+    return fn
+
+
+def linalg_config() -> str | None:
+    try:
+        return importlib.import_module("cupyx._ufunc_config").get_config_linalg()
+    except Exception:  # another CuPy: let its own check decide
+        return None
+
+
+def entry_point() -> str:
+    """The outermost of the CuPy functions that called this one (the call the user made)."""
+    entry, f = None, sys._getframe(1)
+    while f is not None:
+        mod = f.f_globals.get("__name__", "")
+        if mod.startswith(("cupy.", "cupyx.")):
+            entry = f"{mod}.{f.f_code.co_name}"
+        elif entry is not None:
+            break
+        f = f.f_back
+    return entry or "a CuPy function"
+
+
+def arity_ok(fn, n: int) -> bool:
+    code = getattr(fn, "__code__", None)  # Cython's binding functions have one; builtins do not
+    return code is None or getattr(code, "co_argcount", n) == n
