@@ -105,8 +105,49 @@ class TreeNode:
         out.reverse()
         return out
 
+    def walk(self):
+        """This node and every node below it."""
+        stack = [self]
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def repeats(self, fn) -> int:
+        """How many nodes of ``fn`` the path ending at this node holds."""
+        k = 0
+        n = self
+        while n is not None:
+            if n.fn is fn:
+                k += 1
+            n = n.parent
+        return k
+
     def __repr__(self) -> str:
         return f"<TreeNode {self.fn.name} {self.state.value} depth={self.depth}>"
+
+
+def recorded_ancestor(node: "TreeNode | None") -> "TreeNode | None":
+    """``node`` or its nearest ancestor that holds a recording (None: the root checkpoint)."""
+    while node is not None and node.state is not NodeState.RECORDED:
+        node = node.parent
+    return node
+
+
+def describe_nodes(head: str, roots, num_nodes) -> str:
+    """``head``, then the trees under ``roots`` indented by depth (``num_nodes(recording)`` graph nodes each)."""
+    lines = [head]
+
+    def visit(n: TreeNode, indent: str):
+        extra = f" ({n.skip_reason})" if n.state is NodeState.SKIPPED else ""
+        nn = "" if n.recording is None else f", {num_nodes(n.recording)} graph nodes"
+        lines.append(f"{indent}{n.fn.name} [{n.state.value}{nn}]{extra}")
+        for c in n.children.values():
+            visit(c, indent + "  ")
+
+    for r in roots:
+        visit(r, "  ")
+    return "\n".join(lines)
 
 
 class Rewarm(str):
@@ -179,6 +220,16 @@ class Backend(Protocol):
 
     def end_generation(self, handed: list, cloning: str | None) -> None:
         """Invalidate (or clone out) the outputs handed out, ``[(function name, output)]``."""
+
+    def with_backward(self, ticket, out, call) -> Any:
+        """Outputs of a call made with grad enabled (``call`` is None when the call ran eagerly
+        before it was classified): give those that require grad a backward that reports to
+        ``ticket`` (``cgraw.autograd_plan``), or call ``ticket.never_needed()`` when none does."""
+
+    def orphan(self, tickets: list) -> None:
+        """The generation of these forwards ends while their graph is alive and their backward has
+        not run: keep what an eager recompute needs (inputs in the tree's memory, when
+        ``pool_inputs``), or set ``ticket.lost``. Called before ``end_generation`` poisons anything."""
 
     def close(self) -> None:
         """Drop the pool."""
