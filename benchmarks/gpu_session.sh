@@ -10,6 +10,11 @@
 #         memcheck  the whole "gpu and not slow" tier under compute-sanitizer memcheck
 #         threads  python -m benchmarks.allocator_threads (about 1 min)
 #         bench  python -m benchmarks, all parts, then the plots (CGRAW_BENCH_ARGS: e.g. "--only models,graphed")
+#         parallel  every non-slow tier at once, as one H200 ran them in session 6 (about 6 min): the GPU
+#                tier in four shards, the random walk, the gc-stress tier without third-party tests,
+#                the tier with cuda-bindings 12.9.10 (when build/cb12/*.whl was carried; CGRAW_CB12_FILES
+#                picks test files, default all) and memcheck of CGRAW_MEMCHECK_FILES (default
+#                tests/gpu/test_rebind.py); the soak reads device-wide memory, so run "slow" alone after it
 # all = tests,slow,smoke,bench
 set -u
 stages=${1:-all}; shift || true
@@ -35,6 +40,35 @@ if has stress; then
   t=$(date +%s); CGRAW_GC_STRESS=1 timeout ${CGRAW_STRESS_TIMEOUT:-540} $PYTEST --timeout=300 -m "gpu and not slow" "$@" > "$OUT/gpu_stress.log" 2>&1
   summary="$summary
 $(stamp "GPU tier, CGRAW_GC_STRESS=1" $? $t "$(tail -n 1 "$OUT/gpu_stress.log" | cut -c1-200)")"
+fi
+if has parallel; then
+  t=$(date +%s); L="$OUT/parallel"; mkdir -p "$L"
+  P="timeout 540 $PYTEST --timeout=280"
+  first="tests/gpu/test_rebind.py tests/gpu/test_tree.py"; second="tests/gpu/test_rng.py"
+  third="tests/gpu/test_third_party.py tests/gpu/test_capture.py"
+  rest=$(for f in $first $second $third; do echo "--ignore=$f"; done)
+  $P -m "gpu and not slow" $first "$@" > "$L/shard1.log" 2>&1 &
+  $P -m "gpu and not slow" $second "$@" > "$L/shard2.log" 2>&1 &
+  $P -m "gpu and not slow" $third "$@" > "$L/shard3.log" 2>&1 &
+  $P -m "gpu and not slow" tests/gpu $rest "$@" > "$L/shard4.log" 2>&1 &
+  $P -m "gpu and slow" -s tests/gpu/test_random_walk.py > "$L/walk.log" 2>&1 &
+  CGRAW_GC_STRESS=1 $P -m "gpu and not slow and not third_party" tests/gpu > "$L/stress.log" 2>&1 &
+  if ls build/cb12/*.whl > /dev/null 2>&1; then
+    pip install -q --no-deps --target /tmp/cb12 build/cb12/*.whl > "$L/cb12_pip.log" 2>&1
+    PYTHONPATH=/tmp/cb12:. $P -m "gpu and not slow" ${CGRAW_CB12_FILES:-tests/gpu} > "$L/cb12.log" 2>&1 &
+  fi
+  timeout 540 $SANITIZE $PYTEST -m "gpu and not slow and not third_party" ${CGRAW_MEMCHECK_FILES:-tests/gpu/test_rebind.py} \
+    > "$L/memcheck.log" 2>&1 &
+  wait
+  for f in "$L"/*.log; do
+    case "$f" in *_pip.log) continue;; esac
+    summary="$summary
+$(basename "$f" .log): $(grep -E 'ERROR SUMMARY' "$f" | head -n 1) $(tail -n 1 "$f" | cut -c1-160)"
+  done
+  summary="$summary
+parallel tiers: in $(( $(date +%s) - t ))s"
+  grep -hE "^(FAILED|ERROR)" "$L"/*.log | cut -c1-250 | head -30
+  tar czf "$OUT/parallel_logs.tgz" -C "$OUT" parallel && rm -rf "$L"
 fi
 if has slow; then
   t=$(date +%s); timeout 300 $PYTEST --timeout=280 -m "gpu and slow" -s "$@" > "$OUT/gpu_slow.log" 2>&1

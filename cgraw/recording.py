@@ -22,7 +22,7 @@ from __future__ import annotations
 from cgraw import _cuda
 from cgraw import stream as _streams
 from cgraw.arrays import SINGLE, TORCH, unflatten
-from cgraw.treetypes import Rewarm
+from cgraw.treetypes import ModeRewarm, Rewarm
 
 OWNED, EXTERNAL = "owned", "external"  # output kinds; an input alias is an InputAlias
 _launch = _cuda.graph_launch_raw
@@ -138,6 +138,8 @@ class Recording:
         "same_external",  # ptrs -> bool: whether they are still there (interop.observe)
         "epoch",  # module-assignment count at record time, or -1
         "epoch_now",  # [the module-assignment count now] (interop.observe._epoch)
+        "mode_epoch",  # training/evaluation switch count at the warm-up, or -1
+        "mode_now",  # [that count now] (interop.observe._mode_epoch)
         "capture_ms",
         "instantiate_ms",
     )
@@ -158,6 +160,7 @@ class Recording:
         self.keep = None
         self.spans = []
         self.external, self.ext_ptrs, self.same_external, self.epoch, self.epoch_now = (), [], None, -1, [-1]
+        self.mode_epoch, self.mode_now = 0, [0]
         self.capture_ms = self.instantiate_ms = 0.0
 
     # ------------------------------------------------------------------ the hot path
@@ -168,6 +171,9 @@ class Recording:
         if self.epoch != self.epoch_now[0]:
             return Rewarm("a module's parameter, buffer or submodule was reassigned since the recording "
                           "(the tensors it reads through its closure may have changed)")
+        if self.mode_epoch != self.mode_now[0]:
+            return ModeRewarm("a module switched between training and evaluation (model.train(), model.eval()) "
+                              "since the recording")
         same = self.same_external
         if same is not None and not same(self.ext_ptrs):
             return Rewarm("a tensor the function reads through its closure moved (model.half(), .to(), "

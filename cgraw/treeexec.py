@@ -72,7 +72,7 @@ class CudaBackend:
         before = [(j, ops[j].clone(t)) for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER]
         torch = self._torch
         obs = None
-        epoch = _observe._epoch[0]
+        epoch, mode = _observe._epoch[0], _observe._mode_epoch[0]
         backward = [False]
         if torch is not None:
             # a backward pass unpacks saved tensors: then the recording must route allocations
@@ -113,6 +113,7 @@ class CudaBackend:
                           "replay")
             w.external = obs.external(list(call.leaves) + out_leaves)
         w.epoch = _observe._epoch[0] if _observe._epoch[0] == epoch else -1
+        w.mode_epoch = mode if _observe._mode_epoch[0] == mode else -1
         return w
 
     def record(self, fn, call: Call, warm: Warm) -> Recording:
@@ -177,6 +178,8 @@ class CudaBackend:
         # may not be the ones this recording reads, so the next call warms up again
         rec.epoch_now = _observe._epoch
         rec.epoch = _observe._epoch[0] if warm.epoch == _observe._epoch[0] else -1
+        rec.mode_now = _observe._mode_epoch
+        rec.mode_epoch = warm.mode_epoch
         return rec
 
     def _finish_recording(self, rec: Recording, g, call: Call, placeholders: dict, mutated, out) -> None:

@@ -69,7 +69,7 @@ class TreeNode:
     """One function on one path with one input signature. Parents are held weakly."""
 
     __slots__ = ("fn", "key", "_parent", "children", "state", "recording", "plan", "checkpoint", "depth",
-                 "skip_reason", "warm", "stats", "rewarms", "__weakref__")
+                 "skip_reason", "warm", "stats", "rewarms", "mode_mark", "__weakref__")
 
     def __init__(self, fn, key, parent: "TreeNode | None", stats: "FunctionStats | None" = None):
         self.fn = fn
@@ -85,6 +85,7 @@ class TreeNode:
         self.warm: Warm | None = None  # what the last warm-up learned
         self.stats = stats  # the function's FunctionStats (shared by its nodes)
         self.rewarms = 0
+        self.mode_mark = -1  # the function's replay count at this node's last ModeRewarm
 
     @property
     def mutated(self) -> tuple:
@@ -156,19 +157,26 @@ class Rewarm(str):
     be out of date."""
 
 
+class ModeRewarm(Rewarm):
+    """A ``Rewarm`` because a module switched between training and evaluation: counted against
+    ``config.rewarm_limit`` only when the function has not replayed since its last one (a
+    function that switches modes inside itself), not for a loop that trains and evaluates in turn."""
+
+
 class Warm:
     """What a backend's warm-up returns: the eager result, the eager inputs it mutated, why the
     function must run eagerly from now on (or None), and what else a recording must know."""
 
-    __slots__ = ("out", "mutated", "skip", "external", "epoch", "runs_backward")
+    __slots__ = ("out", "mutated", "skip", "external", "epoch", "runs_backward", "mode_epoch")
 
-    def __init__(self, out, mutated=(), skip=None, external=(), epoch=-1, runs_backward=False):
+    def __init__(self, out, mutated=(), skip=None, external=(), epoch=-1, runs_backward=False, mode_epoch=0):
         self.out = out
         self.mutated = mutated
         self.skip = skip
         self.external = external  # tensors read through the closure (kept alive, checked per call)
         self.epoch = epoch  # module-assignment count at the warm-up (backend-defined)
         self.runs_backward = runs_backward  # a backward pass ran inside (autograd's own thread allocates)
+        self.mode_epoch = mode_epoch  # training/evaluation switch count at the warm-up, -1 if it switched
 
 
 class Replayable(Protocol):

@@ -16,6 +16,9 @@ every aten and custom op below autograd, at no cost to later replays) cgraw lear
 ``torch.compile``d functions are not observed: Dynamo does not compile under a dispatch mode, so
 observing would compile the function inside the recording instead.
 
+``_mode_epoch`` counts switches of any module between training and evaluation (``model.train()``,
+``model.eval()``): a recording made in the other mode warms up again (``Recording.stale``).
+
 ``epoch()`` counts assignments that replace a tensor some recording reads through its closure:
 a parameter, buffer or submodule of any ``nn.Module`` (``m.bias = nn.Parameter(...)``), seen
 through torch's global registration hooks, whose old value is one of the ``watch``ed tensors (or,
@@ -25,12 +28,15 @@ that replace nothing watched (building a new model) change nothing.
 
 from __future__ import annotations
 
+import functools
 import sys
+import threading
 import weakref
 
 from cgraw.interop import torch_c
 
 _epoch = [0]
+_mode_epoch = [0]  # switches of any module between training and evaluation (Module.train) so far
 _hooks_installed = [False]
 _observer_cls: list = [None]
 _watched: dict[int, int] = {}  # id(tensor) -> recordings reading it through their closure
@@ -95,7 +101,37 @@ def install_module_hooks() -> None:
         reg = getattr(m, name, None)
         if reg is not None:
             reg(hook)
+    _patch_train(torch.nn.Module)
     _hooks_installed[0] = True
+
+
+def _patch_train(module_cls) -> None:
+    """Count switches between training and evaluation: ``Module.train(mode)`` (``eval()`` calls it)
+    wrapped so that a call that changes any module's ``training`` flag adds one to ``_mode_epoch``.
+    A recording made in one mode is stale in the other (dropout, batch norm run differently);
+    a flag assigned directly (``m.training = False``) is not seen."""
+    original = module_cls.train
+    if getattr(original, "_cgraw_counts_modes", False):
+        return
+
+    nested = threading.local()  # train() calls itself on every child: only the outermost call counts
+
+    @functools.wraps(original)
+    def train(self, mode=True):
+        if getattr(nested, "depth", 0):
+            return original(self, mode)
+        changed = isinstance(mode, bool) and any(m.training != mode for m in self.modules())
+        nested.depth = 1
+        try:
+            out = original(self, mode)
+        finally:
+            nested.depth = 0
+        if changed:
+            _mode_epoch[0] += 1
+        return out
+
+    train._cgraw_counts_modes = True
+    module_cls.train = train
 
 
 def is_compiled(fn) -> bool:

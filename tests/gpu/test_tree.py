@@ -415,3 +415,43 @@ def test_nccl_all_reduce_one_process_group(tmp_path):
         assert _stats(f).recordings == 1 and _stats(f).replays == 3
     finally:
         dist.destroy_process_group()
+
+
+def test_model_switched_between_train_and_eval_is_never_replayed_in_the_other_mode():
+    """A graphed model called in training mode, then ``model.eval()``, then ``model.train()`` again,
+    for several rounds (a train/validate loop): every call equals an eager twin in the same mode
+    (batch norm with batch statistics and updates in training, with running statistics in
+    evaluation; dropout only in training), the running statistics stay equal to the twin's, and
+    the loop never falls back to eager (a switch warms up again; it does not count towards
+    ``config.rewarm_limit`` while the function replays in between)."""
+    def make():
+        torch.manual_seed(7)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                   torch.nn.Dropout(0.5), torch.nn.Linear(32, 8)).cuda()
+
+    m_e, m_g = make(), make()
+    f = cgraw.graphed(m_g)
+    rounds = cgraw.config.rewarm_limit + 3
+    for r in range(rounds):
+        for mode in ("train", "eval"):
+            getattr(m_e, mode)()
+            getattr(m_g, mode)()
+            for i in range(4):
+                cgraw.mark_step_begin()
+                x = trand(64, 16)
+                got = f(x).clone()
+                if mode == "eval":
+                    torch.testing.assert_close(got, m_e(x), rtol=1e-5, atol=1e-5,
+                                               msg=lambda s, r=r, i=i: f"round {r} eval call {i}: {s}")
+                else:  # dropout draws other masks on the same input; the twin's statistics see x twice too
+                    cgraw.mark_step_begin()
+                    again = f(x).clone()
+                    m_e(x)
+                    m_e(x)
+                    assert not torch.equal(got, again), f"round {r} train call {i}: dropout inactive"
+            torch.testing.assert_close(m_g[1].running_mean, m_e[1].running_mean, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(m_g[1].running_var, m_e[1].running_var, rtol=1e-4, atol=1e-5)
+    st = _stats(f)
+    assert st.eager_calls == 0 and not st.skip_reasons, st.skip_reasons
+    assert st.replays >= rounds * 2 * 3, (st.replays, st.rerecord_reasons[-3:])
+    assert any("training and evaluation" in r for r in st.rerecord_reasons)
