@@ -42,18 +42,7 @@ from cgraw import treetypes
 from cgraw.autograd_plan import AutogradBook, plan_backward, promotion_note
 from cgraw.calls import TREE, InputPlan, declared_mutations, grad_enabled, inspect, moved
 from cgraw.errors import CgrawError, SkipCall, TreeError
-from cgraw.treetypes import (
-    Backend,
-    Config,
-    FunctionStats,
-    ModeRewarm,
-    NodeState,
-    Replayable,
-    Rewarm,
-    TreeNode,
-    Warm,
-    config,
-)
+from cgraw.treetypes import Backend, Config, FunctionStats, NodeState, Replayable, Rewarm, TreeNode, Warm, config
 
 log = logging.getLogger("cgraw")
 
@@ -253,10 +242,7 @@ class TreeManager:
         log.info("cgraw: re-recording %s: %s", fn.name, reason)
         self._drop_subtree_of(node)
         if isinstance(reason, Rewarm):
-            if not isinstance(reason, ModeRewarm) or st.replays == node.mode_mark:
-                node.rewarms += 1
-            if isinstance(reason, ModeRewarm):
-                node.mode_mark = st.replays
+            node.note_rewarm(reason, st.replays)
             if node.rewarms > config.rewarm_limit:
                 node.state = NodeState.SKIPPED
                 node.skip_reason = (f"warmed up again {node.rewarms} times ({reason}); set "

@@ -87,6 +87,15 @@ class TreeNode:
         self.rewarms = 0
         self.mode_mark = -1  # the function's replay count at this node's last ModeRewarm
 
+    def note_rewarm(self, reason, replays: int) -> None:
+        """Count a warm-up forced by ``reason`` towards ``config.rewarm_limit``: a switch between
+        training and evaluation (``ModeRewarm``) only when the function (``replays``: its replay
+        count) has not replayed since the previous one."""
+        if not isinstance(reason, ModeRewarm) or replays == self.mode_mark:
+            self.rewarms += 1
+        if isinstance(reason, ModeRewarm):
+            self.mode_mark = replays
+
     @property
     def mutated(self) -> tuple:
         """Eager leaves the function writes (found at warm-up, or declared in ``mutates``)."""
