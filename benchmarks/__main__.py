@@ -30,6 +30,7 @@ PARTS = {
     "alloc": ("benchmarks.alloc_gpu", []),
     "eager": ("benchmarks.eager_overhead", []),
     "cupy_coverage": ("benchmarks.cupy_coverage", []),
+    "cupy_loops": ("benchmarks.cupy_loops", []),
     "rebind": ("benchmarks.rebind", []),
 }
 

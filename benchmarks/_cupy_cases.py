@@ -6,6 +6,8 @@ function through ``call(f, *args)`` with ``f`` the resolved function. ``setup(ns
 objects from the device inputs before the capture (sparse matrices, generators); ``ns`` has
 ``cp`` (cupy) and ``sparse`` (cupyx.scipy.sparse). ``expect`` says why a case is expected to fail
 the capture today (None: expected to record and replay equal); the run reports where it was wrong.
+The cuBLAS expectations follow ``cgraw.interop.cupy_blas`` (CuPy's matrix products routed to a
+cgraw handle), which has not run on a GPU yet: they are predictions.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ MODULES = ("cupyx.scipy.ndimage", "cupyx.scipy.signal", "cupyx.scipy.special", "
 # why a case is expected to fail the capture today: the kinds of CaptureError (cupy_coverage.error_kind)
 CUBLAS, CUSOLVER, CUSPARSE, UPLOAD, SYNC, RNG = "cuBLAS", "cuSOLVER", "cuSPARSE", "upload", "host sync", "rng"
 EXPECT_TEXT = {
-    CUBLAS: "CuPy refuses cuBLAS calls during stream capture",
+    CUBLAS: "a cuBLAS call cgraw does not route (CuPy refuses it during stream capture)",
     CUSOLVER: "CuPy refuses cuSOLVER calls during stream capture",
     CUSPARSE: "CuPy refuses cuSPARSE calls during stream capture",
     UPLOAD: "the call uploads host data (pinned staging, which a capture refuses)",
@@ -167,6 +169,18 @@ def _sorted(n: int, dtype: str = "float32") -> Maker:
 
 def _well_conditioned(n: int, dtype: str = "float32") -> Maker:
     return Maker(lambda rng: (rng.standard_normal((n, n)) + n * np.eye(n)).astype(dtype), f"A+{n}I({n}x{n})")
+
+
+def _gemv(f, a, x):
+    """``cupy.cublas.gemv`` writes ``y = alpha op(a) x + beta y`` in place and returns None."""
+    y = x * 0  # a fresh array (beta = 0 does not read it)
+    f("N", 0.5, a, x, 0.0, y)
+    return y
+
+
+def _batched_well_conditioned(b: int, n: int) -> Maker:
+    return Maker(lambda rng: (rng.standard_normal((b, n, n)) + n * np.eye(n)).astype(np.float32),
+                 f"{b} x A+{n}I({n}x{n})")
 
 
 def _spd(n: int, dtype: str = "float32") -> Maker:
@@ -366,30 +380,46 @@ def _manipulation() -> list[Case]:
 def _linalg() -> list[Case]:
     s = "linear algebra"
     sq2 = (SQ, Arr((16, 16)))
+    blas = "cuBLAS through cgraw's handle (interop.cupy_blas)"
     cases = [
-        Case("cupy.matmul", s, sq2, expect=CUBLAS),
-        Case("cupy.matmul [batched]", s, (Arr((4, 16, 16)), Arr((4, 16, 16))), expect=CUBLAS),
-        Case("cupy.matmul [a @ b]", s, sq2, lambda f, a, b: a @ b, expect=CUBLAS),
-        Case("cupy.matmul [float64]", s, (SQ64, SQ64), expect=CUBLAS),
-        Case("cupy.matmul [complex64]", s, (Arr((16, 16), "complex64"), Arr((16, 16), "complex64")), expect=CUBLAS),
+        Case("cupy.matmul", s, sq2, note=blas),
+        Case("cupy.matmul [batched]", s, (Arr((4, 16, 16)), Arr((4, 16, 16))), note="gemmStridedBatchedEx"),
+        Case("cupy.matmul [broadcast batch]", s, (Arr((4, 16, 16)), Arr((16, 16))),
+             note="a broadcast batch: pointer arrays and sgemmBatched"),
+        Case("cupy.matmul [a @ b]", s, sq2, lambda f, a, b: a @ b, note=blas),
+        Case("cupy.matmul [float16]", s, (Arr((16, 16), "float16"), Arr((16, 16), "float16")), note=blas),
+        Case("cupy.matmul [float64]", s, (SQ64, SQ64), note=blas),
+        Case("cupy.matmul [complex64]", s, (Arr((16, 16), "complex64"), Arr((16, 16), "complex64")), note=blas),
+        Case("cupy.matmul [complex128]", s, (Arr((16, 16), "complex128"), Arr((16, 16), "complex128")), note=blas),
         Case("cupy.matmul [int32]", s, (Arr((16, 16), "int32", -8, 8), Arr((16, 16), "int32", -8, 8)),
              note="CuPy multiplies integer matrices with its own kernel, not cuBLAS"),
-        Case("cupy.dot", s, (SQ, Arr((16,))), expect=CUBLAS),
-        Case("cupy.vdot", s, (V, W), expect=CUBLAS),
-        Case("cupy.inner", s, sq2, expect=CUBLAS),
+        Case("cupy.dot", s, (SQ, Arr((16,))), note=blas),
+        Case("cupy.vdot", s, (V, W), note="a reduction kernel in CuPy, not cuBLAS"),
+        Case("cupy.inner", s, sq2, note=blas),
         Case("cupy.outer", s, (Arr((32,)), Arr((16,))), note="an elementwise product in CuPy"),
-        Case("cupy.tensordot", s, (T3, Arr((8, 16, 5))), lambda f, a, b: f(a, b, axes=2), expect=CUBLAS),
-        Case("cupy.einsum", s, sq2, lambda f, a, b: f("ij,jk->ik", a, b), expect=CUBLAS),
+        Case("cupy.tensordot", s, (T3, Arr((8, 16, 5))), lambda f, a, b: f(a, b, axes=2), note=blas),
+        Case("cupy.einsum", s, sq2, lambda f, a, b: f("ij,jk->ik", a, b), note=blas),
         Case("cupy.einsum [ii->i]", s, (SQ,), lambda f, a: f("ii->i", a)),
         Case("cupy.kron", s, (Arr((4, 4)), Arr((4, 4)))),
         Case("cupy.trace", s, (M,)),
+        Case("cupy.cublas.gemm", s, sq2, lambda f, a, b: f("N", "T", a, b), note=blas + ", host alpha and beta"),
+        Case("cupy.cublas.gemv", s, (SQ, Arr((16,))), _gemv, note=blas + ", y = 0.5 a x, written in place"),
+        Case("cupy.cublas.geam", s, sq2, lambda f, a, b: f("T", "N", 1.5, a, -0.5, b), note=blas),
+        Case("cupy.cublas.dot", s, (V, W), note=blas + ", the result on the device (pointer mode DEVICE)"),
+        Case("cupy.cublas.nrm2", s, (V,), note=blas + ", the result on the device (pointer mode DEVICE)"),
+        Case("cupy.cublas.batched_gesv", s, (_batched_well_conditioned(4, 8), Arr((4, 8))),
+             note="cuBLAS getrfBatched and getrsBatched (getrs checks its arguments on the host)"),
+        Case("cupy.cublas.iamax", s, (V,), expect=CUBLAS,
+             note="cuBLAS isamax: not routed (its result's width follows CuPy's build)"),
         Case("cupy.linalg.norm", s, (V,)),
         Case("cupy.linalg.norm [fro]", s, (M,), lambda f, x: f(x, "fro")),
         Case("cupy.linalg.norm [ord=2]", s, (SQ,), lambda f, x: f(x, 2), expect=CUSOLVER),
         Case("cupy.linalg.solve", s, (_well_conditioned(16), Arr((16,))), expect=CUSOLVER),
         Case("cupy.linalg.inv", s, (_well_conditioned(16),), expect=CUSOLVER),
-        Case("cupy.linalg.det", s, (_well_conditioned(8),), expect=CUSOLVER),
-        Case("cupy.linalg.slogdet", s, (_well_conditioned(16),), expect=CUSOLVER),
+        Case("cupy.linalg.det", s, (_well_conditioned(8),), note="refused as cuBLAS by CuPy 14.2: now routed"),
+        Case("cupy.linalg.slogdet", s, (_well_conditioned(16),), note="refused as cuBLAS by CuPy 14.2: now routed"),
+        Case("cupy.linalg.inv [batched]", s, (_batched_well_conditioned(4, 8),),
+             note="cuBLAS getrfBatched and getriBatched (routed)"),
         Case("cupy.linalg.cholesky", s, (_spd(16),), expect=CUSOLVER),
         Case("cupy.linalg.qr", s, (SQ,), expect=CUSOLVER),
         Case("cupy.linalg.eigh", s, (_symmetric(16),), expect=CUSOLVER),
@@ -397,8 +427,7 @@ def _linalg() -> list[Case]:
         Case("cupy.linalg.svd", s, (SQ,), expect=CUSOLVER),
         Case("cupy.linalg.lstsq", s, (Arr((16, 8)), Arr((16,))), expect=CUSOLVER),
         Case("cupy.linalg.pinv", s, (Arr((16, 8)),), expect=CUSOLVER),
-        Case("cupy.linalg.matrix_power", s, (Arr((16, 16), lo=-0.3, hi=0.3),), lambda f, x: f(x, 3),
-             expect=CUBLAS),
+        Case("cupy.linalg.matrix_power", s, (Arr((16, 16), lo=-0.3, hi=0.3),), lambda f, x: f(x, 3), note=blas),
         Case("cupy.linalg.matrix_rank", s, (SQ,), expect=CUSOLVER),
         Case("cupy.linalg.cond", s, (_well_conditioned(16),), expect=CUSOLVER),
         Case("cupy.linalg.eig", s, (_well_conditioned(8),), expect=CUSOLVER),

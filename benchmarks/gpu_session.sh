@@ -15,6 +15,10 @@
 #                the tier with cuda-bindings 12.9.10 (when build/cb12/*.whl was carried; CGRAW_CB12_FILES
 #                picks test files, default all) and memcheck of CGRAW_MEMCHECK_FILES (default
 #                tests/gpu/test_rebind.py); the soak reads device-wide memory, so run "slow" alone after it
+#         segv   the one-process abort of session 7 (README, Reliability): the tier without third-party
+#                tests in one process, five ways at once (all files, and four runs each without some
+#                files, to bisect), each with benchmarks/diag's native backtrace handler and per-test
+#                log; the full run may leave a core file, which cuda-gdb then reads (about 9 min)
 # all = tests,slow,smoke,bench
 set -u
 stages=${1:-all}; shift || true
@@ -69,6 +73,45 @@ $(basename "$f" .log): $(grep -E 'ERROR SUMMARY' "$f" | head -n 1) $(tail -n 1 "
 parallel tiers: in $(( $(date +%s) - t ))s"
   grep -hE "^(FAILED|ERROR)" "$L"/*.log | cut -c1-250 | head -30
   tar czf "$OUT/parallel_logs.tgz" -C "$OUT" parallel && rm -rf "$L"
+fi
+if has segv; then
+  t=$(date +%s); L="$OUT/segv"; mkdir -p "$L"
+  gcc -shared -fPIC -O1 -o /tmp/segv_handler.so benchmarks/diag/segv_handler.c -ldl > "$L/gcc.log" 2>&1
+  # torch's allocator settings: with expandable segments a MemPool can be erased under a live block
+  python3 -c "import os, torch; torch.zeros(1, device='cuda'); print('PYTORCH_CUDA_ALLOC_CONF =', \
+os.environ.get('PYTORCH_CUDA_ALLOC_CONF')); print(torch.cuda.memory._snapshot().get('allocator_settings'))" \
+    > "$L/allocator_settings.txt" 2>&1; cat "$L/allocator_settings.txt" | cut -c1-300
+  diag_run() {  # name, then pytest arguments
+    local name=$1; shift
+    CGRAW_DIAG_SEGV=/tmp/segv_handler.so CGRAW_DIAG_NATIVE_OUT="$L/$name.native" CGRAW_DIAG_LOG="$L/$name.tests" \
+      timeout ${CGRAW_SEGV_TIMEOUT:-540} $PYTEST --timeout=280 -p benchmarks.diag.pytest_diag \
+      -m "gpu and not slow and not third_party" "$@" > "$L/$name.log" 2>&1
+  }
+  G=tests/gpu
+  (ulimit -c unlimited; diag_run all $G) &
+  (ulimit -c 0; diag_run no_rng $G --ignore=$G/test_rng.py) &
+  (ulimit -c 0; diag_run no_capture_hardening $G --ignore=$G/test_capture.py --ignore=$G/test_hardening.py) &
+  (ulimit -c 0; diag_run no_rebind_reliability $G --ignore=$G/test_rebind.py --ignore=$G/test_reliability.py) &
+  (ulimit -c 0; diag_run no_buckets_foundation_readme $G --ignore=$G/test_buckets.py --ignore=$G/test_foundation.py \
+    --ignore=$G/test_readme.py) &
+  wait
+  for c in core core.*; do
+    [ -f "$c" ] || continue
+    timeout 120 /usr/local/cuda/bin/cuda-gdb -q -batch -ex "set pagination off" -ex "bt 40" -ex "info registers rip" \
+      "$(python3 -c 'import os, sys; print(os.path.realpath(sys.executable))')" "$c" > "$L/gdb_$c.txt" 2>&1
+    rm -f "$c"
+  done
+  for f in "$L"/*.log; do
+    case "$f" in */gcc.log) continue;; esac
+    n=$(basename "$f" .log)
+    echo "== $n: $(tail -n 1 "$f" | cut -c1-150)"
+    echo "   last test: $(grep '^START' "$L/$n.tests" 2>/dev/null | tail -n 1)"
+    [ -s "$L/$n.native" ] && grep -v '^  #' "$L/$n.native" | head -n 30 | cut -c1-200
+  done
+  for g in "$L"/gdb_*.txt; do [ -f "$g" ] && grep -E '^#' "$g" | head -n 30 | cut -c1-220; done
+  summary="$summary
+segv diagnosis: in $(( $(date +%s) - t ))s ($(grep -l 'Segmentation fault' "$L"/*.log 2>/dev/null | wc -l) of 5 runs aborted)"
+  tar czf "$OUT/segv_logs.tgz" -C "$OUT" segv && rm -rf "$L"
 fi
 if has slow; then
   t=$(date +%s); timeout 300 $PYTEST --timeout=280 -m "gpu and slow" -s "$@" > "$OUT/gpu_slow.log" 2>&1

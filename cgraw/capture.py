@@ -6,7 +6,7 @@ Layer L8 (public API): composes the pool, the capture stream, the framework adap
 
 Exit rules (after Warp's ScopedCapture): the capture is always ended and a partial graph
 destroyed; on failure the pool is restored to its state before the capture; a failure that is
-the capture's (host sync, RNG, cuBLAS in CuPy, an invalidated capture) becomes one
+the capture's (host sync, RNG, a library call it cannot route, an invalidated capture) becomes one
 ``CaptureError`` chained to the original; a user's own exception propagates unchanged.
 """
 
@@ -22,6 +22,7 @@ from cgraw.device import Device
 from cgraw.errors import CaptureError, UnsafeCallError
 from cgraw.graph import Graph
 from cgraw.interop import cupy as _icupy
+from cgraw.interop import cupy_blas as _cupy_blas
 from cgraw.interop import cupy_rng as _cupy_rng
 from cgraw.interop import torch as _itorch
 from cgraw.interop import torch_rng as _torch_rng
@@ -59,7 +60,8 @@ class capture:
         upload: upload the executable at instantiation so the first replay is fast.
         frameworks: which of ``"torch"`` and ``"cupy"`` to route; by default each one the
             process has imported.
-        warm_cublas: run a tiny torch matmul before capture so cuBLAS is initialised.
+        warm_cublas: run a tiny torch matmul and create CuPy's cuBLAS handle before capture, and
+            warm up a new cuBLAS handle of cgraw's (CuPy's matrix products are routed to it).
         random: draw torch's and CuPy's random numbers inside the capture from cgraw's generator,
             fresh on every replay (``cgraw.manual_seed`` seeds it; README "Random numbers"). With
             ``False`` a random-number call fails the capture.
@@ -270,6 +272,9 @@ class capture:
             if _icupy.cupy_module() is None:
                 raise ImportError("frameworks=('cupy',) but cupy is not imported")
             out.append(_icupy.CupyRouting(pool, stream, self._owners, warm_cublas=self.warm_cublas))
+            blas = _cupy_blas.router(pool, stream, warm=self.warm_cublas)  # after CuPy's routing: needs it
+            if blas is not None:
+                out.append(blas)
         return out
 
     def _rng_routers(self, device: int) -> list:
@@ -316,7 +321,7 @@ class capture:
 
     def _classify(self, exc, err, status) -> str | None:
         """The plain-words reason a capture failed, or None for the user's own exception."""
-        if isinstance(exc, CaptureError) and exc.name == "RNG_NOT_COVERED":  # names the op itself
+        if isinstance(exc, CaptureError) and exc.name.endswith("_NOT_COVERED"):  # names the op itself
             return f"{exc.description}; {exc.hint}"
         for e in _chain(exc):
             cupy_first = type(e).__module__.startswith("cupy")

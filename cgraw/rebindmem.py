@@ -1,11 +1,12 @@
 """The device memory a recorded graph reaches, for ``rebindexec``'s proof (issue 12).
 
-Layer L4: ``_cuda`` and ``rngexec``; torch only when the user imported it. ``Blocks`` knows
-allocations by address (torch's caching-allocator blocks of every pool, the tree pool's live
-blocks, cgraw's offset arenas); ``ranges`` turns argument words and copy addresses into the
-ranges they point into; ``merge`` joins overlapping ranges (never touching ones: two allocations
-side by side cannot be copied as one); ``tables`` reads small ranges for pointer tables;
-``pool_at_record`` is the hot path's check for memory of the tree's pool.
+Layer L4: ``_cuda``, ``rngexec`` and ``interop.torch_c`` (L1); torch only when the user imported
+it. ``Blocks`` knows allocations by address (torch's caching-allocator blocks of every pool, the
+tree pool's live blocks, cgraw's offset arenas); ``ranges`` turns argument words and copy
+addresses into the ranges they point into; ``merge`` joins overlapping ranges (never touching
+ones: two allocations side by side cannot be copied as one); ``tables`` reads small ranges for
+pointer tables; ``pool_at_record`` tells memory of the tree's pool (the tree's check, and a
+rebound input's).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from bisect import bisect_right
 
 from cgraw import _cuda, rngexec
+from cgraw.interop import torch_c
 from cgraw.rebind import WORD
 
 TABLE_SCAN_LIMIT = 64 << 10  # ranges at most this large are read for pointer tables
@@ -22,8 +24,8 @@ TABLE_SCAN_LIMIT = 64 << 10  # ranges at most this large are read for pointer ta
 
 def pool_at_record(pool, torch_pool):
     """``ptr -> bool``: whether memory lies in a segment the tree's pool (cgraw's part, and
-    torch's ``torch_pool`` or None) holds now, by one bisect: a rebound input's hot-path check.
-    Segments added later hold nothing this recording writes, so the segments of now suffice."""
+    torch's ``torch_pool`` or None) holds now, by one bisect (also a rebound input's hot-path
+    check, made at record time: segments added later hold nothing that recording writes)."""
     spans = sorted(pool.segment_ranges() + ([] if torch_pool is None else torch_pool.segments()))
     bases = [b for b, _ in spans]
     ends = [b + n for b, n in spans]
@@ -36,13 +38,14 @@ def pool_at_record(pool, torch_pool):
 
 class Blocks:
     """Allocations known by address: torch's caching-allocator blocks (every pool) and the tree
-    pool's live blocks; ``around(ptr)`` gives the block holding ``ptr``, or None."""
+    pool's live blocks, cgraw's offset arenas; ``around(ptr)`` gives the block holding ``ptr``
+    (in an arena: the one slot), or None."""
 
     def __init__(self, pool):
         spans = []
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
-            for seg in torch.cuda.memory_snapshot():
+            for seg in torch_c.memory_segments():  # never torch.cuda.memory_snapshot(): see there
                 addr = int(seg["address"])
                 for b in seg.get("blocks", ()):
                     size = int(b["size"])
@@ -50,8 +53,10 @@ class Blocks:
                     addr += size
         if pool is not None and not pool.closed:
             spans.extend((b.ptr, b.size) for b in pool.live_blocks())
-        spans.extend(rngexec.arenas())
+        arenas = rngexec.arenas()
+        spans.extend(arenas)
         spans.sort()
+        self.arenas = {b for b, _ in arenas}  # a value there is one graph's 8-byte offset slot
         self.bases = [s[0] for s in spans]
         self.spans = spans
         # device memory cgraw does not know of (CuPy's pool, a library's workspace) is looked for
@@ -63,7 +68,7 @@ class Blocks:
         if i >= 0:
             base, size = self.spans[i]
             if ptr < base + size:
-                return base, size
+                return (ptr - (ptr - base) % 8, 8) if base in self.arenas else (base, size)
         return None
 
 
@@ -81,7 +86,7 @@ def ranges(values, blocks: Blocks, phs: list, cache: dict) -> list[tuple[int, in
         if r is False:
             r = None
             if not any(base <= v < base + n for base, n in phs):
-                r = rngexec.slot_range(v) or blocks.around(v)
+                r = blocks.around(v)
                 if r is None and lo <= v < hi:
                     r = _cuda.mem_address_range(v)
             cache[v] = r

@@ -124,16 +124,6 @@ def read_offset(device: int, slot: int) -> int:
     return int(buf.value)
 
 
-def slot_range(ptr: int) -> tuple[int, int] | None:
-    """``(slot, 8)`` when ``ptr`` lies in an offset arena (one graph's slot, not the arena), else None."""
-    with _lock:
-        arenas = [b for bases in _arenas.values() for b in bases]
-    for base in arenas:
-        if base <= ptr < base + SLOTS * 8:
-            return ptr - (ptr - base) % 8, 8
-    return None
-
-
 def arenas() -> list[tuple[int, int]]:
     """``(base, bytes)`` of every offset arena."""
     with _lock:

@@ -236,7 +236,7 @@ class CudaBackend:
         # memory (torch.from_dlpack) has a DLPack deleter and lives in cgraw's own pool
         rec.spans = [] if self._tts is None else self._tts.spans(list(placeholders.values()) + owned)
         # which eager inputs may be read in place (issue 12): proven on the first replay
-        rec.in_pool = rebindmem.pool_at_record(self.pool, None if self._tts is None else self._tts.pool)
+        rec.in_pool = self._pool_owner()  # segments of now: later ones hold nothing this graph writes
         rec.stage = self._stage
         try:
             rebindexec.plan(rec, g, call, placeholders, _config())
@@ -308,12 +308,8 @@ class CudaBackend:
         return out
 
     def _pool_owner(self):
-        """``ptr -> bool``: whether memory lies in the tree's pool (cgraw's part or torch's)."""
-        owns = self.pool.owns
-        if self._tts is None:
-            return lambda p: bool(p) and owns(p)
-        torch_owns = self._tts.pool.owner_of()
-        return lambda p: bool(p) and (owns(p) or torch_owns(p))
+        """``ptr -> bool``: whether memory lies in the tree's pool (cgraw's part or torch's) now."""
+        return rebindmem.pool_at_record(self.pool, None if self._tts is None else self._tts.pool)
 
     def _slow_copies(self, rec: Recording, call: Call, rows) -> None:  # a Recording's ``copy_slow``
         """Copy non-contiguous eager inputs into their placeholders, on the stream the replay

@@ -5,8 +5,9 @@ Layer L7: CuPy is only used when the user has imported it. Allocations go throug
 is made CuPy's current stream with ``cupy.cuda.Stream.from_external``. Both are undone after the
 capture. Around a capture cgraw also:
 
-- creates CuPy's cuBLAS handle first (``warm_cublas``), so a cuBLAS call inside the capture meets
-  CuPy's own refusal rather than a failed handle creation;
+- creates CuPy's cuBLAS handle first (``warm_cublas``), so a cuBLAS call cgraw does not route
+  (``interop.cupy_blas`` routes CuPy's matrix products) meets CuPy's own refusal rather than a
+  failed handle creation;
 - remembers CuPy's legacy random states, and drops any made by a failed capture (cuRAND cannot
   be initialised during a capture, and CuPy would keep the broken generator);
 - runs cuFFT plan creation and execution (``cupy.fft._fft._exec_fft``/``_exec_fftn``, wrapped once)
@@ -28,13 +29,16 @@ HOST_SYNC = (
     "captured region"
 )
 CUBLAS = (
-    "CuPy refuses every cuBLAS call during stream capture (matmul, dot, @, einsum, tensordot): "
-    "'calling cuBLAS API during stream capture is currently unsupported'; do the matrix product with "
-    "torch inside the capture (torch.from_dlpack / cupy.from_dlpack are zero-copy), or outside it"
+    "CuPy refused a cuBLAS call cgraw does not route ('calling cuBLAS API during stream capture is currently "
+    "unsupported'): cgraw runs CuPy's cuBLAS calls (@, matmul, dot, inner, tensordot, einsum, cupy.cublas) "
+    "on its own handle only on the capture stream of the capturing thread, with CuPy's handle, for the "
+    "functions it covers (not cupy.cublas.iamax/iamin); do this one outside the capture, or with torch "
+    "inside it (torch.from_dlpack / cupy.from_dlpack are zero-copy)"
 )
+CUBLAS_FAILED = "a cuBLAS call failed inside the capture (CuPy's handle cannot be made in one: keep warm_cublas=True)"
 CUSOLVER = (
-    "CuPy refuses cuSOLVER calls during stream capture (cupy.linalg.svd, solve, inv, cholesky, eigh, "
-    "qr): do them outside the captured region"
+    "CuPy refuses cuSOLVER calls during stream capture and cgraw does not route them yet (cupy.linalg.svd, "
+    "solve, inv, cholesky, eigh, qr, lstsq, norm(ord=2)): do them outside the captured region"
 )
 CUSPARSE = "CuPy refuses cuSPARSE calls during stream capture (sparse products); do them outside the capture"
 RNG = (
@@ -227,18 +231,38 @@ class CupyRouting:
         name = type(exc).__name__
         if name == "CURANDError" or "cuRAND API during stream capture" in msg:
             return RNG
-        if "cuBLAS API during stream capture" in msg or (name == "CUBLASError" and mod.startswith("cupy")):
-            return CUBLAS
+        if "cuBLAS API during stream capture" in msg:
+            return CUBLAS + _library_call(exc, "cublas")
+        if name == "CUBLASError" and mod.startswith("cupy"):
+            return f"{CUBLAS_FAILED}: {msg}{_library_call(exc, 'cublas')}"
         if "cuSOLVER" in msg and isinstance(exc, NotImplementedError) or name == "CUSOLVERError":
-            return CUSOLVER
+            return CUSOLVER + _library_call(exc, "cusolver")
         if "cuSPARSE" in msg and isinstance(exc, NotImplementedError):
-            return CUSPARSE
+            return CUSPARSE + _library_call(exc, "cusparse")
         if _uploads(exc):
             return UPLOAD
         if ("cudaErrorStreamCapture" in msg or "operation not permitted when stream is capturing" in msg
                 or "stream is capturing" in msg or "stream was capturing" in msg):
             return HOST_SYNC
         return None
+
+
+def _library_call(exc: BaseException, lib: str) -> str:
+    """`` [cupy.linalg._solve.solve -> cusolver.sgetrf]``: the outermost CuPy function in the
+    traceback and the outermost frame of CuPy's wrapper module of ``lib`` (Cython frames carry
+    their module's globals), or ``""``."""
+    entry = routine = None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        mod = frame.f_globals.get("__name__", "") if isinstance(frame.f_globals, dict) else ""
+        if entry is None and mod.startswith(("cupy.", "cupyx.")):
+            entry = f"{mod}.{frame.f_code.co_name}"
+        if routine is None and (mod.endswith(f".libs.{lib}") or f"{lib}.pyx" in frame.f_code.co_filename):
+            routine = f"{lib}.{frame.f_code.co_name.rsplit('.', 1)[-1]}"
+        tb = tb.tb_next
+    called = " -> ".join(x for x in (entry, routine) if x)
+    return f" [{called}]" if called else ""
 
 
 # Frames of CuPy's host-to-device staging. CuPy is Cython: its frames are named by qualified name

@@ -79,11 +79,14 @@ class TorchTreeState:
         """
         _state, ckpt_alloc = torch_ckpt
         tc = self.tc
-        gc.collect()  # tensors that died in reference cycles still hold blocks
         has_deleter = tc._has_Standard_Deleter
         owners = self.owners
         current = self.pool.allocated()
         unknown = [p for p in current if p not in owners]
+        if unknown:  # tensors that died in reference cycles may still hold them: collect, look again
+            gc.collect()  # only then: a full collection costs tens of ms with torch's objects alive
+            current = self.pool.allocated()
+            unknown = [p for p in current if p not in owners]
         if unknown:
             raise RestoreRefused(
                 f"{len(unknown)} block(s) of the tree's torch pool (first 0x{min(unknown):x}) are held by "

@@ -477,11 +477,19 @@ def test_item12_cupy_upload_random_cublas_and_sparse_are_named():
         with cgraw.capture():
             cp.random.gamma(2.0, size=100)
     assert float(cp.random.random(1000).mean()) > 0.3
-    m = cp.asarray(rng.standard_normal((8, 8)).astype(np.float32))
-    with pytest.raises(cgraw.CaptureError, match="cuBLAS") as ei:
+    import cupy.cublas
+
+    v = cp.asarray(rng.standard_normal(64).astype(np.float32))
+    with pytest.raises(cgraw.CaptureError, match="cuBLAS") as ei:  # isamax: a cuBLAS call cgraw does not route
         with cgraw.capture():
-            m @ m
+            cupy.cublas.iamax(v)
     assert isinstance(ei.value.__cause__, NotImplementedError), repr(ei.value.__cause__)
+    m = cp.asarray(rng.standard_normal((8, 8)).astype(np.float32))
+    with cgraw.capture() as g:  # a matrix product is (issue 17, tests/gpu/test_cupy_libs.py)
+        mm = m @ m
+    g.replay()
+    cp.testing.assert_allclose(mm, m @ m, rtol=1e-5, atol=1e-5)
+    g.close()
 
     def sparse_out(x):
         return (x * 2.0).to_sparse()

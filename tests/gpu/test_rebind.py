@@ -19,7 +19,6 @@ previous output of the very recording that reads it.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import io
@@ -32,7 +31,7 @@ import threading
 from dataclasses import dataclass
 
 import pytest
-from gpu_data import crand, trand
+from gpu_data import crand, full_fp32, trand
 
 import cgraw
 
@@ -129,16 +128,6 @@ def _assert_inputs(f, rebound: int, copied: int) -> NodeInputs:
     return node
 
 
-@contextlib.contextmanager
-def _full_fp32():
-    """TF32 off for matmuls and cuDNN while comparing with eager; restored after."""
-    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
 
 
 # ---------------------------------------------------------------- 1: elementwise, moving inputs
@@ -186,7 +175,7 @@ def test_matmul_and_reduction_read_the_same_input():
 
     f = cgraw.graphed(mix)
     calls = 8
-    with _full_fp32():
+    with full_fp32():
         for i in range(calls):
             cgraw.mark_step_begin()
             x, w = trand(32, 48), trand(48, 48)
@@ -208,7 +197,7 @@ def test_module_called_with_new_inputs(kind):
     f = cgraw.graphed(model)
     calls = 8
     kept = []
-    with _full_fp32(), torch.no_grad():
+    with full_fp32(), torch.no_grad():
         for i in range(calls):
             cgraw.mark_step_begin()
             x = trand(*shape)
@@ -536,7 +525,7 @@ def test_gpt2_input_ids_rebound():
     calls, kept = 6, []
     # under capture transformers builds the causal mask itself instead of passing is_causal=True,
     # so the graph runs an equivalent, not identical, attention kernel: compare with a tolerance
-    with _full_fp32(), torch.no_grad():
+    with full_fp32(), torch.no_grad():
         for i in range(calls):
             cgraw.mark_step_begin()
             ids = torch.randint(0, cfg.vocab_size, (2, 32), device="cuda")
@@ -562,7 +551,7 @@ def test_input_is_the_previous_output_of_its_own_recording():
 
     f = cgraw.graphed(rotate)
     calls = 24
-    with _full_fp32():
+    with full_fp32():
         h = trand(256, 256)
         ref = h.clone()
         for i in range(calls):

@@ -10,12 +10,11 @@ with random weights (never from a hub). Run alone with ``-m third_party``.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib
 
 import pytest
-from gpu_data import crand, trand
+from gpu_data import crand, full_fp32, trand
 
 pytestmark = [pytest.mark.gpu, pytest.mark.third_party, pytest.mark.usefixtures("fresh_trees")]
 torch = pytest.importorskip("torch")
@@ -48,17 +47,6 @@ def _assert_graphed(f, *, recordings=1, replays=1):
     return st
 
 
-@contextlib.contextmanager
-def _full_fp32():
-    """cuDNN convolutions use TF32 by default on Hopper (matmuls do not): off for the test, so the
-    tolerances measure cgraw rather than TF32 rounding under different algorithms; restored after."""
-    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
 
 
 # ---------------------------------------------------------------- transformers: GPT-2
@@ -201,7 +189,7 @@ def test_torchvision_resnet18_inference():
     model = torchvision.models.resnet18(weights=None, num_classes=10).cuda().eval()
     # the model is an argument: its parameters and buffers are read in place
     f = cgraw.graphed(lambda m, x: m(x))
-    with _full_fp32(), torch.no_grad():
+    with full_fp32(), torch.no_grad():
         for _ in range(5):
             x = trand(4, 3, 64, 64)
             got = f(model, x)
@@ -244,7 +232,7 @@ def test_torchvision_resnet18_training_step():
 
     tol = {"rtol": 1e-4, "atol": 1e-5}
     f = cgraw.graphed(lambda x, y: step(model, opt, x, y))
-    with _full_fp32():
+    with full_fp32():
         for i in range(6):
             with torch.no_grad():
                 for t, t_e in pairs():
@@ -266,7 +254,7 @@ def test_timm_vit_tiny_inference():
     torch.manual_seed(0)
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, num_classes=10).cuda().eval()
     f = cgraw.graphed(lambda x: model(x))
-    with _full_fp32(), torch.no_grad():
+    with full_fp32(), torch.no_grad():
         for _ in range(5):
             x = trand(2, 3, 64, 64)
             got = f(x)

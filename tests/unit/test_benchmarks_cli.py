@@ -44,3 +44,16 @@ def test_rebind_without_a_gpu_exits_2_with_the_reason(monkeypatch, capsys):
     assert "benchmarks need a CUDA GPU: no driver (test)" in capsys.readouterr().err
     assert main(["--only", "rebind"]) == 2
     assert "no driver (test)" in capsys.readouterr().err
+
+
+def test_cupy_loops_is_a_part_and_needs_a_gpu(monkeypatch, capsys):
+    from benchmarks import cupy_loops
+    from cgraw import _cuda
+
+    assert PARTS["cupy_loops"] == ("benchmarks.cupy_loops", [])
+    with pytest.raises(SystemExit) as exc:
+        cupy_loops.main(["--help"])
+    assert exc.value.code == 0 and "--quick" in capsys.readouterr().out
+    monkeypatch.setattr(_cuda, "driver_available", lambda: (False, "no driver (test)"))
+    assert cupy_loops.main(["--quick"]) == 2
+    assert "no driver (test)" in capsys.readouterr().err

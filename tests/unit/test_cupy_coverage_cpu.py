@@ -82,7 +82,8 @@ def test_expected_failures_cover_the_known_refusals():
     for kind in (C.CUBLAS, C.CUSOLVER, C.CUSPARSE, C.UPLOAD, C.SYNC, C.RNG):
         assert expect[kind] >= 1, kind
     by_name = {c.name: c for c in CASES}
-    assert by_name["cupy.matmul"].expect == C.CUBLAS
+    assert by_name["cupy.matmul"].expect is None  # routed to cgraw's cuBLAS handle (interop.cupy_blas)
+    assert by_name["cupy.cublas.iamax"].expect == C.CUBLAS
     assert by_name["cupy.linalg.svd"].expect == C.CUSOLVER
     assert by_name["cupyx.scipy.ndimage.gaussian_filter"].expect == C.UPLOAD
     assert by_name["cupy.random.gamma"].expect == C.RNG
@@ -227,9 +228,10 @@ def test_random_check_uses_the_rounds_inputs():
 
 def test_error_kinds_follow_cgraws_messages():
     from cgraw.interop import cupy as icupy
-    from cgraw.interop import cupy_rng
+    from cgraw.interop import cupy_blas, cupy_rng
 
     assert cc.error_kind(icupy.CUBLAS) == C.CUBLAS
+    assert cc.error_kind(str(cupy_blas._not_covered("sdot", "host result"))) == C.CUBLAS
     assert cc.error_kind(icupy.CUSOLVER) == C.CUSOLVER
     assert cc.error_kind(icupy.CUSPARSE) == C.CUSPARSE
     assert cc.error_kind(icupy.UPLOAD) == C.UPLOAD

@@ -212,7 +212,6 @@ def test_merge_and_blocks():
 
 
 def test_ranges_skip_placeholders_and_non_pointers(monkeypatch):
-    monkeypatch.setattr(rebindmem.rngexec, "slot_range", lambda v: None)
     asked = []
     monkeypatch.setattr(_cuda, "mem_address_range",
                         lambda v: asked.append(v) or ((v & ~0xFFF, 0x1000) if v >= 0x7000_0000_0000 else None))
@@ -353,3 +352,9 @@ def test_plan_copies_small_inputs_read_by_many_nodes(fake_graph):
     rebindexec.plan(rec, g, call, {0: "ph"}, Config())
     assert rec.input_notes == {0: None}
 
+
+
+def test_blocks_give_one_offset_slot_in_an_arena(monkeypatch):
+    monkeypatch.setattr(rebindmem.rngexec, "arenas", lambda: [(0x9000, 4096 * 8)])
+    b = rebindmem.Blocks(SimpleNamespace(closed=True))
+    assert b.around(0x9000 + 21) == (0x9000 + 16, 8) and b.around(0x9000 + 4096 * 8) is None

@@ -296,6 +296,36 @@ def test_a_block_held_outside_the_tree_refuses_the_restore_before_anything_chang
     assert torch_c.allocated == set()
 
 
+def test_a_block_held_by_a_dead_reference_cycle_is_collected_and_a_clean_restore_collects_nothing(monkeypatch):
+    """plan_restore collects garbage only when a block has no known owner (a full collection
+    costs tens of ms with torch's objects alive): then a tensor that died in a reference cycle
+    lets its block go and the restore goes ahead."""
+    import types
+
+    from cgraw.interop import torch_tree
+
+    collections = []
+    monkeypatch.setattr(torch_tree, "gc", types.SimpleNamespace(collect=lambda: collections.append(1) or gc.collect()))
+    torch_c = FakeTorchC()
+    backend = _backend(torch_c)
+    rng = random.Random(2)
+    a = _record(torch_c, backend, None, rng)
+    _record(torch_c, backend, a, rng)
+    backend._restore_torch(a.state, a.path())
+    assert collections == []  # every block had an owner: no collection
+    gc.disable()
+    try:
+        cycle = [FakeTensor(torch_c.malloc(512))]  # made during a recording, then dead in a cycle
+        cycle.append(cycle)
+        del cycle
+        backend._restore_torch(a.state, a.path())
+    finally:
+        gc.enable()
+    assert collections == [1]
+    gc.collect()
+    assert not torch_c.deaths, torch_c.deaths
+
+
 def test_a_path_block_missing_from_the_checkpoint_is_refused():
     torch_c = FakeTorchC()
     backend = _backend(torch_c)

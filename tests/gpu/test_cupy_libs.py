@@ -1,0 +1,350 @@
+"""GPU tier of issue 17 (first part): CuPy's cuBLAS calls inside ``cgraw.capture()``, routed to a
+cgraw-owned cuBLAS handle (``cgraw/interop/cupy_blas.py``). All passed on the H200 in session 7
+(66, also with cuda-bindings 12.9.10 and under memcheck). Every replay is compared with eager CuPy
+on new input values written in place."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+
+import cgraw
+from cgraw.interop import cupy_blas
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+cublas = pytest.importorskip("cupy_backends.cuda.libs.cublas")  # CuPy's wrappers (the ones cgraw replaces)
+cpblas = pytest.importorskip("cupy.cublas")  # CuPy's BLAS functions on arrays
+
+rng = np.random.default_rng()
+TOL = {"float16": (2e-3, 2e-3), "float32": (1e-5, 1e-5), "float64": (1e-12, 1e-12), "complex64": (1e-5, 1e-5),
+       "complex128": (1e-12, 1e-12)}
+OPS = {  # name: (function of two arrays, their shapes)
+    "matmul": (cp.matmul, ((16, 32), (32, 8))),
+    "operator @": (lambda a, b: a @ b, ((16, 32), (32, 8))),
+    "dot": (cp.dot, ((16, 32), (32,))),
+    "inner": (cp.inner, ((16, 32), (8, 32))),
+    "tensordot": (lambda a, b: cp.tensordot(a, b, axes=2), ((4, 8, 16), (8, 16, 5))),
+    "einsum": (lambda a, b: cp.einsum("ij,jk->ik", a, b), ((16, 32), (32, 8))),
+    "batched matmul": (cp.matmul, ((4, 16, 32), (4, 32, 8))),
+    "broadcast batched matmul": (cp.matmul, ((4, 16, 32), (32, 8))),
+    "norm of a product": (lambda a, b: cp.linalg.norm(a @ b), ((16, 32), (32, 8))),
+    "norms": (lambda a, b: cp.linalg.norm(a) * cp.linalg.norm(b, "fro"), ((64,), (16, 16))),  # reductions
+}
+
+
+def rand(shape, dtype="float32"):
+    dt = np.dtype(dtype)
+    x = rng.standard_normal(shape)
+    if dt.kind == "c":
+        x = x + 1j * rng.standard_normal(shape)
+    return cp.asarray(x.astype(dt))
+
+
+def well_conditioned(*shape):
+    n = shape[-1]
+    return cp.asarray((rng.standard_normal(shape) + n * np.eye(n)).astype(np.float32))
+
+
+def close(got, want, dtype="float32"):
+    rtol, atol = TOL[np.dtype(dtype).name]
+    scale = max(1.0, float(cp.abs(want).max()))
+    cp.testing.assert_allclose(got, want, rtol=rtol, atol=atol * scale)
+
+
+def refresh(*arrays):
+    for x in arrays:
+        x[...] = rand(x.shape, x.dtype)
+
+
+def handle_stream(lib, handle) -> int:
+    """cuBLAS's stream of ``handle`` (cublasGetStream_v2), read through cgraw's library."""
+    fn = lib._dll.cublasGetStream_v2
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)], ctypes.c_int
+    out = ctypes.c_void_p()
+    assert fn(handle, ctypes.byref(out)) == 0
+    return int(out.value or 0)
+
+
+def cupy_handle_state():
+    h = cp.cuda.device.get_cublas_handle()
+    return h, (cublas.getStream(h), cublas.getPointerMode(h), cublas.getMathMode(h))
+
+
+def assert_routing_ended(originals):
+    assert not cupy_blas._routers and not cupy_blas._patches
+    assert all(getattr(cublas, n) is f for n, f in originals.items())
+    lib = cupy_blas.library()
+    for handles in cupy_blas._idle.values():
+        assert all(handle_stream(lib, h) == 0 for h in handles)  # no idle handle left on a capture stream
+
+
+@pytest.fixture
+def originals():
+    return {n: getattr(cublas, n) for n in ("gemmEx", "gemmStridedBatchedEx", "sgemmBatched", "sdot",
+                                            "setPointerMode", "setMathMode") if hasattr(cublas, n)}
+
+
+# ---------------------------------------------------------------- captured products equal eager
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("op", list(OPS))
+def test_products_capture_and_replay_equal_eager(pool, op, dtype, originals):
+    f, shapes = OPS[op]
+    a, b = (rand(s, dtype) for s in shapes)
+    f(a, b)  # eager first: kernels, plans, CuPy's handle
+    with cgraw.capture(pool=pool) as g:
+        out = f(a, b)
+    assert g.num_nodes >= 1 and pool.owns(int(out.data.ptr))
+    assert_routing_ended(originals)
+    previous = None
+    for _ in range(3):
+        a[...], b[...] = rand(a.shape, dtype), rand(b.shape, dtype)
+        g.replay()
+        close(out, f(a, b), dtype)
+        assert previous is None or not cp.array_equal(out, previous)  # recomputed from the new values
+        previous = out.copy()
+    g.close()
+
+
+@pytest.mark.parametrize("mode", ["thread_local", "global", "relaxed"])
+def test_capture_modes(pool, mode):
+    a, b = rand((64, 64)), rand((64, 64))
+    with cgraw.capture(pool=pool, mode=mode) as g:
+        y = cp.tanh(a @ b) @ a
+    for _ in range(2):
+        refresh(a, b)
+        g.replay()
+        close(y, cp.tanh(a @ b) @ a)
+    g.close()
+
+
+def gemv_into(a, x):
+    y = cp.empty_like(x)  # gemv writes y = alpha op(a) x + beta y in place; beta = 0 does not read it
+    cpblas.gemv("N", 0.5, a, x, 0.0, y)
+    return y
+
+
+def test_cupy_cublas_functions(pool):
+    a, b, x, y = rand((16, 16)), rand((16, 16)), rand((16,)), rand((16,))
+    sa, sb = well_conditioned(4, 8, 8), rand((4, 8))
+    calls = {
+        "gemm": lambda: cpblas.gemm("N", "T", a, b, alpha=0.5),
+        "gemv": lambda: gemv_into(a, x),
+        "geam": lambda: cpblas.geam("T", "N", 1.5, a, -0.5, b),
+        "dot": lambda: cpblas.dot(x, y),  # the result on the device: pointer mode DEVICE
+        "nrm2": lambda: cpblas.nrm2(x),
+        "batched_gesv": lambda: cpblas.batched_gesv(sa, sb),
+        "batched inv": lambda: cp.linalg.inv(sa),
+    }
+    for fn in calls.values():
+        fn()
+    with cgraw.capture(pool=pool) as g:
+        outs = {k: fn() for k, fn in calls.items()}
+    for _ in range(2):
+        refresh(a, b, x, y, sb)
+        sa[...] = well_conditioned(4, 8, 8)
+        g.replay()
+        for k, fn in calls.items():
+            close(outs[k], fn())
+    g.close()
+
+
+def test_a_host_result_is_refused_by_name(pool, originals):
+    x = rand((16,))
+    h, before = cupy_handle_state()
+    with pytest.raises(cgraw.CaptureError, match="host memory") as ei:
+        with cgraw.capture(pool=pool):
+            cpblas.dot(x, x, out=np.empty((), np.float32))  # pointer mode HOST: the result on the host
+    assert "sdot" in str(ei.value)
+    assert cupy_handle_state() == (h, before)
+    assert_routing_ended(originals)
+
+
+def test_cupys_handle_state_is_restored_and_eager_cupy_unaffected(pool, originals):
+    a, x = rand((32, 32)), rand((32,))
+    h, before = cupy_handle_state()
+    with cgraw.capture(pool=pool) as g:
+        y = a @ a
+        d = cpblas.dot(x, x)  # sets DEVICE pointer mode on CuPy's handle and back
+    assert cupy_handle_state() == (h, before)
+    assert_routing_ended(originals)
+    e = a @ a  # eager, on CuPy's own handle
+    cp.testing.assert_allclose(e, cp.asarray(a.get() @ a.get()), rtol=1e-4, atol=1e-4)
+    g.replay()
+    close(y, e)
+    close(d, cp.dot(x, x))
+    g.close()
+
+
+def test_many_captures_reuse_one_cgraw_handle(pool):
+    a = rand((16, 16))
+    a @ a
+    dev = cp.cuda.Device().id
+    with cgraw.capture(pool=pool) as g:
+        a @ a
+    g.close()
+    idle = list(cupy_blas._idle.get(dev, ()))
+    assert idle
+    for _ in range(20):
+        with cgraw.capture(pool=pool) as g:
+            a @ a
+        g.close()
+    assert cupy_blas._idle.get(dev) == idle  # taken and given back, none made
+
+
+def test_workspace_comes_from_the_graphs_pool(device, monkeypatch):
+    monkeypatch.setenv("CGRAW_CUBLAS_WORKSPACE_BYTES", str(6 << 20))
+    a = rand((64, 64))
+    a @ a
+    pool = cgraw.DevicePool(device, name="ws")
+    with cgraw.capture(pool=pool) as g:
+        y = a @ a
+    st = pool.stats()
+    assert st.peak_allocated_bytes >= 6 << 20 and st.live_blocks == 1  # the workspace is back, y lives
+    g.replay()
+    close(y, a @ a)
+    g.close()
+    del y
+    pool.close()
+
+
+# ---------------------------------------------------------------- failures and threads
+
+
+@pytest.mark.parametrize("how", ["user exception", "host sync", "uncovered cuBLAS call"])
+def test_a_failed_capture_restores_the_handles(pool, originals, how):
+    a, x = rand((32, 32)), rand((32,))
+    a @ a
+    h, before = cupy_handle_state()
+    snap = pool.snapshot()
+    mine = ValueError("mine")
+    expected = ValueError if how == "user exception" else cgraw.CaptureError
+    with pytest.raises(expected) as ei:
+        with cgraw.capture(pool=pool):
+            y = a @ a
+            cpblas.dot(x, x)
+            if how == "user exception":
+                raise mine
+            if how == "host sync":
+                y.get()
+            cpblas.iamax(x)  # isamax: not routed, CuPy refuses it
+    if how == "user exception":
+        assert ei.value is mine
+    elif how == "uncovered cuBLAS call":
+        assert "cuBLAS" in str(ei.value) and "iamax" in str(ei.value)
+    assert cupy_handle_state() == (h, before)
+    assert_routing_ended(originals)
+    assert pool.snapshot() == snap
+    with cgraw.capture(pool=pool) as g:  # and the next capture works
+        z = a @ a
+    g.replay()
+    close(z, a @ a)
+    g.close()
+
+
+def test_a_capture_on_another_thread_while_this_one_multiplies_eagerly(pool, originals):
+    a, b = rand((64, 64)), rand((64, 64))
+    c, d = rand((48, 48)), rand((48, 48))
+    a @ b
+    inside, proceed, box = threading.Event(), threading.Event(), {}
+
+    def worker():
+        try:
+            with cgraw.capture(pool=pool) as g:
+                y = cp.tanh(a @ b)
+                inside.set()
+                proceed.wait(30)
+                y = y @ b
+            box.update(g=g, y=y)
+        except BaseException as e:  # reported below
+            box["error"] = e
+            inside.set()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    assert inside.wait(30)
+    with cp.cuda.Stream(non_blocking=True) as s:  # eager on this thread, during the other's capture
+        e = c @ d  # CuPy's own path: this thread has no capture
+        s.synchronize()
+    cp.testing.assert_allclose(e, cp.asarray(c.get() @ d.get()), rtol=1e-4, atol=1e-4)
+    proceed.set()
+    t.join(60)
+    assert "error" not in box, box.get("error")
+    assert_routing_ended(originals)
+    for _ in range(2):
+        refresh(a, b)
+        box["g"].replay()
+        close(box["y"], cp.tanh(a @ b) @ b)
+    box["g"].close()
+
+
+def test_graphed_cupy_mlp(fresh_trees):
+    w1, w2 = rand((64, 128)), rand((128, 16))
+
+    @cgraw.graphed
+    def mlp(x):
+        return cp.tanh(x @ w1) @ w2
+
+    for _ in range(4):
+        x = rand((8, 64))
+        close(mlp(x), cp.tanh(x @ w1) @ w2)
+
+
+# ---------------------------------------------------------------- linear algebra's checks
+
+
+def test_an_info_check_that_would_synchronise_is_refused_by_name(pool):
+    import cupyx
+
+    a = well_conditioned(4, 8, 8)
+    cp.linalg.inv(a)
+    with cupyx.errstate(linalg="raise"):
+        with pytest.raises(cgraw.CaptureError, match="linalg='ignore'") as ei:
+            with cgraw.capture(pool=pool):
+                cp.linalg.inv(a)
+    assert "getrfBatched" in str(ei.value)
+    with cgraw.capture(pool=pool) as g:  # CuPy's default (linalg='ignore'): captured
+        inv = cp.linalg.inv(a)
+    a[...] = well_conditioned(4, 8, 8)
+    g.replay()
+    close(inv, cp.linalg.inv(a))
+    g.close()
+
+
+def test_a_cusolver_call_is_refused_naming_the_call(pool):
+    a, b = well_conditioned(16, 16), rand((16,))
+    cp.linalg.solve(a, b)
+    with pytest.raises(cgraw.CaptureError, match="cuSOLVER") as ei:
+        with cgraw.capture(pool=pool):
+            cp.linalg.solve(a, b)
+    assert "solve" in str(ei.value)
+
+
+# ---------------------------------------------------------------- the table against the installed CuPy
+
+
+def test_the_table_and_constants_match_the_installed_cupy():
+    from cupy_backends.cuda.api import runtime
+
+    wrong = []
+    for name, kinds in cupy_blas.SPECS.items():
+        code = getattr(getattr(cublas, name, None), "__code__", None)
+        if code is not None and code.co_argcount != len(kinds) + 1:
+            wrong.append(f"{name}: CuPy {code.co_argcount}, cgraw {len(kinds) + 1}")
+    assert not wrong, wrong  # a mismatch is left to CuPy (its refusal), never called with the wrong shape
+    for name, value in (("CUBLAS_COMPUTE_16F", 64), ("CUBLAS_COMPUTE_32F", 68), ("CUBLAS_COMPUTE_64F", 70),
+                        ("CUBLAS_COMPUTE_32I", 72), ("CUBLAS_POINTER_MODE_HOST", 0), ("CUBLAS_PEDANTIC_MATH", 2)):
+        if hasattr(cublas, name):
+            assert getattr(cublas, name) == value, name
+    for name, value in (("CUDA_R_32F", 0), ("CUDA_R_64F", 1), ("CUDA_R_16F", 2), ("CUDA_C_32F", 4),
+                        ("CUDA_C_64F", 5), ("CUDA_R_32I", 10)):
+        if hasattr(runtime, name):
+            assert getattr(runtime, name) == value, name
+    lib = cupy_blas.library()
+    assert lib is not None, "no libcublas found"
+    print(f"cgraw calls cuBLAS from {lib.path}")
