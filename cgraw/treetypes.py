@@ -7,10 +7,12 @@ Layer L6: pure Python, no CUDA and no frameworks.
 from __future__ import annotations
 
 import enum
+import itertools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from cgraw import calls
 from cgraw.calls import InputPlan
 
 
@@ -35,16 +37,37 @@ class Config:
     # eager inputs read in place (their kernels' arguments rewritten) where a proof replay shows
     # it safe, instead of copied into a placeholder on every call (issue 12)
     rebind_inputs: bool = True
+    # autograd through graphed functions (issue 16, cgraw.autograd_plan): outputs require grad and
+    # backward() replays a recorded backward. Off until the H200 has run it
+    autograd: bool = False
 
     def __setattr__(self, name, value):
         if name not in self.__dataclass_fields__:
             raise AttributeError(f"cgraw.config has no setting {name!r}")
         if name == "generation_cloning" and value not in (None, "user_visible"):
             raise ValueError(f"generation_cloning={value!r} must be None or 'user_visible'")
+        changed = name == "autograd" and bool(value) != bool(getattr(self, name, False))
         object.__setattr__(self, name, value)
+        if changed:
+            calls.use_grad_mode(_grad_probe[0] if value else None)
 
 
+_grad_probe: list = [None]  # [the framework's grad-mode probe] (torch.is_grad_enabled), once known
 config = Config()
+_fn_ids = itertools.count()
+
+
+def next_fn_id() -> int:
+    """A new graphed function's id (``GraphedFunction``, a forward node's backward)."""
+    return next(_fn_ids)
+
+
+def grad_probe(probe) -> None:
+    """Set the framework's grad-mode probe; grad mode joins the recording key while
+    ``config.autograd`` is True (``calls.use_grad_mode``)."""
+    _grad_probe[0] = probe
+    if config.autograd:
+        calls.use_grad_mode(probe)
 
 
 @dataclass
