@@ -5,8 +5,9 @@ the pending-backward bookkeeping (``AutogradBook``, ``BackwardTicket``), the gen
 uses it (``TreeManager.call``), the choice of how one backward runs (``plan_backward``), the
 backward as a node of the path (``TreeManager.call_backward``) and grad mode in the key
 (``calls.use_grad_mode``). All of it is driven by backend-neutral events and tested on the CPU
-with a fake backend. The torch side (section 8) is not written yet and nothing here has run on
-a GPU; with no grad-mode probe installed (the default) keys and generations are as before.
+with a fake backend. The torch side (section 8) is ``interop.torch_autograd`` and the grad parts
+of ``treeexec.CudaBackend.record``, enabled by ``cgraw.config.autograd`` (default False: no
+grad-mode probe, keys and generations as before). None of it has run on the H200 yet.
 
 1. Outputs that require grad. A call made with grad enabled whose tensor inputs, or closure
    tensors (parameters found at warm-up), require grad returns outputs that require grad. The

@@ -535,3 +535,19 @@ def test_plan_of_each_case():
     clean = book.issue(1, "f", None, None, False)
     clean.orphaned = True
     assert plan_backward(clean) == (BackwardPlan.EAGER, None)
+
+
+def test_config_autograd_installs_the_grad_probe_only_while_on():
+    """``cgraw.config.autograd`` (default False) decides whether grad mode joins the key."""
+    from cgraw import treetypes
+
+    calls.use_grad_mode(None)
+    treetypes.grad_probe(GRAD.probe)
+    try:
+        assert config.autograd is False and calls._grad_mode[0] is None
+        config.autograd = True
+        assert calls._grad_mode[0] == GRAD.probe
+        config.autograd = False
+        assert calls._grad_mode[0] is None
+    finally:
+        treetypes.grad_probe(None)
