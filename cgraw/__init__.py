@@ -31,6 +31,7 @@ from cgraw.graphed import (
     tree_text,
     unsafe,
 )
+from cgraw.graphed_callables import make_graphed_callables
 from cgraw.memory import DevicePool
 from cgraw.rng import initial_seed, manual_seed
 from cgraw.stream import Event, Stream
@@ -65,6 +66,7 @@ __all__ = [
     "from_dlpack",
     "graphed",
     "initial_seed",
+    "make_graphed_callables",
     "manual_seed",
     "mark_static",
     "mark_step_begin",

@@ -13,6 +13,9 @@ calls it for every call; backends only read what it decides.
   ``moved`` says why a call no longer fits it.
 - ``declared_mutations``: the eager leaves of the positions a function declared in ``mutates``.
 - padding buckets (``cgraw.buckets``): the bucket a call is recorded under, part of its key.
+- grad mode (``use_grad_mode``): with autograd recording, the key gains ``(GRAD, indices of the
+  leaves that require grad)``, so calls under ``torch.no_grad()`` select recordings of their own
+  (``cgraw.autograd_plan``). Without a probe installed, keys are what they were.
 """
 
 from __future__ import annotations
@@ -23,11 +26,22 @@ from cgraw import buckets
 from cgraw.arrays import EAGER, LEAF, STATIC, TORCH, TREE, _NoType, flatten
 from cgraw.errors import SkipCall
 
-__all__ = ["EAGER", "STATIC", "TREE", "Call", "InputPlan", "declared_mutations", "inspect", "mark_static",
-           "moved"]
+__all__ = ["EAGER", "GRAD", "STATIC", "TREE", "Call", "InputPlan", "declared_mutations", "grad_enabled", "inspect",
+           "mark_static", "moved", "use_grad_mode"]
 
 _static_ids: dict[int, object] = {}  # id(array) -> weakref, filled by mark_static
 _tensor = [_NoType]  # [torch.Tensor] once torch is loaded: the exact-type fast path
+_grad_mode: list = [None]  # [a probe: does autograd record now?] (torch.is_grad_enabled), or [None]
+
+
+class _GradMark:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "GRAD"
+
+
+GRAD = _GradMark()  # heads the key entry of a call made with grad enabled: equal to no other key entry
 
 
 def mark_static(x):
@@ -42,12 +56,32 @@ def use_torch(tensor_type) -> None:
     _tensor[0] = tensor_type
 
 
+def use_grad_mode(probe) -> None:
+    """Make grad mode part of every call's key: ``probe()`` says whether autograd records now
+    (``torch.is_grad_enabled``, False under ``no_grad`` and ``inference_mode``); None, the
+    default, leaves keys as they were."""
+    _grad_mode[0] = probe
+
+
+def grad_enabled() -> bool:
+    """Whether the installed probe says autograd records now (False without a probe)."""
+    p = _grad_mode[0]
+    return p is not None and bool(p())
+
+
+def _with_grad(call: "Call") -> "Call":
+    """Mark ``call`` as made with grad enabled: which leaves require grad joins its key."""
+    call.grad = True
+    call.key = call.key + ((GRAD, tuple(j for j, t in enumerate(call.leaves) if getattr(t, "requires_grad", False))),)
+    return call
+
+
 class Call:
     """One call's inputs: the signature ``key``; per leaf the array, its kind, pointer and ops;
     the specs that rebuild the arguments around the leaves; the padding bucket, if any."""
 
     __slots__ = ("key", "leaves", "kinds", "ptrs", "ops", "arg_spans", "arg_specs", "kwarg_specs", "rows",
-                 "bucket", "padded")
+                 "bucket", "padded", "grad")
 
     def __init__(self, key, leaves, kinds, ptrs, ops, arg_spans, arg_specs, kwarg_specs=None):
         self.key = key
@@ -61,6 +95,7 @@ class Call:
         self.bucket = None  # padding buckets (cgraw.buckets): the bucket, the call's rows and
         self.rows = None  # the padded leaves, when the function has buckets and the call fits one
         self.padded = frozenset()
+        self.grad = False  # made with grad enabled (use_grad_mode): its outputs' backward may run
 
 
 def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
@@ -125,7 +160,8 @@ def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
         if chosen is not None:
             call.rows, call.bucket, call.padded = chosen
             call.key = buckets.padded_key(key_parts, leaves, call.padded, call.bucket)
-    return call
+    p = _grad_mode[0]
+    return _with_grad(call) if p is not None and p() else call
 
 
 _PLAIN: dict[int, tuple] = {}  # n -> (ops, arg spans, arg specs) of n plain tensor arguments (shared, read-only)
@@ -164,7 +200,9 @@ def _inspect_tensors(args, tree_outputs, device: int) -> Call:
         kinds = [TREE if p in tree_outputs else EAGER for p in ptrs]
     else:
         kinds = [EAGER] * n
-    return Call(key, list(args), kinds, ptrs, *shared)
+    call = Call(key, list(args), kinds, ptrs, *shared)
+    p = _grad_mode[0]
+    return _with_grad(call) if p is not None and p() else call
 
 
 class InputPlan:

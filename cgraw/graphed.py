@@ -19,10 +19,10 @@ from cgraw.device import Device
 from cgraw.errors import UnsafeCallError
 from cgraw.tree import TreeManager, config
 from cgraw.treeexec import CudaBackend
+from cgraw.treetypes import next_fn_id
 
 _lock = threading.Lock()
 _managers: dict[int, TreeManager] = {}  # device ordinal -> tree; guarded by _lock
-_ids = itertools.count()
 
 
 _tensor_type = [None]  # [torch.Tensor] once torch is loaded
@@ -38,6 +38,7 @@ def _manager(ordinal: int) -> TreeManager:
                     _tensor_type[0] = sys.modules["torch"].Tensor
                 dev = Device(ordinal).set_current()
                 mgr = _managers[ordinal] = TreeManager(CudaBackend(dev), device_index=ordinal)
+                mgr.backend.mgr = mgr  # a backward asks its tree for the plan (interop.torch_autograd)
     return mgr
 
 
@@ -49,7 +50,7 @@ class GraphedFunction:
             raise TypeError(f"cgraw.graphed needs a callable, not {type(fn).__name__}")
         self.fn = fn
         self.name = _unique(_name_of(fn))
-        self.fn_id = next(_ids)
+        self.fn_id = next_fn_id()
         self.static_argnums = frozenset(_ints("static_argnums", static_argnums))
         self.mutates = tuple(_ints("mutates", mutates))
         self.pad_buckets = buckets.check(pad_buckets)

@@ -142,6 +142,7 @@ class Recording:
         "mode_now",  # [that count now] (interop.observe._mode_epoch)
         "capture_ms",
         "instantiate_ms",
+        "grad",  # interop.torch_autograd.GradInfo of a recording made with grad enabled, or None
     )
 
     def __init__(self, name: str):
@@ -162,6 +163,7 @@ class Recording:
         self.external, self.ext_ptrs, self.same_external, self.epoch, self.epoch_now = (), [], None, -1, [-1]
         self.mode_epoch, self.mode_now = 0, [0]
         self.capture_ms = self.instantiate_ms = 0.0
+        self.grad = None
 
     # ------------------------------------------------------------------ the hot path
 
@@ -178,7 +180,8 @@ class Recording:
         if same is not None and not same(self.ext_ptrs):
             return Rewarm("a tensor the function reads through its closure moved (model.half(), .to(), "
                           "param.data = ...)")
-        return None
+        why = None if self.grad is None else self.grad.stale()
+        return None if why is None else Rewarm(why)
 
     def replay(self, call):
         """Launch for ``call`` (a ``calls.Call``): ``(outputs, owned outputs to poison when the

@@ -27,7 +27,10 @@ Generations. A generation is one pass through the tree from a root. It begins at
 generation before) is called while a path is under way: each call of the model's entry point
 starts a new step (the inference rule). Outputs handed out in a generation are only valid until
 the next one begins; then the backend poisons them (torch) or clones them
-(``config.generation_cloning = "user_visible"``).
+(``config.generation_cloning = "user_visible"``). Training: while a backward of the current
+generation is pending (``cgraw.autograd_plan``, which also holds the design of autograd through
+graphed functions), a root function's call does not begin one; it extends the path, so the
+saved activations of the pending forwards are not overwritten.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from cgraw.calls import InputPlan, declared_mutations, inspect, moved
+from cgraw import treetypes
+from cgraw.autograd_plan import AutogradBook, plan_backward, promotion_note
+from cgraw.calls import TREE, InputPlan, declared_mutations, grad_enabled, inspect, moved
 from cgraw.errors import CgrawError, SkipCall, TreeError
 from cgraw.treetypes import Backend, Config, FunctionStats, NodeState, Replayable, Rewarm, TreeNode, Warm, config
 
@@ -63,6 +68,7 @@ class TreeManager:
         self.stats: dict[int, FunctionStats] = {}
         self.owner_thread = threading.get_ident()
         self._keys_seen: dict[int, dict] = {}  # fn id -> {input signature: order first seen}
+        self.book = AutogradBook()  # forwards whose backward may run (calls made with grad enabled)
 
     # ------------------------------------------------------------------ generations
 
@@ -73,6 +79,9 @@ class TreeManager:
 
     def _end_generation(self) -> None:
         self.generation += 1
+        orphans = self.book.end_generation()
+        if orphans:  # before anything is poisoned: a recompute may need it
+            self.backend.orphan(orphans)
         handed, self.handed_out = self.handed_out, []
         self.backend.end_generation(handed, config.generation_cloning)
         self.tree_outputs = {}
@@ -91,7 +100,8 @@ class TreeManager:
     def call(self, fn, args, kwargs):
         if threading.get_ident() != self.owner_thread:
             self.check_thread(f"graphed function {fn.name!r}")
-        if self.current is not None and fn.fn_id in self.root_fns:
+        book = self.book
+        if self.current is not None and fn.fn_id in self.root_fns and not (book.tickets and book.pending()):
             deferred = self._begin_step(args)  # the inference rule: a root function begins a step
             try:
                 return self._call(fn, args, kwargs)
@@ -120,11 +130,11 @@ class TreeManager:
 
     def _call(self, fn, args, kwargs):
         if fn.unsafe_reason is not None:
-            return self._eager(fn, self._stats(fn), fn.unsafe_reason, args, kwargs)
+            return self._eager_call(fn, fn.unsafe_reason, args, kwargs)
         try:
             call = inspect(fn, args, kwargs, self.tree_outputs, self.device_index)
         except SkipCall as exc:
-            return self._eager(fn, self._stats(fn), str(exc), args, kwargs)
+            return self._eager_call(fn, str(exc), args, kwargs)
         parent = self.current
         siblings = self.roots if parent is None else parent.children
         node = siblings.get((fn.fn_id, call.key))
@@ -140,26 +150,64 @@ class TreeManager:
                 if owned:
                     name = fn.name
                     self.handed_out.extend([(name, t) for t in owned])
-                return out
-            return self._rerecord(node, fn, call, reason, args, kwargs)
-        st = self._stats(fn)
-        if node is None:
-            limit = config.path_repeat_limit
-            if parent is not None and limit and _repeats(parent, fn) >= limit:
-                return self._promote(fn, args, kwargs)
-            node = TreeNode(fn, call.key, parent, st)
-            siblings[(fn.fn_id, call.key)] = node
-            if parent is None:
-                self.root_fns.add(fn.fn_id)
-            if self._new_variant(fn, st, call.key):
-                node.state = NodeState.SKIPPED
-                node.skip_reason = "dynamic shapes: more input signatures than config.dynamic_shape_warn_limit"
+                return self._with_backward(fn, node, out, call) if call.grad else out
+            out = self._rerecord(node, fn, call, reason, args, kwargs)
+        else:
+            st = self._stats(fn)
+            fresh = node is None
+            if fresh:
+                limit = config.path_repeat_limit
+                if parent is not None and limit and parent.repeats(fn) >= limit:
+                    return self._promote(fn, args, kwargs)
+                node = TreeNode(fn, call.key, parent, st)
+                siblings[(fn.fn_id, call.key)] = node
+                if parent is None:
+                    self.root_fns.add(fn.fn_id)
+                if self._new_variant(fn, st, call.key):
+                    node.state = NodeState.SKIPPED
+                    node.skip_reason = "dynamic shapes: more input signatures than config.dynamic_shape_warn_limit"
+            if node.state is NodeState.SKIPPED:
+                self.current = node
+                out = self._eager(fn, st, node.skip_reason, args, kwargs)
+            elif fresh:
+                out = self._warm(node, fn, st, call, args, kwargs)
             else:
-                return self._warm(node, fn, st, call, args, kwargs)
-        if node.state is NodeState.SKIPPED:
-            self.current = node
-            return self._eager(fn, st, node.skip_reason, args, kwargs)
-        return self._record(node, fn, st, call, args, kwargs)
+                out = self._record(node, fn, st, call, args, kwargs)
+        return self._with_backward(fn, node, out, call) if call.grad else out
+
+    # ------------------------------------------------------------------ autograd (cgraw.autograd_plan)
+
+    def _with_backward(self, fn, node, out, call):
+        """Issue the ticket of a call made with grad enabled; the backend gives the outputs that
+        require grad a backward reporting to it. ``call`` is None for a call run before it was
+        classified (its inputs may be the tree's memory)."""
+        rec = node.recording if node is not None and node.state is NodeState.RECORDED else None
+        ticket = self.book.issue(fn.fn_id, fn.name, node, rec, call is None or TREE in call.kinds)
+        return self.backend.with_backward(ticket, out, call)
+
+    def _eager_call(self, fn, reason: str, args, kwargs):
+        out = self._eager(fn, self._stats(fn), reason, args, kwargs)
+        return self._with_backward(fn, None, out, None) if grad_enabled() else out
+
+    def backward_plan(self, ticket, *, grad_enabled: bool = False):
+        """``autograd_plan.plan_backward``; a reason not to run through the tree is logged once
+        and counted on the forward's function (``cgraw.report()``)."""
+        kind, reason = plan_backward(ticket, grad_enabled=grad_enabled)
+        st = self.stats.get(ticket.fn_id)
+        if reason is not None and st is not None:
+            what = f"backward ran {kind.value}: {reason}"
+            if what not in st.skip_reasons:
+                log.warning("cgraw: %s: %s", st.name, what)
+            st.skip_reasons[what] = st.skip_reasons.get(what, 0) + 1
+        return kind, reason
+
+    def call_backward(self, fn, args):
+        """Run ``fn``, the backward of a forward recorded in this generation (``backward_plan``
+        said TREE), as the next node of the path. Autograd's thread calls it while the owning
+        thread waits in ``backward()``, so the thread is not checked; it never begins a generation."""
+        if self.current is None:
+            raise TreeError(f"{fn.name}: a backward through the tree needs its forward's generation")
+        return self._call(fn, args, {})
 
     def _promote(self, fn, args, kwargs):
         """``fn`` keeps extending the path under way (``prefill(x)`` once, then ``decode(tok)`` in a
@@ -172,6 +220,8 @@ class TreeManager:
                     fn.name, config.path_repeat_limit)
         self.root_fns.add(fn.fn_id)
         self._stats(fn).promoted = True
+        if self.book.tickets and self.book.pending():
+            log.warning(promotion_note(fn.name, config.path_repeat_limit))
         deferred = self._begin_step(args)
         try:
             return self._call(fn, args, kwargs)
@@ -224,7 +274,7 @@ class TreeManager:
 
     def _record(self, node: TreeNode, fn, st: FunctionStats, call, args, kwargs):
         parent = node.parent
-        anchor = _recorded_ancestor(parent)
+        anchor = treetypes.recorded_ancestor(parent)
         if self.pool_state is not anchor:
             self._restore_to(anchor)
         try:
@@ -334,19 +384,22 @@ class TreeManager:
         """A node is re-recorded: its old recording and its descendants' recordings go. The
         descendants stay in the tree as WARMED nodes and are recorded again when a call reaches
         them."""
-        self._forget_recordings(_walk(node))  # the node itself too: _record sets it again on success
+        self._forget_recordings(node.walk())  # the node itself too: _record sets it again on success
         if self.pool_state is not None and not _alive_in_tree(self.pool_state, self):
             self.pool_state = _UNKNOWN
 
     def nodes(self) -> list[TreeNode]:
         out = []
         for r in self.roots.values():
-            out.extend(_walk(r))
+            out.extend(r.walk())
         return out
 
     def reset(self) -> None:
         """End the generation, drop every node and recording; the backend frees the pool."""
         self.check_thread("cgraw.reset()")
+        orphans = self.book.end_generation()
+        if orphans:
+            self.backend.orphan(orphans)
         if self.handed_out:
             handed, self.handed_out = self.handed_out, []
             self.backend.end_generation(handed, config.generation_cloning)
@@ -361,18 +414,8 @@ class TreeManager:
 
     def describe(self) -> str:
         """A text view of the tree: which node follows which."""
-        lines = [f"cgraw tree on device {self.device_index}: generation {self.generation}"]
-
-        def visit(n: TreeNode, indent: str):
-            extra = f" ({n.skip_reason})" if n.state is NodeState.SKIPPED else ""
-            nn = "" if n.recording is None else f", {self.backend.num_nodes(n.recording)} graph nodes"
-            lines.append(f"{indent}{n.fn.name} [{n.state.value}{nn}]{extra}")
-            for c in n.children.values():
-                visit(c, indent + "  ")
-
-        for r in self.roots.values():
-            visit(r, "  ")
-        return "\n".join(lines)
+        head = f"cgraw tree on device {self.device_index}: generation {self.generation}"
+        return treetypes.describe_nodes(head, self.roots.values(), self.backend.num_nodes)
 
 
 class _Unknown:
@@ -395,30 +438,6 @@ def _arg_ids(x, ids: set) -> None:
     elif t is dict:
         for v in x.values():
             _arg_ids(v, ids)
-
-
-def _repeats(node: TreeNode, fn) -> int:
-    """How many nodes of ``fn`` the path ending at ``node`` holds."""
-    n = 0
-    while node is not None:
-        if node.fn is fn:
-            n += 1
-        node = node.parent
-    return n
-
-
-def _walk(node: TreeNode):
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        yield n
-        stack.extend(n.children.values())
-
-
-def _recorded_ancestor(node: TreeNode | None) -> TreeNode | None:
-    while node is not None and node.state is not NodeState.RECORDED:
-        node = node.parent
-    return node
 
 
 def _alive_in_tree(node: TreeNode, mgr: TreeManager) -> bool:

@@ -31,10 +31,11 @@ from cgraw.capture import capture
 from cgraw.errors import CaptureError, CudaError, SkipCall, UnsafeCallError
 from cgraw.interop import observe as _observe
 from cgraw.interop import torch_c
+from cgraw.interop.torch_autograd import NoRebind, TorchAutograd, capture_inputs, grad_info, run_saving
 from cgraw.interop.torch_tree import TorchTreeState
 from cgraw.memory import DevicePool
 from cgraw.recording import EXTERNAL, OWNED, InputAlias, InputCopy, Recording
-from cgraw.tree import Warm
+from cgraw.treetypes import Warm, config, grad_probe
 
 log = logging.getLogger("cgraw")
 
@@ -45,8 +46,8 @@ OVERWRITTEN = (
 )
 
 
-class CudaBackend:
-    """Does the work of one device's ``TreeManager`` (the ``tree.Backend`` protocol)."""
+class CudaBackend(TorchAutograd):
+    """Does the work of one device's ``TreeManager`` (the ``tree.Backend`` protocol; autograd: the mixin)."""
 
     def __init__(self, device):
         self.device = device
@@ -60,6 +61,7 @@ class CudaBackend:
             use_torch(self._torch.Tensor)
             self._tts = TorchTreeState.for_pool(self.pool)
             _observe.install_module_hooks()
+            grad_probe(self._torch.is_grad_enabled)  # grad mode joins the key while config.autograd
         _streams.refresh()
 
     # ------------------------------------------------------------------ warm-up, record, replay
@@ -96,7 +98,7 @@ class CudaBackend:
             if not ops[j].contiguous(call.leaves[j]):
                 log.warning("cgraw: %s mutates non-contiguous eager input %d", fn.name, j)
         w = Warm(out, mutated)
-        w.runs_backward = backward[0]
+        w.runs_backward = backward[0] or getattr(fn, "is_backward", False)
         out_leaves: list = []
         try:
             out_spec(out, out_leaves)
@@ -131,10 +133,10 @@ class CudaBackend:
                 leaves[j] = clone
                 call.ptrs[j] = ops[j].ptr(clone)
         rec = Recording(fn.name)
-        cap = capture.for_tree(self.pool, self.device, warm_cublas=_config().warm_cublas,
+        cap = capture.for_tree(self.pool, self.device, warm_cublas=config.warm_cublas,
                                route="stream" if warm.runs_backward else "thread")
-        placeholders = {}
-        reason = None
+        placeholders, saved = {}, []  # saved: what autograd saves, when the capture records a backward
+        grad, subs, reason = call.grad and not warm.runs_backward, placeholders, None
         try:
             with cap as g:
                 stream = g.capture_stream
@@ -148,20 +150,23 @@ class CudaBackend:
                         # never by a captured kernel, which would bake in this call's address
                         if o.nbytes(t) and o.contiguous(t):
                             stream.copy_dtod(o.ptr(ph), call.ptrs[j], o.nbytes(t))
-                new_args, new_kwargs = replace_leaves(call.arg_specs, call.kwarg_specs, leaves, placeholders)
-                out = fn.fn(*new_args, **new_kwargs)
+                subs = capture_inputs(call, placeholders) if grad else placeholders
+                new_args, new_kwargs = replace_leaves(call.arg_specs, call.kwarg_specs, leaves, subs)
+                out = run_saving(fn.fn, new_args, new_kwargs, saved) if grad else fn.fn(*new_args, **new_kwargs)
                 for j in mutated:
                     if kinds[j] == EAGER and ops[j].nbytes(leaves[j]):
                         stream.copy_dtod(call.ptrs[j], ops[j].ptr(placeholders[j]), ops[j].nbytes(leaves[j]))
         except (CaptureError, UnsafeCallError) as exc:
             reason = _skip_reason(exc)
         except BaseException:
-            placeholders.clear()  # nothing of the failed capture stays alive through this frame
+            for h in (placeholders, subs, saved):  # nothing of the failed capture stays alive through this frame
+                h.clear()
             raise
         if reason is not None:
             # raised outside the except block, so no traceback keeps the failed capture's tensors
             # alive: torch's pool gets their blocks back as they die
-            placeholders.clear()
+            for h in (placeholders, subs, saved):
+                h.clear()
             raise SkipCall(reason)
         try:
             self._finish_recording(rec, g, call, placeholders, mutated, out)
@@ -180,6 +185,9 @@ class CudaBackend:
         rec.epoch = _observe._epoch[0] if warm.epoch == _observe._epoch[0] else -1
         rec.mode_now = _observe._mode_epoch
         rec.mode_epoch = warm.mode_epoch
+        if grad and self._tts is not None:  # the saved tensors are the recording's blocks too
+            rec.grad = grad_info(rec, call, subs, saved)
+            rec.spans = self._tts.spans(list(rec.keep[0]) + [rec.out_leaves[i] for i in rec.owned_idx] + saved)
         return rec
 
     def _finish_recording(self, rec: Recording, g, call: Call, placeholders: dict, mutated, out) -> None:
@@ -239,7 +247,7 @@ class CudaBackend:
         rec.in_pool = self._pool_owner()  # segments of now: later ones hold nothing this graph writes
         rec.stage = self._stage
         try:
-            rebindexec.plan(rec, g, call, placeholders, _config())
+            rebindexec.plan(rec, g, call, placeholders, NoRebind if call.grad else config)
         except CudaError as exc:
             rec.proof = None
             rec.input_notes = {c.leaf: f"cgraw could not read the graph's nodes ({exc.call}: {exc.name})"
@@ -367,6 +375,7 @@ class CudaBackend:
         tts = self._tts
         if tts is None:
             return
+        handed = list(handed) + self.grad_views()  # the autograd outputs that alias them
         poison, messages = tts.poison, self._messages
         for name, t in handed:
             if cloning == "user_visible":
@@ -389,12 +398,6 @@ class CudaBackend:
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _config():
-    from cgraw.tree import config
-
-    return config
 
 
 def _cpu_output(out_leaves) -> str | None:

@@ -7,10 +7,12 @@ Layer L6: pure Python, no CUDA and no frameworks.
 from __future__ import annotations
 
 import enum
+import itertools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from cgraw import calls
 from cgraw.calls import InputPlan
 
 
@@ -35,16 +37,37 @@ class Config:
     # eager inputs read in place (their kernels' arguments rewritten) where a proof replay shows
     # it safe, instead of copied into a placeholder on every call (issue 12)
     rebind_inputs: bool = True
+    # autograd through graphed functions (issue 16, cgraw.autograd_plan): outputs require grad and
+    # backward() replays a recorded backward. Off until the H200 has run it
+    autograd: bool = False
 
     def __setattr__(self, name, value):
         if name not in self.__dataclass_fields__:
             raise AttributeError(f"cgraw.config has no setting {name!r}")
         if name == "generation_cloning" and value not in (None, "user_visible"):
             raise ValueError(f"generation_cloning={value!r} must be None or 'user_visible'")
+        changed = name == "autograd" and bool(value) != bool(getattr(self, name, False))
         object.__setattr__(self, name, value)
+        if changed:
+            calls.use_grad_mode(_grad_probe[0] if value else None)
 
 
+_grad_probe: list = [None]  # [the framework's grad-mode probe] (torch.is_grad_enabled), once known
 config = Config()
+_fn_ids = itertools.count()
+
+
+def next_fn_id() -> int:
+    """A new graphed function's id (``GraphedFunction``, a forward node's backward)."""
+    return next(_fn_ids)
+
+
+def grad_probe(probe) -> None:
+    """Set the framework's grad-mode probe; grad mode joins the recording key while
+    ``config.autograd`` is True (``calls.use_grad_mode``)."""
+    _grad_probe[0] = probe
+    if config.autograd:
+        calls.use_grad_mode(probe)
 
 
 @dataclass
@@ -115,8 +138,49 @@ class TreeNode:
         out.reverse()
         return out
 
+    def walk(self):
+        """This node and every node below it."""
+        stack = [self]
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def repeats(self, fn) -> int:
+        """How many nodes of ``fn`` the path ending at this node holds."""
+        k = 0
+        n = self
+        while n is not None:
+            if n.fn is fn:
+                k += 1
+            n = n.parent
+        return k
+
     def __repr__(self) -> str:
         return f"<TreeNode {self.fn.name} {self.state.value} depth={self.depth}>"
+
+
+def recorded_ancestor(node: "TreeNode | None") -> "TreeNode | None":
+    """``node`` or its nearest ancestor that holds a recording (None: the root checkpoint)."""
+    while node is not None and node.state is not NodeState.RECORDED:
+        node = node.parent
+    return node
+
+
+def describe_nodes(head: str, roots, num_nodes) -> str:
+    """``head``, then the trees under ``roots`` indented by depth (``num_nodes(recording)`` graph nodes each)."""
+    lines = [head]
+
+    def visit(n: TreeNode, indent: str):
+        extra = f" ({n.skip_reason})" if n.state is NodeState.SKIPPED else ""
+        nn = "" if n.recording is None else f", {num_nodes(n.recording)} graph nodes"
+        lines.append(f"{indent}{n.fn.name} [{n.state.value}{nn}]{extra}")
+        for c in n.children.values():
+            visit(c, indent + "  ")
+
+    for r in roots:
+        visit(r, "  ")
+    return "\n".join(lines)
 
 
 class Rewarm(str):
@@ -196,6 +260,16 @@ class Backend(Protocol):
 
     def end_generation(self, handed: list, cloning: str | None) -> None:
         """Invalidate (or clone out) the outputs handed out, ``[(function name, output)]``."""
+
+    def with_backward(self, ticket, out, call) -> Any:
+        """Outputs of a call made with grad enabled (``call`` is None when the call ran eagerly
+        before it was classified): give those that require grad a backward that reports to
+        ``ticket`` (``cgraw.autograd_plan``), or call ``ticket.never_needed()`` when none does."""
+
+    def orphan(self, tickets: list) -> None:
+        """The generation of these forwards ends while their graph is alive and their backward has
+        not run: keep what an eager recompute needs (inputs in the tree's memory, when
+        ``pool_inputs``), or set ``ticket.lost``. Called before ``end_generation`` poisons anything."""
 
     def close(self) -> None:
         """Drop the pool."""

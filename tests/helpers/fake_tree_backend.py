@@ -18,10 +18,21 @@ Like the CUDA backend, ``record`` copies eager inputs into pool placeholders, re
 tree-output inputs in place and copies mutated eager inputs back after a replay. Calls are
 classified by the real ``cgraw.calls`` (``FakeT`` is registered as an array type with
 ``arrays.register``); ``spy_inspect`` wraps it to log and to inject skips.
+
+Autograd (``cgraw.autograd_plan``), simulated: ``GRAD`` is the grad mode (install its probe with
+``calls.use_grad_mode(GRAD.probe)``; ``GRAD.off()`` is ``torch.no_grad()``). A ``FakeFn`` made
+with ``backward`` (the gradient of its first input, from the grad and the inputs) and
+``backward_saved`` (the same from the grad and what the function ``save()``d) trains: after a
+call made with grad enabled whose inputs require grad (or whose ``params_require_grad``), its
+outputs require grad and carry the call's ticket. ``FakeTreeBackend.backward(out, grad)`` is
+what ``loss.backward()`` does for that one call: it asks the tree for the plan and runs the
+backward through the tree (reading the saved tensors of the forward's capture in place, as a
+captured backward does), eagerly from the inputs, or from the copies ``orphan`` kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 
@@ -30,7 +41,8 @@ import numpy as np
 from allocator import IntRangeSource, Pool
 from cgraw import arrays, calls
 from cgraw.arrays import EAGER, replace_leaves
-from cgraw.errors import SkipCall
+from cgraw.autograd_plan import BackwardPlan
+from cgraw.errors import CgrawError, SkipCall
 from cgraw.tree import Warm
 
 EAGER_BASE = 1 << 56  # eager addresses: far above anything the pool's IntRangeSource hands out
@@ -82,11 +94,13 @@ class Overwritten(RuntimeError):
 class FakeT:
     """A device "tensor": ``nbytes`` float64 bytes at ``ptr``; ``.value`` reads them."""
 
-    __slots__ = ("__weakref__", "mem", "nbytes", "poisoned", "ptr")
+    __slots__ = ("__weakref__", "mem", "nbytes", "poisoned", "ptr", "requires_grad", "ticket")
 
     def __init__(self, ptr: int, nbytes: int, mem: Memory):
         self.ptr, self.nbytes, self.mem = ptr, nbytes, mem
         self.poisoned: str | None = None
+        self.requires_grad = False
+        self.ticket = None  # the ticket of the graphed call that made it, when it requires grad
 
     @property
     def n(self) -> int:
@@ -107,12 +121,18 @@ class FakeFn:
     """Stands in for ``cgraw.graphed.GraphedFunction``; calling it goes through ``mgr``."""
 
     _ids = itertools.count(1)
+    by_id: dict = {}  # fn_id -> FakeFn (what a ticket's fn_id names)
 
-    def __init__(self, fn, mgr=None, *, name=None, static_argnums=(), mutates=(), unsafe_reason=None):
+    def __init__(self, fn, mgr=None, *, name=None, static_argnums=(), mutates=(), unsafe_reason=None,
+                 backward=None, backward_saved=None, params_require_grad=False):
         self.fn = fn
         self.mgr = mgr
         self.name = name or fn.__name__
         self.fn_id = next(self._ids)
+        FakeFn.by_id[self.fn_id] = self
+        self.backward = backward  # (grad, *inputs) -> grad of input 0, run eagerly
+        self.backward_saved = backward_saved  # (grad, *saved) -> the same, from the saved tensors
+        self.params_require_grad = params_require_grad
         self.static_argnums = frozenset(static_argnums)
         self.mutates = tuple(mutates)
         self.unsafe_reason = unsafe_reason
@@ -142,6 +162,7 @@ class FakeRecording:
         self.fixed: list[tuple[int, int]] = []
         self.kinds: tuple = tuple(call.kinds)
         self.out_ptrs: list[int] = []
+        self.saved: list = []  # what the capture save()d (pool addresses every replay rewrites)
         self.discarded = False
         self.replays = 0
         self.capture_ms = 0.5
@@ -212,6 +233,11 @@ class FakeTreeBackend:
         self.discards: list[FakeRecording] = []
         self.closed = 0
         self.max_source_reserved = 0
+        self.mgr = None  # the TreeManager, for backward()
+        self.tickets: list = []  # every ticket handed to with_backward
+        self.orphaned: list = []  # every ticket handed to orphan
+        self.lose_orphans: str | None = None  # hook: orphan() cannot keep inputs (sets ticket.lost)
+        self._bfns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # forward node -> its backward FakeFn
         _ACTIVE.append(self)
         del _ACTIVE[:-1]
 
@@ -255,13 +281,19 @@ class FakeTreeBackend:
             return  # a capture runs nothing
         self.mem.write(t.ptr, t.nbytes, np.asarray(value, dtype=np.float64).ravel())
 
-    def tensor(self, values) -> FakeT:
+    def tensor(self, values, *, requires_grad: bool = False) -> FakeT:
         """An eager input tensor holding ``values``."""
         mode, self.mode = self.mode, "eager"
         try:
-            return self.new(values)
+            t = self.new(values)
         finally:
             self.mode = mode
+        t.requires_grad = requires_grad
+        return t
+
+    def save(self, t: FakeT) -> None:
+        if self.mode == "capture":
+            self._capture.saved.append(t)
 
     # ------------------------------------------------------------------ the protocol
 
@@ -403,6 +435,64 @@ class FakeTreeBackend:
         self.closed += 1
         self.pool.close()
 
+    # ------------------------------------------------------------------ autograd
+
+    def with_backward(self, ticket, out, call):
+        self.log.append(("with_backward", ticket.name))
+        self.tickets.append(ticket)
+        fn = FakeFn.by_id[ticket.fn_id]
+        leaves = [] if call is None else list(call.leaves)
+        if not (fn.params_require_grad or any(t.requires_grad for t in leaves)):
+            ticket.never_needed()
+            return out
+        ticket.data = {"fn": fn, "inputs": leaves if call is not None else None}
+        for t in leaves_of(out):
+            t.requires_grad, t.ticket = True, ticket
+        return out
+
+    def orphan(self, tickets: list) -> None:
+        """Keep eager copies of the inputs that live in the pool (a recompute reads them later)."""
+        self.log.append(("orphan", len(tickets)))
+        self.orphaned.extend(tickets)
+        for t in tickets:
+            if t.data is None or not t.pool_inputs:
+                continue
+            if self.lose_orphans is not None or t.data["inputs"] is None:
+                t.lost = self.lose_orphans or "the inputs of a call run before it was classified are unknown"
+                continue
+            t.data["kept"] = [x if x.ptr >= EAGER_BASE else self.tensor(x.value) for x in t.data["inputs"]]
+
+    def backward(self, out: FakeT, grad, *, create_graph: bool = False) -> FakeT:
+        """``loss.backward()`` for the graphed call that made ``out``: the gradient of its first input."""
+        ticket = out.ticket
+        assert ticket is not None, f"{out} does not require grad"
+        kind, reason = self.mgr.backward_plan(ticket, grad_enabled=create_graph)
+        self.log.append(("backward", ticket.name, kind.value))
+        g = grad if isinstance(grad, FakeT) else self.tensor(grad)
+        fn = ticket.data["fn"]
+        if kind is BackwardPlan.ERROR:
+            raise CgrawError(f"backward of {ticket.name}: {reason}")
+        if kind is BackwardPlan.TREE:
+            with GRAD.off():  # autograd runs a backward with grad mode off
+                res = self.mgr.call_backward(self._backward_fn(ticket), (g,))
+        else:  # EAGER, RECOMPUTE: from the inputs (the copies orphan kept, where it kept some)
+            res = fn.backward(g, *(ticket.data.get("kept") or ticket.data["inputs"]))
+        ticket.backward_ran()
+        return res
+
+    def _backward_fn(self, ticket) -> "FakeFn":
+        """The backward of the ticket's forward node: reads what the node's current recording saved."""
+        node = ticket.node
+        bfn = self._bfns.get(node)
+        if bfn is None:
+            fwd, ref = ticket.data["fn"], weakref.ref(node)
+
+            def backward_of(g):
+                return fwd.backward_saved(g, *ref().recording.saved)
+
+            bfn = self._bfns[node] = FakeFn(backward_of, self.mgr, name=f"{fwd.name}.backward")
+        return bfn
+
     # ------------------------------------------------------------------ queries for tests
 
     def count(self, what: str, name: str | None = None) -> int:
@@ -422,6 +512,33 @@ def release(t: FakeT) -> None:
 def assign(t: FakeT, value) -> None:
     """Write ``value`` into ``t`` in place (inside graphed test functions)."""
     _ACTIVE[-1].assign(t, value)
+
+
+def save(t: FakeT) -> None:
+    """Save ``t`` for the backward (inside graphed test functions; a capture keeps it)."""
+    _ACTIVE[-1].save(t)
+
+
+class FakeGradMode:
+    """The grad mode of the fake autograd: ``probe`` for ``calls.use_grad_mode``, ``off()`` as
+    ``torch.no_grad()``."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+
+    def probe(self) -> bool:
+        return self.enabled
+
+    @contextlib.contextmanager
+    def off(self):
+        before, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = before
+
+
+GRAD = FakeGradMode()
 
 
 class _FakeOps(arrays.Ops):

@@ -1,0 +1,273 @@
+"""Autograd through graphed functions, torch's side (``cgraw.autograd_plan``, section 8).
+
+Layer L7: torch is only used once the user has imported it. ``TorchAutograd`` is a mixin of
+``treeexec.CudaBackend`` (the ``with_backward`` and ``orphan`` of the ``tree.Backend``
+protocol); the pieces a recording needs (``capture_inputs``, ``run_saving``, ``grad_info``)
+are called from its ``record`` while ``cgraw.config.autograd`` is True. None of it has run on
+the H200 yet; the CPU tier drives it with CPU tensors (``tests/unit/test_torch_autograd_cpu.py``).
+
+- A replayed forward's outputs that require grad come out of ``_Graphed`` (a
+  ``torch.autograd.Function``) whose inputs are the call's leaves that require grad and the
+  closure tensors (parameters) that do, so autograd's own AccumulateGrad writes ``.grad``.
+- Its backward asks the tree for the plan: TREE calls the forward node's ``BackwardFn``
+  through ``TreeManager.call_backward`` (``torch.autograd.grad`` with ``retain_graph=True`` of
+  the autograd graph the capture left, warmed up, recorded and replayed as a node of the path);
+  RECOMPUTE runs the function again eagerly from its inputs; ERROR raises with the reason.
+- Eager forwards (warm-up, skipped nodes) get a tap: an identity ``Function`` whose backward
+  reports to the ticket and passes the gradients on into the eager graph.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+from cgraw import treetypes
+from cgraw.arrays import TREE, out_spec, replace_leaves, unflatten
+from cgraw.autograd_plan import BackwardPlan
+from cgraw.errors import CgrawError
+
+
+class NoRebind:
+    """The settings ``rebindexec.plan`` reads, with eager inputs always copied: a backward
+    reads the placeholders the forward saved, so they must hold this call's inputs."""
+
+    rebind_inputs = False
+
+
+class GradInfo:
+    """What a forward recording made with grad enabled keeps for its backward."""
+
+    __slots__ = ("leaves", "params", "out_idx", "outs", "ins", "saved", "ext", "flags")
+
+    def __init__(self, leaves, params, out_idx, outs, ins, saved, ext):
+        self.leaves = leaves  # indices of the call's leaves that require grad
+        self.params = params  # closure tensors that require grad (the same objects every call)
+        self.out_idx = out_idx  # indices of the recording's outputs that require grad
+        self.outs = outs  # those outputs as captured: the roots of the capture-time autograd graph
+        self.ins = ins  # what the capture read for leaves and params (the graph's inputs)
+        self.saved = saved  # tensors autograd saved during the capture (the pool's blocks)
+        self.ext = ext  # every closure tensor, and whether each required grad at the capture
+        self.flags = [getattr(t, "requires_grad", False) for t in ext]
+
+    def stale(self) -> str | None:
+        """Why the recording's autograd graph no longer matches its closure, or None."""
+        if [getattr(t, "requires_grad", False) for t in self.ext] != self.flags:
+            return ("requires_grad of a tensor the function reads through its closure changed (a "
+                    "sub-module frozen or unfrozen)")
+        return None
+
+
+def _same(x):
+    return x
+
+
+def capture_inputs(call, placeholders: dict) -> dict:
+    """What a capture with grad enabled reads per leaf: placeholders (eager leaves) and detached
+    aliases (leaves read in place) of the leaves that require grad, marked to require it, so
+    the capture's autograd graph starts at them and holds nothing of the caller's."""
+    subs = dict(placeholders)
+    for j, t in enumerate(call.leaves):
+        if getattr(t, "requires_grad", False):
+            s = placeholders.get(j)
+            subs[j] = (t.detach() if s is None else s).requires_grad_()
+    return subs
+
+
+def run_saving(fn, args, kwargs, saved: list):
+    """``fn(*args, **kwargs)``, appending each tensor autograd saves to ``saved``."""
+    torch = sys.modules["torch"]
+
+    def pack(x):
+        saved.append(x)
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _same):
+        return fn(*args, **kwargs)
+
+
+def grad_info(rec, call, subs: dict, saved: list) -> GradInfo | None:
+    """The ``GradInfo`` of a recording (``out_leaves``, ``owned_idx``, ``external`` set), or None
+    when none of its own outputs requires grad or nothing it reads does."""
+    leaves = [j for j, t in enumerate(call.leaves) if getattr(t, "requires_grad", False)]
+    ext = tuple(rec.external)
+    params = [t for t in ext if getattr(t, "requires_grad", False)]
+    out_idx = [i for i in rec.owned_idx if getattr(rec.out_leaves[i], "requires_grad", False)]
+    if not out_idx or not (leaves or params):
+        return None
+    outs = [rec.out_leaves[i] for i in out_idx]
+    return GradInfo(leaves, params, out_idx, outs, [subs[j] for j in leaves] + params, saved, ext)
+
+
+class BackwardFn:
+    """The backward of one forward node: a graphed function of the tree (``call_backward``)
+    that differentiates the autograd graph of the node's current recording."""
+
+    static_argnums = frozenset()
+    mutates = ()
+    pad_buckets = None
+    plain = True
+    unsafe_reason = None
+    is_backward = True  # autograd's device thread allocates: route the capture by stream
+
+    def __init__(self, node):
+        self.fn_id = treetypes.next_fn_id()
+        self.name = f"{node.fn.name}.backward"
+        ref = weakref.ref(node)
+
+        def backward(*grads):
+            g = ref().recording.grad
+            return tuple(sys.modules["torch"].autograd.grad(g.outs, g.ins, grads, retain_graph=True,
+                                                            allow_unused=True))
+
+        self.fn = backward
+
+    def __repr__(self) -> str:
+        return f"<cgraw backward {self.name}>"
+
+
+class _Link:
+    """One call's outputs and what their backward needs: ``_Graphed``'s ``ctx.link``."""
+
+    __slots__ = ("backend", "ticket", "info", "fn", "call", "kept", "outs", "keep", "__weakref__")
+
+    def __init__(self, backend, ticket, info=None, fn=None, call=None):
+        self.backend, self.ticket, self.info, self.fn, self.call = backend, ticket, info, fn, call
+        self.kept = None  # copies of the inputs in the tree's memory (orphaned: the recompute's)
+        self.outs = None  # the outputs forward() hands out, set just before it runs
+        self.keep = None  # the gradients of the last backward through the tree
+
+    def backward(self, grads):
+        torch = sys.modules["torch"]
+        ticket = self.ticket
+        kind, reason = self.backend.mgr.backward_plan(ticket, grad_enabled=torch.is_grad_enabled())
+        if kind is BackwardPlan.ERROR:
+            raise CgrawError(f"cgraw: the backward of {ticket.name} cannot run: {reason}")
+        if self.info is None:  # a tap of an eager forward: its own graph continues
+            res = grads
+        elif kind is BackwardPlan.TREE:
+            res = self.backend.mgr.call_backward(self.backend.backward_fn(ticket.node), tuple(grads))
+            self.keep = res  # held here, so AccumulateGrad copies the tree's memory instead of stealing it
+        else:
+            res = self.recompute(grads)
+        ticket.backward_ran()
+        return tuple(res)
+
+    def recompute(self, grads):
+        """The function again, eagerly from its inputs, differentiated (``create_graph`` when grad
+        mode is on inside the backward)."""
+        torch = sys.modules["torch"]
+        info, call = self.info, self.call
+        leaves = self.kept if self.kept is not None else call.leaves
+        subs = {j: leaves[j].detach().requires_grad_() for j in info.leaves}
+        args, kwargs = replace_leaves(call.arg_specs, call.kwarg_specs, leaves, subs)
+        with torch.enable_grad():
+            out = self.fn(*args, **kwargs)
+        flat: list = []
+        out_spec(out, flat)
+        return torch.autograd.grad([flat[i] for i in info.out_idx], [subs[j] for j in info.leaves] + info.params,
+                                   grads, create_graph=torch.is_grad_enabled(), allow_unused=True)
+
+
+_function: list = [None]  # [_Graphed], made once torch is loaded
+
+
+def _graphed_function():
+    cls = _function[0]
+    if cls is None:
+        torch = sys.modules["torch"]
+
+        class _Graphed(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, link, *inputs):
+                ctx.link = link
+                outs, link.outs = link.outs, None
+                return tuple(o.detach() for o in outs)
+
+            @staticmethod
+            def backward(ctx, *grads):
+                return (None,) + ctx.link.backward(grads)
+
+        cls = _function[0] = _Graphed
+    return cls
+
+
+def _apply(link, ins, outs) -> tuple:
+    link.outs = outs
+    weakref.finalize(link, link.ticket.freed)  # the link dies with the autograd graph that holds it
+    link.ticket.data = weakref.ref(link)  # never strong: the finalizer holds the ticket
+    return _graphed_function().apply(link, *ins)
+
+
+class TorchAutograd:
+    """``with_backward`` and ``orphan`` of the ``tree.Backend`` protocol, for torch. The
+    backend sets ``mgr`` (its ``TreeManager``) and calls ``grad_views`` when a generation ends."""
+
+    mgr = None
+
+    def with_backward(self, ticket, out, call):
+        flat: list = []
+        spec = out_spec(out, flat)
+        rec = ticket.recording
+        if rec is None:  # an eager forward: tap its outputs that require grad
+            node = ticket.node
+            idx = [i for i, t in enumerate(flat) if getattr(t, "requires_grad", False)]
+            if not idx or (node is not None and node.warm is not None and node.warm.runs_backward):
+                ticket.never_needed()
+                return out
+            ins = [flat[i] for i in idx]
+            outs = _apply(_Link(self, ticket), ins, ins)
+        else:
+            info = rec.grad
+            if info is None:
+                ticket.never_needed()
+                return out
+            idx = info.out_idx
+            link = _Link(self, ticket, info, ticket.node.fn.fn, call)
+            outs = _apply(link, [call.leaves[j] for j in info.leaves] + info.params, [flat[i] for i in idx])
+            views = self.__dict__.setdefault("_grad_views", [])
+            views.extend((ticket.name, weakref.ref(b), ticket) for b in outs)
+        for i, b in zip(idx, outs):
+            flat[i] = b
+        return unflatten(spec, iter(flat))
+
+    def orphan(self, tickets: list) -> None:
+        """Keep copies of the inputs in the tree's memory that a recompute will read."""
+        torch = sys.modules["torch"]
+        for t in tickets:
+            link = None if t.data is None else t.data()
+            if link is None or not t.pool_inputs:
+                continue
+            if link.info is None:
+                t.lost = ("its forward ran eagerly on inputs in the tree's memory, and its generation "
+                          "ended before its backward; call cgraw.mark_step_begin() where a step begins, "
+                          "before its forward, or clone the inputs")
+                continue
+            with torch.no_grad():
+                link.kept = [x.detach().clone() if k == TREE else x
+                             for x, k in zip(link.call.leaves, link.call.kinds)]
+
+    def backward_fn(self, node) -> BackwardFn:
+        fns = self.__dict__.setdefault("_backward_fns", weakref.WeakKeyDictionary())
+        bfn = fns.get(node)
+        if bfn is None:
+            bfn = fns[node] = BackwardFn(node)
+        return bfn
+
+    def grad_views(self) -> list:
+        """``[(function name, output)]`` handed out by ``_Graphed`` in generations that have ended
+        (poisoned or cloned out with the tree's own outputs, which they alias)."""
+        views = self.__dict__.get("_grad_views")
+        if not views:
+            return []
+        ended, live = [], []
+        for item in views:
+            name, ref, ticket = item
+            if ticket.generation == ticket.book.generation:
+                live.append(item)
+            else:
+                b = ref()
+                if b is not None:
+                    ended.append((name, b))
+        self._grad_views = live
+        return ended

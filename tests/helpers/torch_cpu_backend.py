@@ -1,0 +1,156 @@
+"""A CPU-torch stand-in for ``cgraw.treeexec.CudaBackend``'s autograd, driving the real
+``TreeManager`` and the real ``interop.torch_autograd`` (its ``TorchAutograd`` mixin, ``_Graphed``,
+``BackwardFn``, ``capture_inputs``, ``run_saving``, ``grad_info``).
+
+A "recording" runs the function once on its placeholders, as a capture does (with grad enabled:
+on ``capture_inputs``' tensors, saving through ``run_saving``), and keeps those tensors. A
+"replay" runs it again on the same placeholders and writes every result *into the tensors of
+the capture* (outputs and the tensors autograd saved, through ``.data`` so no version counter
+moves): what a replayed CUDA graph does at fixed addresses. So a backward through the tree
+differentiates the capture-time graph with this replay's values, as on the GPU, and a forward
+replayed again before that backward overwrites its saved tensors, as on the GPU.
+
+CPU tensors report device 0 here (``cpu_as_device0``), so ``cgraw.calls`` classifies them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from cgraw.arrays import EAGER, out_spec, replace_leaves, unflatten
+from cgraw.interop.torch_autograd import TorchAutograd, capture_inputs, grad_info, run_saving
+from cgraw.treetypes import Warm, next_fn_id
+
+
+@contextlib.contextmanager
+def cpu_as_device0(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    yield
+
+
+class TorchFn:
+    """Stands in for ``GraphedFunction``: ``params`` are the closure tensors its warm-up "observes"."""
+
+    static_argnums = frozenset()
+    mutates = ()
+    pad_buckets = None
+    plain = True
+    unsafe_reason = None
+
+    def __init__(self, fn, mgr, *, name=None, params=()):
+        self.fn, self.mgr = fn, mgr
+        self.name = name or getattr(fn, "__name__", type(fn).__name__)
+        self.fn_id = next_fn_id()
+        self.params = tuple(params)
+
+    def __call__(self, *args, **kwargs):
+        return self.mgr.call(self, args, kwargs)
+
+
+class CpuRecording:
+    def __init__(self, backend, fn):
+        self.backend, self.fn, self.name = backend, fn, fn.name
+        self.capture_ms = self.instantiate_ms = 0.0
+        self.grad = None
+        self.discarded = False
+        self.replays = 0
+
+    def replay(self, call):
+        return self.backend.replay(self, call)
+
+    def stale(self):
+        why = None if self.grad is None else self.grad.stale()
+        return why
+
+
+class CpuTorchBackend(TorchAutograd):
+    def __init__(self):
+        self.log: list = []
+        self.poisoned: list = []
+
+    # pool bookkeeping: nothing to do on the CPU
+    def snapshot(self):
+        return None
+
+    def restore(self, snap, on_path, off_path):
+        pass
+
+    def renew(self):
+        return None
+
+    def close(self):
+        pass
+
+    def input_notes(self, rec):
+        return {}
+
+    def num_nodes(self, rec):
+        return 1
+
+    def random_draws(self, rec):
+        return 0
+
+    def discard(self, rec):
+        rec.discarded = True
+
+    def end_generation(self, handed, cloning):
+        self.log.append(("end_generation",))
+        for name, t in list(handed) + self.grad_views():
+            self.poisoned.append(t)
+
+    def warmup(self, fn, call, args, kwargs):
+        self.log.append(("warmup", fn.name))
+        w = Warm(fn.fn(*args, **kwargs))
+        w.external = tuple(getattr(fn, "params", ()))
+        w.runs_backward = getattr(fn, "is_backward", False)
+        return w
+
+    def record(self, fn, call, warm):
+        self.log.append(("record", fn.name))
+        rec = CpuRecording(self, fn)
+        rec.placeholders = {j: t.detach().clone() for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER}
+        grad = call.grad and not warm.runs_backward
+        saved: list = []
+        rec.subs = capture_inputs(call, rec.placeholders) if grad else rec.placeholders
+        rec.args = replace_leaves(call.arg_specs, call.kwarg_specs, call.leaves, rec.subs)
+        out = self._run(rec, saved, grad)
+        rec.out_leaves = []
+        rec.spec = out_spec(out, rec.out_leaves)
+        rec.owned_idx = list(range(len(rec.out_leaves)))
+        rec.out_ptrs = [t.data_ptr() for t in rec.out_leaves]
+        rec.external = tuple(warm.external)
+        rec.saved = saved
+        rec.grad = grad_info(rec, call, rec.subs, saved) if grad else None
+        return rec
+
+    def _run(self, rec, saved, grad):
+        args, kwargs = rec.args
+        with torch.set_grad_enabled(grad):
+            return run_saving(rec.fn.fn, args, kwargs, saved)
+
+    def first_replay(self, rec, call):
+        return self.replay(rec, call)
+
+    def replay(self, rec, call):
+        self.log.append(("replay", rec.name))
+        assert not rec.discarded
+        with torch.no_grad():
+            for j, ph in rec.placeholders.items():
+                ph.data.copy_(call.leaves[j])
+        saved: list = []
+        out = self._run(rec, saved, rec.grad is not None)
+        flat: list = []
+        out_spec(out, flat)
+        assert len(saved) == len(rec.saved)
+        with torch.no_grad():
+            for old, new in zip(rec.saved + rec.out_leaves, saved + flat):
+                if old is not new:
+                    old.data.copy_(new)
+        rec.replays += 1
+        outs = [t.detach() for t in rec.out_leaves]
+        return unflatten(rec.spec, iter(outs)), outs
+
+    def count(self, what, name=None):
+        return sum(1 for e in self.log if e[0] == what and (name is None or e[1] == name))
