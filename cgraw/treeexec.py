@@ -152,7 +152,8 @@ class CudaBackend(TorchAutograd):
                             stream.copy_dtod(o.ptr(ph), call.ptrs[j], o.nbytes(t))
                 subs = capture_inputs(call, placeholders) if grad else placeholders
                 new_args, new_kwargs = replace_leaves(call.arg_specs, call.kwarg_specs, leaves, subs)
-                out = run_saving(fn.fn, new_args, new_kwargs, saved) if grad else fn.fn(*new_args, **new_kwargs)
+                out = (run_saving(fn.fn, new_args, new_kwargs, saved, subs, warm.external) if grad
+                       else fn.fn(*new_args, **new_kwargs))
                 for j in mutated:
                     if kinds[j] == EAGER and ops[j].nbytes(leaves[j]):
                         stream.copy_dtod(call.ptrs[j], ops[j].ptr(placeholders[j]), ops[j].nbytes(leaves[j]))

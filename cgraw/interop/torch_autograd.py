@@ -19,6 +19,7 @@ the H200 yet; the CPU tier drives it with CPU tensors (``tests/unit/test_torch_a
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 
@@ -74,16 +75,50 @@ def capture_inputs(call, placeholders: dict) -> dict:
     return subs
 
 
-def run_saving(fn, args, kwargs, saved: list):
-    """``fn(*args, **kwargs)``, appending each tensor autograd saves to ``saved``."""
+ALIASES = "closure aliases"  # the key of ``subs`` under which ``run_saving`` leaves them
+
+
+def run_saving(fn, args, kwargs, saved: list, subs: dict, external=()):
+    """``fn(*args, **kwargs)``, appending each tensor autograd saves to ``saved``.
+
+    Closure tensors that require grad are read through fresh detached aliases (``subs[ALIASES]``,
+    by ``id`` of the tensor), so the capture-time autograd graph ends at leaves made inside the
+    capture. torch (2.11) fixes an AccumulateGrad node's stream when the node is made; the one of
+    a parameter made by an eager step on the default stream stays alive while that step's graph
+    does (the previous ``loss``), and the captured backward's engine then makes the default stream
+    wait on the capture: ``cudaErrorStreamCaptureImplicit`` (seen on the H200, session 9). The
+    aliases' gradients go to the parameters through ``_Graphed``, outside any capture."""
     torch = sys.modules["torch"]
+    aliases = subs[ALIASES] = {id(t): t.detach().requires_grad_() for t in external
+                               if getattr(t, "requires_grad", False)}
 
     def pack(x):
         saved.append(x)
         return x
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, _same):
+    with torch.autograd.graph.saved_tensors_hooks(pack, _same), _read_through(aliases):
         return fn(*args, **kwargs)
+
+
+def _read_through(aliases: dict):
+    """A ``TorchFunctionMode`` that hands every torch function the alias of a tensor in ``aliases``."""
+    if not aliases:
+        return contextlib.nullcontext()
+    torch = sys.modules["torch"]
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_map
+
+    tensor = torch.Tensor
+
+    def sub(x):
+        return aliases.get(id(x), x) if isinstance(x, tensor) else x
+
+    class ReadThroughAliases(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            args, kwargs = tree_map(sub, (args, kwargs or {}))
+            return func(*args, **kwargs)
+
+    return ReadThroughAliases()
 
 
 def grad_info(rec, call, subs: dict, saved: list) -> GradInfo | None:
@@ -96,7 +131,9 @@ def grad_info(rec, call, subs: dict, saved: list) -> GradInfo | None:
     if not out_idx or not (leaves or params):
         return None
     outs = [rec.out_leaves[i] for i in out_idx]
-    return GradInfo(leaves, params, out_idx, outs, [subs[j] for j in leaves] + params, saved, ext)
+    aliases = subs.get(ALIASES, {})
+    ins = [subs[j] for j in leaves] + [aliases.get(id(t), t) for t in params]
+    return GradInfo(leaves, params, out_idx, outs, ins, saved, ext)
 
 
 class BackwardFn:

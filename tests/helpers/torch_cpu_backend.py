@@ -115,20 +115,23 @@ class CpuTorchBackend(TorchAutograd):
         saved: list = []
         rec.subs = capture_inputs(call, rec.placeholders) if grad else rec.placeholders
         rec.args = replace_leaves(call.arg_specs, call.kwarg_specs, call.leaves, rec.subs)
-        out = self._run(rec, saved, grad)
+        rec.external = tuple(warm.external)
+        out = self._run(rec, saved, grad, rec.subs)
         rec.out_leaves = []
         rec.spec = out_spec(out, rec.out_leaves)
         rec.owned_idx = list(range(len(rec.out_leaves)))
         rec.out_ptrs = [t.data_ptr() for t in rec.out_leaves]
-        rec.external = tuple(warm.external)
         rec.saved = saved
         rec.grad = grad_info(rec, call, rec.subs, saved) if grad else None
         return rec
 
-    def _run(self, rec, saved, grad):
+    def _run(self, rec, saved, grad, subs):
         args, kwargs = rec.args
-        with torch.set_grad_enabled(grad):
-            return run_saving(rec.fn.fn, args, kwargs, saved)
+        if not grad:  # as treeexec: without grad nothing is saved and nothing is aliased
+            with torch.no_grad():
+                return rec.fn.fn(*args, **kwargs)
+        # a replay's aliases are its own (a graph replays the recording's)
+        return run_saving(rec.fn.fn, args, kwargs, saved, subs, rec.external)
 
     def first_replay(self, rec, call):
         return self.replay(rec, call)
@@ -140,7 +143,7 @@ class CpuTorchBackend(TorchAutograd):
             for j, ph in rec.placeholders.items():
                 ph.data.copy_(call.leaves[j])
         saved: list = []
-        out = self._run(rec, saved, rec.grad is not None)
+        out = self._run(rec, saved, rec.grad is not None, {})
         flat: list = []
         out_spec(out, flat)
         assert len(saved) == len(rec.saved)
