@@ -40,6 +40,12 @@ RNG = (
     "in capture mode'): cgraw draws them itself unless the capture has random=False; draw the random "
     "tensor outside the capture and pass it in, or leave random on"
 )
+LEGACY_WAIT = (
+    "the legacy default stream was made to wait on the capture (cudaErrorStreamCaptureImplicit): work "
+    "on torch.cuda.default_stream() or another blocking stream cannot join a capture, nor can an "
+    "autograd node made on it (a parameter's AccumulateGrad kept alive by the previous step's graph); "
+    "make that work on a non-blocking stream, or run it outside the captured region"
+)
 CUBLAS_COLD = (
     "cuBLAS was not initialised on this thread before the capture; run one matmul before capturing "
     "(cgraw.capture(warmup=fn) does this) and capture again"
@@ -208,6 +214,8 @@ class TorchRouting:
             if any(k in line for k in (".cpu(", "'cpu'", '"cpu"', ".numpy(", ".tolist(", ".item(")):
                 return HOST_SYNC
             return H2D
+        if "cudaErrorStreamCaptureImplicit" in msg or "legacy stream depend on a capturing" in msg:
+            return LEGACY_WAIT
         if ("operation not permitted when stream is capturing" in msg
                 or "during CUDA graph capture" in msg
                 or "cudaErrorStreamCaptureUnsupported" in msg

@@ -542,3 +542,15 @@ def test_cupy_uploads_are_named_whatever_the_failing_frame(qualname, filename):
     # the same failure elsewhere is a host synchronisation
     other = _raise_in_frame("cupy.cuda.stream.Stream.synchronize", "cupy/cuda/stream.pyx", msg)
     assert CupyRouting.classify(other) == HOST_SYNC
+
+
+def test_the_legacy_stream_made_to_wait_on_the_capture_is_named_not_called_a_host_sync():
+    """torch's message on the H200 (session 9) when autograd's engine made the default stream wait on
+    a capture: it is not a host synchronisation, and the message must say what it is."""
+    from cgraw.interop.torch import HOST_SYNC, LEGACY_WAIT, TorchRouting
+
+    msg = ("CUDA error: operation would make the legacy stream depend on a capturing blocking stream\n"
+           "Search for `cudaErrorStreamCaptureImplicit' in https://docs.nvidia.com/cuda/ for more information.")
+    assert TorchRouting.classify(RuntimeError(msg)) == LEGACY_WAIT
+    assert "AccumulateGrad" in LEGACY_WAIT and "non-blocking stream" in LEGACY_WAIT
+    assert TorchRouting.classify(RuntimeError("operation not permitted when stream is capturing")) == HOST_SYNC
