@@ -141,17 +141,33 @@ def test_frozen_sub_module():
     assert model[0].weight.grad is None
 
 
+def _sum_backward(out):
+    """Eager ``out.sum().backward()`` with the incoming gradient materialised: a captured backward
+    reads the gradient from a contiguous placeholder, where ``sum``'s is a stride-0 expansion, and
+    cuBLAS may then pick another kernel for the weight gradient. On the H200 (session 9) three
+    tests comparing ``.sum()`` losses bitwise differed in the last bits of the last layer's weight
+    gradient, and only there; ``_compare_sum`` checks that hypothesis: bitwise equal to this
+    reference, and close to the plain ``.sum()`` one."""
+    out.backward(torch.ones_like(out))
+
+
+def _compare_sum(model, ref, ref_sum, what):
+    _compare(model, ref, True, what)
+    _compare(model, ref_sum, False, what + " (eager .sum())")
+
+
 def test_grad_with_respect_to_an_input():
     model = _mlp()
-    ref = copy.deepcopy(model)
+    ref, ref_sum = copy.deepcopy(model), copy.deepcopy(model)
     g = cgraw.graphed(model)
     for _ in range(STEPS):
         x = trand(8, 64).requires_grad_()
         xr = x.detach().clone().requires_grad_()
         g(x).sum().backward()
-        ref(xr).sum().backward()
+        _sum_backward(ref(xr))
+        ref_sum(x.detach()).sum().backward()
         assert torch.equal(x.grad, xr.grad) and not _in_pool(x.grad)
-    _compare(model, ref, True, "input grads")
+    _compare_sum(model, ref, ref_sum, "input grads")
 
 
 def test_eval_calls_interleaved_with_training():
@@ -190,7 +206,7 @@ def test_two_graphed_functions_chained():
 
 def test_backward_never_called_stays_correct():
     model = _mlp()
-    ref = copy.deepcopy(model)
+    ref, ref_sum = copy.deepcopy(model), copy.deepcopy(model)
     g = cgraw.graphed(model)
     for step in range(STEPS):
         x = trand(32, 64)
@@ -198,20 +214,23 @@ def test_backward_never_called_stays_correct():
         assert torch.equal(out.detach(), ref(x).detach())
         if step % 4 == 3:
             out.sum().backward()
-            ref(x).sum().backward()
-    _compare(model, ref, True, "sometimes trained")
+            _sum_backward(ref(x))
+            ref_sum(x).sum().backward()
+    _compare_sum(model, ref, ref_sum, "sometimes trained")
 
 
 def test_backward_after_a_second_forward():
     model = _mlp()
-    ref = copy.deepcopy(model)
+    ref, ref_sum = copy.deepcopy(model), copy.deepcopy(model)
     g = cgraw.graphed(model)
     for _ in range(STEPS):
         x1, x2 = trand(8, 64), trand(8, 64)
         a, b = g(x1), g(x2)
         (a.pow(2).sum() + b.sum()).backward()
-        (ref(x1).pow(2).sum() + ref(x2).sum()).backward()
-    _compare(model, ref, True, "two forwards")
+        ra, rb = ref(x1), ref(x2)
+        torch.autograd.backward([ra.pow(2).sum(), rb], [None, torch.ones_like(rb)])
+        (ref_sum(x1).pow(2).sum() + ref_sum(x2).sum()).backward()
+    _compare_sum(model, ref, ref_sum, "two forwards")
 
 
 def test_dynamic_shapes_under_backward():
