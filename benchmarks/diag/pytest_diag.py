@@ -14,6 +14,8 @@ Every feature is off unless its environment variable is set:
   extension that releases a reference it does not own leaves behind.
 - ``CGRAW_DIAG_NOREBIND=1``: ``cgraw.config.rebind_inputs = False``; ``CGRAW_DIAG_KEEPSTREAMS=1``:
   cgraw never destroys a stream (a library handle left bound to a destroyed stream is then harmless).
+- ``CGRAW_DIAG_AUTOGRAD=1``: ``cgraw.config.autograd = True`` before every test (a test's own
+  fixture may still turn it off): the whole tier with autograd through graphed functions on.
 
 Session 8 ran the GPU tier in one process with each of these; see the README's Reliability section.
 """
@@ -70,6 +72,13 @@ def pytest_sessionstart(session):
 
         _cuda.destroy_quietly = keep_streams  # stream finalizers look it up when a stream is made
         _write("config: streams are never destroyed")
+
+
+def pytest_runtest_setup(item):
+    if _env("CGRAW_DIAG_AUTOGRAD") == "1":
+        import cgraw
+
+        cgraw.config.autograd = True
 
 
 def pytest_runtest_logstart(nodeid, location):

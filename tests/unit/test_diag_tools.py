@@ -59,3 +59,26 @@ def test_a_segfault_in_a_test_leaves_the_test_name_and_a_native_backtrace(tmp_pa
     assert "=== native signal 11" in native and "=== end native ===" in native
     assert "_ctypes" in native or "ffi_call" in native  # the frames of the faulting call
     assert "Fatal Python error: Segmentation fault" in r.stderr + r.stdout  # faulthandler still ran after
+
+
+def test_autograd_switch_turns_autograd_on_before_every_test(tmp_path):
+    (tmp_path / "test_on.py").write_text(textwrap.dedent("""
+        import cgraw
+
+        def test_first():
+            assert cgraw.config.autograd is True
+            cgraw.config.autograd = False  # as test_autograd.py's fixture does at teardown
+
+        def test_second():
+            assert cgraw.config.autograd is True
+    """))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CGRAW_DIAG_AUTOGRAD="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                        "benchmarks.diag.pytest_diag", str(tmp_path / "test_on.py")],
+                       env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    env["CGRAW_DIAG_AUTOGRAD"] = "0"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                        "benchmarks.diag.pytest_diag", str(tmp_path / "test_on.py")],
+                       env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode != 0  # off unless asked
