@@ -14,6 +14,7 @@ routed to a cgraw handle), which has not run on a GPU yet: they are predictions.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -87,7 +88,8 @@ class Law:
     Every value in [lo, hi) ([lo, hi] with ``closed``); the sample mean within 6 standard errors
     of ``mean``; the sample standard deviation within 15% of ``std``; ``integer``: whole numbers;
     ``support``: every value is one of input ``support``'s values; ``minus``: input ``minus`` is
-    subtracted before the checks (array parameters such as ``normal(loc=x)``).
+    subtracted before the checks (array parameters such as ``normal(loc=x)``); ``distinct``: no
+    value twice (a permutation).
     """
 
     lo: float | None = None
@@ -98,6 +100,7 @@ class Law:
     integer: bool = False
     support: int | None = None
     minus: int | None = None
+    distinct: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -510,9 +513,13 @@ def _random() -> list[Case]:
         uncovered("beta", lambda f: f(2.0, 3.0, RSIZE)),
         uncovered("poisson", lambda f: f(3.0, RSIZE)),
         uncovered("binomial", lambda f: f(10, 0.5, RSIZE)),
-        uncovered("lognormal", lambda f: f(0.0, 1.0, RSIZE)),
-        uncovered("permutation", lambda f: f(N)),
-        uncovered("shuffle", lambda f, x: (f(x), x)[1], (V,)),
+        # exp of cgraw's normal: mean exp(s^2/2), std sqrt((exp(s^2) - 1) exp(s^2)) for s = 0.5
+        r("lognormal", lambda f: f(0.0, 0.5, RSIZE), Law(lo=0.0, mean=math.exp(0.125),
+                                                         std=math.sqrt((math.exp(0.25) - 1) * math.exp(0.25)))),
+        # a permuted arange(N): its mean and standard deviation are exactly the law's
+        r("permutation", lambda f: f(N), Law(lo=0, hi=N, integer=True, distinct=True, mean=(N - 1) / 2,
+                                             std=((N * N - 1) / 12) ** 0.5)),
+        r("shuffle", lambda f, x: (f(x), x)[1], Law(support=0, distinct=True), (V,)),
         gen("random", lambda f, g: f(g, RSIZE), u01),
         gen("standard_normal", lambda f, g: f(g, RSIZE), std_normal),
         gen("integers", lambda f, g: f(g, 0, 10, RSIZE), Law(lo=0, hi=10, mean=4.5, std=(99 / 12) ** 0.5,

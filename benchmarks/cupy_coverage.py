@@ -204,6 +204,8 @@ def _law_problems(out: np.ndarray, law: Law, inputs: list[np.ndarray]) -> list[s
         problems.append("values are not whole numbers")
     if law.support is not None and not np.all(np.isin(out, inputs[law.support])):
         problems.append("values outside the population drawn from")
+    if law.distinct and np.unique(out).size != out.size:
+        problems.append("a value appears twice (not a permutation)")
     n = x.size
     sd = float(x.std())
     if law.mean is not None:

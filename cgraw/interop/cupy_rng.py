@@ -24,8 +24,8 @@ from cgraw.errors import CaptureError
 _CODES = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.float16): "f16",
           np.dtype(np.int8): "i8", np.dtype(np.uint8): "u8", np.dtype(np.int16): "i16",
           np.dtype(np.int32): "i32", np.dtype(np.int64): "i64", np.dtype(np.bool_): "b8"}
-COVERED = ("random_sample", "random", "rand", "randn", "standard_normal", "normal", "uniform",
-           "randint", "random_integers", "choice", "standard_exponential", "exponential")
+COVERED = ("random_sample", "random", "rand", "randn", "standard_normal", "normal", "lognormal", "uniform",
+           "randint", "random_integers", "choice", "permutation", "shuffle", "standard_exponential", "exponential")
 
 
 def _not_covered(name: str, why: str = "cgraw draws its own numbers inside captures and does not cover it"):
@@ -122,6 +122,31 @@ class CaptureRandomState:
             return self._fill(shape, dtype, "normal", a=float(loc), b=float(scale))
         z = self._fill(shape, dtype, "normal", a=0.0, b=1.0)
         return (z * scale + loc).astype(dtype, copy=False)
+
+    def lognormal(self, mean=0.0, sigma=1.0, size=None, dtype=float):
+        if not self._mine():
+            return self._orig().lognormal(mean=mean, sigma=sigma, size=size, dtype=dtype)
+        x = self.normal(mean, sigma, size=size, dtype=dtype)
+        return sys.modules["cupy"].exp(x, out=x)  # as CuPy does for array parameters
+
+    def _permutation(self, n: int):
+        """A permuted ``arange(n)`` (int64): the argsort of ``n`` uniform keys, as CuPy sorts its
+        random int32s (a tie of two float64 keys still yields a permutation)."""
+        return sys.modules["cupy"].argsort(self._fill((n,), np.float64, "uniform", a=0.0, b=1.0))
+
+    def permutation(self, a):
+        if not self._mine():
+            return self._orig().permutation(a)
+        return self._permutation(a) if isinstance(a, int) else a[self._permutation(len(a))]
+
+    def shuffle(self, a):
+        if not self._mine():
+            return self._orig().shuffle(a)
+        if not isinstance(a, sys.modules["cupy"].ndarray):
+            raise TypeError("The array must be cupy.ndarray")
+        if a.ndim == 0:
+            raise TypeError("An array whose ndim is 0 is not supported")
+        a[:] = a[self._permutation(len(a))]
 
     def uniform(self, low=0.0, high=1.0, size=None, dtype=float):
         if not self._mine():

@@ -462,6 +462,11 @@ CUPY_CONTINUOUS = {
     "normal_f64": (lambda cp, n: cp.random.normal(1.5, 0.5, n), _continuous(S.normal_cdf(1.5, 0.5), 1.5, 0.25)),
     "normal_f32": (lambda cp, n: cp.random.normal(1.5, 0.5, n, dtype=cp.float32),
                    _continuous(S.normal_cdf(1.5, 0.5), 1.5, 0.25)),
+    # exp of cgraw's normal: mean exp(mu + s^2/2), variance (exp(s^2) - 1) exp(2 mu + s^2)
+    "lognormal_f64": (lambda cp, n: cp.random.lognormal(0.5, 0.8, n),
+                      _continuous(S.log_normal_cdf(0.5, 0.8), math.exp(0.82), (math.exp(0.64) - 1) * math.exp(1.64))),
+    "lognormal_f32": (lambda cp, n: cp.random.lognormal(0.5, 0.8, n, dtype=cp.float32),
+                      _continuous(S.log_normal_cdf(0.5, 0.8), math.exp(0.82), (math.exp(0.64) - 1) * math.exp(1.64))),
     "uniform_f64": (lambda cp, n: cp.random.uniform(-2, 3, n), _continuous(S.uniform_cdf(-2, 3), 0.5, 25 / 12)),
     "uniform_f32": (lambda cp, n: cp.random.uniform(-2, 3, n, dtype=cp.float32),
                     _continuous(S.uniform_cdf(-2, 3), 0.5, 25 / 12)),
@@ -502,6 +507,30 @@ def test_cupy_choice_without_replacement(cupy_mod):
     for e in range(a):
         S.frequency_check(int(inclusion[e]), replays, k / a, what=f"cupy choice(replace=False) element {e}")
     assert len({tuple(sorted(r)) for r in picks.tolist()}) == replays
+
+
+def test_cupy_permutation_and_shuffle(cupy_mod):
+    """Every replay draws a permutation (of arange(n), and of the array's rows in place); over
+    replays each position of element 0 is equally likely, and the draws differ."""
+    cp = cupy_mod
+    n, replays = 8, 480
+    rows = cp.asarray(np.arange(n * 3, dtype=np.float32).reshape(n, 3))  # on the device before the capture
+
+    def make():
+        cp.random.shuffle(rows)
+        return cp.random.permutation(n), cp.random.permutation(rows[:, 0])
+
+    _, got = _replayed(make, replays)
+    where0 = []
+    for perm, perm_rows in got:
+        assert perm.dtype == np.int64 and sorted(perm.tolist()) == list(range(n))
+        assert sorted(perm_rows.tolist()) == [3.0 * i for i in range(n)]
+        where0.append(int(np.flatnonzero(perm == 0)[0]))
+    S.chi_square(np.bincount(where0, minlength=n), np.ones(n), what="cupy permutation(8): position of 0")
+    assert len({tuple(p.tolist()) for p, _ in got}) > replays // 2
+    shuffled = _host(rows)
+    assert sorted(shuffled[:, 0].tolist()) == [3.0 * i for i in range(n)]
+    assert np.array_equal(shuffled[:, 1:] - shuffled[:, :1], np.tile([1.0, 2.0], (n, 1)))  # rows moved whole
 
 
 # ---------------------------------------------------------------- what is not covered

@@ -213,6 +213,19 @@ def test_random_check_finds_repeats_range_mean_shape_and_whole_numbers():
     assert cc.check_random([[cc.Leaf("none", None)]], ref, law, [[]]) == ["no array output"]
 
 
+def test_random_check_of_a_permutation_finds_a_repeated_value():
+    g = np.random.default_rng(2)
+    law = C.Law(lo=0, hi=64, integer=True, distinct=True, mean=31.5, std=((64 * 64 - 1) / 12) ** 0.5)
+    perms = [_draws(g.permutation(64)), _draws(g.permutation(64))]
+    assert cc.check_random(perms, _draws(np.arange(64)), law, [[], []]) == []
+    twice = g.permutation(64)
+    twice[0] = twice[1]
+    assert "twice" in " ".join(cc.check_random([_draws(twice), perms[0]], _draws(np.arange(64)), law, [[], []]))
+    by_name = {c.name: c for c in CASES}
+    assert by_name["cupy.random.permutation"].law.distinct and by_name["cupy.random.shuffle"].law.distinct
+    assert by_name["cupy.random.lognormal"].expect is None and by_name["cupy.random.gamma"].expect == C.RNG
+
+
 def test_random_check_uses_the_rounds_inputs():
     g = np.random.default_rng(2)
     loc = g.standard_normal(4096) * 10
