@@ -3,8 +3,10 @@
 Order: the real models, memory side by side with torch's trees, then the microbenchmarks (launch
 overhead, graphed call and its pieces, workloads, graph-safe random numbers, allocator, eager
 overhead), then which CuPy functions a capture records (cupy_coverage, issue 17: a table, not
-timings), then zero-copy inputs (rebind, issue 12; last, because it drives the newest runtime code
-and a sticky CUDA error there would fail every later part of the process). ``--only PART[,PART]``
+timings) and CuPy-only loops, then training steps (issue 16: autograd through graphed functions
+against whole-step graphs, make_graphed_callables and reduce-overhead), then zero-copy inputs
+(rebind, issue 12; last, because it drives the newest runtime code and a sticky CUDA error there
+would fail every later part of the process). ``--only PART[,PART]``
 runs those parts (in this order). With no GPU it exits with status 2 and a one-line reason. A part
 that raises is reported and the others still run; the exit status is then 1. The CPU-only
 allocator figure is ``python -m benchmarks.alloc_overhead``.
@@ -33,6 +35,7 @@ PARTS = {
     "eager": ("benchmarks.eager_overhead", []),
     "cupy_coverage": ("benchmarks.cupy_coverage", []),
     "cupy_loops": ("benchmarks.cupy_loops", []),
+    "training": ("benchmarks.training", []),
     "rebind": ("benchmarks.rebind", []),
 }
 

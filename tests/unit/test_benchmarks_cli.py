@@ -57,3 +57,47 @@ def test_cupy_loops_is_a_part_and_needs_a_gpu(monkeypatch, capsys):
     monkeypatch.setattr(_cuda, "driver_available", lambda: (False, "no driver (test)"))
     assert cupy_loops.main(["--quick"]) == 2
     assert "no driver (test)" in capsys.readouterr().err
+
+
+def test_training_is_a_part_and_needs_a_gpu(monkeypatch, capsys):
+    from benchmarks import training
+    from cgraw import _cuda
+
+    assert PARTS["training"] == ("benchmarks.training", [])
+    assert list(PARTS).index("training") < list(PARTS).index("rebind")
+    with pytest.raises(SystemExit) as exc:
+        training.main(["--help"])
+    assert exc.value.code == 0 and "--quick" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        training.main(["--systems", "eager,nope"])
+    monkeypatch.setattr(_cuda, "driver_available", lambda: (False, "no driver (test)"))
+    assert training.main(["--quick"]) == 2
+    assert "no driver (test)" in capsys.readouterr().err
+
+
+def test_training_rows_are_valid_only_when_forward_and_backward_replayed():
+    from benchmarks.training import _goals, _invalid
+
+    def st(replays, eager=0, rerecords=0, skips=None):
+        return {"warmups": 1, "recordings": 1, "rerecords": rerecords, "replays": replays, "eager_calls": eager,
+                "skip_reasons": skips or {}, "rerecord_reasons": []}
+
+    before = {"forward": st(3), "backward": st(2)}
+    assert _invalid(before, {"forward": st(13), "backward": st(12)}, 10, backward=True) == []
+    assert _invalid(before, {"forward": st(13), "backward": None}, 10, backward=False) == []
+    assert "no backward" in _invalid(before, {"forward": st(13), "backward": None}, 10, backward=True)[0]
+    why = _invalid(before, {"forward": st(13), "backward": st(2, eager=10)}, 10, backward=True)
+    assert any("0 replays for 10" in w for w in why) and any("10 eager call(s)" in w for w in why)
+    why = _invalid(before, {"forward": st(13, skips={"recomputed": 1}), "backward": st(12)}, 10, backward=True)
+    assert why and "recomputed" in why[0]
+
+    res = {"cgraw_forward": {"step": [110.0] * 9}, "cgraw_whole_step": {"step": [100.0] * 9},
+           "reduce_overhead": {"step": [200.0] * 9}}
+    rows = {s: {"valid": True} for s in res}
+    goals = _goals(rows, res)
+    assert goals["cgraw_forward_over_cgraw_whole_step"]["verdict"] == "met"
+    assert goals["cgraw_forward_over_reduce_overhead"]["verdict"] == "met"
+    rows["cgraw_forward"] = {"valid": False, "invalid_reason": "backward: 0 replays"}
+    assert _goals(rows, res)["cgraw_forward_over_cgraw_whole_step"]["verdict"].startswith("not valid")
+    del res["reduce_overhead"]
+    assert _goals(rows, res)["cgraw_forward_over_reduce_overhead"]["verdict"].startswith("not measured")
