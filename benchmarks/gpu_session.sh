@@ -77,6 +77,10 @@ fi
 if has segv; then
   t=$(date +%s); L="$OUT/segv"; mkdir -p "$L"
   gcc -shared -fPIC -O1 -o /tmp/segv_handler.so benchmarks/diag/segv_handler.c -ldl > "$L/gcc.log" 2>&1
+  # torch's allocator settings: with expandable segments a MemPool can be erased under a live block
+  python3 -c "import os, torch; torch.zeros(1, device='cuda'); print('PYTORCH_CUDA_ALLOC_CONF =', \
+os.environ.get('PYTORCH_CUDA_ALLOC_CONF')); print(torch.cuda.memory._snapshot().get('allocator_settings'))" \
+    > "$L/allocator_settings.txt" 2>&1; cat "$L/allocator_settings.txt" | cut -c1-300
   diag_run() {  # name, then pytest arguments
     local name=$1; shift
     CGRAW_DIAG_SEGV=/tmp/segv_handler.so CGRAW_DIAG_NATIVE_OUT="$L/$name.native" CGRAW_DIAG_LOG="$L/$name.tests" \

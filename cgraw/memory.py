@@ -235,11 +235,17 @@ def _release_pool(source: CudaSource, torch_holder: list) -> None:
 
 
 def _release_pool_now(source: CudaSource, torch_holder: list) -> None:
-    torch_holder.clear()
+    _drop_torch(torch_holder)
     source.release_all_quietly()
 
 
 def _drop_torch(items: list) -> None:
+    """Drop torch's side of a pool (``interop.torch.TorchPool``), closing it first so that its
+    MemPool can give its segments back. Never raises."""
+    for item in items:
+        close = getattr(item, "close", None)
+        if close is not None:
+            close()
     items.clear()
 
 

@@ -1,11 +1,12 @@
 """The device memory a recorded graph reaches, for ``rebindexec``'s proof (issue 12).
 
-Layer L4: ``_cuda`` and ``rngexec``; torch only when the user imported it. ``Blocks`` knows
-allocations by address (torch's caching-allocator blocks of every pool, the tree pool's live
-blocks, cgraw's offset arenas); ``ranges`` turns argument words and copy addresses into the
-ranges they point into; ``merge`` joins overlapping ranges (never touching ones: two allocations
-side by side cannot be copied as one); ``tables`` reads small ranges for pointer tables;
-``pool_at_record`` tells memory of the tree's pool (the tree's check, and a rebound input's).
+Layer L4: ``_cuda``, ``rngexec`` and ``interop.torch_c`` (L1); torch only when the user imported
+it. ``Blocks`` knows allocations by address (torch's caching-allocator blocks of every pool, the
+tree pool's live blocks, cgraw's offset arenas); ``ranges`` turns argument words and copy
+addresses into the ranges they point into; ``merge`` joins overlapping ranges (never touching
+ones: two allocations side by side cannot be copied as one); ``tables`` reads small ranges for
+pointer tables; ``pool_at_record`` tells memory of the tree's pool (the tree's check, and a
+rebound input's).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from bisect import bisect_right
 
 from cgraw import _cuda, rngexec
+from cgraw.interop import torch_c
 from cgraw.rebind import WORD
 
 TABLE_SCAN_LIMIT = 64 << 10  # ranges at most this large are read for pointer tables
@@ -43,7 +45,7 @@ class Blocks:
         spans = []
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
-            for seg in torch.cuda.memory_snapshot():
+            for seg in torch_c.memory_segments():  # never torch.cuda.memory_snapshot(): see there
                 addr = int(seg["address"])
                 for b in seg.get("blocks", ()):
                     size = int(b["size"])

@@ -96,7 +96,9 @@ def torch_pools() -> str:
     if torch is None or not torch.cuda.is_initialized():
         return ""
     gc.collect()
-    segs = torch.cuda.memory_snapshot()
+    from cgraw.interop import torch_c
+
+    segs = torch_c.memory_segments()  # never torch.cuda.memory_snapshot(pool id): torch frees the id
     pools, alloc = Counter(), Counter()
     for s in segs:
         pid = tuple(s.get("segment_pool_id", (0, 0)))

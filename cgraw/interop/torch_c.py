@@ -27,6 +27,7 @@ NEEDED = {
     "_cuda_endAllocateToPool": "ending that routing",
     "_cuda_releasePool": "ending that routing",
     "_cuda_clearCublasWorkspaces": "keeping cuBLAS workspaces inside a recording",
+    "_cuda_memorySnapshot": "reading torch's segments, always with None (see memory_segments)",
 }
 
 
@@ -105,11 +106,30 @@ def pytree():
     return mod
 
 
+def memory_segments() -> list:
+    """Every segment of torch's CUDA caching allocator, as ``torch.cuda.memory_snapshot()`` lists
+    them, each with its ``segment_pool_id``; callers filter.
+
+    Always ``_cuda_memorySnapshot(None)``. torch 2.11 reads a ``(pool id, include_traces)`` tuple
+    argument with ``THPObjectPtr(PyTuple_GetItem(arg, i))``: it releases, for each item, a reference
+    it never took. So ``MemPool.snapshot()`` and ``torch.cuda.memory_snapshot(pool_id)`` free the
+    id's int while its tuple still holds it, once the process has made more than 256 MemPools
+    (Python 3.12's ints up to 256 are immortal; on 3.11 even ``memory_snapshot()`` drains the
+    refcounts of 0 and True): a later allocation then crashes. That was the abort of the
+    one-process GPU tier (sessions 7 and 8, README Reliability). With None torch parses nothing.
+    """
+    snapshot = api()._cuda_memorySnapshot
+    try:
+        return snapshot(None)["segments"]
+    except TypeError:  # a torch whose snapshot takes no argument at all (none to mishandle)
+        return snapshot()["segments"]
+
+
 def _reset() -> None:
     """Forget the cached table (tests swap the torch module)."""
     global _api
     _api = None
 
 
-__all__ = ["NEEDED", "SUPPORTED", "TorchApiError", "api", "check", "cudagraph_unsafe_tag",
+__all__ = ["NEEDED", "SUPPORTED", "TorchApiError", "api", "check", "cudagraph_unsafe_tag", "memory_segments",
            "nondeterministic_seeded_tag", "pytree"]

@@ -455,3 +455,61 @@ def test_model_switched_between_train_and_eval_is_never_replayed_in_the_other_mo
     assert st.eager_calls == 0 and not st.skip_reasons, st.skip_reasons
     assert st.replays >= rounds * 2 * 3, (st.replays, st.rerecord_reasons[-3:])
     assert any("training and evaluation" in r for r in st.rerecord_reasons)
+
+
+def test_more_than_256_mempools_and_no_pool_id_handed_to_torchs_snapshot(device, monkeypatch):
+    """Sessions 7 and 8: the one-process GPU tier aborted in this file once the process had made
+    more than 256 torch MemPools. torch 2.11's _cuda_memorySnapshot releases a reference it never
+    took to each item of a (pool id, include_traces) tuple, so MemPool.snapshot() freed its id's
+    int (mortal above 256 on Python 3.12) while the id still held it. cgraw now asks with None.
+    This test makes the ids mortal first, then runs a plain capture and a tree (checkpoints,
+    spans, the in-pool check) and checks torch was never handed a tuple."""
+    import ctypes
+    import sys
+
+    from cgraw.interop import torch_c
+
+    while torch.cuda.MemPool().id[1] <= 300:  # each MemPool takes the next id; these die at once
+        pass
+    probe = torch.cuda.MemPool()
+    x = probe.id[1]
+    assert x > 256
+    before = sys.getrefcount(x)
+    torch._C._cuda_memorySnapshot((0, x, False))  # what torch does with a tuple (for the log)
+    dropped = before - sys.getrefcount(x)
+    for _ in range(max(dropped, 0)):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(x))  # give back what torch took: this process stays sound
+    print(f"torch {torch.__version__}: _cuda_memorySnapshot dropped {dropped} reference(s) of a pool id's int")
+    real, args = torch._C._cuda_memorySnapshot, []
+
+    def spy(arg=None):
+        args.append(arg)
+        return real(arg)
+
+    monkeypatch.setattr(torch._C, "_cuda_memorySnapshot", spy)
+    torch_c._reset()  # the private-API table caches functions
+    try:
+        pool = cgraw.DevicePool(device, name="mortal ids")
+        a, b = trand(64, 64), trand(64, 32)
+        with cgraw.capture(pool=pool) as g:
+            y = torch.relu(a @ b)
+        assert pool.torch_state.id[1] > 256 and pool.torch_reserved_bytes > 0
+        for _ in range(3):
+            a.copy_(trand(64, 64))
+            g.replay()
+            torch.testing.assert_close(y, torch.relu(a @ b))
+
+        def body(x, w):
+            return torch.tanh(x @ w) * 2.0
+
+        f = cgraw.graphed(body)
+        for n in (8, 8, 8, 16, 16, 8):  # warm-up, recordings, replays, a second shape
+            xs, w = trand(n, 32), trand(32, 32)
+            torch.testing.assert_close(f(xs, w), body(xs, w), rtol=1e-5, atol=1e-5)
+        assert _stats(f).recordings >= 2 and "recording" in cgraw.report()
+        del y
+        pool.close()
+        assert args and all(arg is None for arg in args), f"torch was handed {[a for a in args if a is not None][:3]}"
+    finally:
+        monkeypatch.undo()
+        torch_c._reset()

@@ -79,6 +79,86 @@ def test_every_private_torch_name_cgraw_uses_is_declared():
 # ---------------------------------------------------------------------- deferred releases
 
 
+def test_dropping_torchs_side_of_a_pool_frees_torchs_cublas_workspaces_first(fake_torch):
+    """Session 8: the workspace torch's warm-up matmul made for a pool's capture stream is a block
+    of the pool's MemPool, held by torch's (handle, stream) map; unless it is freed before the
+    MemPool goes, the MemPool's private pool keeps a segment for good. Deferred while a capture
+    routes allocations, like every release."""
+    from cgraw.interop.torch import TorchPool
+    from cgraw.memory import _drop_torch
+
+    events = []
+    fake_torch._C._cuda_clearCublasWorkspaces = lambda: events.append("clear workspaces")
+
+    class MemPool:
+        def __del__(self):
+            events.append("MemPool destroyed")
+
+    tp = TorchPool.__new__(TorchPool)
+    tp.torch, tp.device, tp.mempool, tp.id = fake_torch, 0, MemPool(), (0, 7)
+    holder = [tp]
+    del tp
+    _defer.capture_begins()
+    try:
+        _defer.release(_drop_torch, holder[:])
+        holder.clear()
+        assert events == []  # a capture routes allocations: nothing yet
+    finally:
+        _defer.capture_ends()
+    assert events == ["clear workspaces", "MemPool destroyed"]
+
+
+def test_a_failing_workspace_clear_still_drops_the_pool(fake_torch):
+    from cgraw.interop.torch import TorchPool
+    from cgraw.memory import _drop_torch
+
+    def boom():
+        raise RuntimeError("no CUDA")
+
+    fake_torch._C._cuda_clearCublasWorkspaces = boom
+    tp = TorchPool.__new__(TorchPool)
+    tp.torch, tp.device, tp.mempool, tp.id = fake_torch, 0, object(), (0, 8)
+    items = [tp]
+    _drop_torch(items)  # never raises: it runs from finalizers
+    assert items == []
+
+
+def test_torch_segments_are_read_without_handing_torch_a_pool_id(fake_torch):
+    """torch 2.11's _cuda_memorySnapshot releases a reference it never took to each item of a
+    tuple argument: MemPool.snapshot() frees its pool id's int (a mortal int after 256 MemPools),
+    which corrupted the heap and aborted the one-process GPU tier (sessions 7 and 8). cgraw asks
+    with None and filters the segments itself."""
+    from cgraw.interop.torch import TorchPool
+
+    asked = []
+    segs = [
+        {"device": 0, "address": 0x1000, "total_size": 512, "segment_pool_id": (0, 300),
+         "blocks": [{"address": 0x1000, "size": 256, "state": "active_allocated", "requested_size": 200},
+                    {"address": 0x1100, "size": 256, "state": "inactive"}]},
+        {"device": 0, "address": 0x9000, "total_size": 64, "segment_pool_id": (0, 0), "blocks": []},
+        {"device": 1, "address": 0x5000, "total_size": 128, "segment_pool_id": (0, 300), "blocks": []},
+        {"device": 0, "address": 0x3000, "total_size": 256, "segment_pool_id": (0, 301), "blocks": []},
+    ]
+
+    def snapshot(arg):
+        asked.append(arg)
+        return {"segments": segs}
+
+    fake_torch._C._cuda_memorySnapshot = snapshot
+
+    class MemPool:
+        def snapshot(self):
+            raise AssertionError("MemPool.snapshot() hands torch the pool id")
+
+    tp = TorchPool.__new__(TorchPool)
+    tp.torch, tp.device, tp.mempool, tp.id = fake_torch, 0, MemPool(), (0, 300)
+    assert tp.segments() == [(0x1000, 512)]
+    assert tp.allocated() == {0x1000: 200}
+    assert tp.reserved_bytes() == 512 and tp.owner_of()(0x1100) and not tp.owner_of()(0x3000)
+    assert torch_c.memory_segments() is segs
+    assert asked and all(a is None for a in asked)
+
+
 def test_releases_wait_for_the_last_capture_and_keep_their_order():
     ran = []
     _defer.release(ran.append, "now")
