@@ -318,6 +318,11 @@ def memcpy_dtoh(dst_host_ptr: int, src: int, nbytes: int) -> None:
     check(drv.cuMemcpyDtoH(dst_host_ptr, src, nbytes), "cuMemcpyDtoH")
 
 
+def memcpy_htod_async(dst: int, src_host_ptr: int, nbytes: int, stream) -> None:
+    """Host to device on ``stream``; inside a capture, from pinned memory only (a graph's memcpy node)."""
+    check(drv.cuMemcpyHtoDAsync(dst, src_host_ptr, nbytes, stream), "cuMemcpyHtoDAsync")
+
+
 def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream) -> None:
     check(drv.cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
 

@@ -15,14 +15,16 @@ capture. Around a capture cgraw also:
   thread-local and global captures refuse, and CuPy's own captures are relaxed by default;
 - stages host-to-device uploads (``cupy.asarray`` of a NumPy array, constants uploaded by cupyx
   functions) through pinned blocks the graph owns (``interop.cupy_staging``): ``prepare``, before
-  the capture begins, reserves the arena and installs CuPy's pinned allocator.
+  the capture begins, reserves the arena and wraps ``cupy._core.array``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 
+from cgraw import _cuda
 from cgraw import memory as _memory
 from cgraw.interop import cupy_staging as _staging
 
@@ -51,12 +53,12 @@ RNG = (
     "pass it in. CuPy's random state is left as it was before the capture"
 )
 UPLOAD = (
-    "a host-to-device upload failed inside the capture: cgraw stages CuPy's uploads (cupy.asarray of a "
-    "NumPy array, constants that cupyx functions such as ndimage.gaussian_filter upload each call) through "
-    "pinned blocks the graph owns only on the capture stream of the capturing thread, with CuPy's default "
-    "pinned allocator, and not from NumPy arrays that are themselves in pinned memory (the graph would read "
-    "the user's memory at every replay): make the device array before the capture, or pass device weights "
-    "to the function (ndimage.convolve / correlate1d)"
+    "a host-to-device upload failed inside the capture: cgraw stages CuPy's uploads made through "
+    "cupy.asarray / cupy.array / cupy.asanyarray (also the constants that cupyx functions such as "
+    "ndimage.gaussian_filter upload each call) through pinned blocks the graph owns, only on the capture "
+    "stream of the capturing thread and only for NumPy arrays, scalars and lists of them; other host copies "
+    "(ndarray.set, assigning a NumPy array into a CuPy array) CuPy refuses in a capture: make the device "
+    "array before the capture, or pass device weights to the function (ndimage.convolve / correlate1d)"
 )
 
 
@@ -82,13 +84,23 @@ def _capturing() -> bool:
     return getattr(_memory._tls, "capturing", 0) > 0
 
 
+@contextlib.contextmanager
+def relaxed():
+    """This thread in the relaxed capture mode for the block (calls a stricter capture refuses)."""
+    prev = _cuda.thread_exchange_capture_mode(_cuda.CAPTURE_MODES["relaxed"])
+    try:
+        yield
+    finally:
+        _cuda.thread_exchange_capture_mode(prev)
+
+
 def _relaxed_while_capturing(fn):
     """``fn`` run in the relaxed capture mode when this thread is in a cgraw capture."""
 
     def wrapper(*args, **kwargs):
         if not _capturing():
             return fn(*args, **kwargs)
-        with _staging.relaxed():
+        with relaxed():
             return fn(*args, **kwargs)
 
     wrapper._cgraw_wrapped = fn
@@ -177,7 +189,7 @@ class CupyRouting:
         self._stream_ctx = None
         self._random_before = None
         self._staging = None  # this capture's uploads (interop.cupy_staging.CaptureStaging)
-        self._installed = False  # whether prepare() installed CuPy's pinned dispatcher
+        self._installed = False  # whether prepare() wrapped cupy._core.array
         # host functions CuPy enqueued during the capture and the staged uploads' blocks (the graph keeps them)
         self.keepalive: list = []
 
@@ -186,8 +198,8 @@ class CupyRouting:
 
     def prepare(self) -> None:
         """Before the capture begins, while nothing is routed: the pinned staging (arena reserved,
-        dead graphs' blocks reused, CuPy's pinned allocator replaced)."""
-        self._staging = _staging.prepare(self.pool.device.ordinal)
+        dead graphs' blocks reused, ``cupy._core.array`` wrapped)."""
+        self._staging = _staging.prepare(self.pool.device.ordinal, self.stream)
         why = _staging.install(self.cupy)
         if why:
             self._staging.arena, self._staging.unavailable = None, why
@@ -222,8 +234,6 @@ class CupyRouting:
         try:
             self._stream_ctx = _external_stream(cupy, self.stream, dev)
             _give_host_func_list(self._stream_ctx)
-            if self._staging is not None and self._installed and not _staging.hook_stream(self._stream_ctx):
-                self._staging.arena, self._staging.unavailable = None, "CuPy's stream object takes no record hook"
             self._stream_ctx.__enter__()
             if self._staging is not None:
                 _staging.enter(self._staging)
@@ -323,7 +333,10 @@ _UPLOAD_FRAMES = ("copy_from_host", "hostAlloc", "alloc_pinned", "_array_default
 
 def _uploads(exc: BaseException) -> bool:
     """Whether the failure came from CuPy staging host data for a device array (pinned memory or
-    a host-to-device copy), anywhere in the exception's traceback."""
+    a host-to-device copy): CuPy 14.2's refusal of a copy on a capturing stream, or such a frame
+    anywhere in the exception's traceback."""
+    if "H2D transfers are disallowed" in str(exc):
+        return True
     tb = exc.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code

@@ -1,47 +1,61 @@
-"""Host-to-device uploads inside a capture: CuPy's pinned staging from a cgraw arena (issue 17).
+"""Host-to-device uploads inside a capture: CuPy's ``cupy._core.array`` staged through a cgraw arena (issue 17).
 
-Layer L7. How CuPy 14.2 uploads a NumPy array (``cupy._core.core._array_default``, reached from
-``cupy.asarray``/``cupy.array`` and from cupyx functions that upload constants, such as
-``ndimage.gaussian_filter``'s weights): it allocates a device array, then, the NumPy data not
-being pinned, ``pinned_memory.alloc_pinned_memory(nbytes)``, which first runs the pinned watch
-list's ``check_and_release`` (``Event.done``: ``cudaEventQuery`` on each pending upload's event)
-and then calls the process-global allocator set by ``set_pinned_memory_allocator`` (CuPy's
-``PinnedMemoryPool.malloc``: a cached block, or ``cudaHostAlloc``). It copies the data into the
-pinned block on the host, enqueues ``cudaMemcpyAsync`` on the current stream, and keeps the block
-alive with ``_add_to_watch_list(stream.record(), block)``, whose ``add`` queries the new event at
-once. Inside a capture that query is of an event recorded in the capture (907, fatal even in
-relaxed mode), ``cudaHostAlloc`` and the pending events' queries are refused in thread-local and
-global mode, and the captured copy would read a block CuPy reuses after the event "completes".
+Layer L7. CuPy 14.2 refuses every host-to-device copy on a capturing stream, whatever memory it
+comes from: ``cupy.asarray(numpy_array)`` inside a capture ends in ``cupy._core.core._array_default``
+-> ``MemoryPointer``'s host copy (``cupy/cuda/memory.pyx:619``), which raises ``RuntimeError: the
+current stream is capturing, so H2D transfers are disallowed`` (seen on the H200 with CuPy 14.2).
+That method is Cython (cdef/cpdef) and cannot be patched, and the refusal comes after CuPy's pinned
+allocation, so no pinned allocator can make the copy capturable. cgraw therefore intercepts one
+step earlier, at the Python-visible entry: ``cupy.asarray``, ``cupy.array`` and ``cupy.asanyarray``
+(``cupy/_creation/from_data.py``), and ``cupy/_math`` helpers, call ``_core.array(obj, dtype, copy,
+order, subok, ndmin, blocking)`` looked up on the module ``cupy._core`` at call time. cupyx's
+``ndimage`` and ``signal`` upload their constants (filter weights, zoom and spline coefficients,
+windows) with ``cupy.asarray(numpy_array)`` / ``cupy.array([...], dtype=...)``, so they go the same
+way. (``cupy.ascontiguousarray`` calls ``_core.ascontiguousarray``, which takes only CuPy arrays.)
 
-While a capture routes CuPy, cgraw makes that path safe:
+While a capture routes CuPy, ``cupy._core.array`` is a wrapper (``install``: a process-global
+attribute, set by the first such capture; ``uninstall``: the last one puts the function that was
+there back, unless something else replaced the wrapper meanwhile, which then stays). On the
+capturing thread, inside the capture proper, with CuPy's current stream being cgraw's capture
+stream, the wrapper takes host data itself: a NumPy array, a Python or NumPy scalar, or a
+(nested) list or tuple of those, that NumPy converts to a dtype CuPy supports. Like CuPy it
+converts with NumPy honouring ``dtype`` and ``ndmin``, makes the result little-endian, picks the
+memory order (F when ``order`` is ``'F'``, or is ``'A'``/``'K'`` and the NumPy array is
+F-contiguous and not C-contiguous; otherwise C) and allocates the result with ``cupy.empty`` (from
+cgraw's pool). It then writes the bytes into a block of the pinned arena owned by the graph being
+captured, and enqueues ``cuMemcpyHtoDAsync`` from that block on the capture stream
+(``_cuda.memcpy_htod_async``). The graph holds a memcpy node from pinned memory it owns, so every
+replay uploads the values of the recording. A 0-byte array takes no block and no copy. With
+``blocking=True`` the copy is still an asynchronous node of the graph (nothing can wait on the
+host inside a capture). On every other thread, outside the capture proper, on another stream,
+and for CuPy arrays, objects with ``__cuda_array_interface__`` or ``__cupy_get_ndarray__`` or a
+device ``__dlpack_device__``, ``subok=True``, an unknown ``order``, or data NumPy cannot convert to
+a CuPy dtype, the wrapper calls the original function unchanged (inside a capture CuPy then
+refuses as before, and cgraw names the upload).
 
-- ``set_pinned_memory_allocator`` gets a dispatcher (process-global: CuPy has no per-thread pinned
-  hook). On a thread inside a cgraw capture that routes CuPy it hands out a block of the pinned
-  arena (``PinnedArena``), owned by the graph being captured; on every other thread, and outside
-  the capture proper, it calls the allocator that was there before, unchanged. It is installed
-  by the first such capture and the previous allocator put back by the last one, unless something
-  else replaced the dispatcher meanwhile (that one then stays).
-- The capture stream's ``record`` (CuPy's object for cgraw's stream) marks the event of a staged
-  upload; ``Event.done`` (patched once) answers True for a marked event without querying it, and
-  queries other events in the relaxed capture mode while any cgraw capture routes allocations.
-- The arena is one ``cuMemHostAlloc`` segment of ``CGRAW_PINNED_STAGING_BYTES`` (default 16 MiB;
-  0 turns staging off), reserved before a capture begins and only while no capture routes
-  allocations. A staged block is never reused while its graph lives, so every replay copies the
-  bytes of the recording. When the graph is closed or collected its blocks wait until the devices
-  have been synchronised (before a later capture, while none runs) and are then reused.
+CuPy's pinned memory path is no longer reached on the capturing thread, so nothing of it is
+replaced: no pinned allocator, no ``Event.done``, no ``record`` hook on the capture stream (they
+served CuPy's own staging, which CuPy 14.2 refuses before the copy whatever the allocator). Other
+threads keep CuPy's own uploads.
 
-Refused, with a ``CaptureError`` naming the CuPy call: an upload the arena cannot hold, and an
-upload with staging off or unavailable. An upload from pinned NumPy memory is not staged by CuPy
-(the copy reads the user's memory): its event is not marked and the capture fails as before.
+The arena is one ``cuMemHostAlloc`` segment of ``CGRAW_PINNED_STAGING_BYTES`` (default 16 MiB; 0
+turns staging off), reserved before a capture begins and only while no capture routes
+allocations. A staged block is never reused while its graph lives. When the graph is closed or
+collected its blocks wait until the devices have been synchronised (before a later capture, while
+none runs) and are then reused. Refused, with a ``CaptureError`` naming the CuPy call and the fix
+(make the device array before the capture): an upload the arena cannot hold, and any upload with
+staging off or unavailable.
 """
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import os
 import sys
 import threading
 import weakref
+
+import numpy
 
 import allocator
 from cgraw import _cuda, _defer
@@ -49,16 +63,9 @@ from cgraw.errors import CaptureError
 
 DEFAULT_BYTES = 16 << 20
 ROUND = 512  # CuPy's pinned pool rounds to 512 bytes too
-
-
-@contextlib.contextmanager
-def relaxed():
-    """This thread in the relaxed capture mode for the block (calls a stricter capture refuses)."""
-    prev = _cuda.thread_exchange_capture_mode(_cuda.CAPTURE_MODES["relaxed"])
-    try:
-        yield
-    finally:
-        _cuda.thread_exchange_capture_mode(prev)
+CUPY_TYPES = "?bhilqBHILQefdFD"  # the dtype characters CuPy 14 supports (cupy/_core/_dtype.pyx)
+_ORDERS = ("C", "F", "A", "K")
+_DL_HOST = (1, 3)  # DLPack kDLCPU, kDLCUDAHost
 
 
 def staging_bytes() -> int:
@@ -173,28 +180,20 @@ class StagedUploads:
         self._finalizer = weakref.finalize(self, arena.retire, device, self.ptrs)
 
 
-class _Block:
-    """What CuPy's ``PinnedMemoryPointer`` wraps: ``ptr`` and ``size``; it owns nothing."""
-
-    __slots__ = ("ptr", "size")
-
-    def __init__(self, ptr: int, size: int):
-        self.ptr = ptr
-        self.size = size
-
-
 # ---------------------------------------------------------------- the per-capture side
 
-_tls = threading.local()  # .staging: this thread's CaptureStaging; .staged: an upload awaiting its event
+_tls = threading.local()  # .staging: this thread's CaptureStaging while its capture routes CuPy
 
 
 class CaptureStaging:
-    """One capture's uploads: blocks taken from the arena, and the CuPy calls that made them."""
+    """One capture's uploads: blocks taken from the arena, the CuPy calls that made them, and the
+    capture stream (a cgraw ``Stream``) their copies go to."""
 
-    def __init__(self, arena: PinnedArena | None, device: int, unavailable: str = ""):
+    def __init__(self, arena: PinnedArena | None, device: int, unavailable: str = "", stream=None):
         self.arena = arena
         self.device = device
         self.unavailable = unavailable  # why staging cannot serve this capture, or ""
+        self.stream = stream
         self.ptrs: list[int] = []
         self.calls: list[str] = []
 
@@ -215,6 +214,19 @@ class CaptureStaging:
         self.calls.append(call)
         return ptr
 
+    def upload(self, cupy, host: numpy.ndarray, order: str, call: str):
+        """``host`` as a new CuPy array in ``order``: its bytes written into a block of the arena,
+        copied to the device by a node of the graph being captured."""
+        dtype = host.dtype.newbyteorder("<")  # CUDA devices are little-endian; CuPy swaps too
+        nbytes = host.size * dtype.itemsize
+        ptr = self.allocate(nbytes, call) if nbytes else 0
+        out = cupy.empty(host.shape, dtype=dtype, order=order)
+        if nbytes:
+            block = numpy.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype=dtype)
+            block.reshape(host.shape, order=order)[...] = host
+            _cuda.memcpy_htod_async(out.data.ptr, ptr, nbytes, self.stream.handle)
+        return out
+
     def finish(self, failed: bool) -> StagedUploads | None:
         """After the capture: the graph's holder, or (failed) the blocks back to the arena."""
         ptrs, self.ptrs = self.ptrs, []
@@ -227,7 +239,7 @@ class CaptureStaging:
 
 
 def _refusal(call: str, size: int, why: str, fix: str) -> CaptureError:
-    return CaptureError("cupy.cuda.alloc_pinned_memory", 0, "UPLOAD_NOT_COVERED",
+    return CaptureError("cupy._core.array", 0, "UPLOAD_NOT_COVERED",
                         f"a host-to-device upload of {size} bytes inside the capture [{call}] cannot be staged: {why}",
                         fix)
 
@@ -263,48 +275,83 @@ def _sync_devices(devices) -> None:
             _cuda.ctx_set_current(prev)
 
 
-def prepare(device: int) -> CaptureStaging:
+def prepare(device: int, stream=None) -> CaptureStaging:
     """Before a capture begins (nothing routed yet): reuse dead graphs' blocks and reserve the
-    arena, both only while no capture routes allocations; the capture's staging."""
+    arena, both only while no capture routes allocations; the capture's staging (its copies go
+    to ``stream``, the capture stream)."""
     a = arena()
     if a is None:
-        return CaptureStaging(None, device, "CGRAW_PINNED_STAGING_BYTES is 0 (staging is off)")
+        return CaptureStaging(None, device, "CGRAW_PINNED_STAGING_BYTES is 0 (staging is off)", stream)
     with _defer._lock:  # no capture can begin while the arena is reserved or drained
         if not _defer.active():
             a.drain(_sync_devices)
             a.grow()
     if not a.ready:
         return CaptureStaging(a, device, "the pinned staging arena is reserved only while no capture runs, "
-                                         "and another capture was running when this one began")
-    return CaptureStaging(a, device)
+                                         "and another capture was running when this one began", stream)
+    return CaptureStaging(a, device, stream=stream)
 
 
-# ---------------------------------------------------------------- CuPy hooks
+# ---------------------------------------------------------------- cupy._core.array
 
-_install_lock = threading.Lock()
-_installs = 0  # captures using the dispatcher; guarded by _install_lock
-_previous = None  # the allocator to put back: a callable, or None for CuPy's _malloc
-_done_patched = False
+def _host_upload(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, blocking=False):
+    """``(numpy array, memory order)`` when ``_core.array`` is asked to upload host data cgraw
+    stages (see the module docstring), else None. ``copy`` and ``blocking`` change nothing here."""
+    if subok or not _is_host(obj):
+        return None
+    o = "K" if order is None else order.upper() if isinstance(order, str) else ""
+    if o not in _ORDERS:
+        return None
+    try:
+        host = numpy.asarray(obj, dtype=dtype)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if host.dtype.char not in CUPY_TYPES:
+        return None
+    if host.ndim < ndmin:
+        host = host.reshape((1,) * (ndmin - host.ndim) + host.shape)
+    if o in ("A", "K"):
+        fortran = isinstance(obj, numpy.ndarray) and obj.flags.f_contiguous and not obj.flags.c_contiguous
+        o = "F" if fortran else "C"
+    return host, o
 
 
-def _dispatcher(size):
-    """The pinned allocator CuPy calls while cgraw's is installed."""
-    if getattr(_tls, "probe", False):
-        _tls.probe = False  # uninstall() asking whether this dispatcher is still CuPy's
-        return _pointer(_Block(0, 0))
-    staging = getattr(_tls, "staging", None)
-    if staging is not None and _capturing():
-        ptr = staging.allocate(size, _cupy_call())
-        _tls.staged = True  # the next event recorded on the capture stream is this upload's
-        return _pointer(_Block(ptr, size))
-    prev = _previous
-    if prev is None:
-        return sys.modules["cupy.cuda.pinned_memory"]._malloc(size)
-    return prev(size)
+def _is_host(obj) -> bool:
+    """A NumPy array or scalar, a Python number, or a (nested) list or tuple of those."""
+    if type(obj) in (float, int, bool, complex):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return all(_is_host(x) for x in obj)
+    if not isinstance(obj, (numpy.ndarray, numpy.generic, int, float, complex)):
+        return False
+    if hasattr(obj, "__cuda_array_interface__") or hasattr(obj, "__cupy_get_ndarray__"):
+        return False
+    device = getattr(obj, "__dlpack_device__", None)
+    if device is None:
+        return True
+    try:
+        return int(device()[0]) in _DL_HOST
+    except Exception:  # not a usable DLPack device: CuPy decides
+        return False
 
 
-def _pointer(block):
-    return sys.modules["cupy"].cuda.PinnedMemoryPointer(block, 0)
+def _wrap(original):
+    """``cupy._core.array`` that stages this thread's host uploads inside its capture."""
+
+    def array(*args, **kwargs):
+        staging = getattr(_tls, "staging", None)
+        if staging is None or not _capturing():
+            return original(*args, **kwargs)
+        found = _host_upload(*args, **kwargs)
+        cupy = sys.modules["cupy"]
+        if found is None or int(cupy.cuda.get_current_stream().ptr) != staging.stream.ptr:
+            return original(*args, **kwargs)
+        return staging.upload(cupy, *found, _cupy_call())
+
+    array._cgraw_original = original
+    array.__name__ = getattr(original, "__name__", "array")
+    array.__doc__ = getattr(original, "__doc__", None)
+    return array
 
 
 def _capturing() -> bool:
@@ -322,116 +369,50 @@ def _cupy_call() -> str:
     while f is not None:
         frames.append(f)
         f = f.f_back
-    return outermost_cupy_frame(reversed(frames)) or "a CuPy upload"
+    return outermost_cupy_frame(reversed(frames)) or "cupy._core.array"
 
 
-def _identify_current(cupy):
-    """The allocator CuPy uses now, found by asking it for a tiny block (outside any capture):
-    ``(True, allocator)`` for CuPy's pinned pool or None (``_malloc``); ``(False, None)`` for
-    anything else (cgraw cannot put an unknown allocator back, so it does not replace it)."""
-    pm = sys.modules["cupy.cuda.pinned_memory"]
-    block = cupy.cuda.alloc_pinned_memory(1)
-    mem = block.mem
-    try:
-        if isinstance(mem, pm.PooledPinnedMemory):
-            pool = mem.pool() if callable(getattr(mem, "pool", None)) else None
-            return (pool is not None), (pool.malloc if pool is not None else None)
-        if type(mem) is pm.PinnedMemory:
-            return True, None
-        return False, None
-    finally:
-        del block, mem
+_install_lock = threading.Lock()
+_installs = 0  # captures routing CuPy's uploads; guarded by _install_lock
+_wrapper = None  # the wrapper install() set as cupy._core.array; guarded by _install_lock
 
 
 def install(cupy) -> str:
-    """Make the dispatcher CuPy's pinned allocator (counted); ``""`` or why it was not."""
-    global _installs, _previous
+    """Make ``cupy._core.array`` the staging wrapper (counted); ``""`` or why it was not."""
+    global _installs, _wrapper
+    core = getattr(cupy, "_core", None)
     with _install_lock:
         if _installs == 0:
-            with _defer._lock:  # the probe may cudaHostAlloc: no capture may begin meanwhile
-                if _defer.active():
-                    return "CuPy's pinned allocator is replaced only while no capture runs"
-                known, prev = _identify_current(cupy)
-            if not known:
-                return "a custom pinned-memory allocator is set (cupy.cuda.set_pinned_memory_allocator)"
-            _previous = prev
-            cupy.cuda.set_pinned_memory_allocator(_dispatcher)
+            current = getattr(core, "array", None)
+            if not callable(current):
+                return "this CuPy has no cupy._core.array to stage uploads through"
+            _wrapper = _wrap(current)
+            core.array = _wrapper
         _installs += 1
-        _patch_event_done(cupy)
         return ""
 
 
 def uninstall(cupy) -> None:
-    """Undo one ``install``; the last puts the previous allocator back if the dispatcher is still set."""
-    global _installs, _previous
+    """Undo one ``install``; the last puts the previous function back if the wrapper is still set."""
+    global _installs, _wrapper
     with _install_lock:
         _installs -= 1
         if _installs > 0:
             return
         _installs = 0
-        _tls.probe = True
-        try:
-            cupy.cuda.alloc_pinned_memory(0)
-            still_ours = not _tls.probe  # the dispatcher answered the probe
-        finally:
-            _tls.probe = False
-        if still_ours:
-            cupy.cuda.set_pinned_memory_allocator(_previous)
-        _previous = None
-
-
-def _patch_event_done(cupy) -> None:
-    global _done_patched
-    if _done_patched:
-        return
-    Event = cupy.cuda.Event
-    original = Event.__dict__.get("done")
-    if not isinstance(original, property):
-        return  # another CuPy: staged uploads then fail at the query, named as uploads
-    fget = original.fget
-
-    def done(self):
-        if getattr(self, "_cgraw_staged", False):
-            return True  # a staged upload's event, recorded inside a capture: its block is the graph's
-        if not _defer.active():
-            return fget(self)
-        with relaxed():
-            return fget(self)
-
-    done._cgraw_wrapped = fget
-    Event.done = property(done, doc=original.__doc__)
-    _done_patched = True
-
-
-def hook_stream(stream) -> bool:
-    """Give CuPy's object for the capture stream a ``record`` that marks staged uploads' events."""
-    record = stream.record
-
-    def staged_record(event=None):
-        if not getattr(_tls, "staged", False):
-            return record(event)
-        _tls.staged = False
-        with relaxed():
-            ev = record(event)  # a real record: other work may wait on it
-        ev._cgraw_staged = True
-        return ev
-
-    try:
-        stream.record = staged_record
-    except (AttributeError, TypeError):
-        return False
-    return True
+        wrapper, _wrapper = _wrapper, None
+        core = cupy._core
+        if wrapper is not None and core.array is wrapper:
+            core.array = wrapper._cgraw_original
 
 
 def enter(staging: CaptureStaging) -> None:
     _tls.staging = staging
-    _tls.staged = False
 
 
 def leave() -> None:
     _tls.staging = None
-    _tls.staged = False
 
 
-__all__ = ["CaptureStaging", "HostSource", "PinnedArena", "StagedUploads", "arena", "hook_stream", "install",
-           "prepare", "staging_bytes", "uninstall"]
+__all__ = ["CaptureStaging", "HostSource", "PinnedArena", "StagedUploads", "arena", "install", "prepare",
+           "staging_bytes", "uninstall"]
