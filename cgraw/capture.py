@@ -134,6 +134,7 @@ class capture:
         for ptr in {0, *(p for a in self._adapters for p in a.producer_streams())}:
             if ptr != stream.ptr:
                 stream.wait(_event_on(dev, ptr))
+        prepared = self._prepare_adapters()
         self._snapshot = pool.snapshot()
         entered = []
         # from here until __exit__ has left the routing, nothing is freed (cgraw._defer)
@@ -161,6 +162,9 @@ class capture:
             try:
                 for a in reversed(entered):
                     a.exit(failed=True)
+                for a in prepared:
+                    if a not in entered:
+                        a.unprepare()
                 self._restore_pool()
             finally:
                 _defer.capture_ends()
@@ -280,6 +284,25 @@ class capture:
             if solver is not None:
                 out.append(solver)
         return out
+
+    def _prepare_adapters(self) -> list:
+        """Run each adapter's ``prepare`` (work that must happen while no capture routes
+        allocations, before this one is counted in); on failure undo those that ran."""
+        prepared = []
+        try:
+            for a in self._adapters:
+                prep = getattr(a, "prepare", None)
+                if prep is not None:
+                    prep()
+                    prepared.append(a)
+        except BaseException:
+            for a in reversed(prepared):
+                a.unprepare()
+            self._adapters = []
+            self._restore_context()
+            self._release_rng()
+            raise
+        return prepared
 
     def _rng_routers(self, device: int) -> list:
         """The random-number routers of the frameworks being routed (entered after them)."""

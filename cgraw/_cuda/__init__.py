@@ -190,11 +190,11 @@ live_handles: Counter = Counter()
 
 
 _DESTROY = {"stream": "cuStreamDestroy", "event": "cuEventDestroy", "mem": "cuMemFree",
-            "graph": "cuGraphDestroy", "graph_exec": "cuGraphExecDestroy"}
+            "host": "cuMemFreeHost", "graph": "cuGraphDestroy", "graph_exec": "cuGraphExecDestroy"}
 
 
 def destroy_quietly(kind: str, handle) -> None:
-    """Destroy a handle of ``kind`` (stream, event, mem, graph, graph_exec) from a finalizer:
+    """Destroy a handle of ``kind`` (stream, event, mem, host, graph, graph_exec) from a finalizer:
     never raises.
 
     While any cgraw capture routes allocations the destroy waits for it to end (``_defer``).
@@ -295,12 +295,32 @@ def mem_free(ptr: int) -> None:
     live_handles["mem"] -= 1
 
 
+MEMHOSTALLOC_PORTABLE = 1  # CU_MEMHOSTALLOC_PORTABLE: pinned for every context, as CuPy's own staging
+
+
+def mem_host_alloc(nbytes: int, flags: int = MEMHOSTALLOC_PORTABLE) -> int:
+    """Page-locked host memory (``cuMemHostAlloc``); never call it while a capture routes allocations."""
+    ptr = check(drv.cuMemHostAlloc(nbytes, flags), "cuMemHostAlloc")
+    live_handles["host"] += 1
+    return int(ptr)
+
+
+def mem_free_host(ptr: int) -> None:
+    check(drv.cuMemFreeHost(ptr), "cuMemFreeHost")
+    live_handles["host"] -= 1
+
+
 def memcpy_htod(dst: int, src_host_ptr: int, nbytes: int) -> None:
     check(drv.cuMemcpyHtoD(dst, src_host_ptr, nbytes), "cuMemcpyHtoD")
 
 
 def memcpy_dtoh(dst_host_ptr: int, src: int, nbytes: int) -> None:
     check(drv.cuMemcpyDtoH(dst_host_ptr, src, nbytes), "cuMemcpyDtoH")
+
+
+def memcpy_htod_async(dst: int, src_host_ptr: int, nbytes: int, stream) -> None:
+    """Host to device on ``stream``; inside a capture, from pinned memory only (a graph's memcpy node)."""
+    check(drv.cuMemcpyHtoDAsync(dst, src_host_ptr, nbytes, stream), "cuMemcpyHtoDAsync")
 
 
 def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream) -> None:

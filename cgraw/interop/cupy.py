@@ -12,16 +12,21 @@ capture. Around a capture cgraw also:
   be initialised during a capture, and CuPy would keep the broken generator);
 - runs cuFFT plan creation and execution (``cupy.fft._fft._exec_fft``/``_exec_fftn``, wrapped once)
   in the relaxed capture mode on the capturing thread: cuFFT's plan set-up makes calls that
-  thread-local and global captures refuse, and CuPy's own captures are relaxed by default.
+  thread-local and global captures refuse, and CuPy's own captures are relaxed by default;
+- stages host-to-device uploads (``cupy.asarray`` of a NumPy array, constants uploaded by cupyx
+  functions) through pinned blocks the graph owns (``interop.cupy_staging``): ``prepare``, before
+  the capture begins, reserves the arena and wraps ``cupy._core.array``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 
 from cgraw import _cuda
 from cgraw import memory as _memory
+from cgraw.interop import cupy_staging as _staging
 
 HOST_SYNC = (
     "host synchronisation is not capturable: .get(), .item(), cupy.asnumpy(), printing a device "
@@ -50,10 +55,12 @@ RNG = (
     "pass it in. CuPy's random state is left as it was before the capture"
 )
 UPLOAD = (
-    "a host-to-device upload is not capturable: CuPy stages host data through pinned memory, whose "
-    "allocation a capture refuses (cupy.asarray of a NumPy array, and CuPy/cupyx functions that upload "
-    "their own constants each call, such as cupyx.scipy.ndimage.gaussian_filter's weights): make the "
-    "device array before the capture, or pass device weights to the function (ndimage.convolve / correlate1d)"
+    "a host-to-device upload failed inside the capture: cgraw stages CuPy's uploads made through "
+    "cupy.asarray / cupy.array / cupy.asanyarray (also the constants that cupyx functions such as "
+    "ndimage.gaussian_filter upload each call) through pinned blocks the graph owns, only on the capture "
+    "stream of the capturing thread and only for NumPy arrays, scalars and lists of them; other host copies "
+    "(ndarray.set, assigning a NumPy array into a CuPy array) CuPy refuses in a capture: make the device "
+    "array before the capture, or pass device weights to the function (ndimage.convolve / correlate1d)"
 )
 
 
@@ -79,17 +86,24 @@ def _capturing() -> bool:
     return getattr(_memory._tls, "capturing", 0) > 0
 
 
+@contextlib.contextmanager
+def relaxed():
+    """This thread in the relaxed capture mode for the block (calls a stricter capture refuses)."""
+    prev = _cuda.thread_exchange_capture_mode(_cuda.CAPTURE_MODES["relaxed"])
+    try:
+        yield
+    finally:
+        _cuda.thread_exchange_capture_mode(prev)
+
+
 def _relaxed_while_capturing(fn):
     """``fn`` run in the relaxed capture mode when this thread is in a cgraw capture."""
 
     def wrapper(*args, **kwargs):
         if not _capturing():
             return fn(*args, **kwargs)
-        prev = _cuda.thread_exchange_capture_mode(_cuda.CAPTURE_MODES["relaxed"])
-        try:
+        with relaxed():
             return fn(*args, **kwargs)
-        finally:
-            _cuda.thread_exchange_capture_mode(prev)
 
     wrapper._cgraw_wrapped = fn
     wrapper.__name__ = getattr(fn, "__name__", "wrapped")
@@ -176,10 +190,37 @@ class CupyRouting:
         self._alloc_ctx = None
         self._stream_ctx = None
         self._random_before = None
-        self.keepalive: list = []  # host functions CuPy enqueued during the capture (the graph keeps them)
+        self._staging = None  # this capture's uploads (interop.cupy_staging.CaptureStaging)
+        self._installed = False  # whether prepare() wrapped cupy._core.array
+        # host functions CuPy enqueued during the capture and the staged uploads' blocks (the graph keeps them)
+        self.keepalive: list = []
 
     def producer_streams(self) -> list[int]:
         return [int(self.cupy.cuda.get_current_stream().ptr)]
+
+    def prepare(self) -> None:
+        """Before the capture begins, while nothing is routed: the pinned staging (arena reserved,
+        dead graphs' blocks reused, ``cupy._core.array`` wrapped)."""
+        self._staging = _staging.prepare(self.pool.device.ordinal, self.stream)
+        why = _staging.install(self.cupy)
+        if why:
+            self._staging.arena, self._staging.unavailable = None, why
+        else:
+            self._installed = True
+
+    def unprepare(self, failed: bool = True) -> None:
+        """Undo ``prepare`` (idempotent); the staged blocks go to the graph's keep-alive list."""
+        staging, self._staging = self._staging, None
+        _staging.leave()
+        try:
+            if staging is not None:
+                holder = staging.finish(failed)
+                if holder is not None:
+                    self.keepalive.append(holder)
+        finally:
+            if self._installed:
+                self._installed = False
+                _staging.uninstall(self.cupy)
 
     def enter(self) -> None:
         cupy = self.cupy
@@ -196,6 +237,8 @@ class CupyRouting:
             self._stream_ctx = _external_stream(cupy, self.stream, dev)
             _give_host_func_list(self._stream_ctx)
             self._stream_ctx.__enter__()
+            if self._staging is not None:
+                _staging.enter(self._staging)
         except BaseException:
             self.exit(failed=True)
             raise
@@ -207,6 +250,7 @@ class CupyRouting:
                 self._stream_ctx.__exit__(None, None, None)
         finally:
             self._stream_ctx = None
+            self.unprepare(failed)
             try:
                 if self._alloc_ctx is not None:
                     ctx, self._alloc_ctx = self._alloc_ctx, None
@@ -231,6 +275,8 @@ class CupyRouting:
         msg = str(exc)
         mod = type(exc).__module__
         name = type(exc).__name__
+        if name == "CaptureError" and getattr(exc, "name", "") == "UPLOAD_NOT_COVERED":
+            return f"{exc.description}; {exc.hint}"
         if name == "CURANDError" or "cuRAND API during stream capture" in msg:
             return RNG
         if "cuBLAS API during stream capture" in msg:
@@ -253,18 +299,33 @@ def _library_call(exc: BaseException, lib: str) -> str:
     """`` [cupy.linalg._solve.solve -> cusolver.sgetrf]``: the outermost CuPy function in the
     traceback and the outermost frame of CuPy's wrapper module of ``lib`` (Cython frames carry
     their module's globals), or ``""``."""
-    entry = routine = None
+    frames = []
     tb = exc.__traceback__
     while tb is not None:
-        frame = tb.tb_frame
-        mod = frame.f_globals.get("__name__", "") if isinstance(frame.f_globals, dict) else ""
-        if entry is None and mod.startswith(("cupy.", "cupyx.")):
-            entry = f"{mod}.{frame.f_code.co_name}"
-        if routine is None and (mod.endswith(f".libs.{lib}") or f"{lib}.pyx" in frame.f_code.co_filename):
-            routine = f"{lib}.{frame.f_code.co_name.rsplit('.', 1)[-1]}"
+        frames.append(tb.tb_frame)
         tb = tb.tb_next
+    entry = outermost_cupy_frame(frames)
+    routine = None
+    for frame in frames:
+        if _module(frame).endswith(f".libs.{lib}") or f"{lib}.pyx" in frame.f_code.co_filename:
+            routine = f"{lib}.{frame.f_code.co_name.rsplit('.', 1)[-1]}"
+            break
     called = " -> ".join(x for x in (entry, routine) if x)
     return f" [{called}]" if called else ""
+
+
+def _module(frame) -> str:
+    g = frame.f_globals
+    return g.get("__name__", "") if isinstance(g, dict) else ""
+
+
+def outermost_cupy_frame(frames) -> str | None:
+    """``module.function`` of the first CuPy/cupyx frame among ``frames`` (outermost first), or None."""
+    for frame in frames:
+        mod = _module(frame)
+        if mod.startswith(("cupy.", "cupyx.")):
+            return f"{mod}.{frame.f_code.co_name}"
+    return None
 
 
 # Frames of CuPy's host-to-device staging. CuPy is Cython: its frames are named by qualified name
@@ -274,7 +335,10 @@ _UPLOAD_FRAMES = ("copy_from_host", "hostAlloc", "alloc_pinned", "_array_default
 
 def _uploads(exc: BaseException) -> bool:
     """Whether the failure came from CuPy staging host data for a device array (pinned memory or
-    a host-to-device copy), anywhere in the exception's traceback."""
+    a host-to-device copy): CuPy 14.2's refusal of a copy on a capturing stream, or such a frame
+    anywhere in the exception's traceback."""
+    if "H2D transfers are disallowed" in str(exc):
+        return True
     tb = exc.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
