@@ -30,7 +30,7 @@ EXPECT_TEXT = {
     CUBLAS: "a cuBLAS call cgraw does not route (CuPy refuses it during stream capture)",
     CUSOLVER: "CuPy refuses cuSOLVER calls during stream capture",
     CUSPARSE: "CuPy refuses cuSPARSE calls during stream capture",
-    UPLOAD: "the call uploads host data (pinned staging, which a capture refuses)",
+    UPLOAD: "the call uploads host data other than through cupy.asarray/array (ndarray.set), which CuPy refuses",
     SYNC: "the call reads a device value on the host (data-dependent shape or count)",
     RNG: "a cupy.random function cgraw does not draw itself",
 }
@@ -319,7 +319,7 @@ def _reductions() -> list[Case]:
         Case("cupy.nanmax", s, (NANS,), expect=SYNC, note="checks for an all-NaN slice on the host"),
         Case("cupy.average", s, (V, POS), lambda f, x, w: f(x, weights=w), expect=SYNC,
              note="checks the weights' sum for zero on the host"),
-        Case("cupy.percentile", s, (V,), lambda f, x: f(x, 25.0), expect=UPLOAD, note="uploads q"),
+        Case("cupy.percentile", s, (V,), lambda f, x: f(x, 25.0), note="uploads q (staged)"),
         Case("cupy.histogram", s, (V,), lambda f, x: f(x, bins=16, range=(-3.0, 3.0))),
         Case("cupy.bincount", s, (Arr((N,), "int32", 0, 16),), lambda f, x: f(x, minlength=16), expect=SYNC,
              note="the output length is max(x) + 1, read on the host"),
@@ -356,7 +356,7 @@ def _manipulation() -> list[Case]:
         Case("cupy.take_along_axis", s, (M, Arr((32, 8), "int32", 0, 32)), lambda f, x, i: f(x, i, axis=1)),
         Case("cupy.choose", s, (Arr((N,), "int32", 0, 3), V, W, POS), lambda f, i, a, b, c: f(i, [a, b, c])),
         Case("cupy.partition", s, (V,), lambda f, x: f(x, 10)),
-        Case("cupy.argpartition", s, (V,), lambda f, x: f(x, 10)),
+        Case("cupy.argpartition", s, (V,), lambda f, x: f(x, 10), expect=SYNC),
         Case("cupy.lexsort", s, (Arr((2, N), "int32", 0, 8),)),
         Case("cupy.searchsorted", s, (_sorted(64), V)),
         Case("cupy.broadcast_to", s, (V,), lambda f, x: f(x, (4, N))),
@@ -364,11 +364,11 @@ def _manipulation() -> list[Case]:
         Case("cupy.meshgrid", s, (Arr((16,)), Arr((8,)))),
         Case("cupy.ascontiguousarray", s, (M,), lambda f, x: f(x.T)),
         Case("cupy.append", s, (V, W)),
-        Case("cupy.delete", s, (V,), lambda f, x: f(x, 3)),
+        Case("cupy.delete", s, (V,), lambda f, x: f(x, 3), expect=SYNC),
         Case("cupy.packbits", s, (B,)),
         Case("cupy.unpackbits", s, (Arr((64,), "uint8", 0, 256),)),
         Case("cupy.full_like", s, (V,), lambda f, x: f(x, 3.0)),
-        Case("cupy.linspace", s, (), lambda f: f(0.0, 1.0, 64), expect=UPLOAD, note="uploads start and stop"),
+        Case("cupy.linspace", s, (), lambda f: f(0.0, 1.0, 64), note="uploads start and stop (staged)"),
         Case("cupy.eye", s, (), lambda f: f(16)),
         Case("cupy.unique", s, (Arr((N,), "int32", 0, 400),), expect=SYNC),
         Case("cupy.nonzero", s, (B,), expect=SYNC),
@@ -533,10 +533,10 @@ def _ndimage() -> list[Case]:
     cases = [Case(p + f, s, (IMG,), lambda f, x: f(x, size=3)) for f in (
         "uniform_filter", "median_filter", "minimum_filter", "maximum_filter", "grey_erosion", "grey_dilation",
         "morphological_gradient")]
-    cases += [Case(p + f, s, (IMG,), lambda f, x: f(x, 1.5), expect=UPLOAD) for f in (
+    cases += [Case(p + f, s, (IMG,), lambda f, x: f(x, 1.5), note="weights staged") for f in (
         "gaussian_filter", "gaussian_filter1d", "gaussian_laplace")]
-    cases += [Case(p + f, s, (IMG,), expect=UPLOAD) for f in ("sobel", "prewitt", "laplace")]
-    cases += [Case(p + f, s, (Arr((32, 32), "bool"),)) for f in (
+    cases += [Case(p + f, s, (IMG,), note="weights staged") for f in ("sobel", "prewitt", "laplace")]
+    cases += [Case(p + f, s, (Arr((32, 32), "bool"),), expect=SYNC) for f in (
         "binary_erosion", "binary_closing")]
     cases += [
         Case(p + "correlate1d", s, (IMG, TAPS), lambda f, x, w: f(x, w, axis=0)),
@@ -546,17 +546,18 @@ def _ndimage() -> list[Case]:
         Case(p + "uniform_filter1d", s, (IMG,), lambda f, x: f(x, 5)),
         Case(p + "percentile_filter", s, (IMG,), lambda f, x: f(x, 25, size=3)),
         Case(p + "rank_filter", s, (IMG,), lambda f, x: f(x, 2, size=3)),
-        Case(p + "zoom", s, (IMG,), lambda f, x: f(x, 1.5, order=1), expect=UPLOAD),
-        Case(p + "shift", s, (IMG,), lambda f, x: f(x, (1.5, -0.5), order=1), expect=UPLOAD),
-        Case(p + "rotate", s, (IMG,), lambda f, x: f(x, 30.0, reshape=False, order=1), expect=UPLOAD),
+        Case(p + "zoom", s, (IMG,), lambda f, x: f(x, 1.5, order=1), note="staged"),
+        Case(p + "shift", s, (IMG,), lambda f, x: f(x, (1.5, -0.5), order=1), note="staged"),
+        Case(p + "rotate", s, (IMG,), lambda f, x: f(x, 30.0, reshape=False, order=1), expect=SYNC,
+             note="its upload is staged; then it synchronises"),
         Case(p + "affine_transform", s, (IMG, Arr((2, 2), lo=0.8, hi=1.2)), lambda f, x, m: f(x, m, order=1),
-             expect=UPLOAD, note="the default offset=0.0 is uploaded with cupy.asarray"),
+             note="the default offset=0.0 is uploaded with cupy.asarray (staged)"),
         Case(p + "map_coordinates", s, (IMG, Arr((2, N), lo=0.0, hi=31.0)), lambda f, x, c: f(x, c, order=1)),
         Case(p + "spline_filter", s, (IMG,)),
         Case(p + "fourier_gaussian", s, (CIMG,), lambda f, x: f(x, 1.0)),
         Case(p + "fourier_shift", s, (CIMG,), lambda f, x: f(x, 1.5)),
         Case(p + "label", s, (Arr((32, 32), "bool"),), expect=SYNC, note="returns the number of labels as an int"),
-        Case(p + "sum_labels", s, (IMG, Arr((32, 32), "int32", 0, 4))),
+        Case(p + "sum_labels", s, (IMG, Arr((32, 32), "int32", 0, 4)), expect=SYNC),
         Case(p + "center_of_mass", s, (Arr((32, 32), lo=0.0, hi=1.0),)),
         Case(p + "distance_transform_edt", s, (Arr((32, 32), "bool"),)),
     ]
@@ -576,18 +577,18 @@ def _signal() -> list[Case]:
         Case(p + "oaconvolve", s, (V, Arr((31,)))),
         Case(p + "lfilter", s, (Arr((3,)), DEN, V)),
         Case(p + "sosfilt", s, (SOS, V)),
-        Case(p + "filtfilt", s, (Arr((3,)), DEN, V)),
+        Case(p + "filtfilt", s, (Arr((3,)), DEN, V), expect=SYNC),
         Case(p + "medfilt", s, (V,), lambda f, x: f(x, 5)),
         Case(p + "medfilt2d", s, (IMG,), lambda f, x: f(x, 3)),
         Case(p + "order_filter", s, (IMG, Maker(lambda rng: np.ones((3, 3), np.float32), "ones(3,3)")),
-             lambda f, x, d: f(x, d, 4)),
+             lambda f, x, d: f(x, d, 4), expect=SYNC),
         Case(p + "wiener", s, (IMG,)),
-        Case(p + "detrend", s, (V,)),
+        Case(p + "detrend", s, (V,), expect=SYNC),
         Case(p + "hilbert", s, (V,)),
         Case(p + "resample", s, (V,), lambda f, x: f(x, 128)),
-        Case(p + "resample_poly", s, (V,), lambda f, x: f(x, 2, 3)),
+        Case(p + "resample_poly", s, (V,), lambda f, x: f(x, 2, 3), expect=SYNC),
         Case(p + "upfirdn", s, (h9, V), lambda f, h, x: f(h, x, 2, 3)),
-        Case(p + "decimate", s, (V,), lambda f, x: f(x, 4)),
+        Case(p + "decimate", s, (V,), lambda f, x: f(x, 4), expect=SYNC),
         Case(p + "savgol_filter", s, (V,), lambda f, x: f(x, 7, 2), expect=CUSOLVER,
              note="its coefficients come from lstsq: gesvd, refused by name"),
         Case(p + "periodogram", s, (V,)),
@@ -628,8 +629,8 @@ def _special() -> list[Case]:
         Case(p + "multigammaln", s, (half,), lambda f, a: f(a, 3), expect=SYNC, note="checks its domain on the host"),
         Case(p + "spherical_yn", s, (order, POS)),
         Case(p + "softmax", s, (M,), lambda f, x: f(x, axis=1)),
-        Case(p + "log_softmax", s, (M,), lambda f, x: f(x, axis=1)),
-        Case(p + "logsumexp", s, (M,), lambda f, x: f(x, axis=1)),
+        Case(p + "log_softmax", s, (M,), lambda f, x: f(x, axis=1), expect=SYNC),
+        Case(p + "logsumexp", s, (M,), lambda f, x: f(x, axis=1), expect=SYNC),
         Case(p + "erf [float64]", s, (V64,)),
     ]
     return cases
@@ -654,7 +655,7 @@ def _sparse() -> list[Case]:
              setup=lambda ns, v, *parts: (_csr(ns, *parts).T.tocsc(), v), expect=CUSPARSE,
              note="the CSR's transpose as CSC @ vector"),
         Case(p + "coo_matrix.dot", s, SP_INPUTS + (x,), setup=lambda ns, *a: (_csr(ns, *a[:3]).tocoo(), a[3]),
-             expect=CUSPARSE),
+             expect=SYNC),
     ]
 
 

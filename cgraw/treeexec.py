@@ -248,7 +248,9 @@ class CudaBackend(TorchAutograd):
         rec.in_pool = self._pool_owner()  # segments of now: later ones hold nothing this graph writes
         rec.stage = self._stage
         try:
-            rebindexec.plan(rec, g, call, placeholders, NoRebind if call.grad else config)
+            # a backward reads the placeholders the forward saved: copied inputs, only when one can run
+            backward = call.grad and any(getattr(t, "requires_grad", False) for t in out_leaves)
+            rebindexec.plan(rec, g, call, placeholders, NoRebind if backward else config)
         except CudaError as exc:
             rec.proof = None
             rec.input_notes = {c.leaf: f"cgraw could not read the graph's nodes ({exc.call}: {exc.name})"

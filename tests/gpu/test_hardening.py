@@ -459,9 +459,12 @@ def test_item12_cupy_upload_random_cublas_and_sparse_are_named():
 
     a = cp.asarray(rng.standard_normal((32, 32)).astype(np.float32))
     nd.gaussian_filter(a, 1.5)
+    with cgraw.capture() as g:  # its weights' upload is staged by cgraw (session 9)
+        nd.gaussian_filter(a, 1.5)
+    g.close()
     with pytest.raises(cgraw.CaptureError, match="host-to-device upload"):
         with cgraw.capture():
-            nd.gaussian_filter(a, 1.5)
+            a.set(rng.standard_normal((32, 32)).astype(np.float32))  # not through cupy.asarray: refused
     gen = sys.modules["cupy.random._generator"]
     gen._random_states.clear()  # first use of cupy.random inside the capture
     # random=False: cuRAND itself inside the capture (cgraw's own generator is tests/gpu/test_rng.py)

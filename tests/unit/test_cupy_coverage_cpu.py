@@ -79,8 +79,9 @@ def test_structured_inputs_keep_their_structure():
 
 def test_expected_failures_cover_the_known_refusals():
     expect = collections.Counter(c.expect for c in CASES)
-    for kind in (C.CUBLAS, C.CUSOLVER, C.CUSPARSE, C.UPLOAD, C.SYNC, C.RNG):
+    for kind in (C.CUBLAS, C.CUSOLVER, C.CUSPARSE, C.SYNC, C.RNG):
         assert expect[kind] >= 1, kind
+    assert expect[C.UPLOAD] == 0  # every upload of the table goes through cupy.asarray: staged (session 9)
     by_name = {c.name: c for c in CASES}
     assert by_name["cupy.matmul"].expect is None  # routed to cgraw's cuBLAS handle (interop.cupy_blas)
     assert by_name["cupy.cublas.iamax"].expect == C.CUBLAS
@@ -88,7 +89,7 @@ def test_expected_failures_cover_the_known_refusals():
     assert by_name["cupy.linalg.svd [batch of one]"].expect is None  # gesvdjBatched: routed
     assert by_name["cupy.linalg.svd"].expect == C.CUSOLVER  # gesvd synchronises inside cuSOLVER: refused
     assert by_name["cupy.linalg.eig"].expect == C.CUSOLVER  # Xgeev's host workspace: refused
-    assert by_name["cupyx.scipy.ndimage.gaussian_filter"].expect == C.UPLOAD
+    assert by_name["cupyx.scipy.ndimage.gaussian_filter"].expect is None  # its weights' upload is staged
     assert by_name["cupy.random.gamma"].expect == C.RNG
     assert by_name["cupy.random.normal"].expect is None and by_name["cupy.random.normal"].compare == "random"
 
