@@ -38,8 +38,8 @@ class Config:
     # it safe, instead of copied into a placeholder on every call (issue 12)
     rebind_inputs: bool = True
     # autograd through graphed functions (issue 16, cgraw.autograd_plan): outputs require grad and
-    # backward() replays a recorded backward. Off until the H200 has run it
-    autograd: bool = False
+    # backward() replays a recorded backward; False: outputs are detached from the second call on
+    autograd: bool = True
 
     def __setattr__(self, name, value):
         if name not in self.__dataclass_fields__:

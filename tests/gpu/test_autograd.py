@@ -1,6 +1,7 @@
 """GPU tier for autograd through graphed functions (issue 16, ``cgraw.autograd_plan``), with
-``cgraw.config.autograd = True``. Written before any H200 run (session of issue 16): expect the
-first run to find problems.
+``cgraw.config.autograd = True`` (the default since session 9). First run on the H200 in session 9:
+every backward capture failed (a parameter's AccumulateGrad node on the default stream, fixed by
+reading closure tensors through aliases), then 14 of 17 passed; the ``.sum()`` cases are below.
 
 Each training test runs the forward graphed and ``loss.backward()`` + ``optimizer.step()``
 outside, beside an eager deep copy of the model on the same fresh random inputs, and compares
@@ -26,10 +27,10 @@ TOL = dict(rtol=2e-4, atol=2e-5)
 
 @pytest.fixture
 def autograd_on():
-    cgraw.config.autograd = True
+    prev, cgraw.config.autograd = cgraw.config.autograd, True  # the default since session 9
     with full_fp32():
         yield
-    cgraw.config.autograd = False
+    cgraw.config.autograd = prev
 
 
 def _mgr():
@@ -141,33 +142,42 @@ def test_frozen_sub_module():
     assert model[0].weight.grad is None
 
 
-def _sum_backward(out):
-    """Eager ``out.sum().backward()`` with the incoming gradient materialised: a captured backward
-    reads the gradient from a contiguous placeholder, where ``sum``'s is a stride-0 expansion, and
-    cuBLAS may then pick another kernel for the weight gradient. On the H200 (session 9) three
-    tests comparing ``.sum()`` losses bitwise differed in the last bits of the last layer's weight
-    gradient, and only there; ``_compare_sum`` checks that hypothesis: bitwise equal to this
-    reference, and close to the plain ``.sum()`` one."""
-    out.backward(torch.ones_like(out))
+# ``loss(out, r)``: "weighted" sums out * r (r fresh and random: a dense incoming gradient), compared
+# bitwise; "sum" is out.sum(), compared within SUM_TOL. On the H200 (session 9, a probe of 6 steps)
+# graphed .sum() gradients differed from eager by one or two ulps (relative 5e-8 to 1e-7) in the
+# weight gradient of the last layer only, and were bitwise equal with the incoming gradient
+# materialised (out.backward(ones)) on both sides or with a mean-of-squares loss: sum's gradient is
+# a stride-0 expansion, which the graph reads from a contiguous copy; its GEMM then rounds otherwise
+# (mechanism not proven; a follow-up).
+SUM_TOL = dict(rtol=1e-6, atol=1e-5)
+LOSSES = ["weighted", "sum"]
 
 
-def _compare_sum(model, ref, ref_sum, what):
-    _compare(model, ref, True, what)
-    _compare(model, ref_sum, False, what + " (eager .sum())")
+def _loss(kind, out, r):
+    return (out * r).sum() if kind == "weighted" else out.sum()
 
 
-def test_grad_with_respect_to_an_input():
+def _compare_loss(kind, model, ref, what):
+    if kind == "weighted":
+        _compare(model, ref, True, what)
+        return
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **SUM_TOL, msg=lambda m, n=n: f"{what}: grad {n}: {m}")
+
+
+@pytest.mark.parametrize("kind", LOSSES)
+def test_grad_with_respect_to_an_input(kind):
     model = _mlp()
-    ref, ref_sum = copy.deepcopy(model), copy.deepcopy(model)
+    ref = copy.deepcopy(model)
     g = cgraw.graphed(model)
     for _ in range(STEPS):
         x = trand(8, 64).requires_grad_()
         xr = x.detach().clone().requires_grad_()
-        g(x).sum().backward()
-        _sum_backward(ref(xr))
-        ref_sum(x.detach()).sum().backward()
+        r = trand(8, 10)
+        _loss(kind, g(x), r).backward()
+        _loss(kind, ref(xr), r).backward()
         assert torch.equal(x.grad, xr.grad) and not _in_pool(x.grad)
-    _compare_sum(model, ref, ref_sum, "input grads")
+    _compare_loss(kind, model, ref, "input grads")
 
 
 def test_eval_calls_interleaved_with_training():
@@ -204,33 +214,33 @@ def test_two_graphed_functions_chained():
     assert len(_backward_stats()) == 2 and all(s.replays for s in _backward_stats())
 
 
-def test_backward_never_called_stays_correct():
+@pytest.mark.parametrize("kind", LOSSES)
+def test_backward_never_called_stays_correct(kind):
     model = _mlp()
-    ref, ref_sum = copy.deepcopy(model), copy.deepcopy(model)
+    ref = copy.deepcopy(model)
     g = cgraw.graphed(model)
     for step in range(STEPS):
         x = trand(32, 64)
         out = g(x)
         assert torch.equal(out.detach(), ref(x).detach())
         if step % 4 == 3:
-            out.sum().backward()
-            _sum_backward(ref(x))
-            ref_sum(x).sum().backward()
-    _compare_sum(model, ref, ref_sum, "sometimes trained")
+            r = trand(32, 10)
+            _loss(kind, out, r).backward()
+            _loss(kind, ref(x), r).backward()
+    _compare_loss(kind, model, ref, "sometimes trained")
 
 
-def test_backward_after_a_second_forward():
+@pytest.mark.parametrize("kind", LOSSES)
+def test_backward_after_a_second_forward(kind):
     model = _mlp()
-    ref, ref_sum = copy.deepcopy(model), copy.deepcopy(model)
+    ref = copy.deepcopy(model)
     g = cgraw.graphed(model)
     for _ in range(STEPS):
-        x1, x2 = trand(8, 64), trand(8, 64)
+        x1, x2, r = trand(8, 64), trand(8, 64), trand(8, 10)
         a, b = g(x1), g(x2)
-        (a.pow(2).sum() + b.sum()).backward()
-        ra, rb = ref(x1), ref(x2)
-        torch.autograd.backward([ra.pow(2).sum(), rb], [None, torch.ones_like(rb)])
-        (ref_sum(x1).pow(2).sum() + ref_sum(x2).sum()).backward()
-    _compare_sum(model, ref, ref_sum, "two forwards")
+        (a.pow(2).sum() + _loss(kind, b, r)).backward()
+        (ref(x1).pow(2).sum() + _loss(kind, ref(x2), r)).backward()
+    _compare_loss(kind, model, ref, "two forwards")
 
 
 def test_dynamic_shapes_under_backward():

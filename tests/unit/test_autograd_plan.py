@@ -538,16 +538,19 @@ def test_plan_of_each_case():
 
 
 def test_config_autograd_installs_the_grad_probe_only_while_on():
-    """``cgraw.config.autograd`` (default False) decides whether grad mode joins the key."""
+    """``cgraw.config.autograd`` (default True since session 9) decides whether grad mode joins the key."""
     from cgraw import treetypes
 
+    assert config.autograd is True
     calls.use_grad_mode(None)
+    config.autograd = False
     treetypes.grad_probe(GRAD.probe)
     try:
-        assert config.autograd is False and calls._grad_mode[0] is None
+        assert calls._grad_mode[0] is None
         config.autograd = True
         assert calls._grad_mode[0] == GRAD.probe
         config.autograd = False
         assert calls._grad_mode[0] is None
     finally:
+        config.autograd = True
         treetypes.grad_probe(None)

@@ -32,7 +32,7 @@ def _autograd(monkeypatch):
         treetypes.grad_probe(torch.is_grad_enabled)
         config.autograd = True
         yield
-        config.autograd = False
+        config.autograd = True  # the default (a test may turn it off)
         treetypes.grad_probe(None)
         assert calls._grad_mode[0] is None
 
