@@ -26,7 +26,7 @@ import weakref
 from cgraw import treetypes
 from cgraw.arrays import TREE, out_spec, replace_leaves, unflatten
 from cgraw.autograd_plan import BackwardPlan
-from cgraw.errors import CgrawError
+from cgraw.errors import CgrawError, SkipCall
 
 
 class NoRebind:
@@ -244,8 +244,15 @@ class TorchAutograd:
 
     def with_backward(self, ticket, out, call):
         flat: list = []
-        spec = out_spec(out, flat)
         rec = ticket.recording
+        try:
+            spec = out_spec(out, flat)
+        except SkipCall:
+            # an eager forward whose output no graph can hand out (a sparse tensor): it is never
+            # recorded, its backward is eager's own graph; untapped, so it never holds a generation
+            # (a replayed output only comes from a recording, which out_spec accepted)
+            ticket.never_needed()
+            return out
         if rec is None:  # an eager forward: tap its outputs that require grad
             node = ticket.node
             idx = [i for i, t in enumerate(flat) if getattr(t, "requires_grad", False)]

@@ -274,3 +274,20 @@ def test_autograd_off_keeps_keys_as_on_main(tree, caplog):
         out = f(torch.randn(2, 8))
     assert not out.requires_grad and not tree.book.tickets
     assert all(len(n.key) == 1 for n in tree.nodes())
+
+
+def test_an_output_a_graph_cannot_hand_out_runs_eagerly_with_grad_enabled(tree):
+    """A function returning a sparse tensor with grad enabled (session 9, H200: the tap of the
+    eager forward flattened the output and raised SkipCall out of the user's call): it runs
+    eagerly, returns eager's result every call, and the reason is kept."""
+    def sparse_out(x):
+        return (x * 2.0).to_sparse()
+
+    f = TorchFn(sparse_out, tree, name="sparse_out")
+    for _ in range(4):
+        x = torch.randn(4, 4)
+        got = f(x)
+        assert got.layout is torch.sparse_coo and torch.equal(got.to_dense(), x * 2.0)
+    x = torch.randn(4, 4, requires_grad=True)  # an input that requires grad: the eager graph is eager's
+    f(x).to_dense().sum().backward()
+    assert torch.equal(x.grad, torch.full((4, 4), 2.0))
