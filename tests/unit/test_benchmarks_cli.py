@@ -101,3 +101,34 @@ def test_training_rows_are_valid_only_when_forward_and_backward_replayed():
     assert _goals(rows, res)["cgraw_forward_over_cgraw_whole_step"]["verdict"].startswith("not valid")
     del res["reduce_overhead"]
     assert _goals(rows, res)["cgraw_forward_over_reduce_overhead"]["verdict"].startswith("not measured")
+
+
+def test_training_check_holds_graphs_elementwise_and_the_compiled_peer_in_norm():
+    """The check compares what each step changed with eager's change: elementwise for graph
+    systems, in L2 norm for reduce_overhead (Inductor reorders reductions); a step that did
+    nothing fails both."""
+    torch = pytest.importorskip("torch")
+    from benchmarks.training import CheckFailed, _check
+
+    model = torch.nn.Linear(1000, 1, bias=False)
+    init = [t.detach().clone() for t in model.parameters()]
+    change = torch.full((1, 1000), 1e-3)
+    outlier = change.clone()
+    outlier[0, 7] *= 3.0  # one element off by 200%, the whole change off by 6% in norm
+    ref = [(1.0, [init[0] + change])]
+
+    def stepper(delta):
+        def step(batch):
+            with torch.no_grad():
+                model.weight.copy_(init[0] + delta)
+            return torch.tensor(1.0)
+        return step
+
+    info = {"model": model}
+    assert _check(torch, None, stepper(change), info, [None], ref, init, compiled=False) == 0.0
+    with pytest.raises(CheckFailed, match="weight"):
+        _check(torch, None, stepper(outlier), info, [None], ref, init, compiled=False)
+    _check(torch, None, stepper(outlier), info, [None], ref, init, compiled=True)
+    for compiled in (False, True):
+        with pytest.raises(CheckFailed, match="weight"):
+            _check(torch, None, stepper(torch.zeros(1, 1000)), info, [None], ref, init, compiled=compiled)
