@@ -69,10 +69,15 @@ def grad_enabled() -> bool:
     return p is not None and bool(p())
 
 
+_NO_LEAF_GRAD = ((GRAD, ()),)  # the key suffix of the common case: no leaf requires grad
+
+
 def _with_grad(call: "Call") -> "Call":
-    """Mark ``call`` as made with grad enabled: which leaves require grad joins its key."""
+    """Mark ``call`` as made with grad enabled: which leaves require grad joins its key (a
+    graphed call's hot path: a list comprehension, and no new suffix when none does)."""
     call.grad = True
-    call.key = call.key + ((GRAD, tuple(j for j, t in enumerate(call.leaves) if getattr(t, "requires_grad", False))),)
+    req = [j for j, t in enumerate(call.leaves) if getattr(t, "requires_grad", False)]
+    call.key = call.key + (((GRAD, tuple(req)),) if req else _NO_LEAF_GRAD)
     return call
 
 

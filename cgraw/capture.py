@@ -280,7 +280,7 @@ class capture:
             blas = _cupy_blas.router(pool, stream, warm=self.warm_cublas)  # after CuPy's routing: needs it
             if blas is not None:
                 out.append(blas)
-            solver = _cupy_solver.router(pool, stream)  # not yet run on the H200
+            solver = _cupy_solver.router(pool, stream)
             if solver is not None:
                 out.append(solver)
         return out

@@ -79,9 +79,7 @@ class TreeManager:
 
     def _end_generation(self) -> None:
         self.generation += 1
-        orphans = self.book.end_generation()
-        if orphans:  # before anything is poisoned: a recompute may need it
-            self.backend.orphan(orphans)
+        self._orphan_pending()
         handed, self.handed_out = self.handed_out, []
         self.backend.end_generation(handed, config.generation_cloning)
         self.tree_outputs = {}
@@ -176,6 +174,12 @@ class TreeManager:
         return self._with_backward(fn, node, out, call) if call.grad else out
 
     # ------------------------------------------------------------------ autograd (cgraw.autograd_plan)
+
+    def _orphan_pending(self) -> None:
+        """Forwards whose backward may still run keep what a recompute reads (before poisoning)."""
+        orphans = self.book.end_generation()
+        if orphans:
+            self.backend.orphan(orphans)
 
     def _with_backward(self, fn, node, out, call):
         """Issue the ticket of a call made with grad enabled; the backend gives the outputs that
@@ -397,9 +401,7 @@ class TreeManager:
     def reset(self) -> None:
         """End the generation, drop every node and recording; the backend frees the pool."""
         self.check_thread("cgraw.reset()")
-        orphans = self.book.end_generation()
-        if orphans:
-            self.backend.orphan(orphans)
+        self._orphan_pending()
         if self.handed_out:
             handed, self.handed_out = self.handed_out, []
             self.backend.end_generation(handed, config.generation_cloning)

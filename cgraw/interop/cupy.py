@@ -43,7 +43,7 @@ CUBLAS = (
 CUBLAS_FAILED = "a cuBLAS call failed inside the capture (CuPy's handle cannot be made in one: keep warm_cublas=True)"
 CUSOLVER = (
     "CuPy refuses cuSOLVER calls during stream capture: cgraw routes CuPy's dense cuSOLVER calls (getrf/getrs, "
-    "potrf/potrs and batched, geqrf/orgqr/ormqr, gesvd, gesvdjBatched, syevjBatched, syevd, Xsyevd) on the "
+    "potrf/potrs and batched, geqrf/orgqr/ormqr, gesvdjBatched, syevjBatched) on the "
     "capture stream of the capturing thread, with CuPy's handle; this one it does not (batched qr, batched svd "
     "of matrices over 32, or CGRAW_CUPY_CUSOLVER=0): do it outside the captured region"
 )
