@@ -166,13 +166,12 @@ class BackwardFn:
 class _Link:
     """One call's outputs and what their backward needs: ``_Graphed``'s ``ctx.link``."""
 
-    __slots__ = ("backend", "ticket", "info", "fn", "call", "kept", "outs", "keep", "__weakref__")
+    __slots__ = ("backend", "ticket", "info", "fn", "call", "kept", "outs", "__weakref__")
 
     def __init__(self, backend, ticket, info=None, fn=None, call=None):
         self.backend, self.ticket, self.info, self.fn, self.call = backend, ticket, info, fn, call
         self.kept = None  # copies of the inputs in the tree's memory (orphaned: the recompute's)
         self.outs = None  # the outputs forward() hands out, set just before it runs
-        self.keep = None  # the gradients of the last backward through the tree
 
     def backward(self, grads):
         torch = sys.modules["torch"]
@@ -183,8 +182,7 @@ class _Link:
         if self.info is None:  # a tap of an eager forward: its own graph continues
             res = grads
         elif kind is BackwardPlan.TREE:
-            res = self.backend.mgr.call_backward(self.backend.backward_fn(ticket.node), tuple(grads))
-            self.keep = res  # held here, so AccumulateGrad copies the tree's memory instead of stealing it
+            res = copied_out(self.backend.mgr.call_backward(self.backend.backward_fn(ticket.node), tuple(grads)))
         else:
             res = self.recompute(grads)
         ticket.backward_ran()
@@ -204,6 +202,21 @@ class _Link:
         out_spec(out, flat)
         return torch.autograd.grad([flat[i] for i in info.out_idx], [subs[j] for j in info.leaves] + info.params,
                                    grads, create_graph=torch.is_grad_enabled(), allow_unused=True)
+
+
+def copied_out(grads) -> tuple:
+    """The backward graph's gradients copied out of the tree's memory (its next replay overwrites
+    them), in one ``torch._foreach_copy_`` into fresh tensors that AccumulateGrad then takes as
+    they are. Handing it the tree's tensors made it clone each one: a launch per parameter."""
+    torch = sys.modules["torch"]
+    srcs = [g for g in grads if g is not None]
+    if not srcs:
+        return tuple(grads)
+    dsts = [torch.empty_like(g) for g in srcs]  # preserve_format: a dense gradient keeps its strides
+    with torch.no_grad():
+        torch._foreach_copy_(dsts, srcs)
+    it = iter(dsts)
+    return tuple(None if g is None else next(it) for g in grads)
 
 
 _function: list = [None]  # [_Graphed], made once torch is loaded

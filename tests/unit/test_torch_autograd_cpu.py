@@ -291,3 +291,37 @@ def test_an_output_a_graph_cannot_hand_out_runs_eagerly_with_grad_enabled(tree):
     x = torch.randn(4, 4, requires_grad=True)  # an input that requires grad: the eager graph is eager's
     f(x).to_dense().sum().backward()
     assert torch.equal(x.grad, torch.full((4, 4), 2.0))
+
+
+def test_gradients_leave_the_tree_in_one_foreach_copy_that_accumulate_grad_keeps(tree, monkeypatch):
+    """Each replayed backward copies its gradients out of the tree's memory with one
+    ``_foreach_copy_``; with ``.grad`` set to None AccumulateGrad keeps those copies as they are
+    (no clone per parameter), and they never alias the backward recording's outputs."""
+    from cgraw.interop import torch_autograd
+
+    copies, made = [], []
+    real_copy, real_out = torch._foreach_copy_, torch_autograd.copied_out
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s: (copies.append(len(d)), real_copy(d, s))[1])
+
+    def spy(grads):
+        out = real_out(grads)
+        made.append({g.data_ptr() for g in out if g is not None})
+        return out
+
+    monkeypatch.setattr(torch_autograd, "copied_out", spy)
+    model, ref = mlp(), mlp()
+    f = graphed(tree, model)
+    n_params = len(list(model.parameters()))
+    for _ in range(6):
+        x = torch.randn(3, 8)
+        f(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        assert_same(model, ref)
+        if made:
+            assert {p.grad.data_ptr() for p in model.parameters()} == made[-1]  # kept, not cloned again
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    assert len(made) >= 3 and copies.count(n_params) == len(made)  # one copy of every gradient per replay
+    bnode = [n for n in tree.nodes() if n.fn.name == "mlp.backward" and n.state is NodeState.RECORDED]
+    ptrs = {t.data_ptr() for n in bnode for t in n.recording.out_leaves}
+    assert bnode and not ptrs & set().union(*made)
