@@ -25,6 +25,7 @@ from cgraw.interop import cupy as _icupy
 from cgraw.interop import cupy_blas as _cupy_blas
 from cgraw.interop import cupy_rng as _cupy_rng
 from cgraw.interop import cupy_solver as _cupy_solver
+from cgraw.interop import cupy_sparse as _cupy_sparse
 from cgraw.interop import torch as _itorch
 from cgraw.interop import torch_rng as _torch_rng
 from cgraw.memory import DevicePool, capture_guard_enter, capture_guard_exit
@@ -277,12 +278,10 @@ class capture:
             if _icupy.cupy_module() is None:
                 raise ImportError("frameworks=('cupy',) but cupy is not imported")
             out.append(_icupy.CupyRouting(pool, stream, self._owners, warm_cublas=self.warm_cublas))
-            blas = _cupy_blas.router(pool, stream, warm=self.warm_cublas)  # after CuPy's routing: needs it
-            if blas is not None:
-                out.append(blas)
-            solver = _cupy_solver.router(pool, stream)
-            if solver is not None:
-                out.append(solver)
+            # after CuPy's routing (they need it)
+            routers = (_cupy_blas.router(pool, stream, warm=self.warm_cublas), _cupy_solver.router(pool, stream),
+                       _cupy_sparse.router(pool, stream))
+            out.extend(r for r in routers if r is not None)
         return out
 
     def _prepare_adapters(self) -> list:

@@ -47,7 +47,11 @@ CUSOLVER = (
     "capture stream of the capturing thread, with CuPy's handle; this one it does not (batched qr, batched svd "
     "of matrices over 32, or CGRAW_CUPY_CUSOLVER=0): do it outside the captured region"
 )
-CUSPARSE = "CuPy refuses cuSPARSE calls during stream capture (sparse products); do them outside the capture"
+CUSPARSE = (
+    "CuPy refuses cuSPARSE calls during stream capture: cgraw routes CuPy's sparse @ dense products (spMV, spMM), "
+    "sparseToDense, csr2coo/coo2csr, the index sorts and csr2cscEx2 on the capture stream of the capturing thread, "
+    "with CuPy's handle; this one it does not (or CGRAW_CUPY_CUSPARSE=0): do it outside the captured region"
+)
 RNG = (
     "cupy.random through cuRAND cannot be captured (cuRAND refuses stream capture; CuPy's legacy "
     "generator cannot be initialised inside one): cgraw draws cupy.random's covered functions itself "

@@ -1,5 +1,5 @@
 """What the routers of CuPy's library calls inside captures share (``cupy_blas``: cuBLAS,
-``cupy_solver``: cuSOLVER).
+``cupy_solver``: cuSOLVER, ``cupy_sparse``: cuSPARSE).
 
 Layer L7: pure Python and ``ctypes``; CuPy is reached through ``sys.modules``. Each library keeps
 one ``Routing``: the router of each capturing thread, the CuPy functions replaced while any
@@ -22,7 +22,7 @@ OFF = ("0", "false", "no", "off")
 
 
 def disabled(env_name: str, environ=os.environ) -> bool:
-    """Whether the environment turns a router off (``CGRAW_CUPY_CUBLAS=0``, ``CGRAW_CUPY_CUSOLVER=0``)."""
+    """Whether the environment turns a router off (``CGRAW_CUPY_CUBLAS=0``, ``CGRAW_CUPY_CUSPARSE=0``, ...)."""
     return environ.get(env_name, "1").strip().lower() in OFF
 
 

@@ -1,0 +1,290 @@
+"""CuPy's cuSPARSE calls inside captures, on a cgraw-owned handle (issue 17, part 3).
+Written without a GPU: not yet run on the H200.
+
+Layer L7: CuPy is reached through ``sys.modules``, cuSPARSE through ``ctypes``; the shared machinery
+is ``cupy_route``, and this module follows ``cupy_solver`` (same handle pool, thread and stream rules).
+
+CuPy 14 refuses cuSPARSE during capture in ``cupy_backends/cuda/libs/cusparse.pyx``: the wrappers that
+launch work call ``_setStream(handle)`` first, which raises ``NotImplementedError`` when the current
+stream is capturing (the generic API's ``_bufferSize`` queries and the descriptor calls such as
+``createCsr``/``createDnVec``/``destroySpMat`` take no handle or set no stream: they run in a capture
+as they are). ``cupyx/cusparse.py`` looks the wrappers up on the module at each call
+(``_cusparse.spMV``, ``getattr(_cusparse, 's' + name)``). While a capture routes CuPy, the names in
+``SPECS`` become forwarders: on the capturing thread, with CuPy's cuSPARSE handle of the capture's
+device and the capture stream current, the same ``cusparse`` entry point is called through ctypes on a
+handle cgraw owns, bound to the capture stream, in pointer mode HOST (CuPy passes its alpha and beta
+as NumPy scalars; a ``setPointerMode`` CuPy makes on its handle is mirrored), with CuPy's arguments
+unchanged (a ``_bufferSize`` query returns what CuPy's wrapper returns). CuPy's handle is never touched;
+cgraw's handles go back to an idle pool per device, unbound (stream 0), when the capture ends.
+
+Routed: sparse @ dense vector and matrix (spMV, spMM: ``csr @ x``, ``csc @ x``, ``.dot``,
+``.sum(axis=...)``), ``cupyx.cusparse.sparseToDense``, csr2coo/coo2csr, coosort/csrsort/cscsort (with
+createIdentityPermutation and gather) and csr2cscEx2. ``csr_matrix.toarray`` still fails, as a host
+synchronisation: it calls ``coo_matrix.sum_duplicates``, which tests ``diff[1:].all()`` on the host.
+Refused by name (``CaptureError``, kind ``CUSPARSE_NOT_COVERED``): what sizes its result on the host
+from a count of nonzeros the GPU computes (csrgeam2 for ``csr + csr``, spGEAM, SpGEMM for
+``csr @ csr``, denseToSparse, nnz, nnz_compress). A routed call that invalidates the capture anyway is
+reported naming it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+import threading
+
+from cgraw.errors import CaptureError
+from cgraw.interop import cupy_route as _route
+
+BACKEND = "cupy_backends.cuda.libs.cusparse"
+# Argument kinds after the handle, in cuSPARSE's order: i int (and enums), p a pointer (device memory, a
+# descriptor, or CuPy's host scalar); z a size_t the routine writes, which CuPy's wrapper does not take but
+# returns. Orders follow CuPy 14.2's wrappers (signatures embedded in cusparse.cpython-311-x86_64-linux-gnu.so)
+# and the CUDA 13 cuSPARSE docs.
+SPECS: dict[str, str] = {}
+for _names, _kinds in (
+    ("spMV_bufferSize", "ipppppiiz"),
+    ("spMV", "ipppppiip"),
+    ("spMM_bufferSize", "iipppppiiz"),
+    ("spMM", "iipppppiip"),
+    ("sparseToDense_bufferSize", "ppiz"),
+    ("sparseToDense", "ppip"),
+    ("xcsr2coo xcoo2csr", "piipi"),
+    ("xcoosort_bufferSizeExt xcsrsort_bufferSizeExt xcscsort_bufferSizeExt", "iiippz"),
+    ("xcoosortByRow xcoosortByColumn", "iiipppp"),
+    ("xcsrsort xcscsort", "iiippppp"),
+    ("createIdentityPermutation", "ip"),
+    ("gather", "pp"),
+    ("csr2cscEx2_bufferSize", "iiippppppiiiiz"),
+    ("csr2cscEx2", "iiippppppiiiip"),
+):
+    SPECS.update(dict.fromkeys(_names.split(), _kinds))
+_GEAM = ("csrgeam2 (sparse + sparse) sizes its result on the host: cusparseXcsrgeam2Nnz writes the sum's "
+         "number of nonzeros to host memory and CuPy allocates the result from it, which waits for the GPU")
+_SPGEAM = ("SpGEAM (sparse + sparse) sizes its result on the host: CuPy reads the sum's number of nonzeros back "
+           "(cusparseSpMatGetSize after cusparseSpGEAM_nnz) to allocate it, which waits for the GPU")
+_SPGEMM = ("SpGEMM (sparse @ sparse) sizes its result on the host: CuPy reads the product's number of nonzeros "
+           "back (cusparseSpMatGetSize) to allocate it, which waits for the GPU")
+_DENSE2SPARSE = ("dense-to-sparse conversion counts the nonzeros on the GPU and CuPy reads the count back "
+                 "(cusparseSpMatGetSize) to allocate the result, which waits for the GPU")
+_NNZ = "it writes a count of nonzeros to host memory, from which CuPy sizes the result; that waits for the GPU"
+REFUSED: dict[str, str] = {}
+for _names, _why in (
+    ("scsrgeam2_bufferSizeExt dcsrgeam2_bufferSizeExt ccsrgeam2_bufferSizeExt zcsrgeam2_bufferSizeExt "
+     "xcsrgeam2Nnz scsrgeam2 dcsrgeam2 ccsrgeam2 zcsrgeam2", _GEAM),
+    ("spGEAM_bufferSize spGEAM_nnz spGEAM", _SPGEAM),
+    ("spGEMM_workEstimation spGEMM_compute spGEMM_copy", _SPGEMM),
+    ("denseToSparse_bufferSize denseToSparse_analysis denseToSparse_convert", _DENSE2SPARSE),
+    ("snnz dnnz cnnz znnz snnz_compress dnnz_compress cnnz_compress znnz_compress", _NNZ),
+):
+    REFUSED.update(dict.fromkeys(_names.split(), _why))
+_SAME_STRUCTURE = ("add the matrices outside the capture; if both share one sparsity structure (same indices and "
+                   "indptr), add their .data arrays inside it and build the matrix from the sum")
+HINTS = {_GEAM: _SAME_STRUCTURE, _SPGEAM: _SAME_STRUCTURE,
+         _SPGEMM: "multiply outside the capture, or keep one side dense: sparse @ dense is routed"}
+STATUS = {1: "NOT_INITIALIZED", 2: "ALLOC_FAILED", 3: "INVALID_VALUE", 4: "ARCH_MISMATCH", 5: "MAPPING_ERROR",
+          6: "EXECUTION_FAILED", 7: "INTERNAL_ERROR", 8: "MATRIX_TYPE_NOT_SUPPORTED", 9: "ZERO_PIVOT",
+          10: "NOT_SUPPORTED", 11: "INSUFFICIENT_RESOURCES"}
+POINTER_MODE_HOST = 0
+CAPTURE_INVALIDATED = 2  # cuStreamIsCapturing's CU_STREAM_CAPTURE_STATUS_INVALIDATED
+_RANGES = {"i": (-(1 << 31), (1 << 31) - 1)}
+_CTYPES = {"i": ctypes.c_int, "p": ctypes.c_void_p, "z": ctypes.POINTER(ctypes.c_size_t)}
+_OUTS = {"z": ctypes.c_size_t}
+SONAMES = ("libcusparse.so.12", "libcusparse.so.11", "libcusparse.so")
+
+
+def cupy_arity(kinds: str) -> int:
+    """How many arguments CuPy's wrapper takes, the handle included (it returns the outputs)."""
+    return 1 + sum(k not in _OUTS for k in kinds)
+
+
+def symbol(name: str) -> str:
+    """``spMV_bufferSize`` -> ``cusparseSpMV_bufferSize``; ``xcsr2coo`` -> ``cusparseXcsr2coo``."""
+    return "cusparse" + name[0].upper() + name[1:]
+
+
+class Library(_route.CLibrary):
+    """libcusparse through ctypes: each entry point resolved by name, its prototype from ``SPECS``."""
+
+    label, statuses = "cuSPARSE", STATUS
+
+    def function(self, name: str, kinds: str):
+        fn = self._symbol(name, (symbol(name),), [ctypes.c_void_p, *(_CTYPES[k] for k in kinds)])
+        if fn is None:
+            raise _not_covered(name, f"this libcusparse ({self.path or '?'}) has no entry point for it")
+        return fn
+
+    def create(self) -> int:
+        h = ctypes.c_void_p()
+        fn = self._symbol("create", ("cusparseCreate",), [ctypes.POINTER(ctypes.c_void_p)])
+        self._setup(fn, "cusparseCreate", ctypes.byref(h))
+        return int(h.value or 0)
+
+    def set_stream(self, handle: int, stream: int) -> None:
+        fn = self._symbol("setStream", ("cusparseSetStream",), [ctypes.c_void_p, ctypes.c_void_p])
+        self._setup(fn, "cusparseSetStream", handle, stream)
+
+    def set_pointer_mode(self, handle: int, mode: int) -> None:
+        fn = self._symbol("setPointerMode", ("cusparseSetPointerMode",), [ctypes.c_void_p, ctypes.c_int])
+        self._setup(fn, "cusparseSetPointerMode", handle, int(mode))
+
+
+# libcusparse files to try: those this process has loaded (CuPy's first), then the sonames
+candidate_paths = functools.partial(_route.candidate_paths, "libcusparse", SONAMES)
+
+
+_routing = _route.Routing()
+_routers, _patches, _idle = _routing.routers, _routing.patches, _routing.idle  # for tests and diagnosis
+_library_cache: list = []  # [Library], once loaded
+
+
+def library() -> Library | None:
+    """The libcusparse cgraw calls (loaded once), or None."""
+    return _route.load_once(_library_cache, candidate_paths, Library)
+
+
+def _backend():
+    return _route.import_backend(BACKEND)
+
+
+def router(pool, stream) -> "Router | None":
+    """The cuSPARSE router of a capture that routes CuPy, or None (disabled with ``CGRAW_CUPY_CUSPARSE=0``,
+    or this CuPy or libcusparse is not as expected): CuPy's cuSPARSE calls then meet CuPy's refusal."""
+    if _route.disabled("CGRAW_CUPY_CUSPARSE"):
+        return None
+    try:
+        _backend()
+        device_mod = sys.modules["cupy"].cuda.device
+    except Exception:  # no cuSPARSE in this CuPy
+        return None
+    if not callable(getattr(device_mod, "get_cusparse_handle", None)):
+        return None
+    lib = library()
+    return None if lib is None else Router(lib, pool.device.ordinal, stream.ptr,
+                                           status=lambda: stream.capture_status)
+
+
+class Router:
+    """Routes CuPy's cuSPARSE calls of one capture (one thread, one device, the capture stream)."""
+
+    def __init__(self, lib: Library, device: int, stream_ptr: int, *, status=None):
+        self.lib, self.device, self.stream_ptr = lib, int(device), int(stream_ptr)
+        self.thread = threading.get_ident()
+        self.cupy_handle: int | None = None
+        self.handle: int | None = None  # cgraw's: bound to the capture stream while the capture runs
+        self.calls = 0  # cuSPARSE calls routed to cgraw's handle
+        self._status = status  # the capture stream's capture status (2: invalidated); None: not checked
+        self._get_stream = None
+
+    def producer_streams(self) -> list[int]:
+        return []
+
+    def enter(self) -> None:
+        cupy = sys.modules["cupy"]
+        with cupy.cuda.Device(self.device):
+            # made before the capture: cusparseCreate allocates, which a capture refuses
+            self.cupy_handle = int(cupy.cuda.device.get_cusparse_handle())
+        self._get_stream = cupy.cuda.get_current_stream
+        self.handle, _ = _routing.take_handle(self.device, self.lib.create)
+        try:
+            self.lib.set_stream(self.handle, self.stream_ptr)
+            self.lib.set_pointer_mode(self.handle, POINTER_MODE_HOST)  # a pooled handle may carry a mirrored mode
+            _routing.register(self, _install)
+        except BaseException:
+            _routing.unregister(self)
+            try:
+                self._release_handle()
+            except Exception:  # the handle is leaked; the first error is the one to report
+                pass
+            raise
+
+    def exit(self, failed: bool = False) -> None:
+        _routing.unregister(self)
+        self._release_handle()
+
+    def _release_handle(self) -> None:
+        h, self.handle = self.handle, None
+        if h is not None:
+            self.lib.set_stream(h, 0)
+            _routing.put_back(self.device, h)  # if that failed, the handle is leaked instead
+
+    def mirror_pointer_mode(self, mode: int) -> None:
+        """CuPy set the pointer mode of its handle: cgraw's handle takes it too."""
+        self.lib.set_pointer_mode(self.handle, mode)
+
+    def run(self, name: str, kinds: str, original, args: tuple):
+        if self._get_stream().ptr != self.stream_ptr:
+            return original(*args)  # not the capture stream: CuPy's own path (eager, or its refusal)
+        vals = list(args[1:])
+        if len(args) != cupy_arity(kinds):
+            raise _not_covered(name, f"CuPy passed {len(args)} arguments where cgraw's table has "
+                                     f"{cupy_arity(kinds)} (another CuPy version?)")
+        ins = [k for k in kinds if k not in _OUTS]
+        for k, v in zip(ins, vals, strict=True):
+            lo_hi = _RANGES.get(k)
+            if lo_hi is not None and not lo_hi[0] <= int(v) <= lo_hi[1]:  # ctypes would truncate it silently
+                raise _not_covered(name, f"the argument {v} does not fit in its C type")
+        outs = [_OUTS[k]() for k in kinds if k in _OUTS]
+        it_in, it_out, cargs = iter(vals), iter(outs), []
+        for k in kinds:
+            cargs.append(ctypes.byref(next(it_out)) if k in _OUTS else next(it_in))
+        fn = self.lib.function(name, kinds)
+        self.calls += 1
+        status = fn(self.handle, *cargs)
+        if self._status is not None and self._status() == CAPTURE_INVALIDATED:
+            raise _not_covered(name, "it synchronised with the host inside the capture, which invalidated it"
+                               + (f" (it returned CUSPARSE_STATUS_{STATUS.get(status, status)})" if status else ""))
+        _check(status, name)
+        return int(outs[0].value) if outs else None  # a _bufferSize query's one output
+
+
+def _check(status: int, name: str) -> None:
+    if status:
+        check = getattr(sys.modules.get(BACKEND), "check_status", None)
+        if check is not None:
+            check(int(status))  # CuPy's own CuSparseError, as eager CuPy raises it
+        raise CaptureError(symbol(name), int(status), f"CUSPARSE_STATUS_{STATUS.get(status, status)}",
+                           f"cuSPARSE {name} failed inside the capture")
+
+
+def _not_covered(name: str, why: str, hint: str = "") -> CaptureError:
+    return CaptureError(f"{BACKEND}.{name}", 0, "CUSPARSE_NOT_COVERED",
+                        f"{_route.entry_point()} calls cuSPARSE {name} ({symbol(name)}), which cannot be captured "
+                        f"through cgraw: {why}",
+                        hint or "call it outside the capture and pass its result in")
+
+
+def _refuse(name: str, why: str, original):
+    def run(r, args):
+        if r._get_stream().ptr != r.stream_ptr:
+            return original(*args)
+        raise _not_covered(name, why, HINTS.get(why, ""))
+
+    return _route.forwarder(_routing, name, original, run)
+
+
+def _mode_forwarder(original):
+    def setPointerMode(handle, mode):  # noqa: N802 - CuPy's name
+        original(handle, mode)  # CuPy's handle keeps the mode CuPy asked for
+        r = _routing.active()
+        if r is not None and handle == r.cupy_handle:
+            r.mirror_pointer_mode(mode)
+
+    return _route.named(setPointerMode, "setPointerMode", original)
+
+
+def _install() -> None:
+    backend = _backend()
+    for name, kinds in SPECS.items():
+        fn = getattr(backend, name, None)
+        if fn is not None and _route.arity_ok(fn, cupy_arity(kinds)):  # a wrapper of another shape stays CuPy's
+            _routing.patch(backend, name, _route.forwarder(
+                _routing, name, fn, lambda r, args, name=name, kinds=kinds, fn=fn: r.run(name, kinds, fn, args)))
+    for name, why in REFUSED.items():
+        fn = getattr(backend, name, None)
+        if fn is not None:
+            _routing.patch(backend, name, _refuse(name, why, fn))
+    fn = getattr(backend, "setPointerMode", None)
+    if callable(fn):
+        _routing.patch(backend, "setPointerMode", _mode_forwarder(fn))
