@@ -9,8 +9,8 @@ the capture today (None: expected to record and replay equal); the run reports w
 The cuBLAS expectations follow ``cgraw.interop.cupy_blas`` (CuPy's matrix products routed to a
 cgraw handle). The cuSOLVER ones follow ``cgraw.interop.cupy_solver`` (CuPy's dense cuSOLVER calls
 routed to a cgraw handle), first run on the H200 in session 9. The cuSPARSE ones follow
-``cgraw.interop.cupy_sparse`` (sparse @ dense products routed, csrgeam2 refused by name), not yet
-run on the H200: they are predictions.
+``cgraw.interop.cupy_sparse`` (sparse @ dense products routed, csrgeam2 refused by name), first run on
+the H200 in session 10.
 """
 
 from __future__ import annotations
@@ -358,7 +358,8 @@ def _manipulation() -> list[Case]:
         Case("cupy.take_along_axis", s, (M, Arr((32, 8), "int32", 0, 32)), lambda f, x, i: f(x, i, axis=1)),
         Case("cupy.choose", s, (Arr((N,), "int32", 0, 3), V, W, POS), lambda f, i, a, b, c: f(i, [a, b, c])),
         Case("cupy.partition", s, (V,), lambda f, x: f(x, 10)),
-        Case("cupy.argpartition", s, (V,), lambda f, x: f(x, 10), expect=SYNC),
+        Case("cupy.argpartition", s, (V,), lambda f, x: f(x, 10), expect=SYNC,
+             note="unravel_index tests (indices < 0).any() on the host (H200 probe, session 10)"),
         Case("cupy.lexsort", s, (Arr((2, N), "int32", 0, 8),)),
         Case("cupy.searchsorted", s, (_sorted(64), V)),
         Case("cupy.broadcast_to", s, (V,), lambda f, x: f(x, (4, N))),
@@ -366,7 +367,8 @@ def _manipulation() -> list[Case]:
         Case("cupy.meshgrid", s, (Arr((16,)), Arr((8,)))),
         Case("cupy.ascontiguousarray", s, (M,), lambda f, x: f(x.T)),
         Case("cupy.append", s, (V, W)),
-        Case("cupy.delete", s, (V,), lambda f, x: f(x, 3), expect=SYNC),
+        Case("cupy.delete", s, (V,), lambda f, x: f(x, 3), expect=SYNC,
+             note="compress with a mask: nonzero counts on the host (H200 probe, session 10)"),
         Case("cupy.packbits", s, (B,)),
         Case("cupy.unpackbits", s, (Arr((64,), "uint8", 0, 256),)),
         Case("cupy.full_like", s, (V,), lambda f, x: f(x, 3.0)),
@@ -538,7 +540,8 @@ def _ndimage() -> list[Case]:
     cases += [Case(p + f, s, (IMG,), lambda f, x: f(x, 1.5), note="weights staged") for f in (
         "gaussian_filter", "gaussian_filter1d", "gaussian_laplace")]
     cases += [Case(p + f, s, (IMG,), note="weights staged") for f in ("sobel", "prewitt", "laplace")]
-    cases += [Case(p + f, s, (Arr((32, 32), "bool"),), expect=SYNC) for f in (
+    cases += [Case(p + f, s, (Arr((32, 32), "bool"),), expect=SYNC,
+                   note="int(count_nonzero(structure)) on the host (H200 probe, session 10)") for f in (
         "binary_erosion", "binary_closing")]
     cases += [
         Case(p + "correlate1d", s, (IMG, TAPS), lambda f, x, w: f(x, w, axis=0)),
@@ -551,7 +554,7 @@ def _ndimage() -> list[Case]:
         Case(p + "zoom", s, (IMG,), lambda f, x: f(x, 1.5, order=1), note="staged"),
         Case(p + "shift", s, (IMG,), lambda f, x: f(x, (1.5, -0.5), order=1), note="staged"),
         Case(p + "rotate", s, (IMG,), lambda f, x: f(x, 30.0, reshape=False, order=1), expect=SYNC,
-             note="its upload is staged; then it synchronises"),
+             note="its upload is staged; then affine_transform reads the offset with float() (H200 probe, session 10)"),
         Case(p + "affine_transform", s, (IMG, Arr((2, 2), lo=0.8, hi=1.2)), lambda f, x, m: f(x, m, order=1),
              note="the default offset=0.0 is uploaded with cupy.asarray (staged)"),
         Case(p + "map_coordinates", s, (IMG, Arr((2, N), lo=0.0, hi=31.0)), lambda f, x, c: f(x, c, order=1)),
@@ -559,7 +562,8 @@ def _ndimage() -> list[Case]:
         Case(p + "fourier_gaussian", s, (CIMG,), lambda f, x: f(x, 1.0)),
         Case(p + "fourier_shift", s, (CIMG,), lambda f, x: f(x, 1.5)),
         Case(p + "label", s, (Arr((32, 32), "bool"),), expect=SYNC, note="returns the number of labels as an int"),
-        Case(p + "sum_labels", s, (IMG, Arr((32, 32), "int32", 0, 4)), expect=SYNC),
+        Case(p + "sum_labels", s, (IMG, Arr((32, 32), "int32", 0, 4)), expect=SYNC,
+             note="input[labels != 0]: boolean-mask indexing counts on the host (H200 probe, session 10)"),
         Case(p + "center_of_mass", s, (Arr((32, 32), lo=0.0, hi=1.0),)),
         Case(p + "distance_transform_edt", s, (Arr((32, 32), "bool"),)),
     ]
@@ -579,18 +583,23 @@ def _signal() -> list[Case]:
         Case(p + "oaconvolve", s, (V, Arr((31,)))),
         Case(p + "lfilter", s, (Arr((3,)), DEN, V)),
         Case(p + "sosfilt", s, (SOS, V)),
-        Case(p + "filtfilt", s, (Arr((3,)), DEN, V), expect=SYNC),
+        Case(p + "filtfilt", s, (Arr((3,)), DEN, V), expect=SYNC,
+             note="lfilter_zi: cupy.where(a == 0) (nonzero) on the host (H200 probe, session 10)"),
         Case(p + "medfilt", s, (V,), lambda f, x: f(x, 5)),
         Case(p + "medfilt2d", s, (IMG,), lambda f, x: f(x, 3)),
         Case(p + "order_filter", s, (IMG, Maker(lambda rng: np.ones((3, 3), np.float32), "ones(3,3)")),
-             lambda f, x, d: f(x, d, 4), expect=SYNC),
+             lambda f, x, d: f(x, d, 4), expect=SYNC,
+             note="rank_filter tests footprint.any() on the host (H200 probe, session 10)"),
         Case(p + "wiener", s, (IMG,)),
-        Case(p + "detrend", s, (V,), expect=SYNC),
+        Case(p + "detrend", s, (V,), expect=SYNC,
+             note="cupy.unique of the breakpoints (boolean mask) on the host (H200 probe, session 10)"),
         Case(p + "hilbert", s, (V,)),
         Case(p + "resample", s, (V,), lambda f, x: f(x, 128)),
-        Case(p + "resample_poly", s, (V,), lambda f, x: f(x, 2, 3), expect=SYNC),
+        Case(p + "resample_poly", s, (V,), lambda f, x: f(x, 2, 3), expect=SYNC,
+             note="firwin checks its cutoff range on the host (H200 probe, session 10)"),
         Case(p + "upfirdn", s, (h9, V), lambda f, h, x: f(h, x, 2, 3)),
-        Case(p + "decimate", s, (V,), lambda f, x: f(x, 4), expect=SYNC),
+        Case(p + "decimate", s, (V,), lambda f, x: f(x, 4), expect=SYNC,
+             note="iirfilter checks Wn on the host with cupy.any (H200 probe, session 10)"),
         Case(p + "savgol_filter", s, (V,), lambda f, x: f(x, 7, 2), expect=CUSOLVER,
              note="its coefficients come from lstsq: gesvd, refused by name"),
         Case(p + "periodogram", s, (V,)),
@@ -631,8 +640,10 @@ def _special() -> list[Case]:
         Case(p + "multigammaln", s, (half,), lambda f, a: f(a, 3), expect=SYNC, note="checks its domain on the host"),
         Case(p + "spherical_yn", s, (order, POS)),
         Case(p + "softmax", s, (M,), lambda f, x: f(x, axis=1)),
-        Case(p + "log_softmax", s, (M,), lambda f, x: f(x, axis=1), expect=SYNC),
-        Case(p + "logsumexp", s, (M,), lambda f, x: f(x, axis=1), expect=SYNC),
+        Case(p + "log_softmax", s, (M,), lambda f, x: f(x, axis=1), expect=SYNC,
+             note="x_max[~isfinite(x_max)] = 0: boolean-mask assignment counts on the host (H200 probe, session 10)"),
+        Case(p + "logsumexp", s, (M,), lambda f, x: f(x, axis=1), expect=SYNC,
+             note="a_max[~isfinite(a_max)] = 0: boolean-mask assignment counts on the host (H200 probe, session 10)"),
         Case(p + "erf [float64]", s, (V64,)),
     ]
     return cases
@@ -651,7 +662,7 @@ def _sparse() -> list[Case]:
         Case(p + "csr_matrix.__mul__", s, SP_INPUTS, lambda f, a: f(a, 2.0), setup=_csr_setup, note="by a scalar"),
         Case(p + "csr_matrix.power", s, SP_INPUTS, lambda f, a: f(a, 2), setup=_csr_setup),
         Case(p + "csr_matrix.toarray", s, SP_INPUTS, setup=_csr_setup, expect=SYNC,
-             note="xcsr2coo routed (not yet run on the H200), then coo_matrix.sum_duplicates tests "
+             note="xcsr2coo routed (H200, session 10), then coo_matrix.sum_duplicates tests "
                   "diff[1:].all() on the host"),
         Case(p + "csr_matrix.sum", s, SP_INPUTS, lambda f, a: f(a, axis=1), setup=_csr_setup,
              note="spMV routed, not yet run on the H200"),
@@ -662,7 +673,7 @@ def _sparse() -> list[Case]:
              setup=lambda ns, v, *parts: (_csr(ns, *parts).T.tocsc(), v),
              note="the CSR's transpose as CSC @ vector; spMV routed, not yet run on the H200"),
         Case(p + "coo_matrix.dot", s, SP_INPUTS + (x,), setup=lambda ns, *a: (_csr(ns, *a[:3]).tocoo(), a[3]),
-             expect=SYNC),
+             expect=SYNC, note="tocsr's sum_duplicates tests diff[1:].all() on the host (H200 probe, session 10)"),
     ]
 
 

@@ -1,5 +1,5 @@
 """CuPy's cuSPARSE calls inside captures, on a cgraw-owned handle (issue 17, part 3).
-Written without a GPU: not yet run on the H200.
+Written without a GPU; first run on the H200 in session 10 (see REFUSED for what that changed).
 
 Layer L7: CuPy is reached through ``sys.modules``, cuSPARSE through ``ctypes``; the shared machinery
 is ``cupy_route``, and this module follows ``cupy_solver`` (same handle pool, thread and stream rules).
@@ -18,13 +18,15 @@ unchanged (a ``_bufferSize`` query returns what CuPy's wrapper returns). CuPy's 
 cgraw's handles go back to an idle pool per device, unbound (stream 0), when the capture ends.
 
 Routed: sparse @ dense vector and matrix (spMV, spMM: ``csr @ x``, ``csc @ x``, ``.dot``,
-``.sum(axis=...)``), ``cupyx.cusparse.sparseToDense``, csr2coo/coo2csr, coosort/csrsort/cscsort (with
-createIdentityPermutation and gather) and csr2cscEx2. ``csr_matrix.toarray`` still fails, as a host
-synchronisation: it calls ``coo_matrix.sum_duplicates``, which tests ``diff[1:].all()`` on the host.
-Refused by name (``CaptureError``, kind ``CUSPARSE_NOT_COVERED``): what sizes its result on the host
-from a count of nonzeros the GPU computes (csrgeam2 for ``csr + csr``, spGEAM, SpGEMM for
-``csr @ csr``, denseToSparse, nnz, nnz_compress). A routed call that invalidates the capture anyway is
-reported naming it.
+``.sum(axis=...)``), ``cupyx.cusparse.sparseToDense`` and csr2coo (``tocoo``), each verified on the
+H200. ``csr_matrix.toarray`` still fails, as a host synchronisation: it calls
+``coo_matrix.sum_duplicates``, which tests ``diff[1:].all()`` on the host.
+Refused by name (``CaptureError``, kind ``CUSPARSE_NOT_COVERED``), before cuSPARSE runs: what sizes its
+result on the host from a count of nonzeros the GPU computes (csrgeam2 for ``csr + csr``, spGEAM,
+SpGEMM for ``csr @ csr``, denseToSparse, nnz, nnz_compress); csr2cscEx2 (``tocsc``), which on the H200
+returned INTERNAL_ERROR inside a capture and broke the CUDA context; and the conversions no GPU test
+reaches inside a capture (coo2csr, the index sorts, createIdentityPermutation, gather). A routed call
+that invalidates the capture anyway is reported naming it.
 """
 
 from __future__ import annotations
@@ -50,14 +52,7 @@ for _names, _kinds in (
     ("spMM", "iipppppiip"),
     ("sparseToDense_bufferSize", "ppiz"),
     ("sparseToDense", "ppip"),
-    ("xcsr2coo xcoo2csr", "piipi"),
-    ("xcoosort_bufferSizeExt xcsrsort_bufferSizeExt xcscsort_bufferSizeExt", "iiippz"),
-    ("xcoosortByRow xcoosortByColumn", "iiipppp"),
-    ("xcsrsort xcscsort", "iiippppp"),
-    ("createIdentityPermutation", "ip"),
-    ("gather", "pp"),
-    ("csr2cscEx2_bufferSize", "iiippppppiiiiz"),
-    ("csr2cscEx2", "iiippppppiiiip"),
+    ("xcsr2coo", "piipi"),
 ):
     SPECS.update(dict.fromkeys(_names.split(), _kinds))
 _GEAM = ("csrgeam2 (sparse + sparse) sizes its result on the host: cusparseXcsrgeam2Nnz writes the sum's "
@@ -69,6 +64,10 @@ _SPGEMM = ("SpGEMM (sparse @ sparse) sizes its result on the host: CuPy reads th
 _DENSE2SPARSE = ("dense-to-sparse conversion counts the nonzeros on the GPU and CuPy reads the count back "
                  "(cusparseSpMatGetSize) to allocate the result, which waits for the GPU")
 _NNZ = "it writes a count of nonzeros to host memory, from which CuPy sizes the result; that waits for the GPU"
+_CSR2CSC = ("on the H200 (session 10) csr2cscEx2 returned CUSPARSE_STATUS_INTERNAL_ERROR inside a capture and "
+            "left an illegal-address error that broke the CUDA context for the rest of the process")
+_UNVERIFIED = ("no GPU test reaches it inside a capture (CuPy's conversions that use it read a value on the host "
+               "first), so cgraw does not route it: after csr2cscEx2, an unverified cuSPARSE call is refused")
 REFUSED: dict[str, str] = {}
 for _names, _why in (
     ("scsrgeam2_bufferSizeExt dcsrgeam2_bufferSizeExt ccsrgeam2_bufferSizeExt zcsrgeam2_bufferSizeExt "
@@ -77,11 +76,16 @@ for _names, _why in (
     ("spGEMM_workEstimation spGEMM_compute spGEMM_copy", _SPGEMM),
     ("denseToSparse_bufferSize denseToSparse_analysis denseToSparse_convert", _DENSE2SPARSE),
     ("snnz dnnz cnnz znnz snnz_compress dnnz_compress cnnz_compress znnz_compress", _NNZ),
+    ("csr2cscEx2_bufferSize csr2cscEx2", _CSR2CSC),
+    ("xcoo2csr xcoosort_bufferSizeExt xcsrsort_bufferSizeExt xcscsort_bufferSizeExt xcoosortByRow "
+     "xcoosortByColumn xcsrsort xcscsort createIdentityPermutation gather", _UNVERIFIED),
 ):
     REFUSED.update(dict.fromkeys(_names.split(), _why))
 _SAME_STRUCTURE = ("add the matrices outside the capture; if both share one sparsity structure (same indices and "
                    "indptr), add their .data arrays inside it and build the matrix from the sum")
 HINTS = {_GEAM: _SAME_STRUCTURE, _SPGEAM: _SAME_STRUCTURE,
+         _CSR2CSC: ("convert outside the capture (tocsc/tocsr keep the structure: write new values into the "
+                    "converted matrix's .data inside it), or use .T, which needs no conversion"),
          _SPGEMM: "multiply outside the capture, or keep one side dense: sparse @ dense is routed"}
 STATUS = {1: "NOT_INITIALIZED", 2: "ALLOC_FAILED", 3: "INVALID_VALUE", 4: "ARCH_MISMATCH", 5: "MAPPING_ERROR",
           6: "EXECUTION_FAILED", 7: "INTERNAL_ERROR", 8: "MATRIX_TYPE_NOT_SUPPORTED", 9: "ZERO_PIVOT",

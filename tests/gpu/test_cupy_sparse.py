@@ -1,6 +1,6 @@
 """GPU tier of issue 17, part 3: CuPy's cuSPARSE calls inside ``cgraw.capture()``, routed to a
-cgraw-owned cuSPARSE handle (``cgraw/interop/cupy_sparse.py``). Written without a GPU: not yet run on
-the H200. Every replay is compared with eager CuPy after new values are written in place into the
+cgraw-owned cuSPARSE handle (``cgraw/interop/cupy_sparse.py``). First run on the H200 in session 10,
+which made tocsc a refusal. Every replay is compared with eager CuPy after new values are written in place into the
 sparse matrix's data and the dense operand (the sparsity structure stays fixed)."""
 
 from __future__ import annotations
@@ -74,7 +74,6 @@ OPS = {  # name: (function of the matrix and the dense operand, matrix format, d
     "csr.sum(axis=1)": (lambda m, x: m.sum(axis=1), "csr", None),
     "csr.sum(axis=0)": (lambda m, x: m.sum(axis=0), "csr", None),
     "sparseToDense": (lambda m, x: cpx_cusparse.sparseToDense(m), "csr", None),
-    "csr.tocsc() data": (lambda m, x: m.tocsc().data, "csr", None),
 }
 
 
@@ -117,18 +116,29 @@ def test_csr_to_coo_rows_are_recomputed_on_replay(pool):
     g.close()
 
 
-def test_csr_to_csc_structure_matches_eager(pool):
+def test_tocsc_is_refused_before_cusparse_runs_and_the_context_stays_usable(pool, originals):
+    """csr2cscEx2 returned INTERNAL_ERROR inside a capture on the H200 and left an illegal-address error
+    behind (session 10): refused by name; the hint's way (convert outside, new values into .data) captures."""
     m = make("csr", "float64")
-    m.tocsc()
+    want = m.tocsc()
+    with pytest.raises(cgraw.CaptureError, match="csr2cscEx2") as ei:
+        with cgraw.capture(pool=pool):
+            m.tocsc()
+    assert "outside the capture" in str(ei.value)
+    assert_routing_ended(originals)
+    cp.cuda.Device().synchronize()  # no sticky error
+    again = m.tocsc()
+    assert cp.array_equal(again.indptr, want.indptr) and cp.array_equal(again.data, want.data)
+    c, x = m.tocsc(), rand((SHAPE[1],), "float64")
     with cgraw.capture(pool=pool) as g:
-        c = m.tocsc()  # csr2cscEx2
+        c.data[...] = c.data * 2.0  # new values into the converted matrix's data, inside the capture
+        out = c @ x
     for _ in range(3):
-        m.data[...] = rand(m.data.shape, "float64")
-        c.indices.fill(-1)
+        c.data[...] = rand(c.data.shape, "float64")
+        x[...] = rand(x.shape, "float64")
+        before = c.data.copy()
         g.replay()
-        want = m.tocsc()
-        assert cp.array_equal(c.indptr, want.indptr) and cp.array_equal(c.indices, want.indices)
-        assert cp.array_equal(c.data, want.data)
+        close(out, sparse.csc_matrix((before * 2.0, c.indices, c.indptr), shape=SHAPE) @ x, "float64")
     g.close()
 
 
