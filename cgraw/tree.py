@@ -145,7 +145,7 @@ class TreeManager:
                 self.current = node
                 for ptr in rec.out_ptrs:
                     self.tree_outputs[ptr] = node
-                if owned:
+                if owned and not getattr(fn, "copies_out", False):
                     name = fn.name
                     self.handed_out.extend([(name, t) for t in owned])
                 return self._with_backward(fn, node, out, call) if call.grad else out
@@ -328,6 +328,8 @@ class TreeManager:
         tree-output inputs of later calls, and are poisoned when the generation ends."""
         for ptr in node.recording.out_ptrs:
             self.tree_outputs[ptr] = node
+        if getattr(node.fn, "copies_out", False):  # a backward: copied out before anyone sees them
+            return
         name = node.fn.name
         handed = self.handed_out
         for t in owned:

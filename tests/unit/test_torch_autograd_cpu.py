@@ -295,13 +295,14 @@ def test_an_output_a_graph_cannot_hand_out_runs_eagerly_with_grad_enabled(tree):
 
 def test_gradients_leave_the_tree_in_one_foreach_copy_that_accumulate_grad_keeps(tree, monkeypatch):
     """Each replayed backward copies its gradients out of the tree's memory with one
-    ``_foreach_copy_``; with ``.grad`` set to None AccumulateGrad keeps those copies as they are
-    (no clone per parameter), and they never alias the backward recording's outputs."""
+    ``_foreach_mul(srcs, 1.0)``; with ``.grad`` set to None AccumulateGrad keeps those copies as they
+    are (no clone per parameter), and they never alias the backward recording's outputs. The
+    backward's own outputs are not handed out, so the generation's end does not poison them."""
     from cgraw.interop import torch_autograd
 
     copies, made, aliased = [], [], []
-    real_copy, real_out = torch._foreach_copy_, torch_autograd.copied_out
-    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s: (copies.append(len(d)), real_copy(d, s))[1])
+    real_mul, real_out = torch._foreach_mul, torch_autograd.copied_out
+    monkeypatch.setattr(torch, "_foreach_mul", lambda t, c: (copies.append((len(t), c)), real_mul(t, c))[1])
 
     def tree_outs():
         return {t.data_ptr() for n in tree.nodes() if n.fn.name == "mlp.backward" and n.state is NodeState.RECORDED
@@ -324,7 +325,25 @@ def test_gradients_leave_the_tree_in_one_foreach_copy_that_accumulate_grad_keeps
         assert_same(model, ref)
         if made:
             assert {p.grad.data_ptr() for p in model.parameters()} == made[-1]  # kept, not cloned again
+        assert not [name for name, _ in tree.handed_out if name == "mlp.backward"]
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
-    assert len(made) >= 3 and copies.count(n_params) == len(made)  # one copy of every gradient per replay
+    assert len(made) >= 3 and copies.count((n_params, 1.0)) == len(made)  # one copy of every gradient per replay
     assert tree_outs() and not any(aliased)
+
+
+def test_copied_out_keeps_every_value_bit_for_bit_and_the_gaps():
+    from cgraw.interop.torch_autograd import copied_out
+
+    a = torch.tensor([-0.0, 0.0, 1e-45, -1e-40, float("inf"), -float("inf"), 3.5, float("nan")])
+    b = torch.randn(4, 3).t()  # a transposed gradient keeps its strides
+    h = torch.randn(5).half()
+    out = copied_out((None, a, b, None, h))
+    assert out[0] is None and out[3] is None and len(out) == 5
+    for src, got in ((a, out[1]), (b, out[2]), (h, out[4])):
+        assert got.data_ptr() != src.data_ptr() and got.dtype == src.dtype and got.stride() == src.stride()
+        same = got.view(torch.int16 if got.dtype == torch.half else torch.int32)
+        want = src.view(torch.int16 if src.dtype == torch.half else torch.int32)
+        nan = torch.isnan(src)
+        assert torch.equal(same[~nan], want[~nan]) and torch.isnan(got[nan]).all()
+    assert copied_out((None, None)) == (None, None)
