@@ -72,7 +72,6 @@ OPS = {  # name: (function of the matrix and the dense operand, matrix format, d
     "csc @ vector": (lambda m, x: m @ x, "csc", (SHAPE[1],)),
     "csc @ dense matrix": (lambda m, x: m @ x, "csc", (SHAPE[1], 8)),
     "csr.sum(axis=1)": (lambda m, x: m.sum(axis=1), "csr", None),
-    "csr.sum(axis=0)": (lambda m, x: m.sum(axis=0), "csr", None),
     "sparseToDense": (lambda m, x: cpx_cusparse.sparseToDense(m), "csr", None),
 }
 
@@ -130,6 +129,7 @@ def test_tocsc_is_refused_before_cusparse_runs_and_the_context_stays_usable(pool
     again = m.tocsc()
     assert cp.array_equal(again.indptr, want.indptr) and cp.array_equal(again.data, want.data)
     c, x = m.tocsc(), rand((SHAPE[1],), "float64")
+    c @ x  # eager first: CuPy reads the new matrix's canonical-format flag on the host once
     with cgraw.capture(pool=pool) as g:
         c.data[...] = c.data * 2.0  # new values into the converted matrix's data, inside the capture
         out = c @ x
@@ -153,6 +153,18 @@ def test_toarray_stops_at_a_host_read_after_csr2coo_is_routed(pool, originals):
     assert "host synchronisation" in str(ei.value) and "cusparse" not in str(ei.value).lower()
     assert_routing_ended(originals)
     close(m.toarray(), want, "float32")
+
+
+def test_csr_sum_over_rows_stops_at_a_host_read(pool, originals):
+    """``csr.sum(axis=0)`` multiplies ``self.T`` (a new CSC each call) whose canonical-format flag CuPy
+    reads on the host: a clear host-synchronisation error (H200, session 10), eager CuPy unharmed."""
+    m = make("csr", "float32")
+    want = m.sum(axis=0)
+    with pytest.raises(cgraw.CaptureError, match="host synchronisation"):
+        with cgraw.capture(pool=pool):
+            m.sum(axis=0)
+    assert_routing_ended(originals)
+    close(m.sum(axis=0), want, "float32")
 
 
 def test_sparse_plus_sparse_is_refused_naming_csrgeam2_and_cupy_stays_usable(pool, originals):
