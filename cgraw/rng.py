@@ -155,10 +155,12 @@ def random_range(dtype: str, low: int | None = None, high: int | None = None) ->
 
 
 def is_wide(dist: str, dtype: str, rng_range: int = 0) -> bool:
-    """Whether a draw needs 64 random bits per value: float64 continuous values, and integer
-    ranges wider than 2**32."""
+    """Whether a draw needs 64 random bits per value: float64 continuous values, integer
+    ranges wider than 2**32, and every Poisson and binomial draw."""
     if dist == "randint":
         return rng_range > 2**32
     if dist in ("bernoulli", "bernoulli_t"):
         return False
+    if dist in ("poisson", "binomial"):
+        return True  # 52-bit uniforms whatever the integer dtype
     return dtype == "f64"

@@ -10,9 +10,14 @@ is the graph's offset in device memory, advanced by the graph's last node on eve
 ``call`` the draw's offset within the graph, fixed at capture. A group is 4 outputs (2 for 64-bit
 draws), so the numbers do not depend on the launch's grid. No header is included: half and
 bfloat16 are converted with PTX or integer rounding, so NVRTC needs no CUDA include path.
+
+Rejection samplers (``SAMPLERS``) draw a variable number of uniforms per output; their device code
+and counter layout are in ``rng_samplers``.
 """
 
 from __future__ import annotations
+
+from cgraw.rng_samplers import SAMPLERS_SOURCE
 
 # distribution -> (index in the source, whether it has a 64-bit (wide) variant for every dtype)
 DISTS = {
@@ -25,7 +30,14 @@ DISTS = {
     "bernoulli": 6,      # scalar probability a
     "bernoulli_t": 7,    # per-element probability p[i] (float32, contiguous)
     "randint": 8,        # lo + x mod range
+    "gamma": 9,          # samplers (per-element streams): scale b times Gamma(shape a)
+    "beta": 10,          # Beta(a, b)
+    "poisson": 11,       # Poisson(lam a)
+    "binomial": 12,      # Binomial(n a, p b)
 }
+SAMPLERS = ("gamma", "beta", "poisson", "binomial")
+SAMPLER_STEPS = {"gamma": 1, "beta": 2, "poisson": 1, "binomial": 1}  # offsets a call takes
+SAMPLE_MAX = 1 << 40  # elements of one sampler call (the counter's element bits)
 
 # dtype code -> C type in the source
 CTYPES = {
@@ -130,9 +142,13 @@ __device__ __forceinline__ F shape(F u, F uc, double a, double b) {
   return u;
 }
 
+"""
+
+FILLS = r"""
 template <typename T, int D, bool WIDE>
 __device__ __forceinline__ void fill(T* out, i64 n, const u64* slot, u64 key, u64 call, double a,
                                      double b, const float* p, i64 lo, u64 range) {
+  if (D >= 9) { sample<T, D, WIDE>(out, n, slot, key, call, a, b); return; }
   const int V = WIDE ? 2 : 4;
   const u64 off = slot[0] + call;
   const u32 k0 = (u32)key, k1 = (u32)(key >> 32);
@@ -234,6 +250,8 @@ __device__ __forceinline__ void dropout(const T* in, T* out, bool_t* mask, i64 n
   }
 }
 """
+
+COMMON = COMMON + SAMPLERS_SOURCE + FILLS
 
 FILL_WRAPPER = r"""
 extern "C" __global__ void __launch_bounds__(256) {name}({t}* out, long long n, const unsigned long long* slot,

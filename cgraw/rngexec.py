@@ -96,6 +96,22 @@ def fill(stream: rng.RngStream, dist: str, dtype: str, out: int, n: int, cu_stre
                                    int(rng_range) & ((1 << 64) - 1)), _FILL_TYPES, cu_stream)
 
 
+def sample(stream: rng.RngStream, dist: str, dtype: str, out: int, n: int, cu_stream, a: float, b: float = 0.0,
+           *, wide: bool = False) -> None:
+    """Write ``n`` draws of the rejection sampler ``dist`` (``rng_kernels.SAMPLERS``) into the
+    contiguous array at ``out``: one thread per element, each on its own counter stream; the call
+    takes ``SAMPLER_STEPS[dist]`` offsets."""
+    if n <= 0:
+        return
+    if n >= K.SAMPLE_MAX:
+        raise ValueError(f"cgraw draws at most {K.SAMPLE_MAX - 1} {dist} samples per call, not {n}")
+    func = _k.function(stream.device, K.fill_name(dist, dtype, wide), K.source)
+    key, call = stream.take(K.SAMPLER_STEPS[dist])
+    g = rng.grid(n, 1, _sm_count(stream.device))
+    _k.launch(func, g, rng.BLOCK, (out, n, stream.slot, key, call, float(a), float(b), 0, 0, 0), _FILL_TYPES,
+              cu_stream)
+
+
 def dropout(stream: rng.RngStream, dtype: str, src: int, out: int, mask: int, n: int, keep: float,
             scale: float, cu_stream) -> None:
     """``out = src * scale`` where kept (probability ``keep``), else 0; ``mask`` (bool, may be 0)."""

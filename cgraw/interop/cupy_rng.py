@@ -3,7 +3,8 @@
 Layer L7: CuPy is imported lazily; kernels are reached through ``rngexec``.
 
 CuPy's module functions (``cupy.random.random``, ``rand``, ``randn``, ``standard_normal``,
-``normal``, ``uniform``, ``randint``, ``choice``, ...) draw from the device's ``RandomState``,
+``normal``, ``uniform``, ``randint``, ``choice``, ``gamma``, ``beta``, ``poisson``,
+``binomial``, ...) draw from the device's ``RandomState``,
 which calls cuRAND, and cuRAND refuses stream capture. During a capture cgraw puts a
 ``CaptureRandomState`` in CuPy's table of states for the capture's device: on the capturing
 thread it draws from the graph's stream, on any other thread it forwards to CuPy's own state.
@@ -25,7 +26,10 @@ _CODES = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.
           np.dtype(np.int8): "i8", np.dtype(np.uint8): "u8", np.dtype(np.int16): "i16",
           np.dtype(np.int32): "i32", np.dtype(np.int64): "i64", np.dtype(np.bool_): "b8"}
 COVERED = ("random_sample", "random", "rand", "randn", "standard_normal", "normal", "lognormal", "uniform",
-           "randint", "random_integers", "choice", "permutation", "shuffle", "standard_exponential", "exponential")
+           "randint", "random_integers", "choice", "permutation", "shuffle", "standard_exponential", "exponential",
+           "standard_gamma", "gamma", "beta", "poisson", "binomial")
+_INTS = (np.dtype(np.int32), np.dtype(np.int64))
+_LAM_MAX = float(np.iinfo(np.int64).max - np.sqrt(np.iinfo(np.int64).max) * 10)  # NumPy's poisson bound
 
 
 def _not_covered(name: str, why: str = "cgraw draws its own numbers inside captures and does not cover it"):
@@ -41,6 +45,15 @@ def _shape(size) -> tuple:
     if isinstance(size, (int, np.integer)):
         return (int(size),)
     return tuple(int(s) for s in size)
+
+
+def _scalar(name: str, what: str, v) -> float:
+    """A host scalar parameter; array parameters (per-element laws) are not covered."""
+    if isinstance(v, (int, float, np.integer, np.floating)):
+        return float(v)
+    if hasattr(v, "shape"):
+        raise _not_covered(name, f"an array {what} is not supported (pass a Python or NumPy scalar)")
+    return float(v)
 
 
 class CaptureRandomState:
@@ -169,6 +182,75 @@ class CaptureRandomState:
         if hasattr(scale, "shape"):
             raise _not_covered("exponential", "an array scale is not supported")
         return self._fill(_shape(size), self._float("exponential", dtype), "exponential", a=1.0 / float(scale))
+
+    # -- rejection samplers (rng_kernels.SAMPLERS): NumPy's argument checks, scalar parameters
+    def _sample(self, name, size, dtype, dist, a, b=0.0, *, ints=False):
+        dtype = np.dtype(dtype)
+        if ints:
+            if dtype not in _INTS:
+                raise _not_covered(name, f"dtype {dtype} is not supported (int32 or int64)")
+        else:
+            dtype = self._float(name, dtype)
+        cupy = sys.modules["cupy"]
+        out = cupy.empty(_shape(size), dtype=dtype)
+        code = _CODES[dtype]
+        stream = _cuda.stream_handle(cupy.cuda.get_current_stream().ptr)
+        rngexec.sample(self._rs, dist, code, out.data.ptr, out.size, stream, a, b, wide=rng.is_wide(dist, code))
+        return out
+
+    def standard_gamma(self, shape, size=None, dtype=float):
+        if not self._mine():
+            return self._orig().standard_gamma(shape, size=size, dtype=dtype)
+        k = _scalar("standard_gamma", "shape", shape)
+        if not k >= 0:
+            raise ValueError("shape < 0")
+        return self._sample("standard_gamma", size, dtype, "gamma", k, 1.0)
+
+    def gamma(self, shape, scale=1.0, size=None, dtype=float):
+        if not self._mine():
+            return self._orig().gamma(shape, scale=scale, size=size, dtype=dtype)
+        k, theta = _scalar("gamma", "shape", shape), _scalar("gamma", "scale", scale)
+        if not k >= 0:
+            raise ValueError("shape < 0")
+        if not theta >= 0:
+            raise ValueError("scale < 0")
+        return self._sample("gamma", size, dtype, "gamma", k, theta)
+
+    def beta(self, a, b, size=None, dtype=float):
+        if not self._mine():
+            return self._orig().beta(a, b, size=size, dtype=dtype)
+        fa, fb = _scalar("beta", "a", a), _scalar("beta", "b", b)
+        if not fa > 0:
+            raise ValueError("a <= 0")
+        if not fb > 0:
+            raise ValueError("b <= 0")
+        return self._sample("beta", size, dtype, "beta", fa, fb)
+
+    def poisson(self, lam=1.0, size=None, dtype=int):
+        if not self._mine():
+            return self._orig().poisson(lam=lam, size=size, dtype=dtype)
+        lam = _scalar("poisson", "lam", lam)
+        if not lam >= 0:
+            raise ValueError("lam < 0")
+        if lam > _LAM_MAX:
+            raise ValueError("lam value too large")
+        return self._sample("poisson", size, dtype, "poisson", lam, ints=True)
+
+    def binomial(self, n, p, size=None, dtype=int):
+        if not self._mine():
+            return self._orig().binomial(n, p, size=size, dtype=dtype)
+        fn, fp = _scalar("binomial", "n", n), _scalar("binomial", "p", p)
+        if fp != fp:
+            raise ValueError("p is nan")
+        if fn < 0:
+            raise ValueError("n < 0")
+        if fp < 0:
+            raise ValueError("p < 0")
+        if fp > 1:
+            raise ValueError("p > 1")
+        if fn > 2 ** 53:
+            raise _not_covered("binomial", "n above 2**53 is not supported")
+        return self._sample("binomial", size, dtype, "binomial", float(int(fn)), fp, ints=True)
 
     def randint(self, low, high=None, size=None, dtype="l"):
         if not self._mine():

@@ -533,6 +533,107 @@ def test_cupy_permutation_and_shuffle(cupy_mod):
     assert np.array_equal(shuffled[:, 1:] - shuffled[:, :1], np.tile([1.0, 2.0], (n, 1)))  # rows moved whole
 
 
+# ---------------------------------------------------------------- CuPy rejection samplers
+# gamma, beta, poisson and binomial draw a variable number of uniforms per element, each element on
+# its own counter stream (rng_kernels.SAMPLERS). Two replays of one capture: they differ, and each
+# follows the law (KS and moments for gamma and beta; moments and chi-square on the pmf for the
+# integer laws). A NaN or -1 (an iteration cap hit) fails the checks.
+
+_S = 1 << 18  # samples per sampler case
+
+
+def _sampled(make):
+    """Both replays of ``make()``'s outputs (a tuple), after checking that the replays differ."""
+    _, got = _replayed(make, 2)
+    for k, (a, b) in enumerate(zip(got[0], got[1], strict=True)):
+        assert not np.array_equal(a, b), f"output {k}: the second replay repeated the first"
+        S.corr_check(a.astype(np.float64), b.astype(np.float64), what=f"output {k}, replays 0 and 1")
+    return got
+
+
+def _pmf_check(x, dist, what):
+    """Chi-square of the integer samples ``x`` against the scipy.stats law ``dist`` (the cells
+    beyond the largest value drawn pooled into its cell)."""
+    assert x.min() >= 0, f"{what}: negative draws {np.unique(x[x < 0])[:5]} (an iteration cap hit?)"
+    top = int(max(x.max(), dist.isf(1e-12)))
+    probs = dist.pmf(np.arange(top + 1))
+    probs[-1] += dist.sf(top)
+    S.chi_square(np.bincount(x.astype(np.int64), minlength=top + 1), probs, what=what)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape", [0.5, 1.0, 3.7, 50.0])
+def test_cupy_gamma(shape, dtype, cupy_mod):
+    stats = pytest.importorskip("scipy.stats")
+    cp, scale = cupy_mod, 2.5
+    got = _sampled(lambda: (cp.random.gamma(shape, scale, _S, dtype=dtype),
+                            cp.random.standard_gamma(shape, size=_S, dtype=dtype)))
+    for r, (g, sg) in enumerate(got):
+        for x, theta, name in ((g, scale, "gamma"), (sg, 1.0, "standard_gamma")):
+            what = f"cupy {name}({shape}) {dtype}, replay {r}"
+            assert x.dtype == np.dtype(dtype) and x.shape == (_S,), (what, x.dtype, x.shape)
+            assert (x >= 0).all(), what
+            S.ks_continuous(x, stats.gamma(shape, scale=theta).cdf, what=what)
+            S.mean_var_check(x, shape * theta, shape * theta * theta, what=what)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("a,b", [(0.5, 0.5), (2.0, 5.0)])
+def test_cupy_beta(a, b, dtype, cupy_mod):
+    stats = pytest.importorskip("scipy.stats")
+    cp = cupy_mod
+    got = _sampled(lambda: (cp.random.beta(a, b, _S, dtype=dtype),))
+    for r, (x,) in enumerate(got):
+        what = f"cupy beta({a}, {b}) {dtype}, replay {r}"
+        assert x.dtype == np.dtype(dtype) and x.shape == (_S,), (what, x.dtype)
+        assert ((x >= 0) & (x <= 1)).all(), what
+        S.ks_continuous(x, stats.beta(a, b).cdf, what=what)
+        S.mean_var_check(x, a / (a + b), a * b / ((a + b) ** 2 * (a + b + 1)), what=what)
+
+
+@pytest.mark.parametrize("dtype", ["int32", None])  # None: CuPy's default dtype int (int64)
+@pytest.mark.parametrize("lam", [0.5, 4.0, 30.0, 1000.0])
+def test_cupy_poisson(lam, dtype, cupy_mod):
+    stats = pytest.importorskip("scipy.stats")
+    cp = cupy_mod
+    kw = {} if dtype is None else {"dtype": dtype}
+    got = _sampled(lambda: (cp.random.poisson(lam, _S, **kw),))
+    for r, (x,) in enumerate(got):
+        what = f"cupy poisson({lam}) {dtype or 'default'}, replay {r}"
+        assert x.dtype == (np.int32 if dtype else np.int64) and x.shape == (_S,), (what, x.dtype)
+        _pmf_check(x, stats.poisson(lam), what)
+        S.mean_var_check(x, lam, lam, what=what)
+
+
+@pytest.mark.parametrize("dtype", ["int32", None])
+@pytest.mark.parametrize("n,p", [(10, 0.3), (1000, 0.7), (20, 0.02)])
+def test_cupy_binomial(n, p, dtype, cupy_mod):
+    stats = pytest.importorskip("scipy.stats")
+    cp = cupy_mod
+    kw = {} if dtype is None else {"dtype": dtype}
+    got = _sampled(lambda: (cp.random.binomial(n, p, _S, **kw),))
+    for r, (x,) in enumerate(got):
+        what = f"cupy binomial({n}, {p}) {dtype or 'default'}, replay {r}"
+        assert x.dtype == (np.int32 if dtype else np.int64) and x.shape == (_S,), (what, x.dtype)
+        assert x.max() <= n, what
+        _pmf_check(x, stats.binom(n, p), what)
+        S.mean_var_check(x, n * p, n * p * (1 - p), what=what)
+
+
+def test_cupy_samplers_take_their_offsets_and_size_none(cupy_mod):
+    """Beta takes two offsets, the others one; ``size=None`` draws one value of shape ()."""
+    cp = cupy_mod
+    with cgraw.capture() as g:
+        one = cp.random.gamma(2.0)
+        cp.random.beta(2.0, 3.0, 10)
+        cp.random.poisson(3.0, 10)
+        cp.random.binomial(10, 0.5, 10)
+    assert one.shape == () and one.dtype == np.float64
+    assert g.rng.draws == 5, g.rng
+    g.replay()
+    assert g.rng_offset() == 5 and float(one) > 0
+
+
 # ---------------------------------------------------------------- what is not covered
 
 

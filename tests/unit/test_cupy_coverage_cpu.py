@@ -90,7 +90,10 @@ def test_expected_failures_cover_the_known_refusals():
     assert by_name["cupy.linalg.svd"].expect == C.CUSOLVER  # gesvd synchronises inside cuSOLVER: refused
     assert by_name["cupy.linalg.eig"].expect == C.CUSOLVER  # Xgeev's host workspace: refused
     assert by_name["cupyx.scipy.ndimage.gaussian_filter"].expect is None  # its weights' upload is staged
-    assert by_name["cupy.random.gamma"].expect == C.RNG
+    assert by_name["cupy.random.vonmises"].expect == C.RNG
+    for name in ("gamma", "standard_gamma", "beta", "poisson", "binomial"):  # rng_kernels.SAMPLERS
+        case = by_name["cupy.random." + name]
+        assert case.expect is None and case.law.mean is not None and case.law.std is not None, name
     sp = "cupyx.scipy.sparse."  # cuSPARSE (interop.cupy_sparse, not yet run on the H200)
     for name in ("csr_matrix.dot", "csr_matrix.__matmul__", "csr_matrix.sum", "csc_matrix.dot"):
         assert by_name[sp + name].expect is None and "not yet run on the H200" in by_name[sp + name].note, name
@@ -229,7 +232,7 @@ def test_random_check_of_a_permutation_finds_a_repeated_value():
     assert "twice" in " ".join(cc.check_random([_draws(twice), perms[0]], _draws(np.arange(64)), law, [[], []]))
     by_name = {c.name: c for c in CASES}
     assert by_name["cupy.random.permutation"].law.distinct and by_name["cupy.random.shuffle"].law.distinct
-    assert by_name["cupy.random.lognormal"].expect is None and by_name["cupy.random.gamma"].expect == C.RNG
+    assert by_name["cupy.random.lognormal"].expect is None and by_name["cupy.random.vonmises"].expect == C.RNG
 
 
 def test_random_check_uses_the_rounds_inputs():

@@ -114,7 +114,7 @@ def test_every_kernel_name_has_a_source_defining_it():
         assert src.count(f" {n}(") == 1, n
         assert "#include" not in src  # NVRTC needs no include path
     with pytest.raises(KeyError):
-        K.source("cgraw_fill_poisson_f32_n")
+        K.source("cgraw_fill_zipf_f32_n")
     with pytest.raises(KeyError):
         K.fill_name("uniform", "c64", False)
     with pytest.raises(KeyError):
@@ -194,6 +194,9 @@ class _FakeState:
         self.calls.append(("random_sample", size))
         return "eager"
 
+    def vonmises(self, *a, **k):
+        return "eager vonmises"
+
     def gamma(self, *a, **k):
         return "eager gamma"
 
@@ -204,18 +207,169 @@ def test_cupy_stand_in_forwards_other_threads_and_names_uncovered_calls():
 
     orig = _FakeState()
     sub = cupy_rng.CaptureRandomState(rng.RngStream(0, 0, threading.get_ident()), orig, 0)
-    with pytest.raises(CaptureError, match="cupy.random.gamma"):
-        sub.gamma(2.0)
+    with pytest.raises(CaptureError, match="cupy.random.vonmises"):
+        sub.vonmises(0.0, 1.0)
     out = {}
 
     def other():
         out["r"] = sub.random_sample(size=3)
+        out["v"] = sub.vonmises(0.0, 1.0)
         out["g"] = sub.gamma(1.0)
 
     t = threading.Thread(target=other)
     t.start()
     t.join()
-    assert out == {"r": "eager", "g": "eager gamma"} and orig.calls == [("random_sample", 3)]
+    assert out == {"r": "eager", "v": "eager vonmises", "g": "eager gamma"}
+    assert orig.calls == [("random_sample", 3)]
+
+
+def test_sampler_kernels_are_named_and_generated():
+    assert set(K.SAMPLER_STEPS) == set(K.SAMPLERS) and set(K.SAMPLERS) <= set(K.DISTS)
+    assert K.SAMPLER_STEPS["beta"] == 2  # X ~ Gamma(a) and Y ~ Gamma(b) at two offsets
+    for d in K.SAMPLERS:
+        for t in ("f32", "f64", "i32", "i64"):
+            for w in (False, True):
+                name = K.fill_name(d, t, w)
+                src = K.source(name)
+                assert src.count(f" {name}(") == 1 and f"fill<{K.CTYPES[t]}, {K.DISTS[d]}, " in src, name
+                assert "sample<T, D, WIDE>" in src and "CGRAW_CAP" in src
+    assert rng.is_wide("poisson", "i32") and rng.is_wide("binomial", "i64")
+    assert rng.is_wide("gamma", "f64") and not rng.is_wide("beta", "f32")
+
+
+class _FakeKernels:
+    """Stands in for ``_cuda.kernels`` in ``rngexec``: records launches."""
+
+    ARG_PTR = ARG_I64 = ARG_U64 = ARG_F64 = ARG_F32 = 0
+
+    def __init__(self):
+        self.launches = []
+
+    def function(self, device, name, source):
+        source(name)  # the name has a source
+        return name
+
+    def launch(self, func, grid, block, args, types, stream):
+        self.launches.append((func, grid, block, args))
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    from cgraw import rngexec
+
+    fk = _FakeKernels()
+    monkeypatch.setattr(rngexec, "_k", fk)
+    monkeypatch.setattr(rngexec, "_sm_count", lambda device: 132)
+    return fk
+
+
+def test_sampler_calls_reserve_their_offset_steps(fake_kernels):
+    from cgraw import rngexec
+
+    s = rng.RngStream(slot=0x2000, device=0, thread=threading.get_ident())
+    rngexec.sample(s, "gamma", "f32", 0x100, 1000, None, 2.0, 1.0)
+    rngexec.sample(s, "beta", "f64", 0x200, 10, None, 0.5, 0.5, wide=True)
+    rngexec.sample(s, "poisson", "i64", 0x300, 1, None, 4.0, wide=True)
+    rngexec.sample(s, "binomial", "i32", 0x400, 0, None, 10.0, 0.3, wide=True)  # empty: no launch, no offset
+    assert s.calls == 4  # gamma 1, beta 2, poisson 1
+    names = [f for f, *_ in fake_kernels.launches]
+    assert names == ["cgraw_fill_gamma_f32_n", "cgraw_fill_beta_f64_w", "cgraw_fill_poisson_i64_w"]
+    calls = [args[4] for *_, args in fake_kernels.launches]
+    assert calls == [0, 1, 3]
+    func, grid, block, args = fake_kernels.launches[0]
+    assert grid == rng.grid(1000, 1, 132) == 4 and block == rng.BLOCK  # one thread per element
+    assert args[:4] == (0x100, 1000, 0x2000, s.key) and args[5:7] == (2.0, 1.0)
+    with pytest.raises(ValueError, match="at most"):
+        rngexec.sample(s, "gamma", "f32", 0x100, K.SAMPLE_MAX, None, 2.0, 1.0)
+    assert s.calls == 4
+
+
+class _FakeArray:
+    def __init__(self, shape, dtype):
+        import types
+
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.size = int(np.prod(self.shape)) if self.shape else 1
+        self.data = types.SimpleNamespace(ptr=0xA000)
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """A ``cupy`` module with ``empty`` and a current stream, and ``rngexec.sample`` recorded."""
+    import sys
+    import types
+
+    from cgraw import rngexec
+    from cgraw.interop import cupy_rng
+
+    fake = types.ModuleType("cupy")
+    fake.empty = lambda shape, dtype: _FakeArray(shape, dtype)
+    fake.cuda = types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=0))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(cupy_rng._cuda, "stream_handle", lambda ptr: None)
+    calls = []
+
+    def sample(stream, dist, dtype, out, n, cu_stream, a, b=0.0, *, wide=False):
+        calls.append((dist, dtype, n, a, b, wide))
+
+    monkeypatch.setattr(rngexec, "sample", sample)
+    sub = cupy_rng.CaptureRandomState(rng.RngStream(0, 0, threading.get_ident()), None, 0)
+    return sub, calls
+
+
+def test_cupy_samplers_dispatch_with_cupy_signatures(fake_cupy):
+    sub, calls = fake_cupy
+    out = sub.gamma(2.5, 3.0, size=(2, 3))
+    assert out.shape == (2, 3) and out.dtype == np.float64
+    assert sub.standard_gamma(0.5, size=7, dtype=np.float32).dtype == np.float32
+    assert sub.beta(2, 5, 4).shape == (4,)
+    x = sub.poisson(size=5)
+    assert x.dtype == np.int64 and x.shape == (5,)  # dtype=int: int64 on Linux, lam=1.0
+    assert sub.poisson(np.float32(30.0), 3, dtype=np.int32).dtype == np.int32
+    assert sub.binomial(1000, 0.7, size=None).shape == ()  # size None: one draw, shape ()
+    assert calls == [("gamma", "f64", 6, 2.5, 3.0, True), ("gamma", "f32", 7, 0.5, 1.0, False),
+                     ("beta", "f64", 4, 2.0, 5.0, True), ("poisson", "i64", 5, 1.0, 0.0, True),
+                     ("poisson", "i32", 3, 30.0, 0.0, True), ("binomial", "i64", 1, 1000.0, 0.7, True)]
+    assert sub.gamma(0.0, size=2).shape == (2,)  # shape 0 is allowed (NumPy: all zeros)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda s: s.standard_gamma(-1.0, 3), "shape < 0"),
+    (lambda s: s.gamma(-0.5, 1.0, 3), "shape < 0"),
+    (lambda s: s.gamma(1.0, -1.0, 3), "scale < 0"),
+    (lambda s: s.gamma(float("nan"), 1.0, 3), "shape < 0"),
+    (lambda s: s.beta(0.0, 1.0, 3), "a <= 0"),
+    (lambda s: s.beta(1.0, -2.0, 3), "b <= 0"),
+    (lambda s: s.poisson(-1.0, 3), "lam < 0"),
+    (lambda s: s.poisson(1e19, 3), "too large"),
+    (lambda s: s.binomial(-1, 0.5, 3), "n < 0"),
+    (lambda s: s.binomial(10, -0.1, 3), "p < 0"),
+    (lambda s: s.binomial(10, 1.5, 3), "p > 1"),
+    (lambda s: s.binomial(10, float("nan"), 3), "p is nan"),
+])
+def test_cupy_samplers_check_arguments_like_numpy(fake_cupy, call, match):
+    sub, calls = fake_cupy
+    with pytest.raises(ValueError, match=match):
+        call(sub)
+    assert calls == []
+
+
+def test_cupy_samplers_refuse_array_parameters_and_other_dtypes(fake_cupy):
+    from cgraw.errors import CaptureError
+    from cgraw.interop import cupy_rng
+
+    sub, calls = fake_cupy
+    for call, name in ((lambda: sub.gamma(np.ones(3)), "gamma"), (lambda: sub.beta(1.0, np.ones(3)), "beta"),
+                       (lambda: sub.poisson(np.ones(3)), "poisson"),
+                       (lambda: sub.binomial(np.ones(3, int), 0.5), "binomial"),
+                       (lambda: sub.poisson(3.0, 4, dtype=np.int16), "poisson"),
+                       (lambda: sub.binomial(2 ** 60, 0.5, 4), "binomial")):
+        with pytest.raises(CaptureError, match=f"cupy.random.{name}"):
+            call()
+    with pytest.raises(TypeError):
+        sub.gamma(1.0, size=3, dtype=np.int32)
+    assert calls == []
+    assert {"standard_gamma", "gamma", "beta", "poisson", "binomial"} <= set(cupy_rng.COVERED)
 
 
 def test_cupy_shape_rules():
