@@ -184,11 +184,14 @@ class CaptureRandomState:
         return self._fill(_shape(size), self._float("exponential", dtype), "exponential", a=1.0 / float(scale))
 
     # -- rejection samplers (rng_kernels.SAMPLERS): NumPy's argument checks, scalar parameters
-    def _sample(self, name, size, dtype, dist, a, b=0.0, *, ints=False):
+    def _sample(self, name, size, dtype, dist, a, b=0.0, *, ints=False, top=0.0):
+        """``top``: the largest value the draw can take (an integer law), checked against the dtype."""
         dtype = np.dtype(dtype)
         if ints:
             if dtype not in _INTS:
                 raise _not_covered(name, f"dtype {dtype} is not supported (int32 or int64)")
+            if top > np.iinfo(dtype).max:  # the kernel would wrap, silently
+                raise _not_covered(name, f"its draws can exceed {dtype}'s range; use dtype=int64")
         else:
             dtype = self._float(name, dtype)
         cupy = sys.modules["cupy"]
@@ -234,7 +237,7 @@ class CaptureRandomState:
             raise ValueError("lam < 0")
         if lam > _LAM_MAX:
             raise ValueError("lam value too large")
-        return self._sample("poisson", size, dtype, "poisson", lam, ints=True)
+        return self._sample("poisson", size, dtype, "poisson", lam, ints=True, top=lam + 10.0 * lam ** 0.5 + 10.0)
 
     def binomial(self, n, p, size=None, dtype=int):
         if not self._mine():
@@ -250,7 +253,8 @@ class CaptureRandomState:
             raise ValueError("p > 1")
         if fn > 2 ** 53:
             raise _not_covered("binomial", "n above 2**53 is not supported")
-        return self._sample("binomial", size, dtype, "binomial", float(int(fn)), fp, ints=True)
+        return self._sample("binomial", size, dtype, "binomial", float(int(fn)), fp, ints=True,
+                            top=float(int(fn)) if fp > 0 else 0.0)
 
     def randint(self, low, high=None, size=None, dtype="l"):
         if not self._mine():

@@ -363,12 +363,17 @@ def test_cupy_samplers_refuse_array_parameters_and_other_dtypes(fake_cupy):
                        (lambda: sub.poisson(np.ones(3)), "poisson"),
                        (lambda: sub.binomial(np.ones(3, int), 0.5), "binomial"),
                        (lambda: sub.poisson(3.0, 4, dtype=np.int16), "poisson"),
-                       (lambda: sub.binomial(2 ** 60, 0.5, 4), "binomial")):
+                       (lambda: sub.binomial(2 ** 60, 0.5, 4), "binomial"),
+                       (lambda: sub.poisson(3e9, 4, dtype=np.int32), "poisson"),  # would wrap in int32
+                       (lambda: sub.binomial(2 ** 31, 0.5, 4, dtype=np.int32), "binomial")):
         with pytest.raises(CaptureError, match=f"cupy.random.{name}"):
             call()
     with pytest.raises(TypeError):
         sub.gamma(1.0, size=3, dtype=np.int32)
     assert calls == []
+    sub.poisson(3e9, 4, dtype=np.int64)
+    sub.binomial(2 ** 31, 0.0, 4, dtype=np.int32)  # p = 0: every draw is 0
+    assert len(calls) == 2
     assert {"standard_gamma", "gamma", "beta", "poisson", "binomial"} <= set(cupy_rng.COVERED)
 
 
