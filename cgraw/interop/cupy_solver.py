@@ -17,26 +17,17 @@ called through ctypes on a handle cgraw owns, bound to the capture stream, with 
 unchanged (a ``_bufferSize`` query returns what CuPy's wrapper returns). CuPy's handle is never
 touched; cgraw's handles go back to an idle pool per device, unbound (stream 0), when the capture ends.
 
-Substituted (``SUBSTITUTED``): gesvd and Xsyevd synchronise inside cuSOLVER: on the H200 (session 9)
-they returned CUSOLVER_STATUS_INTERNAL_ERROR inside a capture and left a CUDA error in libcusolver that
-failed the thread's next cuSOLVER call, eager, in CuPy or torch. So they never reach cuSOLVER in a
-capture. For matrices up to 32x32 the router runs the batched Jacobi routine instead, with a batch of
-one, on cgraw's handle: ``?gesvd_bufferSize`` returns gesvdjBatched's workspace plus room for its full
-U (m x m) and V (n x n), so CuPy's own workspace, allocated in the capture, holds them; ``?gesvd`` runs
-gesvdjBatched (jobz NOVECTOR when jobu = jobvt = 'N'), then copies the columns of U and V^H = conj(V)^T
-that jobu/jobvt ask for ('A', 'S', 'O': into A, 'N') where gesvd would write them, with CuPy elementwise
-copies on the capture stream. ``xsyevd_bufferSize`` returns syevjBatched's (heevjBatched's) workspace in
-bytes and 0 bytes of host workspace; ``xsyevd`` runs it, which overwrites A with the eigenvectors as
-syevd does. The Jacobi info structures (defaults: tolerance, sweeps, singular values sorted descending,
-eigenvalues ascending, as gesvd and syevd order them) are made once per cgraw handle. So single-matrix
-``svd``, ``eigh``, ``eigvalsh``, ``lstsq``, ``pinv``, ``matrix_rank``, ``norm(ord=2)``, ``cond`` and
-``cupyx.scipy.signal.savgol_filter`` capture up to 32x32; larger matrices are refused naming the size.
-A deliberate difference from eager CuPy: the captured results come from another algorithm, so they differ
-from eager gesvd/syevd by rounding, and singular vectors / eigenvectors by their signs (real) or phases
-(complex), which are not unique; the factorisation is the same (U diag(S) V^H = A, A V = V diag(w)).
-The info word is gesvdjBatched's / syevjBatched's (nonzero when it did not converge); CuPy reads it only
-under ``cupyx.errstate(linalg='raise')``, which the router refuses in a capture anyway.
-
+Substituted (``SUBSTITUTED``): gesvd and Xsyevd synchronise inside cuSOLVER (on the H200, session 9, they
+returned INTERNAL_ERROR in a capture and failed the thread's next cuSOLVER call), so they never reach it.
+Up to 32x32 the router runs gesvdjBatched / syevjBatched (heevjBatched) with a batch of one instead:
+``?gesvd_bufferSize`` adds room for the full U and V to the Jacobi workspace (CuPy allocates it in the
+capture); ``?gesvd`` then copies the columns of U and rows of V^H that jobu/jobvt ask for where gesvd
+writes them (CuPy elementwise copies on the capture stream); ``xsyevd_bufferSize`` gives the Jacobi
+workspace in bytes, no host workspace. The info structures keep their defaults (values sorted as gesvd
+and syevd sort them) and are made once per cgraw handle. So single-matrix ``svd``, ``eigh``, ``eigvalsh``,
+``lstsq``, ``pinv``, ``matrix_rank``, ``norm(ord=2)``, ``cond`` and ``savgol_filter`` capture up to 32x32.
+Deliberately unlike eager CuPy: another algorithm, so results differ from gesvd/syevd by rounding and the
+vectors by sign (phase), which is not unique; the factorisation is the same (README, CuPy section).
 Refused by name (``CaptureError``, kind ``CUSOLVER_NOT_COVERED``): the non-batched Jacobi routines
 (gesvdj, syevj: they read their sweeps and residual back to the host), gesvdaStridedBatched (writes
 residual norms to host memory), Xgeev (host workspace), gesvd/Xsyevd over 32x32, and ?syevd/?heevd
