@@ -8,7 +8,8 @@ objects from the device inputs before the capture (sparse matrices, generators);
 the capture today (None: expected to record and replay equal); the run reports where it was wrong.
 The cuBLAS expectations follow ``cgraw.interop.cupy_blas`` (CuPy's matrix products routed to a
 cgraw handle). The cuSOLVER ones follow ``cgraw.interop.cupy_solver`` (CuPy's dense cuSOLVER calls
-routed to a cgraw handle), first run on the H200 in session 9. The cuSPARSE ones follow
+routed to a cgraw handle), first run on the H200 in session 9; the single-matrix svd/eigh family (gesvd and
+Xsyevd run as the batched Jacobi routines) is new in session 10. The cuSPARSE ones follow
 ``cgraw.interop.cupy_sparse`` (sparse @ dense products routed, csrgeam2 refused by name), first run on
 the H200 in session 10.
 """
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-COMPARES = ("allclose", "exact", "random")
+COMPARES = ("allclose", "exact", "random", "svd", "eigh", "algorithm")
 # the module a row is counted under: the longest of these that prefixes its function
 MODULES = ("cupyx.scipy.ndimage", "cupyx.scipy.signal", "cupyx.scipy.special", "cupyx.scipy.sparse",
            "cupy.linalg", "cupy.fft", "cupy.random", "cupy")
@@ -113,7 +114,10 @@ class Case:
     ``target`` when given. ``inputs`` make the host arrays; their device copies, made before the
     capture and refreshed in place before each replay, are the arguments of ``call(f, *args)``
     (after ``setup`` when given). ``compare``: ``allclose`` (exact for integer and bool outputs),
-    ``exact`` or ``random`` (with ``law``).
+    ``exact``, ``random`` (with ``law``), or ``svd``/``eigh`` (vectors unique only up to sign/phase: values
+    against eager's, the factorisation against the input; ``cupy_coverage.compare_factors``), or
+    ``algorithm`` (the capture runs another algorithm than eager, outputs unique: allclose at the
+    factorisation checks' tolerance).
     """
 
     name: str
@@ -390,7 +394,10 @@ def _linalg() -> list[Case]:
     sq2 = (SQ, Arr((16, 16)))
     blas = "cuBLAS through cgraw's handle (interop.cupy_blas)"
     solver = "cuSOLVER through cgraw's handle (interop.cupy_solver)"
-    hybrid = "gesvd/syevd synchronise inside cuSOLVER (H200, session 9): refused by name before cuSOLVER runs"
+    jacobi = ("single matrix up to 32x32: gesvd/Xsyevd (they synchronise inside cuSOLVER, H200 session 9) run as "
+              "gesvdjBatched/syevjBatched with a batch of one (interop.cupy_solver); rounding differs from eager")
+    vectors = ("; vectors differ from eager's by sign/phase (another algorithm), so the factorisation is "
+               "checked against the input")
     cases = [
         Case("cupy.matmul", s, sq2, note=blas),
         Case("cupy.matmul [batched]", s, (Arr((4, 16, 16)), Arr((4, 16, 16))), note="gemmStridedBatchedEx"),
@@ -423,7 +430,7 @@ def _linalg() -> list[Case]:
              note="cuBLAS isamax: not routed (its result's width follows CuPy's build)"),
         Case("cupy.linalg.norm", s, (V,)),
         Case("cupy.linalg.norm [fro]", s, (M,), lambda f, x: f(x, "fro")),
-        Case("cupy.linalg.norm [ord=2]", s, (SQ,), lambda f, x: f(x, 2), expect=CUSOLVER, note=hybrid),
+        Case("cupy.linalg.norm [ord=2]", s, (SQ,), lambda f, x: f(x, 2), compare="algorithm", note=jacobi),
         Case("cupy.linalg.solve", s, (_well_conditioned(16), Arr((16,))), note=solver),
         Case("cupy.linalg.inv", s, (_well_conditioned(16),), note=solver),
         Case("cupy.linalg.det", s, (_well_conditioned(8),), note="refused as cuBLAS by CuPy 14.2: now routed"),
@@ -432,14 +439,18 @@ def _linalg() -> list[Case]:
              note="cuBLAS getrfBatched and getriBatched (routed)"),
         Case("cupy.linalg.cholesky", s, (_spd(16),), note=solver),
         Case("cupy.linalg.qr", s, (SQ,), note=solver),
-        Case("cupy.linalg.eigh", s, (_symmetric(16),), expect=CUSOLVER, note=hybrid),
-        Case("cupy.linalg.eigvalsh", s, (_symmetric(16),), expect=CUSOLVER, note=hybrid),
-        Case("cupy.linalg.svd", s, (SQ,), expect=CUSOLVER, note=hybrid),
-        Case("cupy.linalg.lstsq", s, (Arr((16, 8)), Arr((16,))), expect=CUSOLVER, note=hybrid),
-        Case("cupy.linalg.pinv", s, (Arr((16, 8)),), expect=CUSOLVER, note=hybrid),
+        Case("cupy.linalg.eigh", s, (_symmetric(16),), compare="eigh", note=jacobi + vectors),
+        Case("cupy.linalg.eigvalsh", s, (_symmetric(16),), compare="algorithm", note=jacobi),
+        Case("cupy.linalg.svd", s, (SQ,), compare="svd", note=jacobi + vectors),
+        Case("cupy.linalg.svd [24x16, reduced]", s, (Arr((24, 16)),), lambda f, x: f(x, full_matrices=False),
+             compare="svd", note=jacobi + vectors),
+        Case("cupy.linalg.svd [48x48]", s, (Arr((48, 48)),), expect=CUSOLVER,
+             note="over 32x32: refused by name (up to 32x32 is routed through the Jacobi routine)"),
+        Case("cupy.linalg.lstsq", s, (Arr((16, 8)), Arr((16,))), compare="algorithm", note=jacobi),
+        Case("cupy.linalg.pinv", s, (Arr((16, 8)),), compare="algorithm", note=jacobi),
         Case("cupy.linalg.matrix_power", s, (Arr((16, 16), lo=-0.3, hi=0.3),), lambda f, x: f(x, 3), note=blas),
-        Case("cupy.linalg.matrix_rank", s, (SQ,), expect=CUSOLVER, note=hybrid),
-        Case("cupy.linalg.cond", s, (_well_conditioned(16),), expect=CUSOLVER, note=hybrid),
+        Case("cupy.linalg.matrix_rank", s, (SQ,), note=jacobi),
+        Case("cupy.linalg.cond", s, (_well_conditioned(16),), compare="algorithm", note=jacobi),
         Case("cupy.linalg.eigh [batch of one]", s, (_symmetric(16, (1,)),),
              note="stacked input: syevjBatched, routed (the hint of the single-matrix refusal)"),
         Case("cupy.linalg.svd [batch of one]", s, (Arr((1, 16, 16)),), lambda f, x: f(x, compute_uv=False),
@@ -609,8 +620,8 @@ def _signal() -> list[Case]:
         Case(p + "upfirdn", s, (h9, V), lambda f, h, x: f(h, x, 2, 3)),
         Case(p + "decimate", s, (V,), lambda f, x: f(x, 4), expect=SYNC,
              note="iirfilter checks Wn on the host with cupy.any (H200 probe, session 10)"),
-        Case(p + "savgol_filter", s, (V,), lambda f, x: f(x, 7, 2), expect=CUSOLVER,
-             note="its coefficients come from lstsq: gesvd, refused by name"),
+        Case(p + "savgol_filter", s, (V,), lambda f, x: f(x, 7, 2), compare="algorithm",
+             note="its coefficients come from lstsq of a 3x7 matrix: gesvd, run as gesvdjBatched in the capture"),
         Case(p + "periodogram", s, (V,)),
         Case(p + "chirp", s, (t,), lambda f, x: f(x, 1.0, 1.0, 10.0)),
         Case(p + "gausspulse", s, (t,), lambda f, x: f(x - 0.5, fc=5.0)),

@@ -48,6 +48,8 @@ MESSAGE_CHARS = 200
 # (rtol, atol): atol is scaled by max(1, max |eager|); integer and bool outputs compare exactly
 TOLERANCES = {"float16": (1e-3, 1e-3), "float32": (1e-5, 1e-6), "complex64": (1e-5, 1e-6),
               "float64": (1e-12, 1e-12), "complex128": (1e-12, 1e-12)}
+# compare "svd"/"eigh": (relative) tolerance of the factorisation checks, by the factors' dtype
+FACTOR_TOL = {"float32": 1e-4, "complex64": 1e-4, "float64": 1e-10, "complex128": 1e-10}
 RANDOM_MEAN_SE = 6.0  # sample mean within this many standard errors
 RANDOM_STD_REL = 0.15  # sample standard deviation within this fraction
 
@@ -58,6 +60,14 @@ METHOD = {
                  "synchronise, and out compared with the eager call on the new values",
     "compare": "allclose per output with rtol/atol by dtype (atol scaled by max(1, max|eager|)), NaN equal to NaN; "
                "integer and bool outputs exactly; shapes and dtypes must match; sparse outputs via toarray()",
+    "svd/eigh": "cases whose singular vectors or eigenvectors are unique only up to sign/phase (captured: the "
+                "batched Jacobi routine; eager: gesvd/syevd): values allclose to eager's; the vectors orthonormal "
+                "and the factorisation reproducing the round's input (U diag(S) VT = A, A V = V diag(w)) within "
+                f"{FACTOR_TOL['float32']:g} (float32) / {FACTOR_TOL['float64']:g} (float64) times max(1, max|A|) n",
+    "algorithm": "cases whose capture runs another algorithm than eager (the single-matrix svd/eigh family: "
+                 "the batched Jacobi routine for gesvd/syevd) and whose outputs are unique: allclose with rtol "
+                 f"and atol {FACTOR_TOL['float32']:g} (float32) / {FACTOR_TOL['float64']:g} (float64), atol "
+                 "scaled by max(1, max|eager|); max_abs_diff records what was seen",
     "random": "cupy.random: cgraw draws its own numbers, so not bitwise: shape and dtype as eager's, two replays "
               "draw different values, values finite and in the law's range (integers whole, choice from its "
               f"population), sample mean within {RANDOM_MEAN_SE:g} standard errors and std within "
@@ -120,16 +130,18 @@ def _max_abs_diff(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.max(d))
 
 
-def _close(got: np.ndarray, want: np.ndarray, exact: bool) -> bool:
+def _close(got: np.ndarray, want: np.ndarray, exact: bool, algorithm: bool = False) -> bool:
     if exact or want.dtype.kind not in "fc":
         return bool(np.array_equal(got, want, equal_nan=want.dtype.kind in "fc"))
     rtol, atol = TOLERANCES.get(want.dtype.name, TOLERANCES["float32"])
+    if algorithm:  # another algorithm than eager's: equal to rounding, at the factorisation checks' tolerance
+        rtol = atol = FACTOR_TOL.get(want.dtype.name, FACTOR_TOL["float32"])
     finite = np.abs(want[np.isfinite(want)])
     scale = max(1.0, float(finite.max())) if finite.size else 1.0
     return bool(np.allclose(got, want, rtol=rtol, atol=atol * scale, equal_nan=True))
 
 
-def compare_outputs(got: list[Leaf], want: list[Leaf], *, exact: bool = False) -> dict:
+def compare_outputs(got: list[Leaf], want: list[Leaf], *, exact: bool = False, algorithm: bool = False) -> dict:
     """``{"equal", "max_abs_diff", "reason"}`` for a replayed output against eager's."""
     if len(got) != len(want):
         return {"equal": False, "max_abs_diff": None,
@@ -146,10 +158,62 @@ def compare_outputs(got: list[Leaf], want: list[Leaf], *, exact: bool = False) -
                               f"{w.value.dtype}{list(w.value.shape)}"}
         diff = _max_abs_diff(g.value, w.value)
         worst = max(worst, diff)
-        if not _close(g.value, w.value, exact):
+        if not _close(g.value, w.value, exact, algorithm):
             return {"equal": False, "max_abs_diff": worst,
                     "reason": f"output {i} ({w.value.dtype}{list(w.value.shape)}) differs from eager's: "
                               f"max abs diff {diff:.3g}"}
+    return {"equal": True, "max_abs_diff": worst, "reason": ""}
+
+
+
+
+def compare_factors(kind: str, got: list[Leaf], want: list[Leaf], inputs: list[np.ndarray]) -> dict:
+    """``compare_outputs``' verdict for a factorisation whose vectors are unique only up to sign/phase:
+    ``svd`` (outputs u, s, vt of ``inputs[0]``) or ``eigh`` (w, v of the Hermitian ``inputs[0]``).
+
+    Shapes and dtypes as eager's; the singular values / eigenvalues allclose to eager's (tolerance by dtype,
+    as ``allclose``); the vectors orthonormal (|Q^H Q - I| <= tol) and the factorisation reproducing the input
+    (|U[:, :k] diag(S) VT[:k] - A| or |A V - V diag(w)| <= tol * max(1, max|A|) * n); tol from
+    ``FACTOR_TOL``. Any other ``kind`` or output structure is not equal."""
+    names = {"svd": ("u", "s", "vt"), "eigh": ("w", "v")}.get(kind)
+    if names is None or len(want) != len(names):
+        return {"equal": False, "max_abs_diff": None, "reason": f"compare {kind!r} does not fit {len(want)} outputs"}
+    if len(got) != len(want):
+        return {"equal": False, "max_abs_diff": None, "reason": f"{len(got)} output value(s), eager gives {len(want)}"}
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if g.kind != w.kind or w.kind == "none" or g.value.shape != w.value.shape or g.value.dtype != w.value.dtype:
+            return {"equal": False, "max_abs_diff": None,
+                    "reason": f"output {i} is {g.kind} {getattr(g.value, 'dtype', '')}"
+                              f"{list(getattr(g.value, 'shape', ()))}, eager's is {w.kind} "
+                              f"{getattr(w.value, 'dtype', '')}{list(getattr(w.value, 'shape', ()))}"}
+    out = dict(zip(names, (leaf.value for leaf in got), strict=True))
+    ref = dict(zip(names, (leaf.value for leaf in want), strict=True))
+    a = np.asarray(inputs[0])
+    values = "s" if kind == "svd" else "w"
+    if not _close(out[values], ref[values], False):
+        return {"equal": False, "max_abs_diff": _max_abs_diff(out[values], ref[values]),
+                "reason": f"the {'singular values' if kind == 'svd' else 'eigenvalues'} differ from eager's: max abs "
+                          f"diff {_max_abs_diff(out[values], ref[values]):.3g}"}
+    vec_dtype = (out["u"] if kind == "svd" else out["v"]).dtype.name
+    tol = FACTOR_TOL.get(vec_dtype, FACTOR_TOL["float32"])
+    wide = np.complex128
+    scale = max(1.0, float(np.abs(a).max()) if a.size else 1.0) * max(a.shape[-2:], default=1)
+    if kind == "svd":
+        u, s, vt = (out[k].astype(wide) for k in ("u", "s", "vt"))
+        k = s.shape[-1]
+        checks = (("U^H U - I", u.conj().swapaxes(-1, -2) @ u - np.eye(u.shape[-1]), tol),
+                  ("VT VT^H - I", vt @ vt.conj().swapaxes(-1, -2) - np.eye(vt.shape[-2]), tol),
+                  ("U diag(S) VT - A", (u[..., :, :k] * s[..., None, :]) @ vt[..., :k, :] - a, tol * scale))
+    else:
+        w, v = out["w"].astype(wide), out["v"].astype(wide)
+        checks = (("V^H V - I", v.conj().swapaxes(-1, -2) @ v - np.eye(v.shape[-1]), tol),
+                  ("A V - V diag(w)", a.astype(wide) @ v - v * w[..., None, :], tol * scale))
+    worst = _max_abs_diff(out[values], ref[values])
+    for label, residual, bound in checks:
+        err = float(np.max(np.abs(residual))) if residual.size else 0.0
+        if not err <= bound:  # NaN fails too
+            return {"equal": False, "max_abs_diff": err, "reason": f"|{label}| = {err:.3g} > {bound:.3g}"}
+        worst = max(worst, err)
     return {"equal": True, "max_abs_diff": worst, "reason": ""}
 
 
@@ -339,7 +403,11 @@ def _run(case: Case, rt: Runtime, rounds: int, row: dict) -> None:
             phase = f"eager reference {r + 1}"
             want = leaves(case.invoke(f, args))
             changed = changed or not same_values(want, first)
-            verdict = compare_outputs(got, want, exact=case.compare == "exact")
+            if case.compare in ("svd", "eigh"):  # vectors unique up to sign/phase: the factorisation is checked
+                verdict = compare_factors(case.compare, got, want, new)
+            else:
+                verdict = compare_outputs(got, want, exact=case.compare == "exact",
+                                          algorithm=case.compare == "algorithm")
             diffs.append(verdict["max_abs_diff"])
             if not verdict["equal"]:
                 row.update(outcome=SILENTLY_WRONG, reason=f"round {r + 1}: {verdict['reason']}",

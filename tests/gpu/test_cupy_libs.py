@@ -2,7 +2,8 @@
 cgraw-owned cuBLAS handle (``cgraw/interop/cupy_blas.py``). All passed on the H200 in session 7
 (66, also with cuda-bindings 12.9.10 and under memcheck). Every replay is compared with eager CuPy
 on new input values written in place. The cuSOLVER tests (issue 17, part 2: ``cupy_solver.py``)
-were written without a GPU: not yet run on the H200."""
+were first run on the H200 in session 9; those of the single-matrix svd/eigh family through the Jacobi
+routines (JACOBI_OPS, the 33x33 refusals) were written without a GPU: not yet run on the H200."""
 
 from __future__ import annotations
 
@@ -81,6 +82,10 @@ def assert_routing_ended(originals):
     lib = cupy_blas.library()
     for handles in cupy_blas._idle.values():
         assert all(handle_stream(lib, h) == 0 for h in handles)  # no idle handle left on a capture stream
+
+
+_solver_backend = pytest.importorskip("cupy_backends.cuda.libs.cusolver")
+_solver_originals = {n: getattr(_solver_backend, n) for n in ("sgesvd", "zgesvd_bufferSize", "xsyevd")}
 
 
 @pytest.fixture
@@ -364,18 +369,35 @@ SOLVER_OPS = {  # name: (function, input makers), each maker(dtype) -> array; ro
     "tensorsolve": (cp.linalg.tensorsolve, (lambda d: well(16, d).reshape(4, 4, 16), lambda d: rand((4, 4), d))),
     "tensorinv": (lambda a: cp.linalg.tensorinv(a, ind=2), (lambda d: well(16, d).reshape(4, 4, 4, 4),)),
 }
-# single-matrix syevd/gesvd synchronise inside cuSOLVER (H200, session 9): refused by name before
-# cuSOLVER is called; name -> (function, input makers, routine named in the error)
-REFUSED_OPS = {
-    "eigvalsh": (cp.linalg.eigvalsh, (lambda d: hermitian(16, d),), "syevd"),
-    "eigh values": (lambda a: cp.linalg.eigh(a)[0], (lambda d: hermitian(16, d),), "syevd"),
-    "svd values": (lambda a: cp.linalg.svd(a, compute_uv=False), (lambda d: rand((24, 16), d),), "gesvd"),
+# single-matrix gesvd/Xsyevd synchronise inside cuSOLVER (H200, session 9): up to 32x32 cgraw runs them as
+# gesvdjBatched/syevjBatched with a batch of one (written without a GPU: not yet run on the H200).
+# name -> (function, input makers, how the replay is checked: "svd"/"eigh" factorisation, or "close")
+JACOBI_OPS = {
+    "svd 16x16": (cp.linalg.svd, (lambda d: rand((16, 16), d),), "svd"),
+    "svd 24x16 full": (cp.linalg.svd, (lambda d: rand((24, 16), d),), "svd"),
+    "svd 24x16 reduced": (lambda a: cp.linalg.svd(a, full_matrices=False), (lambda d: rand((24, 16), d),), "svd"),
+    "svd 12x20 full": (cp.linalg.svd, (lambda d: rand((12, 20), d),), "svd"),
+    "svd 12x20 reduced": (lambda a: cp.linalg.svd(a, full_matrices=False), (lambda d: rand((12, 20), d),), "svd"),
+    "svd 32x32": (cp.linalg.svd, (lambda d: rand((32, 32), d),), "svd"),
+    "svd values": (lambda a: cp.linalg.svd(a, compute_uv=False), (lambda d: rand((24, 16), d),), "close"),
+    "svd values 12x20": (lambda a: cp.linalg.svd(a, compute_uv=False), (lambda d: rand((12, 20), d),), "close"),
+    "eigh L": (cp.linalg.eigh, (lambda d: hermitian(16, d),), "eigh"),
+    "eigh U": (lambda a: cp.linalg.eigh(a, UPLO="U"), (lambda d: hermitian(16, d),), "eigh"),
+    "eigvalsh L": (cp.linalg.eigvalsh, (lambda d: hermitian(16, d),), "close"),
+    "eigvalsh U": (lambda a: cp.linalg.eigvalsh(a, UPLO="U"), (lambda d: hermitian(32, d),), "close"),
     "lstsq": (lambda a, b: cp.linalg.lstsq(a, b, rcond=None)[0], (lambda d: rand((24, 8), d),
-                                                                  lambda d: rand((24,), d)), "gesvd"),
-    "pinv": (cp.linalg.pinv, (lambda d: rand((16, 8), d),), "gesvd"),
-    "matrix_rank": (cp.linalg.matrix_rank, (lambda d: rand((16, 16), d),), "gesvd"),
-    "norm ord=2": (lambda a: cp.linalg.norm(a, 2), (lambda d: rand((16, 16), d),), "gesvd"),
-    "cond": (cp.linalg.cond, (lambda d: well(16, d),), "gesvd"),
+                                                                  lambda d: rand((24,), d)), "close"),
+    "pinv": (cp.linalg.pinv, (lambda d: rand((16, 8), d),), "close"),
+    "matrix_rank": (cp.linalg.matrix_rank, (lambda d: rand((16, 16), d),), "close"),
+    "norm ord=2": (lambda a: cp.linalg.norm(a, 2), (lambda d: rand((16, 16), d),), "close"),
+    "cond": (cp.linalg.cond, (lambda d: well(16, d),), "close"),
+}
+# over 32x32: refused by name before cuSOLVER runs; name -> (function, input maker, routine named)
+REFUSED_OPS = {
+    "svd 33x33": (cp.linalg.svd, lambda d: rand((33, 33), d), "gesvd"),
+    "svd values 40x8": (lambda a: cp.linalg.svd(a, compute_uv=False), lambda d: rand((40, 8), d), "gesvd"),
+    "eigh 33x33": (cp.linalg.eigh, lambda d: hermitian(33, d), "xsyevd"),
+    "eigvalsh 33x33": (cp.linalg.eigvalsh, lambda d: hermitian(33, d), "xsyevd"),
 }
 
 
@@ -411,36 +433,123 @@ def test_linalg_captures_and_replays_equal_eager(pool, op, dtype, originals):
     g.close()
 
 
+def _tol(dtype):
+    return 1e-4 if np.dtype(dtype).name in ("float32", "complex64") else 1e-10
+
+
+def check_svd(a, out, want, dtype):
+    """A captured svd against the eager one (``want``): singular values close; U and VT of eager's shapes,
+    orthonormal, and U diag(S) VT = a (their signs/phases are the Jacobi routine's, not gesvd's)."""
+    u, s, vt = out
+    wu, ws, wvt = want
+    assert (u.shape, s.shape, vt.shape) == (wu.shape, ws.shape, wvt.shape)
+    assert (u.dtype, s.dtype, vt.dtype) == (wu.dtype, ws.dtype, wvt.dtype)
+    tol, k = _tol(dtype), s.shape[-1]
+    scale = max(1.0, float(cp.abs(a).max())) * max(a.shape)
+    cp.testing.assert_allclose(s, ws, rtol=tol, atol=tol * scale)
+    eye = cp.eye
+    assert float(cp.abs(u.conj().T @ u - eye(u.shape[1])).max()) <= tol * 10
+    assert float(cp.abs(vt @ vt.conj().T - eye(vt.shape[0])).max()) <= tol * 10
+    assert float(cp.abs((u[:, :k] * s) @ vt[:k] - a).max()) <= tol * scale
+
+
+def check_eigh(a, out, want, dtype, uplo="L"):
+    w, v = out
+    ww, wv = want
+    assert (w.shape, v.shape, w.dtype, v.dtype) == (ww.shape, wv.shape, ww.dtype, wv.dtype)
+    tol = _tol(dtype)
+    scale = max(1.0, float(cp.abs(a).max())) * a.shape[0]
+    cp.testing.assert_allclose(w, ww, rtol=tol, atol=tol * scale)
+    assert float(cp.abs(v.conj().T @ v - cp.eye(v.shape[0])).max()) <= tol * 10
+    assert float(cp.abs(a @ v - v * w).max()) <= tol * scale
+
+
 @pytest.mark.parametrize("dtype", SOLVER_DTYPES)
-@pytest.mark.parametrize("op", list(REFUSED_OPS))
-def test_routines_that_synchronise_inside_cusolver_are_refused_and_leave_cusolver_working(pool, op, dtype):
-    """On the H200 a capture of gesvd or syevd returned CUSOLVER_STATUS_INTERNAL_ERROR and the next
-    cuSOLVER call of the thread (eager, CuPy or torch) failed with EXECUTION_FAILED: refused before
-    cuSOLVER runs, so the eager calls right after work, in CuPy and in torch."""
-    f, makers, routine = REFUSED_OPS[op]
+@pytest.mark.parametrize("op", list(JACOBI_OPS))
+def test_single_matrix_svd_and_eigh_capture_through_the_jacobi_routines(pool, op, dtype, originals):
+    """gesvd/Xsyevd up to 32x32 run as gesvdjBatched/syevjBatched (batch of one) in the capture; each replay
+    on new values is checked against eager CuPy (gesvd/syevd): values close, vectors up to sign/phase."""
+    f, makers, how = JACOBI_OPS[op]
     args = [m(dtype) for m in makers]
-    want = f(*args)
+    f(*args)  # eager first: kernels, CuPy's handles
+    with cgraw.capture(pool=pool) as g:
+        out = f(*args)
+    assert g.num_nodes >= 1
+    assert not cupy_solver._routers and not cupy_solver._patches
+    assert all(getattr(_solver_backend, n) is fn for n, fn in _solver_originals.items())
+    previous = None
+    for _ in range(3):
+        for x, m in zip(args, makers, strict=True):
+            x[...] = m(dtype)  # new values, written in place
+        g.replay()
+        cp.cuda.get_current_stream().synchronize()
+        want = f(*args)
+        if how == "svd":
+            check_svd(args[0], out, want, dtype)
+        elif how == "eigh":
+            check_eigh(args[0], out, want, dtype)
+        else:
+            rtol, atol = (2e-4, 2e-4) if _tol(dtype) > 1e-6 else (1e-9, 1e-9)
+            scale = max(1.0, float(cp.abs(want).max()))
+            cp.testing.assert_allclose(out, want, rtol=rtol, atol=atol * scale)
+        first = out[0] if isinstance(out, tuple) else out
+        assert previous is None or op == "matrix_rank" or not cp.array_equal(first, previous)  # recomputed
+        previous = first.copy()
+    g.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "complex128"])
+@pytest.mark.parametrize("op", list(REFUSED_OPS))
+def test_over_32x32_is_refused_by_name_and_leaves_cusolver_working(pool, op, dtype):
+    """Larger than the Jacobi routines take: refused before cuSOLVER runs (gesvd/syevd in a capture broke the
+    thread's next cuSOLVER call on the H200), so the eager calls right after work, in CuPy and in torch."""
+    f, maker, routine = REFUSED_OPS[op]
+    a = maker(dtype)
+    want = f(a)
     with pytest.raises(cgraw.CaptureError, match=routine) as ei:
         with cgraw.capture(pool=pool):
-            f(*args)
-    assert "synchronises with the host inside cuSOLVER" in str(ei.value) and "batch" in str(ei.value)
+            f(a)
+    assert "up to 32x32 is routed through the Jacobi routine; larger: do it outside the capture" in str(ei.value)
     assert not cupy_solver._routers and not cupy_solver._patches
-    close(f(*args), want, dtype)  # eager CuPy, same inputs: same result, no stale error
+    got = f(a)  # eager CuPy, same inputs: gesvd/syevd as before, no stale error
+    if isinstance(want, tuple) and len(want) == 3:
+        check_svd(a, got, want, dtype)
+    elif isinstance(want, tuple):
+        check_eigh(a, got, want, dtype)
+    else:
+        close(got, want, "float32" if dtype == "float32" else "float64")
     torch = pytest.importorskip("torch")
     t = torch.randn(24, 16, device="cuda", dtype=torch.float64)
     q, r = torch.linalg.qr(t)  # torch's cuSOLVER (geqrf) right after
     torch.testing.assert_close(q @ r, t)
 
 
-def test_savgol_filter_is_refused_naming_gesvd(pool):
+def test_savgol_filter_captures_through_gesvdj(pool):
     import cupyx.scipy.signal as _signal
 
     x = rand((256,), "float64")
-    want = _signal.savgol_filter(x, 11, 3)
-    with pytest.raises(cgraw.CaptureError, match="gesvd"):
-        with cgraw.capture(pool=pool):
-            _signal.savgol_filter(x, 11, 3)
-    close(_signal.savgol_filter(x, 11, 3), want, "float64")
+    _signal.savgol_filter(x, 11, 3)
+    with cgraw.capture(pool=pool) as g:
+        y = _signal.savgol_filter(x, 11, 3)
+    for _ in range(2):
+        x[...] = rand((256,), "float64")
+        g.replay()
+        cp.testing.assert_allclose(y, _signal.savgol_filter(x, 11, 3), rtol=1e-9, atol=1e-9)
+    g.close()
+
+
+def test_jacobi_substitution_params_are_made_once_per_handle(pool):
+    a, b = rand((16, 16)), hermitian(8)
+    cp.linalg.svd(a)
+    cp.linalg.eigh(b)
+    for _ in range(3):
+        with cgraw.capture(pool=pool) as g:
+            cp.linalg.svd(a)
+            cp.linalg.eigh(b)
+        g.close()
+    handles = {h for h, _ in cupy_solver._jacobi_params}
+    assert len(handles) <= sum(len(v) for v in cupy_solver._idle.values())
+    assert len(cupy_solver._jacobi_params) == 2 * len(handles)
 
 
 def test_the_linalg_raise_check_is_refused_naming_cusolver(pool):

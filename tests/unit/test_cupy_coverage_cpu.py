@@ -87,7 +87,13 @@ def test_expected_failures_cover_the_known_refusals():
     assert by_name["cupy.cublas.iamax"].expect == C.CUBLAS
     assert by_name["cupy.linalg.solve"].expect is None  # routed to cgraw's cuSOLVER handle (interop.cupy_solver)
     assert by_name["cupy.linalg.svd [batch of one]"].expect is None  # gesvdjBatched: routed
-    assert by_name["cupy.linalg.svd"].expect == C.CUSOLVER  # gesvd synchronises inside cuSOLVER: refused
+    for name in ("svd", "svd [24x16, reduced]", "eigh", "eigvalsh", "lstsq", "pinv", "matrix_rank", "norm [ord=2]",
+                 "cond"):  # single matrices up to 32x32: gesvd/Xsyevd run as the batched Jacobi routines
+        assert by_name["cupy.linalg." + name].expect is None, name
+    assert by_name["cupyx.scipy.signal.savgol_filter"].expect is None
+    assert {by_name["cupy.linalg." + n].compare for n in ("svd", "svd [24x16, reduced]")} == {"svd"}
+    assert by_name["cupy.linalg.eigh"].compare == "eigh"
+    assert by_name["cupy.linalg.svd [48x48]"].expect == C.CUSOLVER  # over 32x32: refused by name
     assert by_name["cupy.linalg.eig"].expect == C.CUSOLVER  # Xgeev's host workspace: refused
     assert by_name["cupyx.scipy.ndimage.gaussian_filter"].expect is None  # its weights' upload is staged
     assert by_name["cupy.random.vonmises"].expect == C.RNG
@@ -434,3 +440,102 @@ def test_every_function_resolves_in_the_installed_cupy():
         except (ImportError, AttributeError) as exc:
             missing.append(f"{c.function}: {exc}")
     assert not missing, missing
+
+
+# ---------------------------------------------------------------- compare "svd" / "eigh" (factorisations)
+
+
+def _dev(*values):
+    return [cc.Leaf("device", np.asarray(v)) for v in values]
+
+
+def _svd_case(dtype, shape=(16, 12), full=False, seed=0):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal(shape)
+    if np.dtype(dtype).kind == "c":
+        a = a + 1j * rng.standard_normal(shape)
+    a = a.astype(dtype)
+    u, s, vt = (x.astype(dtype) if x.ndim == 2 else x.astype(np.dtype(dtype).char.lower())
+                for x in np.linalg.svd(a.astype(np.complex128 if a.dtype.kind == "c" else np.float64),
+                                       full_matrices=full))
+    return a, u, s, vt
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "complex64", "complex128"])
+@pytest.mark.parametrize("full", [True, False])
+def test_compare_svd_accepts_sign_or_phase_flipped_vectors(dtype, full):
+    a, u, s, vt = _svd_case(dtype, full=full)
+    k = s.size
+    rng = np.random.default_rng(1)
+    ph = np.ones(u.shape[1], u.dtype)
+    ph[:k] = (np.exp(1j * rng.uniform(0, 6.3, k)) if u.dtype.kind == "c" else rng.choice([-1, 1], k)).astype(u.dtype)
+    u2 = u * ph  # column i of U and row i of VT share one phase: the same factorisation
+    vt2 = vt.copy()
+    vt2[:k] *= ph[:k, None].conj()
+    assert not np.allclose(u2, u)  # elementwise, it would be "silently wrong"
+    assert not cc.compare_outputs(_dev(u2, s, vt2), _dev(u, s, vt))["equal"]
+    v = cc.compare_factors("svd", _dev(u2, s, vt2), _dev(u, s, vt), [a])
+    assert v["equal"], v
+
+
+def test_compare_svd_refuses_wrong_factors():
+    a, u, s, vt = _svd_case("float32")
+    want = _dev(u, s, vt)
+    bad_u = u.copy()
+    bad_u[:, 0] = -bad_u[:, 0]  # U's column flipped without VT's row: orthonormal, but U S VT != A
+    v = cc.compare_factors("svd", _dev(bad_u, s, vt), want, [a])
+    assert not v["equal"] and "U diag(S) VT - A" in v["reason"]
+    swapped = u.copy()
+    swapped[:, [0, 1]] = swapped[:, [1, 0]]  # two columns swapped
+    assert not cc.compare_factors("svd", _dev(swapped, s, vt), want, [a])["equal"]
+    v = cc.compare_factors("svd", _dev(u * 1.01, s, vt), want, [a])  # not orthonormal
+    assert not v["equal"] and "U^H U - I" in v["reason"]
+    v = cc.compare_factors("svd", _dev(u, s * 1.01, vt), want, [a])
+    assert not v["equal"] and "singular values" in v["reason"]
+    other = np.random.default_rng(9).standard_normal(a.shape).astype(np.float32)  # another round's input
+    assert not cc.compare_factors("svd", want, want, [other])["equal"]
+    nan_u = u.copy()
+    nan_u[0, 0] = np.nan
+    assert not cc.compare_factors("svd", _dev(nan_u, s, vt), want, [a])["equal"]
+    assert not cc.compare_factors("svd", _dev(u.T, s, vt), want, [a])["equal"]  # shape
+    assert not cc.compare_factors("svd", _dev(u.astype(np.float64), s, vt), want, [a])["equal"]  # dtype
+    assert not cc.compare_factors("svd", _dev(u, s), want, [a])["equal"]
+    assert not cc.compare_factors("qr", want, want, [a])["equal"]
+
+
+def _eigh_case(dtype, n=16, seed=2):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, n)) + (1j * rng.standard_normal((n, n)) if np.dtype(dtype).kind == "c" else 0)
+    a = ((x + x.conj().T) / 2).astype(dtype)
+    w, v = np.linalg.eigh(a.astype(np.complex128 if a.dtype.kind == "c" else np.float64))
+    return a, w.astype(np.dtype(dtype).char.lower()), v.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "complex64", "complex128"])
+def test_compare_eigh_accepts_sign_or_phase_flipped_vectors_and_refuses_wrong_ones(dtype):
+    a, w, v = _eigh_case(dtype)
+    rng = np.random.default_rng(3)
+    n = w.size
+    ph = (np.exp(1j * rng.uniform(0, 6.3, n)) if v.dtype.kind == "c" else rng.choice([-1, 1], n)).astype(v.dtype)
+    assert cc.compare_factors("eigh", _dev(w, v * ph), _dev(w, v), [a])["equal"]
+    swapped = v.copy()
+    swapped[:, [0, 1]] = swapped[:, [1, 0]]  # vectors not with their eigenvalues
+    r = cc.compare_factors("eigh", _dev(w, swapped), _dev(w, v), [a])
+    assert not r["equal"] and "A V - V diag(w)" in r["reason"]
+    assert not cc.compare_factors("eigh", _dev(w, v * 1.01), _dev(w, v), [a])["equal"]
+    r = cc.compare_factors("eigh", _dev(w[::-1].copy(), v), _dev(w, v), [a])  # descending order: not eager's
+    assert not r["equal"] and "eigenvalues" in r["reason"]
+
+
+def test_algorithm_compare_allows_rounding_of_another_algorithm_but_not_a_wrong_value():
+    from benchmarks import cupy_coverage as cc
+
+    want = np.linspace(0.1, 4.0, 64).astype(np.float32)
+    near = want * np.float32(1 + 3e-5)  # a rounding-level difference: over allclose's 1e-5, under 1e-4
+    far = want.copy()
+    far[7] *= 1.01
+    leaf = lambda a: [cc.Leaf("device", a)]  # noqa: E731
+    assert not cc.compare_outputs(leaf(near), leaf(want))["equal"]
+    assert cc.compare_outputs(leaf(near), leaf(want), algorithm=True)["equal"]
+    assert not cc.compare_outputs(leaf(far), leaf(want), algorithm=True)["equal"]
+    assert not cc.compare_outputs(leaf(want.astype(np.float64)), leaf(want), algorithm=True)["equal"]
