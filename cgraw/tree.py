@@ -328,12 +328,8 @@ class TreeManager:
         tree-output inputs of later calls, and are poisoned when the generation ends."""
         for ptr in node.recording.out_ptrs:
             self.tree_outputs[ptr] = node
-        if getattr(node.fn, "copies_out", False):  # a backward: copied out before anyone sees them
-            return
-        name = node.fn.name
-        handed = self.handed_out
-        for t in owned:
-            handed.append((name, t))
+        if not getattr(node.fn, "copies_out", False):  # a backward's are copied out before anyone sees them
+            self.handed_out.extend([(node.fn.name, t) for t in owned])
 
     def _new_variant(self, fn, st: FunctionStats, key) -> bool:
         """Count input signatures per function; True when this one must run eagerly."""
