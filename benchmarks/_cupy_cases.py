@@ -446,11 +446,15 @@ def _linalg() -> list[Case]:
              compare="svd", note=jacobi + vectors),
         Case("cupy.linalg.svd [48x48]", s, (Arr((48, 48)),), expect=CUSOLVER,
              note="over 32x32: refused by name (up to 32x32 is routed through the Jacobi routine)"),
-        Case("cupy.linalg.lstsq", s, (Arr((16, 8)), Arr((16,))), compare="algorithm", note=jacobi),
-        Case("cupy.linalg.pinv", s, (Arr((16, 8)),), compare="algorithm", note=jacobi),
+        Case("cupy.linalg.lstsq", s, (Arr((16, 8)), Arr((16,))), compare="algorithm", expect=SYNC,
+             note="svd through Jacobi and s1[s <= cutoff] = 0 through cgraw's mask assignment; then, with m > n, "
+                  "CuPy tests rank != n on the host for the residuals (H200, session 10)"),
+        Case("cupy.linalg.pinv", s, (Arr((16, 8)),), compare="algorithm",
+             note=jacobi + "; s[leq] = 0 through cgraw's mask assignment (interop.cupy_mask)"),
         Case("cupy.linalg.matrix_power", s, (Arr((16, 16), lo=-0.3, hi=0.3),), lambda f, x: f(x, 3), note=blas),
         Case("cupy.linalg.matrix_rank", s, (SQ,), note=jacobi),
-        Case("cupy.linalg.cond", s, (_well_conditioned(16),), compare="algorithm", note=jacobi),
+        Case("cupy.linalg.cond", s, (_well_conditioned(16),), compare="algorithm", expect=SYNC,
+             note="svd through Jacobi; then CuPy tests isnan(r).any() on the host (H200, session 10)"),
         Case("cupy.linalg.eigh [batch of one]", s, (_symmetric(16, (1,)),),
              note="stacked input: syevjBatched, routed (the hint of the single-matrix refusal)"),
         Case("cupy.linalg.svd [batch of one]", s, (Arr((1, 16, 16)),), lambda f, x: f(x, compute_uv=False),
@@ -523,7 +527,7 @@ def _random() -> list[Case]:
         r("choice [array a]", lambda f, a: f(a, RSIZE), Law(support=0), (Arr((16,), "int32", -100, 100),)),
         r("standard_exponential", lambda f: f(RSIZE), Law(lo=0.0, mean=1.0, std=1.0)),
         r("exponential", lambda f: f(2.0, RSIZE), Law(lo=0.0, mean=2.0, std=2.0)),
-        # rejection samplers with per-element counter streams (rng_kernels.SAMPLERS; not yet run on the H200)
+        # rejection samplers with per-element counter streams (rng_kernels.SAMPLERS; H200, session 10)
         r("gamma", lambda f: f(2.0, 1.5, RSIZE), Law(lo=0.0, mean=3.0, std=1.5 * 2 ** 0.5)),
         r("standard_gamma", lambda f: f(2.0, RSIZE), Law(lo=0.0, mean=2.0, std=2 ** 0.5)),
         r("standard_gamma [shape < 1]", lambda f: f(0.5, RSIZE, dtype=np.float32),
@@ -660,10 +664,10 @@ def _special() -> list[Case]:
         Case(p + "multigammaln", s, (half,), lambda f, a: f(a, 3), expect=SYNC, note="checks its domain on the host"),
         Case(p + "spherical_yn", s, (order, POS)),
         Case(p + "softmax", s, (M,), lambda f, x: f(x, axis=1)),
-        Case(p + "log_softmax", s, (M,), lambda f, x: f(x, axis=1), expect=SYNC,
-             note="x_max[~isfinite(x_max)] = 0: boolean-mask assignment counts on the host (H200 probe, session 10)"),
-        Case(p + "logsumexp", s, (M,), lambda f, x: f(x, axis=1), expect=SYNC,
-             note="a_max[~isfinite(a_max)] = 0: boolean-mask assignment counts on the host (H200 probe, session 10)"),
+        Case(p + "log_softmax", s, (M,), lambda f, x: f(x, axis=1),
+             note="x_max[~isfinite(x_max)] = 0: CuPy counts the mask on the host; cgraw assigns with copyto(where=)"),
+        Case(p + "logsumexp", s, (M,), lambda f, x: f(x, axis=1),
+             note="a_max[~isfinite(a_max)] = 0: CuPy counts the mask on the host; cgraw assigns with copyto(where=)"),
         Case(p + "erf [float64]", s, (V64,)),
     ]
     return cases
@@ -675,9 +679,9 @@ def _sparse() -> list[Case]:
     x, xs, dense = Arr((SPARSE_SHAPE[1],)), Arr((SPARSE_SHAPE[1], 8)), Arr(SPARSE_SHAPE)
     return [
         Case(p + "csr_matrix.dot", s, SP_INPUTS + (x,), setup=_csr_setup,
-             note="matrix @ vector; spMV routed, not yet run on the H200"),
+             note="matrix @ vector; spMV routed (H200, session 10)"),
         Case(p + "csr_matrix.__matmul__", s, SP_INPUTS + (xs,), setup=_csr_setup,
-             note="matrix @ dense matrix; spMM routed, not yet run on the H200"),
+             note="matrix @ dense matrix; spMM routed (H200, session 10)"),
         Case(p + "csr_matrix.multiply", s, SP_INPUTS + (dense,), setup=_csr_setup, note="by a dense matrix"),
         Case(p + "csr_matrix.__mul__", s, SP_INPUTS, lambda f, a: f(a, 2.0), setup=_csr_setup, note="by a scalar"),
         Case(p + "csr_matrix.power", s, SP_INPUTS, lambda f, a: f(a, 2), setup=_csr_setup),
@@ -685,13 +689,13 @@ def _sparse() -> list[Case]:
              note="xcsr2coo routed (H200, session 10), then coo_matrix.sum_duplicates tests "
                   "diff[1:].all() on the host"),
         Case(p + "csr_matrix.sum", s, SP_INPUTS, lambda f, a: f(a, axis=1), setup=_csr_setup,
-             note="spMV routed, not yet run on the H200"),
+             note="spMV routed (H200, session 10)"),
         Case(p + "csr_matrix.diagonal", s, SP_INPUTS, setup=_csr_setup),
         Case(p + "csr_matrix.__add__", s, SP_INPUTS, lambda f, a: f(a, a), setup=_csr_setup, expect=CUSPARSE,
              note="csrgeam2 sizes its result on the host: refused by name"),
         Case(p + "csc_matrix.dot", s, (Arr((SPARSE_SHAPE[0],)),) + SP_INPUTS,
              setup=lambda ns, v, *parts: (_csr(ns, *parts).T.tocsc(), v),
-             note="the CSR's transpose as CSC @ vector; spMV routed, not yet run on the H200"),
+             note="the CSR's transpose as CSC @ vector; spMV routed (H200, session 10)"),
         Case(p + "coo_matrix.dot", s, SP_INPUTS + (x,), setup=lambda ns, *a: (_csr(ns, *a[:3]).tocoo(), a[3]),
              expect=SYNC, note="tocsr's sum_duplicates tests diff[1:].all() on the host (H200 probe, session 10)"),
     ]

@@ -15,7 +15,9 @@ capture. Around a capture cgraw also:
   thread-local and global captures refuse, and CuPy's own captures are relaxed by default;
 - stages host-to-device uploads (``cupy.asarray`` of a NumPy array, constants uploaded by cupyx
   functions) through pinned blocks the graph owns (``interop.cupy_staging``): ``prepare``, before
-  the capture begins, reserves the arena and wraps ``cupy._core.array``.
+  the capture begins, reserves the arena and wraps ``cupy._core.array``;
+- assigns a scalar through a boolean mask (``a[mask] = 0``) with ``cupy.copyto(where=...)``
+  instead of CuPy's host count of the mask (``interop.cupy_mask``, wrapped in ``prepare`` too).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import warnings
 
 from cgraw import _cuda
 from cgraw import memory as _memory
+from cgraw.interop import cupy_mask as _mask
 from cgraw.interop import cupy_staging as _staging
 
 HOST_SYNC = (
@@ -196,6 +199,7 @@ class CupyRouting:
         self._random_before = None
         self._staging = None  # this capture's uploads (interop.cupy_staging.CaptureStaging)
         self._installed = False  # whether prepare() wrapped cupy._core.array
+        self._masked = False  # whether prepare() wrapped cupy.ndarray.__setitem__ (interop.cupy_mask)
         # host functions CuPy enqueued during the capture and the staged uploads' blocks (the graph keeps them)
         self.keepalive: list = []
 
@@ -211,6 +215,7 @@ class CupyRouting:
             self._staging.arena, self._staging.unavailable = None, why
         else:
             self._installed = True
+        self._masked = not _mask.install(self.cupy)  # else: CuPy's own mask assignment (a host read)
 
     def unprepare(self, failed: bool = True) -> None:
         """Undo ``prepare`` (idempotent); the staged blocks go to the graph's keep-alive list."""
@@ -222,6 +227,10 @@ class CupyRouting:
                 if holder is not None:
                     self.keepalive.append(holder)
         finally:
+            _mask.leave()
+            if self._masked:
+                self._masked = False
+                _mask.uninstall()
             if self._installed:
                 self._installed = False
                 _staging.uninstall(self.cupy)
@@ -243,6 +252,8 @@ class CupyRouting:
             self._stream_ctx.__enter__()
             if self._staging is not None:
                 _staging.enter(self._staging)
+            if self._masked:
+                _mask.enter(self.stream.ptr)
         except BaseException:
             self.exit(failed=True)
             raise

@@ -385,12 +385,12 @@ JACOBI_OPS = {
     "eigh U": (lambda a: cp.linalg.eigh(a, UPLO="U"), (lambda d: hermitian(16, d),), "eigh"),
     "eigvalsh L": (cp.linalg.eigvalsh, (lambda d: hermitian(16, d),), "close"),
     "eigvalsh U": (lambda a: cp.linalg.eigvalsh(a, UPLO="U"), (lambda d: hermitian(32, d),), "close"),
-    "lstsq": (lambda a, b: cp.linalg.lstsq(a, b, rcond=None)[0], (lambda d: rand((24, 8), d),
-                                                                  lambda d: rand((24,), d)), "close"),
+    # m <= n: with m > n CuPy tests rank != n on the host (test_tall_lstsq_and_cond_stop_at_a_host_read)
+    "lstsq": (lambda a, b: cp.linalg.lstsq(a, b, rcond=None)[0], (lambda d: rand((8, 24), d),
+                                                                  lambda d: rand((8,), d)), "close"),
     "pinv": (cp.linalg.pinv, (lambda d: rand((16, 8), d),), "close"),
     "matrix_rank": (cp.linalg.matrix_rank, (lambda d: rand((16, 16), d),), "close"),
     "norm ord=2": (lambda a: cp.linalg.norm(a, 2), (lambda d: rand((16, 16), d),), "close"),
-    "cond": (cp.linalg.cond, (lambda d: well(16, d),), "close"),
 }
 # over 32x32: refused by name before cuSOLVER runs; name -> (function, input maker, routine named)
 REFUSED_OPS = {
@@ -522,6 +522,19 @@ def test_over_32x32_is_refused_by_name_and_leaves_cusolver_working(pool, op, dty
     t = torch.randn(24, 16, device="cuda", dtype=torch.float64)
     q, r = torch.linalg.qr(t)  # torch's cuSOLVER (geqrf) right after
     torch.testing.assert_close(q @ r, t)
+
+
+def test_tall_lstsq_and_cond_stop_at_a_host_read(pool):
+    """Past the Jacobi svd CuPy reads a value on the host: lstsq with m > n (``rank != n``, for the
+    residuals) and cond (``isnan(r).any()``): clear host-synchronisation errors (H200, session 10)."""
+    a, b, w = rand((24, 8), "float64"), rand((24,), "float64"), well(16, "float64")
+    for fn in (lambda: cp.linalg.lstsq(a, b, rcond=None), lambda: cp.linalg.cond(w)):
+        fn()
+        with pytest.raises(cgraw.CaptureError, match="host synchronisation"):
+            with cgraw.capture(pool=pool):
+                fn()
+    cp.testing.assert_allclose(cp.linalg.lstsq(a, b, rcond=None)[0],
+                               cp.asarray(np.linalg.lstsq(a.get(), b.get(), rcond=None)[0]), rtol=1e-9, atol=1e-9)
 
 
 def test_savgol_filter_captures_through_gesvdj(pool):

@@ -589,7 +589,7 @@ def test_item13_cupy_stream_is_capturing_fork_join_and_failures():
     with pytest.raises(cgraw.CaptureError, match="host synchronisation"):
         with cgraw.capture():
             needs_sync(a)
-    m = cp.asarray(rng.random((8, 8)))
+    m = cp.asarray(rng.random((33, 33)))  # up to 32x32 svd captures (the Jacobi routine, session 10)
     with pytest.raises(cgraw.CaptureError, match="cuSOLVER"):
         with cgraw.capture():
             cp.linalg.svd(m + m.T)
