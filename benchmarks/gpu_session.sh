@@ -10,7 +10,8 @@
 #         memcheck  the whole "gpu and not slow" tier under compute-sanitizer memcheck
 #         threads  python -m benchmarks.allocator_threads (about 1 min)
 #         bench  python -m benchmarks, all parts, then the plots (CGRAW_BENCH_ARGS: e.g. "--only models,graphed")
-#         parallel  every non-slow tier at once, as one H200 ran them in session 6 (about 6 min): the GPU
+#         parallel  every non-slow tier at once, as one H200 ran them in session 6 (about 6 min; each tier stops
+#                at CGRAW_PARALLEL_TIMEOUT seconds, default 540): the GPU
 #                tier in four shards, the random walk, the gc-stress tier without third-party tests,
 #                the tier with cuda-bindings 12.9.10 (when build/cb12/*.whl was carried; CGRAW_CB12_FILES
 #                picks test files, default all) and memcheck of CGRAW_MEMCHECK_FILES (default
@@ -47,7 +48,7 @@ $(stamp "GPU tier, CGRAW_GC_STRESS=1" $? $t "$(tail -n 1 "$OUT/gpu_stress.log" |
 fi
 if has parallel; then
   t=$(date +%s); L="$OUT/parallel"; mkdir -p "$L"
-  P="timeout 540 $PYTEST --timeout=280"
+  P="timeout ${CGRAW_PARALLEL_TIMEOUT:-540} $PYTEST --timeout=280"
   first="tests/gpu/test_rebind.py tests/gpu/test_tree.py"; second="tests/gpu/test_rng.py"
   third="tests/gpu/test_third_party.py tests/gpu/test_capture.py"
   rest=$(for f in $first $second $third; do echo "--ignore=$f"; done)
