@@ -81,8 +81,11 @@ def install(cupy) -> str:
             cls = getattr(cupy, "ndarray", None)
             if cls is None:
                 return "this CuPy has no ndarray"
+            base = getattr(cls, "__setitem__", None)
+            if base is None:
+                return "this CuPy's ndarray has no __setitem__"
             own = cls.__dict__.get("__setitem__")
-            wrapper = _wrap(cls.__setitem__)
+            wrapper = _wrap(base)
             try:
                 cls.__setitem__ = wrapper
             except TypeError as exc:  # a Cython (static) type: nothing to do

@@ -132,3 +132,5 @@ def test_an_immutable_class_is_reported_not_raised():
     cp = types.SimpleNamespace(ndarray=list)  # a static type: setattr raises TypeError
     why = cm.install(cp)
     assert "cannot be wrapped" in why and cm._installs == 0 and not cm._state
+    assert "no __setitem__" in cm.install(types.SimpleNamespace(ndarray=type("Bare", (), {})))
+    assert cm._installs == 0 and not cm._state
