@@ -21,7 +21,6 @@ call, when ``cupyx.errstate(linalg='raise')`` would make them synchronise.
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import sys
 import threading
@@ -128,22 +127,12 @@ class Library(_route.CLibrary):
 SONAMES = ("libcublas.so.13", "libcublas.so.12", "libcublas.so")
 
 
-# libcublas files to try: those this process has loaded (CuPy's first), then the sonames
-candidate_paths = functools.partial(_route.candidate_paths, "libcublas", SONAMES)
-
-
+# libcublas files to try: those this process has loaded (CuPy's first), then the sonames; library(): the
+# libcublas cgraw calls (loaded once), or None
+candidate_paths, library, _backend = _route.library_parts(__name__, "libcublas", SONAMES, BACKEND)
 _routing = _route.Routing()
 _routers, _patches, _idle = _routing.routers, _routing.patches, _routing.idle  # for tests and diagnosis
 _library_cache: list = []  # [Library], once loaded
-
-
-def library() -> Library | None:
-    """The libcublas cgraw calls (loaded once), or None."""
-    return _route.load_once(_library_cache, candidate_paths, Library)
-
-
-def _backend():
-    return _route.import_backend(BACKEND)
 
 
 def router(pool, stream, *, warm: bool = True) -> "Router | None":

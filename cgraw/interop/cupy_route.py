@@ -5,12 +5,15 @@ Layer L7: pure Python and ``ctypes``; CuPy is reached through ``sys.modules``. E
 one ``Routing``: the router of each capturing thread, the CuPy functions replaced while any
 router runs (put back when the last one ends), and the idle handles of each device (reused by the
 next capture, never destroyed). A forwarder sends a call to its thread's router only when CuPy
-passed its own handle of the capture; anything else is CuPy's call, unchanged.
+passed its own handle of the capture; anything else is CuPy's call, unchanged. ``library_parts``,
+``handle_router`` and ``HandleRouter`` are the module wiring, ``router()`` factory and router that
+``cupy_solver`` and ``cupy_sparse`` share (``cupy_blas`` shares the wiring only).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib
 import os
 import sys
@@ -54,6 +57,94 @@ def load_once(cache: list, paths, make):
         except OSError:
             continue
     return cache[0] if cache else None
+
+
+def library_parts(module: str, stem: str, sonames: tuple[str, ...], backend: str):
+    """A router module's ``candidate_paths`` (``stem``'s files to try), ``library()`` and ``_backend()``
+    (CuPy's wrapper module ``backend``). ``library()`` loads the module's ``Library`` once into its
+    ``_library_cache``, reading those names (and ``candidate_paths``) from the module at each call."""
+
+    def library():
+        mod = sys.modules[module]
+        return load_once(mod._library_cache, mod.candidate_paths, mod.Library)
+
+    def backend_module():
+        return import_backend(backend)
+
+    library.__doc__ = f"The {stem} cgraw calls (loaded once), or None."
+    return functools.partial(candidate_paths, stem, sonames), library, backend_module
+
+
+def handle_router(owner, env_name: str, pool, stream):
+    """``owner.Router`` for a capture that routes CuPy (``owner``: the library's module), or None: turned
+    off with ``env_name=0``, or this CuPy or the C library is not as expected."""
+    if disabled(env_name):
+        return None
+    try:
+        owner._backend()
+        device_mod = sys.modules["cupy"].cuda.device
+    except Exception:  # no such library in this CuPy
+        return None
+    if not callable(getattr(device_mod, owner.Router.cupy_handle_getter, None)):
+        return None
+    lib = owner.library()
+    return None if lib is None else owner.Router(lib, pool.device.ordinal, stream.ptr,
+                                                 status=lambda: stream.capture_status)
+
+
+class HandleRouter:
+    """Routes one library's CuPy calls of one capture (one thread, one device, the capture stream) to a
+    handle cgraw owns. A subclass sets ``owner`` (its module, whose ``_routing`` and ``_install`` are read
+    at each use) and ``cupy_handle_getter`` (``cupy.cuda.device``'s getter of CuPy's handle), and sets up
+    cgraw's handle for the capture in ``bind``."""
+
+    owner = None  # the library's module (cupy_solver, cupy_sparse)
+    cupy_handle_getter = ""  # "get_cusolver_handle"
+
+    def __init__(self, lib, device: int, stream_ptr: int, *, status=None):
+        self.lib, self.device, self.stream_ptr = lib, int(device), int(stream_ptr)
+        self.thread = threading.get_ident()
+        self.cupy_handle: int | None = None
+        self.handle: int | None = None  # cgraw's: bound to the capture stream while the capture runs
+        self.calls = 0  # the library's calls routed to cgraw's handle
+        self._status = status  # the capture stream's capture status (2: invalidated); None: not checked
+        self._get_stream = None
+
+    def producer_streams(self) -> list[int]:
+        return []
+
+    def bind(self, handle: int) -> None:
+        """The library's own set-up of cgraw's ``handle``, after it is bound to the capture stream."""
+
+    def enter(self) -> None:
+        cupy = sys.modules["cupy"]
+        with cupy.cuda.Device(self.device):
+            # made before the capture: creating it (cusolverDnCreate, cusparseCreate) allocates, which a
+            # capture refuses
+            self.cupy_handle = int(getattr(cupy.cuda.device, self.cupy_handle_getter)())
+        self._get_stream = cupy.cuda.get_current_stream
+        self.handle, _ = self.owner._routing.take_handle(self.device, self.lib.create)
+        try:
+            self.lib.set_stream(self.handle, self.stream_ptr)
+            self.bind(self.handle)
+            self.owner._routing.register(self, self.owner._install)
+        except BaseException:
+            self.owner._routing.unregister(self)
+            try:
+                self._release_handle()
+            except Exception:  # the handle is leaked; the first error is the one to report
+                pass
+            raise
+
+    def exit(self, failed: bool = False) -> None:
+        self.owner._routing.unregister(self)
+        self._release_handle()
+
+    def _release_handle(self) -> None:
+        h, self.handle = self.handle, None
+        if h is not None:
+            self.lib.set_stream(h, 0)
+            self.owner._routing.put_back(self.device, h)  # if that failed, the handle is leaked instead
 
 
 class CLibrary:

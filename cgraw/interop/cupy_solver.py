@@ -39,9 +39,7 @@ batched qr) call the C functions directly: CuPy's own refusal, as before.
 from __future__ import annotations
 
 import ctypes
-import functools
 import sys
-import threading
 
 from cgraw.errors import CaptureError
 from cgraw.interop import cupy_route as _route
@@ -164,84 +162,27 @@ class Library(_route.CLibrary):
         self._setup(fn, "cusolverDnSetStream", handle, stream)
 
 
-# libcusolver files to try: those this process has loaded (CuPy's first), then the sonames
-candidate_paths = functools.partial(_route.candidate_paths, "libcusolver", SONAMES)
-
-
+# libcusolver files to try: those this process has loaded (CuPy's first), then the sonames; library(): the
+# libcusolver cgraw calls (loaded once), or None
+candidate_paths, library, _backend = _route.library_parts(__name__, "libcusolver", SONAMES, BACKEND)
 _routing = _route.Routing()
 _routers, _patches, _idle = _routing.routers, _routing.patches, _routing.idle  # for tests and diagnosis
 _library_cache: list = []  # [Library], once loaded
 _jacobi_params: dict[tuple[int, str], int] = {}  # (cgraw handle, "Gesvdj"/"Syevj") -> its info structure
 
 
-def library() -> Library | None:
-    """The libcusolver cgraw calls (loaded once), or None."""
-    return _route.load_once(_library_cache, candidate_paths, Library)
-
-
-def _backend():
-    return _route.import_backend(BACKEND)
-
-
 def router(pool, stream) -> "Router | None":
     """The cuSOLVER router of a capture that routes CuPy, or None (disabled with ``CGRAW_CUPY_CUSOLVER=0``,
     or this CuPy or libcusolver is not as expected): CuPy's cuSOLVER calls then meet CuPy's refusal."""
-    if _route.disabled("CGRAW_CUPY_CUSOLVER"):
-        return None
-    try:
-        _backend()
-        device_mod = sys.modules["cupy"].cuda.device
-    except Exception:  # no cuSOLVER in this CuPy
-        return None
-    if not callable(getattr(device_mod, "get_cusolver_handle", None)):
-        return None
-    lib = library()
-    return None if lib is None else Router(lib, pool.device.ordinal, stream.ptr,
-                                           status=lambda: stream.capture_status)
+    return _route.handle_router(sys.modules[__name__], "CGRAW_CUPY_CUSOLVER", pool, stream)
 
 
-class Router:
+class Router(_route.HandleRouter):
     """Routes CuPy's cuSOLVER calls of one capture (one thread, one device, the capture stream)."""
 
-    def __init__(self, lib: Library, device: int, stream_ptr: int, *, status=None):
-        self.lib, self.device, self.stream_ptr = lib, int(device), int(stream_ptr)
-        self.thread = threading.get_ident()
-        self.cupy_handle: int | None = None
-        self.handle: int | None = None  # cgraw's: bound to the capture stream while the capture runs
-        self.calls = 0  # cuSOLVER calls routed to cgraw's handle
-        self._status = status  # the capture stream's capture status (2: invalidated); None: not checked
-        self._get_stream = None
-
-    def producer_streams(self) -> list[int]:
-        return []
-
-    def enter(self) -> None:
-        cupy = sys.modules["cupy"]
-        with cupy.cuda.Device(self.device):
-            # made before the capture: cusolverDnCreate allocates, which a capture refuses
-            self.cupy_handle = int(cupy.cuda.device.get_cusolver_handle())
-        self._get_stream = cupy.cuda.get_current_stream
-        self.handle, _ = _routing.take_handle(self.device, self.lib.create)
-        try:
-            self.lib.set_stream(self.handle, self.stream_ptr)
-            _routing.register(self, _install)
-        except BaseException:
-            _routing.unregister(self)
-            try:
-                self._release_handle()
-            except Exception:  # the handle is leaked; the first error is the one to report
-                pass
-            raise
-
-    def exit(self, failed: bool = False) -> None:
-        _routing.unregister(self)
-        self._release_handle()
-
-    def _release_handle(self) -> None:
-        h, self.handle = self.handle, None
-        if h is not None:
-            self.lib.set_stream(h, 0)
-            _routing.put_back(self.device, h)  # if that failed, the handle is leaked instead
+    owner = sys.modules[__name__]
+    # CuPy's handle, made before the capture (enter): cusolverDnCreate allocates, which a capture refuses
+    cupy_handle_getter = "get_cusolver_handle"
 
     def run(self, name: str, kinds: str, original, args: tuple):
         if self._get_stream().ptr != self.stream_ptr:
