@@ -10,11 +10,11 @@ import sys
 import threading
 import types
 
+import cupy_lib_fakes
 import pytest
 
 from cgraw.errors import CaptureError
 from cgraw.interop import cupy_blas as B
-from cgraw.interop import cupy_route as R
 
 CAPTURE = 0x5000  # the capture stream's handle
 EAGER = 0x6000  # another stream
@@ -23,28 +23,17 @@ EAGER = 0x6000  # another stream
 # ---------------------------------------------------------------- fakes
 
 
-class FakeFn:
-    def __init__(self, dll, name):
-        self.dll, self.name, self.argtypes, self.restype = dll, name, None, None
-
-    def __call__(self, *args):
-        self.dll.calls.append((self.name, args))
-        if self.name == "cublasCreate_v2":
-            args[0]._obj.value = self.dll.next_handle
-            self.dll.next_handle += 0x100
-        return self.dll.status.get(self.name, 0)
-
-
-class FakeDll:
+class FakeDll(cupy_lib_fakes.FakeDll):
     """Exports ``symbols``; records every call as (symbol, args)."""
 
     def __init__(self, symbols):
-        self.symbols, self.calls, self.status, self.next_handle = set(symbols), [], {}, 0xA000
+        super().__init__("cublas", lambda name: name == "cublasCreate_v2", 0xA000)
+        self.symbols = set(symbols)
 
     def __getattr__(self, name):
         if name.startswith("_") or name not in self.__dict__["symbols"]:
             raise AttributeError(name)
-        fn = FakeFn(self, name)
+        fn = cupy_lib_fakes.FakeFn(self, name)
         setattr(self, name, fn)
         return fn
 
@@ -110,17 +99,6 @@ def _make_backend(state):
     return m
 
 
-class FakeDevice:
-    def __init__(self, ordinal=0):
-        self.ordinal, self.compute_capability = ordinal, "90"
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 class FakeArray:
     def __init__(self, ptr, nbytes):
         self.data = types.SimpleNamespace(ptr=ptr)
@@ -135,7 +113,7 @@ def _make_cupy(state):
         return state["handles"].setdefault(threading.get_ident(), 0x100 + len(state["handles"]))
 
     cp.cuda = types.SimpleNamespace(
-        Device=FakeDevice,
+        Device=cupy_lib_fakes.FakeDevice,
         device=types.SimpleNamespace(get_cublas_handle=get_cublas_handle),
         get_current_stream=lambda: types.SimpleNamespace(ptr=state["current"]))
 
@@ -169,10 +147,7 @@ def env(monkeypatch):
     for name, mod in (("cupy", _make_cupy(state)), (B.BACKEND, backend), ("cupy.linalg._util", util),
                       ("cupyx._ufunc_config", ufunc_config)):
         monkeypatch.setitem(sys.modules, name, mod)
-    routing = R.Routing()
-    for name, value in (("_routing", routing), ("_routers", routing.routers), ("_patches", routing.patches),
-                        ("_idle", routing.idle), ("_library_cache", [])):
-        monkeypatch.setattr(B, name, value)
+    cupy_lib_fakes.fresh_routing(monkeypatch, B)
     dll = FakeDll(SYMBOLS)
     state.update(backend=backend, util=util, dll=dll, lib=B.Library(dll, "fake/libcublas.so.13"))
     yield state

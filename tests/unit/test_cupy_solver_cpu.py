@@ -15,9 +15,10 @@ import threading
 import types
 
 import pytest
+from cupy_lib_fakes import FakeDevice, FakeDll, fresh_routing
+from cupy_lib_fakes import call_from_cupy as _call_from_cupy
 
 from cgraw.errors import CaptureError
-from cgraw.interop import cupy_route as R
 from cgraw.interop import cupy_solver as S
 
 CAPTURE, EAGER = 0x5000, 0x6000
@@ -28,41 +29,6 @@ CUPY14_ARITY = {"sgetrf_bufferSize": 5, "sgetrf": 8, "zgetrs": 10, "spotrf_buffe
                 "sorgqr_bufferSize": 7, "cungqr": 10, "dormqr_bufferSize": 11, "zunmqr": 14,
                 "sgesvdjBatched_bufferSize": 13, "dgesvdjBatched": 16, "ssyevjBatched_bufferSize": 9,
                 "zheevjBatched": 12}
-
-
-class FakeFn:
-    def __init__(self, dll, name):
-        self.dll, self.name, self.argtypes, self.restype = dll, name, None, None
-
-    def __call__(self, *args):
-        self.dll.calls.append((self.name, args))
-        if self.name.startswith("cusolverDnCreate"):  # the handle, or a Jacobi info structure
-            args[0]._obj.value = self.dll.next_handle
-            self.dll.next_handle += 0x100
-        impl = self.dll.impl.get(self.name)
-        if impl is not None:  # a host emulation of the routine (the Jacobi substitution's tests)
-            impl(*args)
-        for a in args:  # outputs: the routine writes them
-            obj = getattr(a, "_obj", None)
-            if isinstance(obj, (ctypes.c_int, ctypes.c_size_t)):
-                obj.value = self.dll.out_value
-        return self.dll.status.get(self.name, 0)
-
-
-class FakeDll:
-    def __init__(self):
-        self.calls, self.status, self.next_handle, self.out_value = [], {}, 0xB000, 77
-        self.impl = {}
-
-    def __getattr__(self, name):
-        if not name.startswith("cusolverDn"):
-            raise AttributeError(name)
-        fn = FakeFn(self, name)
-        setattr(self, name, fn)
-        return fn
-
-    def named(self, name):
-        return [args for n, args in self.calls if n == name]
 
 
 class FakeCUSOLVERError(RuntimeError):
@@ -137,17 +103,9 @@ def env(monkeypatch):
     def get_cusolver_handle():
         return state["handles"].setdefault(threading.get_ident(), 0x200 + len(state["handles"]))
 
-    class Device:
-        def __init__(self, ordinal=0):
-            self.ordinal = ordinal
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    cp.cuda = types.SimpleNamespace(Device=Device, device=types.SimpleNamespace(get_cusolver_handle=get_cusolver_handle),
+    cp.cuda = types.SimpleNamespace(Device=FakeDevice,
+                                    device=types.SimpleNamespace(get_cusolver_handle=get_cusolver_handle),
                                     get_current_stream=lambda: types.SimpleNamespace(ptr=state["current"]))
     util = types.ModuleType("cupy.linalg._util")
 
@@ -160,11 +118,9 @@ def env(monkeypatch):
     for name, mod in (("cupy", cp), (S.BACKEND, backend), ("cupy.linalg._util", util),
                       ("cupyx._ufunc_config", ufunc_config)):
         monkeypatch.setitem(sys.modules, name, mod)
-    routing = R.Routing()
-    for name, value in (("_routing", routing), ("_routers", routing.routers), ("_patches", routing.patches),
-                        ("_idle", routing.idle), ("_library_cache", [])):
-        monkeypatch.setattr(S, name, value)
-    dll = FakeDll()
+    fresh_routing(monkeypatch, S)
+    dll = FakeDll("cusolverDn", lambda name: name.startswith("cusolverDnCreate"), 0xB000, 77,
+                  (ctypes.c_int, ctypes.c_size_t))  # creates the handle or a Jacobi info structure
     state.update(backend=backend, util=util, dll=dll, lib=S.Library(dll, "fake/libcusolver.so.12"))
     yield state
     assert not S._routers and not S._patches, "a test left CuPy's cuSOLVER functions replaced"
@@ -173,12 +129,6 @@ def env(monkeypatch):
 def _router(state):
     return S.Router(state["lib"], 0, CAPTURE, status=lambda: state["status"])
 
-
-def _call_from_cupy(module: str, fn_name: str, call):
-    """Run ``call`` from a function defined in ``module`` (as cupy.linalg's frames look)."""
-    ns = {"__name__": module, "call": call}
-    exec(f"def {fn_name}():\n    return call()\n", ns)
-    return ns[fn_name]()
 
 
 # ---------------------------------------------------------------- the table

@@ -15,9 +15,10 @@ import threading
 import types
 
 import pytest
+from cupy_lib_fakes import FakeDevice, FakeDll, fresh_routing
+from cupy_lib_fakes import call_from_cupy as _call_from_cupy
 
 from cgraw.errors import CaptureError
-from cgraw.interop import cupy_route as R
 from cgraw.interop import cupy_sparse as S
 
 CAPTURE, EAGER = 0x5000, 0x6000
@@ -32,37 +33,6 @@ REFUSED_S10 = ("csr2cscEx2_bufferSize", "csr2cscEx2", "xcoo2csr", "xcoosort_buff
 # the parameter types of CuPy's wrappers that cgraw passes as C ints; size_t and intptr_t are pointers
 INT_TYPES = {"int", "Operation", "DataType", "SpMVAlg", "SpMMAlg", "IndexBase", "IndexType", "Action", "Csr2CscAlg",
              "Order"}
-
-
-class FakeFn:
-    def __init__(self, dll, name):
-        self.dll, self.name, self.argtypes, self.restype = dll, name, None, None
-
-    def __call__(self, *args):
-        self.dll.calls.append((self.name, args))
-        if self.name == "cusparseCreate":
-            args[0]._obj.value = self.dll.next_handle
-            self.dll.next_handle += 0x100
-        for a in args:  # outputs: the routine writes them
-            obj = getattr(a, "_obj", None)
-            if isinstance(obj, ctypes.c_size_t):
-                obj.value = self.dll.out_value
-        return self.dll.status.get(self.name, 0)
-
-
-class FakeDll:
-    def __init__(self):
-        self.calls, self.status, self.next_handle, self.out_value = [], {}, 0xC000, 4096
-
-    def __getattr__(self, name):
-        if not name.startswith("cusparse"):
-            raise AttributeError(name)
-        fn = FakeFn(self, name)
-        setattr(self, name, fn)
-        return fn
-
-    def named(self, name):
-        return [args for n, args in self.calls if n == name]
 
 
 class FakeCuSparseError(RuntimeError):
@@ -115,25 +85,14 @@ def env(monkeypatch):
     def get_cusparse_handle():
         return state["handles"].setdefault(threading.get_ident(), 0x300 + len(state["handles"]))
 
-    class Device:
-        def __init__(self, ordinal=0):
-            self.ordinal = ordinal
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    cp.cuda = types.SimpleNamespace(Device=Device, device=types.SimpleNamespace(get_cusparse_handle=get_cusparse_handle),
+    cp.cuda = types.SimpleNamespace(Device=FakeDevice,
+                                    device=types.SimpleNamespace(get_cusparse_handle=get_cusparse_handle),
                                     get_current_stream=lambda: types.SimpleNamespace(ptr=state["current"]))
     for name, mod in (("cupy", cp), (S.BACKEND, backend)):
         monkeypatch.setitem(sys.modules, name, mod)
-    routing = R.Routing()
-    for name, value in (("_routing", routing), ("_routers", routing.routers), ("_patches", routing.patches),
-                        ("_idle", routing.idle), ("_library_cache", [])):
-        monkeypatch.setattr(S, name, value)
-    dll = FakeDll()
+    fresh_routing(monkeypatch, S)
+    dll = FakeDll("cusparse", lambda name: name == "cusparseCreate", 0xC000, 4096, (ctypes.c_size_t,))
     state.update(backend=backend, dll=dll, lib=S.Library(dll, "fake/libcusparse.so.12"))
     yield state
     assert not S._routers and not S._patches, "a test left CuPy's cuSPARSE functions replaced"
@@ -142,12 +101,6 @@ def env(monkeypatch):
 def _router(state):
     return S.Router(state["lib"], 0, CAPTURE, status=lambda: state["status"])
 
-
-def _call_from_cupy(module: str, fn_name: str, call):
-    """Run ``call`` from a function defined in ``module`` (as cupyx.scipy.sparse's frames look)."""
-    ns = {"__name__": module, "call": call}
-    exec(f"def {fn_name}():\n    return call()\n", ns)
-    return ns[fn_name]()
 
 
 SPMV_ARGS = (0, 0x10, 0x20, 0x30, 0x40, 0x50, 0, 0)  # opA, alpha, matA, vecX, beta, vecY, computeType, alg
