@@ -35,7 +35,7 @@ def make_graphed_callables(callables, sample_args, num_warmup_iters: int = 3, al
                          "its memory pool, shared by every graphed callable)")
     if not config.autograd:
         raise CgrawError("cgraw.make_graphed_callables needs cgraw.config.autograd = True (autograd through "
-                         "graphed functions, not yet run on the H200)")
+                         "graphed functions, on by default since session 9)")
     torch = sys.modules["torch"]
     just_one = not isinstance(callables, tuple)
     if just_one:

@@ -1,6 +1,6 @@
 """CuPy's dense cuSOLVER calls inside captures, on a cgraw-owned handle (issue 17, part 2).
 Written without a GPU; first run on the H200 in session 9 (see REFUSED for what that changed). The Jacobi
-substitution of gesvd and Xsyevd (SUBSTITUTED) was written without a GPU: not yet run on the H200.
+substitution of gesvd and Xsyevd (SUBSTITUTED) first ran on the H200 in session 10 (test_cupy_libs.py).
 
 Layer L7: CuPy is reached through ``sys.modules``, cuSOLVER through ``ctypes``; the shared machinery
 is ``cupy_route``.

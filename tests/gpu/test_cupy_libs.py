@@ -3,7 +3,7 @@ cgraw-owned cuBLAS handle (``cgraw/interop/cupy_blas.py``). All passed on the H2
 (66, also with cuda-bindings 12.9.10 and under memcheck). Every replay is compared with eager CuPy
 on new input values written in place. The cuSOLVER tests (issue 17, part 2: ``cupy_solver.py``)
 were first run on the H200 in session 9; those of the single-matrix svd/eigh family through the Jacobi
-routines (JACOBI_OPS, the 33x33 refusals) were written without a GPU: not yet run on the H200."""
+routines (JACOBI_OPS, the 33x33 refusals) first ran on the H200 in session 10."""
 
 from __future__ import annotations
 
@@ -370,7 +370,7 @@ SOLVER_OPS = {  # name: (function, input makers), each maker(dtype) -> array; ro
     "tensorinv": (lambda a: cp.linalg.tensorinv(a, ind=2), (lambda d: well(16, d).reshape(4, 4, 4, 4),)),
 }
 # single-matrix gesvd/Xsyevd synchronise inside cuSOLVER (H200, session 9): up to 32x32 cgraw runs them as
-# gesvdjBatched/syevjBatched with a batch of one (written without a GPU: not yet run on the H200).
+# gesvdjBatched/syevjBatched with a batch of one (first run on the H200 in session 10).
 # name -> (function, input makers, how the replay is checked: "svd"/"eigh" factorisation, or "close")
 JACOBI_OPS = {
     "svd 16x16": (cp.linalg.svd, (lambda d: rand((16, 16), d),), "svd"),

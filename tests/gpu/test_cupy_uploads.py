@@ -3,7 +3,7 @@
 scalars, lists) becomes a copy node from a pinned block the graph owns. Each case is compared with
 eager CuPy (values, dtype, shape, memory order) and replayed after the host data and the output
 were overwritten: the replays show the recording's values. Written without a GPU after the first
-H200 run refused CuPy 14.2's own copies: not yet run on the H200."""
+H200 run refused CuPy 14.2's own copies; passed on the H200 from session 9's final run on."""
 
 from __future__ import annotations
 

@@ -112,6 +112,16 @@ def train_step(tree, f):
     check_backward(tree, out, x)
 
 
+def call_after_training(tree, steps: int = 3):
+    """``(f, x, out)``: a call of ``cube`` made after ``steps`` training steps (forward and backward
+    replaying by then), its backward not run yet."""
+    f = cube_fn(tree)
+    for _ in range(steps):
+        train_step(tree, f)
+    x = tree.x()
+    return f, x, f(x)
+
+
 # ---------------------------------------------------------------------- scenarios (also run without the rule)
 
 
@@ -219,11 +229,7 @@ def test_training_steps_warm_up_record_and_replay_the_backward(tree):
 
 
 def test_handed_out_outputs_of_the_step_are_poisoned_when_the_next_begins(tree):
-    f = cube_fn(tree)
-    for _ in range(3):
-        train_step(tree, f)
-    x = tree.x()
-    out = f(x)
+    f, x, out = call_after_training(tree)
     check_backward(tree, out, x)
     f(tree.x())  # the backward ran: this root call begins a generation
     with pytest.raises(Overwritten):
@@ -233,11 +239,7 @@ def test_handed_out_outputs_of_the_step_are_poisoned_when_the_next_begins(tree):
 def test_mark_step_begin_always_begins_a_generation(tree, caplog):
     """Even with a backward pending: the pending forward is orphaned, and its backward (after the
     next generation overwrote its activations) recomputes eagerly with a logged reason."""
-    f = cube_fn(tree)
-    for _ in range(3):
-        train_step(tree, f)
-    x = tree.x()
-    out = f(x)
+    f, x, out = call_after_training(tree)
     assert tree.mgr.book.pending() == [out.ticket]
     gen = tree.mgr.generation
     tree.mgr.mark_step_begin()
@@ -284,11 +286,7 @@ def test_dynamic_shapes_under_backward(tree):
 
 
 def test_create_graph_recomputes_eagerly(tree):
-    f = cube_fn(tree)
-    for _ in range(3):
-        train_step(tree, f)
-    x = tree.x()
-    out = f(x)
+    f, x, out = call_after_training(tree)
     grad = tree.be.backward(out, np.ones(64), create_graph=True)
     np.testing.assert_array_equal(grad.value, np.ones(64) * 3.0 * (x.value * x.value))
     assert tree.kinds("cube")[-1] == "recompute"
@@ -297,11 +295,7 @@ def test_create_graph_recomputes_eagerly(tree):
 
 def test_backward_from_another_thread(tree):
     """Autograd's device thread runs the backward while the owning thread waits in backward()."""
-    f = cube_fn(tree)
-    for _ in range(3):
-        train_step(tree, f)
-    x = tree.x()
-    out = f(x)
+    f, x, out = call_after_training(tree)
     errors = []
     worker = threading.Thread(target=lambda: _capture(errors, check_backward, tree, out, x))
     worker.start()
@@ -466,11 +460,7 @@ def fresh_input(tree, h):
 
 
 def test_reset_orphans_every_live_ticket(tree):
-    f = cube_fn(tree)
-    for _ in range(3):
-        train_step(tree, f)
-    x = tree.x()
-    out = f(x)
+    f, x, out = call_after_training(tree)
     tree.mgr.reset()
     assert out.ticket.orphaned
     check_backward(tree, out, x)
