@@ -85,31 +85,25 @@ def _sm_count(device: int) -> int:
 def fill(stream: rng.RngStream, dist: str, dtype: str, out: int, n: int, cu_stream, *, a: float = 0.0,
          b: float = 0.0, p: int = 0, lo: int = 0, rng_range: int = 0, wide: bool = False) -> None:
     """Write ``n`` draws of ``dist`` into the contiguous array at ``out`` (dtype code ``dtype``),
-    on ``cu_stream`` (the capture stream or a side stream of it)."""
+    on ``cu_stream`` (the capture stream or a side stream of it). A rejection sampler
+    (``rng_kernels.SAMPLERS``) runs one thread per element, each on its own counter stream, and
+    takes ``SAMPLER_STEPS[dist]`` offsets; the others draw 4 (2 when wide) values per group."""
     if n <= 0:
         return
-    name = K.fill_name(dist, dtype, wide)
-    func = _k.function(stream.device, name, K.source)
-    key, call = stream.take(1)
-    g = rng.grid(n, 2 if wide else 4, _sm_count(stream.device))
+    steps = K.SAMPLER_STEPS.get(dist)
+    if steps is not None and n >= K.SAMPLE_MAX:
+        raise ValueError(f"cgraw draws at most {K.SAMPLE_MAX - 1} {dist} samples per call, not {n}")
+    func = _k.function(stream.device, K.fill_name(dist, dtype, wide), K.source)
+    key, call = stream.take(steps or 1)
+    g = rng.grid(n, 1 if steps else 2 if wide else 4, _sm_count(stream.device))
     _k.launch(func, g, rng.BLOCK, (out, n, stream.slot, key, call, float(a), float(b), p, int(lo),
                                    int(rng_range) & ((1 << 64) - 1)), _FILL_TYPES, cu_stream)
 
 
 def sample(stream: rng.RngStream, dist: str, dtype: str, out: int, n: int, cu_stream, a: float, b: float = 0.0,
            *, wide: bool = False) -> None:
-    """Write ``n`` draws of the rejection sampler ``dist`` (``rng_kernels.SAMPLERS``) into the
-    contiguous array at ``out``: one thread per element, each on its own counter stream; the call
-    takes ``SAMPLER_STEPS[dist]`` offsets."""
-    if n <= 0:
-        return
-    if n >= K.SAMPLE_MAX:
-        raise ValueError(f"cgraw draws at most {K.SAMPLE_MAX - 1} {dist} samples per call, not {n}")
-    func = _k.function(stream.device, K.fill_name(dist, dtype, wide), K.source)
-    key, call = stream.take(K.SAMPLER_STEPS[dist])
-    g = rng.grid(n, 1, _sm_count(stream.device))
-    _k.launch(func, g, rng.BLOCK, (out, n, stream.slot, key, call, float(a), float(b), 0, 0, 0), _FILL_TYPES,
-              cu_stream)
+    """``fill`` of a rejection sampler with its two parameters."""
+    fill(stream, dist, dtype, out, n, cu_stream, a=a, b=b, wide=wide)
 
 
 def dropout(stream: rng.RngStream, dtype: str, src: int, out: int, mask: int, n: int, keep: float,
