@@ -15,7 +15,8 @@ the whole device, so two children at once would see each other's memory. Program
   backward, SGD with momentum). Batch 8 at ``--resnet-size`` (224) pixels, TF32 off.
 
 Systems: ``eager``; ``cgraw`` (each function ``@cgraw.graphed``, ``cgraw.mark_step_begin()`` every
-step); ``torch_trees`` (each function ``torch.compile(mode="reduce-overhead")``,
+step); ``cgraw_warm_outside`` (the same with ``cgraw.config.warmup_in_pool = False``: warm-ups
+outside the tree's pool, as before issue 15); ``torch_trees`` (each function ``torch.compile(mode="reduce-overhead")``,
 ``torch.compiler.cudagraph_mark_step_begin()`` every step; for the ResNet step the model is
 compiled and loss, ``backward()`` and SGD run eagerly, torch's documented way: a whole step
 compiled in reduce-overhead mode failed on the H200 with "accessing tensor output of CUDAGraphs
@@ -48,9 +49,9 @@ import traceback
 from benchmarks._harness import REPO_ROOT, Report
 
 PROGRAMS = ("two_branch", "gpt2", "resnet_train")
-SYSTEMS = ("eager", "cgraw", "torch_trees", "torch_trees_aten")
+SYSTEMS = ("eager", "cgraw", "cgraw_warm_outside", "torch_trees", "torch_trees_aten")
 COMPILED = ("torch_trees", "torch_trees_aten")
-DEFAULT_SYSTEMS = {"two_branch": SYSTEMS, "gpt2": SYSTEMS[:3], "resnet_train": SYSTEMS[:3]}
+DEFAULT_SYSTEMS = {"two_branch": SYSTEMS, "gpt2": SYSTEMS[:4], "resnet_train": SYSTEMS[:4]}
 DEFAULT_STEPS = {"two_branch": 12, "gpt2": 10, "resnet_train": 10}
 PLAIN_TIMEOUT_S = 90.0  # eager and cgraw children; torch.compile children get --timeout
 RESULT_TAG = "CGRAW_MEMORY_RESULT "
@@ -70,9 +71,10 @@ RESNET_BATCH = 8
 def _wrap(system: str, fn):
     if system == "eager":
         return fn
-    if system == "cgraw":
+    if system in ("cgraw", "cgraw_warm_outside"):
         import cgraw
 
+        cgraw.config.warmup_in_pool = system == "cgraw"  # issue 15: warm-ups inside the tree's pool
         return cgraw.graphed(fn)
     import torch
 
@@ -84,7 +86,7 @@ def _wrap(system: str, fn):
 
 
 def _step_begin(system: str) -> None:
-    if system == "cgraw":
+    if system.startswith("cgraw"):
         import cgraw
 
         cgraw.mark_step_begin()
@@ -298,6 +300,8 @@ def _cgraw_details(fns, device_index: int) -> dict:
         pool = mgr.backend.pool
         if not pool.closed:
             out["tree_pool_bytes"] = pool.torch_reserved_bytes + pool.stats().reserved_bytes
+        # False when a warm-up kept state in the pool: the tree moved to a fresh pool (cgraw.warmexec)
+        out["warmups_in_pool_at_end"] = bool(getattr(mgr.backend, "warm_in_pool", False))
         out["functions"] = {}
         for f in fns:
             st = mgr.stats.get(f.fn_id)
@@ -387,7 +391,7 @@ def _child(program: str, system: str, args, rec: dict) -> None:
         rec["reserved_after_empty_cache_bytes"] = torch.cuda.memory_reserved(dev)
         rec["private_pool_after_empty_cache_bytes"] = _private_pool_bytes(torch)
     rec.update(prog.extra())
-    if system == "cgraw":
+    if system.startswith("cgraw"):
         rec["cgraw"] = _cgraw_details(prog.fns, index)
     elif system in COMPILED:
         rec["torch_trees"] = _torch_trees_details(torch, index)
@@ -492,7 +496,8 @@ def _ratios(rows: list[dict]) -> dict:
     out: dict = {}
     for program in dict.fromkeys(r["program"] for r in rows):
         cmp = {}
-        pairs = [("cgraw", "torch_trees"), ("cgraw", "torch_trees_aten")]
+        pairs = [("cgraw", "torch_trees"), ("cgraw", "torch_trees_aten"), ("cgraw_warm_outside", "torch_trees"),
+                 ("cgraw", "cgraw_warm_outside")]
         pairs += [(s, "eager") for s in SYSTEMS if s != "eager"]
         for a, b in pairs:
             ra, rb = by.get((program, a)), by.get((program, b))

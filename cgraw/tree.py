@@ -114,11 +114,7 @@ class TreeManager:
         the call has copied them in (they are eager inputs now), and are poisoned after it."""
         keep = []
         if config.generation_cloning is None and self.handed_out:
-            ids: set = set()
-            for a in args:
-                ids.add(id(a))
-                if type(a) in _CONTAINERS:
-                    _arg_ids(a, ids)
+            ids = treetypes.arg_ids(args)
             rest = []
             for item in self.handed_out:
                 (keep if id(item[1]) in ids else rest).append(item)
@@ -167,7 +163,7 @@ class TreeManager:
             if node.state is NodeState.SKIPPED:
                 self.current = node
                 out = self._eager(fn, st, node.skip_reason, args, kwargs)
-            elif fresh:
+            elif fresh or node.warm is None:  # a warm-up that raised taught nothing: warm up again
                 out = self._warm(node, fn, st, call, args, kwargs)
             else:
                 out = self._record(node, fn, st, call, args, kwargs)
@@ -259,11 +255,26 @@ class TreeManager:
     # ------------------------------------------------------------------ helpers
 
     def _warm(self, node: TreeNode, fn, st: FunctionStats, call, args, kwargs):
-        """Run the function eagerly once (lazy first-use work happens outside any capture). Its
-        outputs are the caller's ordinary memory: never handed out, never poisoned."""
+        """Run the function eagerly once (lazy first-use work happens outside any capture). A
+        warm-up inside the tree's pool hands out its outputs there, as a replay does; one that left
+        blocks held by something else there (``Warm.stash``) moves the tree to a fresh pool, so
+        that no restore frees them."""
         st.warmups += 1
         self.current = node
-        w = self.backend.warmup(fn, call, args, kwargs)
+        try:
+            w = self.backend.warmup(fn, call, args, kwargs)
+        except BaseException:
+            self.pool_state = _UNKNOWN  # it may have left blocks in the pool
+            raise
+        if w.in_pool:
+            self.pool_state = _UNKNOWN
+            if w.stash is not None:
+                log.info("cgraw: the warm-up of %s %s; the graph tree moves to a fresh pool and warms up "
+                         "outside it from now on", fn.name, w.stash)
+                self._renew()
+                self.pool_state = None
+            else:
+                self.handed_out.extend([(fn.name, t) for t in w.handed])
         declared = declared_mutations(fn, call)
         w.mutated = tuple(w.mutated) + tuple(j for j in declared if j not in w.mutated)
         w.external = tuple(w.external)
@@ -423,21 +434,6 @@ class _Unknown:
 
 
 _UNKNOWN = _Unknown()
-
-
-_CONTAINERS = (tuple, list, dict)
-
-
-def _arg_ids(x, ids: set) -> None:
-    """ids of ``x`` and of everything inside its tuples, lists and dicts."""
-    ids.add(id(x))
-    t = type(x)
-    if t is tuple or t is list:
-        for v in x:
-            _arg_ids(v, ids)
-    elif t is dict:
-        for v in x.values():
-            _arg_ids(v, ids)
 
 
 def _alive_in_tree(node: TreeNode, mgr: TreeManager) -> bool:

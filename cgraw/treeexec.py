@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from cgraw import buckets, rebindexec, rebindmem
+from cgraw import buckets, rebindexec, rebindmem, warmexec
 from cgraw import stream as _streams
 from cgraw.arrays import EAGER, SINGLE, TORCH, ops_of, out_spec, replace_leaves
 from cgraw.calls import Call, use_torch
@@ -55,6 +55,7 @@ class CudaBackend(TorchAutograd):
         self._torch = None
         self._tts = None  # torch's side of the pool: interop.torch_tree.TorchTreeState
         self._messages: dict[str, str] = {}
+        self.warm_in_pool = True  # warm-ups run inside the pool (cgraw.warmexec) until one keeps state there
         if "torch" in sys.modules:
             torch_c.check()
             self._torch = sys.modules["torch"]
@@ -67,56 +68,8 @@ class CudaBackend(TorchAutograd):
     # ------------------------------------------------------------------ warm-up, record, replay
 
     def warmup(self, fn, call: Call, args, kwargs) -> Warm:
-        """Run eagerly; report which eager inputs the function mutated (compared by content), the
-        tensors it reads through its closure, whether it ran a backward pass, and a reason to
-        skip it, if any."""
-        ops = call.ops
-        before = [(j, ops[j].clone(t)) for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER]
-        torch = self._torch
-        obs = None
-        epoch, mode = _observe._epoch[0], _observe._mode_epoch[0]
-        backward = [False]
-        if torch is not None:
-            # a backward pass unpacks saved tensors: then the recording must route allocations
-            # by stream, where autograd's device thread allocates, rather than by thread
-            def unpacked(x):
-                backward[0] = True
-                return x
-
-            if not _observe.is_compiled(fn.fn):
-                obs = _observe.observer(call.leaves)
-            with torch.autograd.graph.saved_tensors_hooks(lambda x: x, unpacked):
-                if obs is not None:
-                    with obs:
-                        out = fn.fn(*args, **kwargs)
-                else:
-                    out = fn.fn(*args, **kwargs)
-        else:
-            out = fn.fn(*args, **kwargs)
-        mutated = tuple(j for j, copy in before if not ops[j].equal(copy, call.leaves[j]))
-        for j in mutated:
-            if not ops[j].contiguous(call.leaves[j]):
-                log.warning("cgraw: %s mutates non-contiguous eager input %d", fn.name, j)
-        w = Warm(out, mutated)
-        w.runs_backward = backward[0] or getattr(fn, "is_backward", False)
-        out_leaves: list = []
-        try:
-            out_spec(out, out_leaves)
-        except SkipCall as exc:
-            w.skip = str(exc)
-        if w.skip is None:
-            w.skip = _cpu_output(out_leaves)
-        if obs is not None:
-            if obs.unsafe is not None:
-                w.skip = (f"calls custom op {obs.unsafe}, tagged torch._C.Tag.cudagraph_unsafe (as torch's "
-                          "CUDAGraph Trees, cgraw runs such functions eagerly)")
-            elif w.skip is None and obs.cpu_random is not None:
-                w.skip = (f"CPU tensors or ops: CPU random numbers ({obs.cpu_random}) would repeat on every "
-                          "replay")
-            w.external = obs.external(list(call.leaves) + out_leaves)
-        w.epoch = _observe._epoch[0] if _observe._epoch[0] == epoch else -1
-        w.mode_epoch = mode if _observe._mode_epoch[0] == mode else -1
-        return w
+        """Run eagerly, inside the pool where ``warmexec.usable`` (``warmexec.run``)."""
+        return warmexec.run(self, fn, call, args, kwargs)
 
     def record(self, fn, call: Call, warm: Warm) -> Recording:
         leaves, kinds, ops, mutated = call.leaves, call.kinds, call.ops, warm.mutated
@@ -224,7 +177,7 @@ class CudaBackend(TorchAutograd):
         rec.copies.extend(copies_back)
         out_leaves: list = []
         rec.out_spec = out_spec(out, out_leaves)
-        reason = _cpu_output(out_leaves)
+        reason = warmexec.cpu_output(out_leaves)
         if reason is not None:
             raise SkipCall(reason)
         rec.out_leaves = out_leaves
@@ -401,16 +354,6 @@ class CudaBackend(TorchAutograd):
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _cpu_output(out_leaves) -> str | None:
-    """Why a function returning these leaves must run eagerly (a CPU tensor a replay would return
-    unchanged), or None."""
-    for t in out_leaves:
-        if ops_of(t) is TORCH and t.get_device() < 0:
-            return ("CPU tensors or ops: the function returns a CPU tensor, which a replay would return "
-                    "unchanged (as torch's CUDAGraph Trees, cgraw runs such functions eagerly)")
-    return None
 
 
 def _copy_on(dst, src, ops, target: int) -> None:

@@ -40,6 +40,10 @@ class Config:
     # autograd through graphed functions (issue 16, cgraw.autograd_plan): outputs require grad and
     # backward() replays a recorded backward; False: outputs are detached from the second call on
     autograd: bool = True
+    # a node's warm-up runs inside the tree's pool on its capture stream, as torch's trees do
+    # (issue 15): the memory it frees is what the recordings reuse, not torch's global cache; its
+    # outputs in the pool follow the generation rule (invalid once the next generation begins)
+    warmup_in_pool: bool = True
 
     def __setattr__(self, name, value):
         if name not in self.__dataclass_fields__:
@@ -199,7 +203,8 @@ class Warm:
     """What a backend's warm-up returns: the eager result, the eager inputs it mutated, why the
     function must run eagerly from now on (or None), and what else a recording must know."""
 
-    __slots__ = ("out", "mutated", "skip", "external", "epoch", "runs_backward", "mode_epoch")
+    __slots__ = ("out", "mutated", "skip", "external", "epoch", "runs_backward", "mode_epoch", "in_pool",
+                 "handed", "stash")
 
     def __init__(self, out, mutated=(), skip=None, external=(), epoch=-1, runs_backward=False, mode_epoch=0):
         self.out = out
@@ -209,6 +214,9 @@ class Warm:
         self.epoch = epoch  # module-assignment count at the warm-up (backend-defined)
         self.runs_backward = runs_backward  # a backward pass ran inside (autograd's own thread allocates)
         self.mode_epoch = mode_epoch  # training/evaluation switch count at the warm-up, -1 if it switched
+        self.in_pool = False  # it ran inside the tree's pool and left blocks there (restore before recording)
+        self.handed = ()  # its outputs in the pool: invalid once the generation ends
+        self.stash = None  # why blocks it left in the pool are held beyond its outputs (lazily made state), or None
 
 
 class Replayable(Protocol):
@@ -273,3 +281,18 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Drop the pool."""
+
+
+def arg_ids(args) -> set:
+    """ids of the arguments and of everything inside their tuples, lists and dicts."""
+    ids: set = set()
+    todo = list(args)
+    while todo:
+        x = todo.pop()
+        ids.add(id(x))
+        t = type(x)
+        if t is tuple or t is list:
+            todo.extend(x)
+        elif t is dict:
+            todo.extend(x.values())
+    return ids

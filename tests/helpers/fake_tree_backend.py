@@ -9,6 +9,10 @@ and may drop temporaries with ``release(t)`` and write inputs in place with ``as
 What those do depends on the backend's mode:
 
 - eager (warm-up, ``TreeManager._eager``, reference runs): a fresh address outside the pool;
+- warm (a warm-up of a backend made with ``warm_in_pool=True``, as the CUDA backend's
+  ``cgraw.warmexec``): a block of the tree's pool, computed at once; ``release`` frees it. The
+  warm-up hands out its outputs there and reports blocks held beyond them (``warm_stash``: names
+  of functions that keep one) as ``Warm.stash``;
 - capture (``record``): a block of the tree's ``allocator.Pool``; nothing is computed (outputs
   hold NaN, as a captured graph has not run yet); ``release`` frees the block;
 - replay: the n-th allocation of the capture returns the same address and the value is computed
@@ -213,7 +217,12 @@ class FakeTreeBackend:
     ``stale``, once). ``log`` lists every protocol call in order (``inspect`` through the spy).
     """
 
-    def __init__(self, **pool_kwargs) -> None:
+    def __init__(self, *, warm_in_pool: bool = False, **pool_kwargs) -> None:
+        self.warm_in_pool = warm_in_pool
+        self.warm_stash: set = set()  # hook: these functions' warm-ups keep a pool block beyond their outputs
+        self.kept: list = []  # what those keep (as an optimizer keeps its state)
+        self._warm_blocks: dict = {}  # blocks of the warm-up under way: ptr -> weakref to its FakeT
+        self._pools = 0
         self.source = IntRangeSource()
         self.pool = Pool(self.source, name="fake-tree", **pool_kwargs)
         self.mem = Memory()
@@ -259,6 +268,12 @@ class FakeTreeBackend:
             rec.live[block.ptr] = block.size
             self.mem.write(block.ptr, nbytes, np.full(value.shape, np.nan))  # nothing ran yet
             return FakeT(block.ptr, nbytes, self.mem)
+        if self.mode == "warm":
+            block = self.pool.malloc(nbytes)
+            self.mem.write(block.ptr, nbytes, value)
+            t = FakeT(block.ptr, nbytes, self.mem)
+            self._warm_blocks[block.ptr] = weakref.ref(t)
+            return t
         assert self.mode == "replay"
         ptr, n = self._cursor.pop(0)
         assert n == nbytes, f"replay allocates {nbytes} bytes where the capture allocated {n}"
@@ -272,6 +287,9 @@ class FakeTreeBackend:
         return ptr
 
     def release(self, t: FakeT) -> None:
+        if self.mode == "warm" and t.ptr in self._warm_blocks:
+            del self._warm_blocks[t.ptr]
+            self.pool.free(t.ptr)
         if self.mode == "capture" and t.ptr in self._capture.live and t.ptr in dict(self._capture.allocs):
             del self._capture.live[t.ptr]
             self.pool.free(t.ptr)
@@ -316,8 +334,31 @@ class FakeTreeBackend:
         self.log.append(("warmup", fn.name))
         before = [(j, t.value) for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER]
         assert self.mode == "eager"
-        out = fn.fn(*args, **kwargs)
-        return Warm(out, tuple(j for j, v in before if not np.array_equal(v, call.leaves[j].value)))
+        in_pool = self.warm_in_pool and not getattr(fn, "copies_out", False)
+        self.mode, self._warm_blocks = ("warm" if in_pool else "eager"), {}
+        try:
+            out = fn.fn(*args, **kwargs)
+            if in_pool and fn.name in self.warm_stash:
+                self.kept.append(self.new(np.ones(2)))
+        finally:
+            self.mode = "eager"
+        w = Warm(out, tuple(j for j, v in before if not np.array_equal(v, call.leaves[j].value)))
+        blocks, self._warm_blocks = self._warm_blocks, {}
+        left = set()
+        for ptr, ref in blocks.items():  # a temporary that died gave its block back, as torch's do
+            if ref() is None:
+                self.pool.free(ptr)
+            else:
+                left.add(ptr)
+        if left:
+            w.in_pool = True
+            outs = [t for t in leaves_of(out) if t.ptr in left]
+            if left - {t.ptr for t in outs}:
+                w.stash = "kept a block of the pool beyond its outputs"
+                self.warm_in_pool = False
+            else:
+                w.handed = outs
+        return w
 
     def _run(self, rec: FakeRecording, call):
         """Run the function as the graph does: eager leaves read from their placeholders, static
@@ -338,6 +379,10 @@ class FakeTreeBackend:
         self.log.append(("record", fn.name))
         rec = FakeRecording(fn, call, warm.mutated)
         rec.backend = self
+        for j, t in enumerate(call.leaves):  # an eager input in the pool (a warm-up's output, h = f(h))
+            if call.kinds[j] == EAGER and t.ptr < EAGER_BASE:  # may lie in blocks the restore freed: copy it out
+                clone = self.tensor(t.value)
+                call.leaves[j], call.ptrs[j] = clone, clone.ptr
         before = self.pool.snapshot()
         try:  # the capture
             for j, t in enumerate(call.leaves):
@@ -397,7 +442,8 @@ class FakeTreeBackend:
     def renew(self):
         """A fresh pool; the old one is left as it is (the CUDA backend's fallback)."""
         self.log.append(("renew",))
-        self.source = IntRangeSource()
+        self._pools += 1  # the old pool's blocks stay valid: the new one's addresses never meet them
+        self.source = IntRangeSource(base=(1 << 32) + self._pools * (1 << 44))
         self.pool = Pool(self.source, name="fake-tree")
         return self.snapshot()
 

@@ -1,0 +1,206 @@
+"""A graph-tree node's warm-up inside the tree's pool (issue 15), the way torch's trees warm up.
+
+Layer L8, beside ``treeexec`` (which calls it). The function runs eagerly on the pool's capture
+stream, with this thread's torch allocations routed to the tree's torch MemPool; torch's and
+CuPy's current streams are that stream for the call. It first waits for the work queued on the
+caller's streams, and the caller's streams wait for it after. What the warm-up frees goes back
+to the pool, where the recordings that follow reuse it, instead of staying in torch's global
+cache beside the pool (``benchmarks/memory.py``). CuPy's allocations are not routed.
+
+Its outputs in the pool are handed out like a replay's: invalid once the generation ends, and
+freed for good at the next restore (``TorchTreeState`` owns their blocks from here on). Blocks
+it left in the pool that are neither its outputs nor saved for a backward (an optimizer's state
+made on its first step, a buffer built lazily and kept on a module, the outputs of a function
+that will run eagerly from now on) would be freed by the next restore under whoever holds them.
+The warm-up reports them (``Warm.stash``): the tree moves to a fresh pool, which leaves them
+valid, and, for state kept beyond the call, this backend warms up outside the pool from then on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import sys
+
+from cgraw.arrays import EAGER, TORCH, is_torch, ops_of, out_spec
+from cgraw.errors import SkipCall
+from cgraw.interop import observe as _observe
+from cgraw.interop import torch_c
+from cgraw.stream import Stream
+from cgraw.treetypes import Warm, config
+
+log = logging.getLogger("cgraw")
+_NULL = contextlib.nullcontext()
+
+
+def usable(backend, fn) -> bool:
+    """Whether ``fn``'s warm-up runs inside ``backend``'s pool: torch's side of the pool exists,
+    the settings allow it, and it is not a backward (its outputs become ``.grad``s) or a function
+    torch.compile owns."""
+    return (backend._tts is not None and config.warmup_in_pool and backend.warm_in_pool
+            and not getattr(fn, "is_backward", False) and not getattr(fn, "copies_out", False)
+            and not _observe.is_compiled(fn.fn))
+
+
+class PoolWarmup:
+    """Context manager around a warm-up (see the module); ``settle`` says what it left."""
+
+    def __init__(self, pool, tts):
+        self.pool, self.tts = pool, tts
+        self.before: set = set()
+        self.saved: set = set()  # storages autograd saved (the pack hook adds them): a backward frees them
+        self._ctxs: list = []
+        self._callers: list[int] = []
+
+    def pack(self, x):
+        """A ``saved_tensors_hooks`` pack hook: note ``x``'s storage, keep ``x``."""
+        self.saved.add(_storage_ptr(x))
+        return x
+
+    def __enter__(self) -> "PoolWarmup":
+        torch = sys.modules["torch"]
+        dev = self.pool.device.ordinal
+        stream = self.pool.capture_stream
+        self.before = set(self.tts.pool.allocated())
+        callers = {int(torch_c.api()._cuda_getCurrentRawStream(dev))}
+        cupy = sys.modules.get("cupy")
+        if cupy is not None:
+            callers.add(int(cupy.cuda.get_current_stream().ptr))
+        self._callers = sorted(callers - {stream.ptr})
+        for ptr in {0, *self._callers}:
+            stream.wait(_event_on(self.pool.device, ptr))
+        try:
+            self._push(torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=torch.device("cuda", dev))))
+            if cupy is not None:
+                from cgraw.interop.cupy import _external_stream
+
+                self._push(_external_stream(cupy, stream, dev))
+            if config.warm_cublas:
+                # the capture stream's cuBLAS and cuBLASLt workspaces (a matmul, an addmm with a
+                # bias), made outside the pool: they outlive the call
+                a = torch.ones((2, 2), device=torch.device("cuda", dev))
+                torch.addmm(a[0], a, a @ a)
+            self._push(torch.cuda.use_mem_pool(self.tts.pool.mempool, device=dev))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _push(self, ctx) -> None:
+        ctx.__enter__()
+        self._ctxs.append(ctx)
+
+    def __exit__(self, *exc) -> bool:
+        try:
+            while self._ctxs:
+                self._ctxs.pop().__exit__(None, None, None)
+        finally:
+            done = self.pool.capture_stream.record()
+            for ptr in self._callers:
+                Stream.from_handle(ptr, self.pool.device).wait(done)
+        return False
+
+    def settle(self, out_leaves: list, skip: str | None):
+        """``(in_pool, handed, stash)`` after the warm-up: whether it left blocks in the pool, its
+        outputs there (their storages become their blocks' owners), and why blocks it left are
+        held beyond them (then nothing is handed out), or None. ``skip``: why the function will
+        run eagerly from now on, if it will."""
+        new = set(self.tts.pool.allocated()) - self.before
+        if not new:
+            return False, (), None
+        outs = [t for t in out_leaves if is_torch(t) and _storage_ptr(t) in new]
+        if skip is not None:
+            return True, (), f"returned memory of the tree's pool but runs eagerly from now on ({skip})"
+        rest = new - {_storage_ptr(t) for t in outs} - self.saved
+        if rest:  # a temporary in a reference cycle is not state: collect, look again
+            gc.collect()
+            rest &= set(self.tts.pool.allocated())
+        if rest:
+            return True, (), (f"left {len(rest)} block(s) of the tree's pool held beyond its outputs (state made "
+                              "on the first call, such as an optimizer's buffers or a tensor kept on a module)")
+        self.tts.spans(outs)
+        return True, outs, None
+
+
+def run(backend, fn, call, args, kwargs) -> Warm:
+    """Run ``fn`` eagerly for ``backend`` (a ``treeexec.CudaBackend``), inside its pool where
+    ``usable``; report which eager inputs it mutated (compared by content), the tensors it reads
+    through its closure, whether it ran a backward pass, a reason to skip it, if any, and what it
+    left in the pool (``PoolWarmup.settle``)."""
+    ops = call.ops
+    before = [(j, ops[j].clone(t)) for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER]
+    torch = backend._torch
+    obs = pw = None
+    epoch, mode = _observe._epoch[0], _observe._mode_epoch[0]
+    backward = [False]
+    if torch is not None:
+        # a backward pass unpacks saved tensors: then the recording must route allocations
+        # by stream, where autograd's device thread allocates, rather than by thread
+        def unpacked(x):
+            backward[0] = True
+            return x
+
+        if not _observe.is_compiled(fn.fn):
+            obs = _observe.observer(call.leaves)
+        if usable(backend, fn):
+            pw = PoolWarmup(backend.pool, backend._tts)
+        with torch.autograd.graph.saved_tensors_hooks(pw.pack if pw else _same, unpacked), pw or _NULL:
+            with obs if obs is not None else _NULL:
+                out = fn.fn(*args, **kwargs)
+    else:
+        out = fn.fn(*args, **kwargs)
+    mutated = tuple(j for j, copy in before if not ops[j].equal(copy, call.leaves[j]))
+    for j in mutated:
+        if not ops[j].contiguous(call.leaves[j]):
+            log.warning("cgraw: %s mutates non-contiguous eager input %d", fn.name, j)
+    w = Warm(out, mutated)
+    w.runs_backward = backward[0] or getattr(fn, "is_backward", False)
+    out_leaves: list = []
+    try:
+        out_spec(out, out_leaves)
+    except SkipCall as exc:
+        w.skip = str(exc)
+    if w.skip is None:
+        w.skip = cpu_output(out_leaves)
+    if obs is not None:
+        if obs.unsafe is not None:
+            w.skip = (f"calls custom op {obs.unsafe}, tagged torch._C.Tag.cudagraph_unsafe (as torch's "
+                      "CUDAGraph Trees, cgraw runs such functions eagerly)")
+        elif w.skip is None and obs.cpu_random is not None:
+            w.skip = (f"CPU tensors or ops: CPU random numbers ({obs.cpu_random}) would repeat on every "
+                      "replay")
+        w.external = obs.external(list(call.leaves) + out_leaves)
+    w.epoch = _observe._epoch[0] if _observe._epoch[0] == epoch else -1
+    w.mode_epoch = mode if _observe._mode_epoch[0] == mode else -1
+    if pw is not None:
+        w.in_pool, w.handed, w.stash = pw.settle(out_leaves, w.skip)
+        backend.warm_in_pool = w.stash is None or w.skip is not None  # state kept beyond the call: never again
+    return w
+
+
+def cpu_output(out_leaves) -> str | None:
+    """Why a function returning these leaves must run eagerly (a CPU tensor a replay would return
+    unchanged), or None."""
+    for t in out_leaves:
+        if ops_of(t) is TORCH and t.get_device() < 0:
+            return ("CPU tensors or ops: the function returns a CPU tensor, which a replay would return "
+                    "unchanged (as torch's CUDAGraph Trees, cgraw runs such functions eagerly)")
+    return None
+
+
+def _same(x):
+    return x
+
+
+def _storage_ptr(t) -> int:
+    """The address of ``t``'s storage, or 0 (a tensor without one, such as a sparse tensor)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def _event_on(dev, stream_ptr: int):
+    """An event recorded now on the raw stream ``stream_ptr`` (0: the legacy default stream)."""
+    return Stream.from_handle(stream_ptr, dev).record()

@@ -1,0 +1,204 @@
+"""GPU tier of the warm-up inside the tree's pool (issue 15, ``cgraw.warmexec``): results equal
+eager, warm-up outputs handed out as a replay's are, state a warm-up keeps stays valid, mixed
+torch and CuPy on the caller's streams, and training through a warmed-up forward."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from gpu_data import trand
+
+import cgraw
+from cgraw.treetypes import config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_trees")]
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(autouse=True)
+def _warm_in_pool():
+    old = config.warmup_in_pool
+    config.warmup_in_pool = True
+    yield
+    config.warmup_in_pool = old
+
+
+def _backend():
+    from cgraw.graphed import _managers
+
+    return _managers[0].backend
+
+
+def _in_tree_pool(t) -> bool:
+    return _backend()._tts.pool.owner_of()(t.untyped_storage().data_ptr())
+
+
+def test_warm_up_output_lies_in_the_pool_and_ends_with_its_generation():
+    def body(x):
+        t = torch.sin(x) * 3.0  # a temporary: its memory goes back to the pool
+        return t.cos() + x
+
+    f = cgraw.graphed(body)
+    x = trand(1 << 20)
+    y1 = f(x)
+    torch.testing.assert_close(y1, body(x))
+    assert _in_tree_pool(y1)
+    assert _backend().warm_in_pool
+    cgraw.mark_step_begin()
+    with pytest.raises(RuntimeError, match="overwritten"):
+        _ = y1 + 1
+    for _ in range(4):
+        x = trand(1 << 20)
+        torch.testing.assert_close(f(x), body(x))
+        cgraw.mark_step_begin()
+    assert _backend().warm_in_pool
+
+
+def test_warm_up_outside_the_pool_when_turned_off():
+    config.warmup_in_pool = False
+    f = cgraw.graphed(lambda x: x * 2.0 + 1.0)
+    x = trand(4096)
+    y1 = f(x)
+    cgraw.mark_step_begin()
+    f(trand(4096))
+    torch.testing.assert_close(y1, x * 2.0 + 1.0)  # still readable: the caller's own memory
+
+
+def test_seed_two_branch_program_equals_eager():
+    def f1(x):
+        return torch.tanh(x * 1.5) + x
+
+    def f2(y):
+        return torch.sin(y) * 2.0 + y
+
+    def f3(y):
+        return torch.cos(y.abs()) - y
+
+    def f4(z):
+        return z * z + 0.5
+
+    g1, g2, g3, g4 = (cgraw.graphed(fn) for fn in (f1, f2, f3, f4))
+    for step in range(12):
+        x = trand(1 << 18) * (1.0 if step % 2 else -1.0) + (0.5 if step % 2 else -0.5)
+        y = g1(x)
+        z = g2(y) if float(y.sum()) > 0 else g3(y)
+        out = g4(z)
+        ry = f1(x)
+        ref = f4(f2(ry) if float(ry.sum()) > 0 else f3(ry))
+        torch.testing.assert_close(out, ref)
+        cgraw.mark_step_begin()
+    assert _backend().warm_in_pool
+    from cgraw.graphed import _managers
+
+    assert all(st.eager_calls == 0 and st.recordings == st.warmups for st in _managers[0].stats.values())
+
+
+def test_h_equals_f_of_h_from_a_warm_up_output():
+    def body(h):
+        return torch.tanh(h @ w) + 0.1 * h
+
+    w = trand(64, 64) * 0.1
+    f = cgraw.graphed(body)
+    h = ref = trand(8, 64)
+    for _ in range(10):
+        h = f(h)
+        ref = body(ref)
+        torch.testing.assert_close(h, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_state_kept_by_a_warm_up_stays_valid(caplog):
+    class Acc(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.total = None  # made on the first call, inside the warm-up
+
+        def forward(self, x):
+            if self.total is None:
+                self.total = torch.zeros_like(x)
+            self.total.add_(x)
+            return self.total * 2.0
+
+    m, ref = Acc(), Acc()
+    f = cgraw.graphed(m)
+    g = cgraw.graphed(lambda x: torch.exp(x * 0.1))  # a recording exists when the state is made
+    g(trand(256))
+    cgraw.mark_step_begin()
+    g(trand(256))
+    with caplog.at_level(logging.INFO, logger="cgraw"):
+        for _ in range(6):
+            x = trand(256)
+            torch.testing.assert_close(f(x), ref(x))
+            torch.testing.assert_close(m.total, ref.total)
+            cgraw.mark_step_begin()
+    assert any("moves to a fresh pool" in r.getMessage() for r in caplog.records)
+    assert not any("cannot restore" in r.getMessage() for r in caplog.records)
+    assert not _backend().warm_in_pool
+
+
+def test_whole_training_step_with_momentum_equals_eager():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).cuda()
+    import copy
+
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+
+    def step(m, o, x, y):
+        o.zero_grad(set_to_none=False)
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        o.step()
+        return loss.detach()
+
+    f = cgraw.graphed(lambda x, y: step(model, opt, x, y))
+    for _ in range(5):
+        x, y = trand(16, 32), trand(16, 4)
+        torch.testing.assert_close(f(x, y), step(ref, ref_opt, x, y), rtol=1e-5, atol=1e-6)
+        cgraw.mark_step_begin()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_mixed_torch_and_cupy_on_a_side_stream_equals_eager():
+    cp = pytest.importorskip("cupy")
+
+    def body(x):
+        y = torch.sin(x) + 1.0
+        c = cp.from_dlpack(y)
+        c = cp.tanh(c * 2.0)  # CuPy reads torch's result: both on the warm-up's stream
+        return torch.from_dlpack(c) * y
+
+    f = cgraw.graphed(body)
+    s = torch.cuda.Stream()
+    for _ in range(4):
+        x = trand(1 << 20)
+        with torch.cuda.stream(s), cp.cuda.ExternalStream(s.cuda_stream):
+            out = f(x)
+            got = out.clone()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.testing.assert_close(got, body(x))
+        cgraw.mark_step_begin()
+
+
+def test_training_forward_warmed_up_in_the_pool_gives_eager_gradients():
+    old = config.autograd
+    config.autograd = True
+    try:
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1)).cuda()
+        import copy
+
+        ref = copy.deepcopy(model)
+        f = cgraw.graphed(model)
+        for _ in range(4):
+            x = trand(8, 16)
+            f(x).square().mean().backward()
+            ref(x).square().mean().backward()
+            for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+                p.grad = q.grad = None
+            cgraw.mark_step_begin()
+    finally:
+        config.autograd = old
