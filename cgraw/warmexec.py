@@ -34,13 +34,24 @@ log = logging.getLogger("cgraw")
 _NULL = contextlib.nullcontext()
 
 
-def usable(backend, fn) -> bool:
+def usable(backend, fn, call) -> bool:
     """Whether ``fn``'s warm-up runs inside ``backend``'s pool: torch's side of the pool exists,
-    the settings allow it, and it is not a backward (its outputs become ``.grad``s) or a function
-    torch.compile owns."""
+    the settings allow it, and it is not a backward (its outputs become ``.grad``s), a function
+    torch.compile owns, or a call autograd records (what it saves would be freed by a restore
+    while a backward may still read it, and its nodes would be tied to the capture stream)."""
     return (backend._tts is not None and config.warmup_in_pool and backend.warm_in_pool
             and not getattr(fn, "is_backward", False) and not getattr(fn, "copies_out", False)
-            and not _observe.is_compiled(fn.fn))
+            and not _observe.is_compiled(fn.fn) and not _records_grad(backend._torch, fn, call))
+
+
+def _records_grad(torch, fn, call) -> bool:
+    """Grad mode is on and an input, or a parameter of the module called, requires grad."""
+    if not torch.is_grad_enabled():
+        return False
+    if any(getattr(t, "requires_grad", False) for t in call.leaves):
+        return True
+    mod = fn.fn if isinstance(fn.fn, torch.nn.Module) else getattr(fn.fn, "__self__", None)
+    return isinstance(mod, torch.nn.Module) and any(p.requires_grad for p in mod.parameters())
 
 
 class PoolWarmup:
@@ -112,6 +123,8 @@ class PoolWarmup:
         outs = [t for t in out_leaves if is_torch(t) and _storage_ptr(t) in new]
         if skip is not None:
             return True, (), f"returned memory of the tree's pool but runs eagerly from now on ({skip})"
+        if any(getattr(t, "requires_grad", False) for t in out_leaves):
+            return True, (), "returned outputs that require grad (autograd may read what it saved after a restore)"
         rest = new - {_storage_ptr(t) for t in outs} - self.saved
         if rest:  # a temporary in a reference cycle is not state: collect, look again
             gc.collect()
@@ -129,7 +142,6 @@ def run(backend, fn, call, args, kwargs) -> Warm:
     through its closure, whether it ran a backward pass, a reason to skip it, if any, and what it
     left in the pool (``PoolWarmup.settle``)."""
     ops = call.ops
-    before = [(j, ops[j].clone(t)) for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER]
     torch = backend._torch
     obs = pw = None
     epoch, mode = _observe._epoch[0], _observe._mode_epoch[0]
@@ -143,14 +155,18 @@ def run(backend, fn, call, args, kwargs) -> Warm:
 
         if not _observe.is_compiled(fn.fn):
             obs = _observe.observer(call.leaves)
-        if usable(backend, fn):
+        if usable(backend, fn, call):
             pw = PoolWarmup(backend.pool, backend._tts)
         with torch.autograd.graph.saved_tensors_hooks(pw.pack if pw else _same, unpacked), pw or _NULL:
+            before = _copies(call)  # in the pool too: what it frees there, the recordings reuse
             with obs if obs is not None else _NULL:
                 out = fn.fn(*args, **kwargs)
+            mutated = _mutated(call, before)
+            del before
     else:
+        before = _copies(call)
         out = fn.fn(*args, **kwargs)
-    mutated = tuple(j for j, copy in before if not ops[j].equal(copy, call.leaves[j]))
+        mutated = _mutated(call, before)
     for j in mutated:
         if not ops[j].contiguous(call.leaves[j]):
             log.warning("cgraw: %s mutates non-contiguous eager input %d", fn.name, j)
@@ -187,6 +203,15 @@ def cpu_output(out_leaves) -> str | None:
             return ("CPU tensors or ops: the function returns a CPU tensor, which a replay would return "
                     "unchanged (as torch's CUDAGraph Trees, cgraw runs such functions eagerly)")
     return None
+
+
+def _copies(call) -> list:
+    """Copies of the eager inputs, to tell afterwards which ones the function wrote."""
+    return [(j, call.ops[j].clone(t)) for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER]
+
+
+def _mutated(call, copies: list) -> tuple:
+    return tuple(j for j, copy in copies if not call.ops[j].equal(copy, call.leaves[j]))
 
 
 def _same(x):

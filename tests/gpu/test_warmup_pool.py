@@ -174,6 +174,7 @@ def test_mixed_torch_and_cupy_on_a_side_stream_equals_eager():
     s = torch.cuda.Stream()
     for _ in range(4):
         x = trand(1 << 20)
+        s.wait_stream(torch.cuda.current_stream())  # x was made on the default stream
         with torch.cuda.stream(s), cp.cuda.ExternalStream(s.cuda_stream):
             out = f(x)
             got = out.clone()
@@ -182,7 +183,22 @@ def test_mixed_torch_and_cupy_on_a_side_stream_equals_eager():
         cgraw.mark_step_begin()
 
 
-def test_training_forward_warmed_up_in_the_pool_gives_eager_gradients():
+def test_a_call_autograd_records_warms_up_outside_the_pool():
+    lin = torch.nn.Linear(64, 64).cuda()  # its parameters require grad: autograd records the call
+    f = cgraw.graphed(lin)
+    x = trand(8, 64)
+    y = f(x)
+    assert y.requires_grad and not _in_tree_pool(y)
+    assert _backend().warm_in_pool  # not a stash: the warm-up simply ran outside
+    cgraw.mark_step_begin()
+    with torch.no_grad():
+        g = cgraw.graphed(lambda t: lin(t) * 2.0)
+        z = g(x)
+        assert _in_tree_pool(z)
+        torch.testing.assert_close(z, lin(x) * 2.0)
+
+
+def test_training_forward_gives_eager_gradients():
     old = config.autograd
     config.autograd = True
     try:

@@ -266,3 +266,36 @@ def test_settle_of_a_skipped_function_hands_nothing_out():
                                                       skip="CPU tensors or ops")
     assert in_pool and handed == () and "runs eagerly from now on (CPU tensors or ops)" in stash
     assert tts.spanned == []
+
+
+def test_settle_of_outputs_that_require_grad_hands_nothing_out():
+    def outputs(torch, tts, pw):
+        w = torch.randn(4, requires_grad=True)
+        return (tts.pool.track(w * 2.0),)
+
+    (in_pool, handed, stash), tts, _, _ = settle_case(outputs)
+    assert in_pool and handed == () and "require grad" in stash and tts.spanned == []
+
+
+def test_calls_autograd_records_warm_up_outside_the_pool():
+    torch = pytest.importorskip("torch")
+    from cgraw import warmexec
+
+    class Fn:
+        def __init__(self, fn):
+            self.fn = fn
+
+    class Call:
+        def __init__(self, *leaves):
+            self.leaves = leaves
+
+    lin = torch.nn.Linear(2, 2)
+    x = torch.randn(2)
+    assert warmexec._records_grad(torch, Fn(lin), Call(x))  # a module whose parameters require grad
+    assert warmexec._records_grad(torch, Fn(lin.forward), Call(x))  # its bound forward
+    assert warmexec._records_grad(torch, Fn(torch.sin), Call(x.requires_grad_()))  # an input that requires grad
+    assert not warmexec._records_grad(torch, Fn(torch.sin), Call(torch.randn(2)))
+    with torch.no_grad():
+        assert not warmexec._records_grad(torch, Fn(lin), Call(x))
+    lin.requires_grad_(False)
+    assert not warmexec._records_grad(torch, Fn(lin), Call(torch.randn(2)))
