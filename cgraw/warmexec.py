@@ -35,23 +35,18 @@ _NULL = contextlib.nullcontext()
 
 
 def usable(backend, fn, call) -> bool:
-    """Whether ``fn``'s warm-up runs inside ``backend``'s pool: torch's side of the pool exists,
-    the settings allow it, and it is not a backward (its outputs become ``.grad``s), a function
-    torch.compile owns, or a call autograd records (what it saves would be freed by a restore
-    while a backward may still read it, and its nodes would be tied to the capture stream)."""
-    return (backend._tts is not None and config.warmup_in_pool and backend.warm_in_pool
-            and not getattr(fn, "is_backward", False) and not getattr(fn, "copies_out", False)
-            and not _observe.is_compiled(fn.fn) and not _records_grad(backend._torch, fn, call))
+    """Whether ``fn``'s warm-up runs inside ``backend``'s pool: the setting is on, torch's side of
+    the pool exists, and the call is made with grad mode off (``torch.no_grad()``,
+    ``inference_mode()``): autograd records nothing then. A call autograd records stays outside:
+    what it saves would be freed by a restore while a backward may still read it, and its
+    backward nodes would run on the capture stream (on the H200 that aborted ``test_autograd``).
+    Not for a backward (its outputs become ``.grad``s) or a function torch.compile owns."""
+    return (config.warmup_in_pool and backend._tts is not None and backend.warm_in_pool
+            and not backend._torch.is_grad_enabled() and not getattr(fn, "is_backward", False)
+            and not getattr(fn, "copies_out", False) and not _observe.is_compiled(fn.fn))
 
 
-def _records_grad(torch, fn, call) -> bool:
-    """Grad mode is on and an input, or a parameter of the module called, requires grad."""
-    if not torch.is_grad_enabled():
-        return False
-    if any(getattr(t, "requires_grad", False) for t in call.leaves):
-        return True
-    mod = fn.fn if isinstance(fn.fn, torch.nn.Module) else getattr(fn.fn, "__self__", None)
-    return isinstance(mod, torch.nn.Module) and any(p.requires_grad for p in mod.parameters())
+_PINNED: list = []  # capture streams autograd may still use after their pool was replaced
 
 
 class PoolWarmup:
@@ -121,10 +116,13 @@ class PoolWarmup:
         if not new:
             return False, (), None
         outs = [t for t in out_leaves if is_torch(t) and _storage_ptr(t) in new]
+        graph = self.saved or any(getattr(t, "requires_grad", False) for t in out_leaves)
+        if graph:
+            _PINNED.append(self.pool.capture_stream)  # its backward nodes run there: never destroyed
         if skip is not None:
             return True, (), f"returned memory of the tree's pool but runs eagerly from now on ({skip})"
-        if any(getattr(t, "requires_grad", False) for t in out_leaves):
-            return True, (), "returned outputs that require grad (autograd may read what it saved after a restore)"
+        if graph:
+            return True, (), "recorded an autograd graph (torch.enable_grad() inside a call made without grad)"
         rest = new - {_storage_ptr(t) for t in outs} - self.saved
         if rest:  # a temporary in a reference cycle is not state: collect, look again
             gc.collect()

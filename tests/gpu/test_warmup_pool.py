@@ -1,6 +1,7 @@
-"""GPU tier of the warm-up inside the tree's pool (issue 15, ``cgraw.warmexec``): results equal
-eager, warm-up outputs handed out as a replay's are, state a warm-up keeps stays valid, mixed
-torch and CuPy on the caller's streams, and training through a warmed-up forward."""
+"""GPU tier of the warm-up inside the tree's pool (issue 15, ``cgraw.warmexec``; opt-in with
+``cgraw.config.warmup_in_pool``, for calls made with grad mode off): results equal eager, warm-up
+outputs handed out as a replay's are, state a warm-up keeps stays valid, mixed torch and CuPy on
+the caller's streams; calls autograd records warm up outside the pool and train as eager."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def _in_tree_pool(t) -> bool:
     return _backend()._tts.pool.owner_of()(t.untyped_storage().data_ptr())
 
 
+@torch.no_grad()
 def test_warm_up_output_lies_in_the_pool_and_ends_with_its_generation():
     def body(x):
         t = torch.sin(x) * 3.0  # a temporary: its memory goes back to the pool
@@ -55,6 +57,7 @@ def test_warm_up_output_lies_in_the_pool_and_ends_with_its_generation():
     assert _backend().warm_in_pool
 
 
+@torch.no_grad()
 def test_warm_up_outside_the_pool_when_turned_off():
     config.warmup_in_pool = False
     f = cgraw.graphed(lambda x: x * 2.0 + 1.0)
@@ -65,6 +68,7 @@ def test_warm_up_outside_the_pool_when_turned_off():
     torch.testing.assert_close(y1, x * 2.0 + 1.0)  # still readable: the caller's own memory
 
 
+@torch.no_grad()
 def test_seed_two_branch_program_equals_eager():
     def f1(x):
         return torch.tanh(x * 1.5) + x
@@ -94,6 +98,7 @@ def test_seed_two_branch_program_equals_eager():
     assert all(st.eager_calls == 0 and st.recordings == st.warmups for st in _managers[0].stats.values())
 
 
+@torch.no_grad()
 def test_h_equals_f_of_h_from_a_warm_up_output():
     def body(h):
         return torch.tanh(h @ w) + 0.1 * h
@@ -107,6 +112,7 @@ def test_h_equals_f_of_h_from_a_warm_up_output():
         torch.testing.assert_close(h, ref, rtol=1e-4, atol=1e-5)
 
 
+@torch.no_grad()
 def test_state_kept_by_a_warm_up_stays_valid(caplog):
     class Acc(torch.nn.Module):
         def __init__(self):
@@ -152,7 +158,7 @@ def test_whole_training_step_with_momentum_equals_eager():
         o.step()
         return loss.detach()
 
-    f = cgraw.graphed(lambda x, y: step(model, opt, x, y))
+    f = cgraw.graphed(lambda x, y: step(model, opt, x, y))  # grad mode on: warmed up outside the pool
     for _ in range(5):
         x, y = trand(16, 32), trand(16, 4)
         torch.testing.assert_close(f(x, y), step(ref, ref_opt, x, y), rtol=1e-5, atol=1e-6)
@@ -161,6 +167,7 @@ def test_whole_training_step_with_momentum_equals_eager():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+@torch.no_grad()
 def test_mixed_torch_and_cupy_on_a_side_stream_equals_eager():
     cp = pytest.importorskip("cupy")
 
@@ -184,18 +191,38 @@ def test_mixed_torch_and_cupy_on_a_side_stream_equals_eager():
 
 
 def test_a_call_autograd_records_warms_up_outside_the_pool():
-    lin = torch.nn.Linear(64, 64).cuda()  # its parameters require grad: autograd records the call
-    f = cgraw.graphed(lin)
+    lin = torch.nn.Linear(64, 64).cuda()
+    f = cgraw.graphed(lambda t: lin(t) * 2.0)  # grad mode on: autograd records the call
     x = trand(8, 64)
     y = f(x)
     assert y.requires_grad and not _in_tree_pool(y)
     assert _backend().warm_in_pool  # not a stash: the warm-up simply ran outside
     cgraw.mark_step_begin()
     with torch.no_grad():
-        g = cgraw.graphed(lambda t: lin(t) * 2.0)
+        g = cgraw.graphed(lambda t: lin(t) * 3.0)
         z = g(x)
         assert _in_tree_pool(z)
-        torch.testing.assert_close(z, lin(x) * 2.0)
+        torch.testing.assert_close(z, lin(x) * 3.0)
+
+
+@torch.no_grad()
+def test_enable_grad_inside_a_call_made_without_grad():
+    w = (trand(32, 32) * 0.2).requires_grad_()
+
+    def body(x):
+        with torch.enable_grad():
+            return torch.tanh(x @ w)
+
+    f = cgraw.graphed(body)
+    x = trand(8, 32)
+    y = f(x)  # warmed up in the pool, but autograd recorded a graph: the tree moves to a fresh pool
+    assert not _backend().warm_in_pool
+    ref_w = w.detach().clone().requires_grad_()
+    with torch.enable_grad():
+        torch.testing.assert_close(y, torch.tanh(x @ ref_w))
+        y.sum().backward()  # its nodes run on the replaced pool's capture stream, kept alive
+        torch.tanh(x @ ref_w).sum().backward()
+    torch.testing.assert_close(w.grad, ref_w.grad)
 
 
 def test_training_forward_gives_eager_gradients():

@@ -214,7 +214,8 @@ def settle_case(make_outputs, skip=None):
 
     tts = FakeTts()
     old = tts.pool.track(torch.randn(3))  # allocated before the warm-up: never counted
-    pw = warmexec.PoolWarmup(None, tts)
+    pool = type("Pool", (), {"capture_stream": "capture stream"})()
+    pw = warmexec.PoolWarmup(pool, tts)
     pw.before = set(tts.pool.allocated())
     out = make_outputs(torch, tts, pw)
     res = pw.settle(list(out), skip)
@@ -242,13 +243,8 @@ def test_settle_counts_a_block_kept_elsewhere_as_state():
     assert in_pool and handed == () and "1 block(s)" in stash and tts.spanned == []
 
 
-def test_settle_ignores_saved_tensors_and_collected_cycles():
-    held = []
-
+def test_settle_ignores_temporaries_collected_from_cycles():
     def outputs(torch, tts, pw):
-        saved = tts.pool.track(torch.randn(6))
-        pw.pack(saved)  # saved for a backward: the backward frees it
-        held.append(saved)
         cycle: list = [tts.pool.track(torch.randn(7))]
         cycle.append(cycle)  # garbage in a reference cycle: gc.collect frees it
         return (tts.pool.track(torch.randn(4)),)
@@ -259,6 +255,18 @@ def test_settle_ignores_saved_tensors_and_collected_cycles():
     finally:
         gc.enable()
     assert in_pool and stash is None and handed == [out[0]]
+
+
+def test_settle_after_autograd_saved_something_hands_nothing_out():
+    from cgraw import warmexec
+
+    def outputs(torch, tts, pw):
+        pw.pack(tts.pool.track(torch.randn(6)))  # torch.enable_grad() inside: autograd saved it
+        return (tts.pool.track(torch.randn(4)),)
+
+    (in_pool, handed, stash), tts, _, _ = settle_case(outputs)
+    assert in_pool and handed == () and "autograd graph" in stash and tts.spanned == []
+    assert warmexec._PINNED.pop() == "capture stream"
 
 
 def test_settle_of_a_skipped_function_hands_nothing_out():
@@ -274,28 +282,32 @@ def test_settle_of_outputs_that_require_grad_hands_nothing_out():
         return (tts.pool.track(w * 2.0),)
 
     (in_pool, handed, stash), tts, _, _ = settle_case(outputs)
-    assert in_pool and handed == () and "require grad" in stash and tts.spanned == []
+    assert in_pool and handed == () and "autograd graph" in stash and tts.spanned == []
+    from cgraw import warmexec
+
+    assert warmexec._PINNED and warmexec._PINNED[-1] == "capture stream"  # never destroyed
+    warmexec._PINNED.pop()
 
 
-def test_calls_autograd_records_warm_up_outside_the_pool():
+def test_only_calls_made_without_grad_warm_up_in_the_pool():
     torch = pytest.importorskip("torch")
     from cgraw import warmexec
 
+    class Backend:
+        _tts, warm_in_pool, _torch = object(), True, torch
+
     class Fn:
-        def __init__(self, fn):
-            self.fn = fn
+        fn = staticmethod(torch.sin)
 
-    class Call:
-        def __init__(self, *leaves):
-            self.leaves = leaves
-
-    lin = torch.nn.Linear(2, 2)
-    x = torch.randn(2)
-    assert warmexec._records_grad(torch, Fn(lin), Call(x))  # a module whose parameters require grad
-    assert warmexec._records_grad(torch, Fn(lin.forward), Call(x))  # its bound forward
-    assert warmexec._records_grad(torch, Fn(torch.sin), Call(x.requires_grad_()))  # an input that requires grad
-    assert not warmexec._records_grad(torch, Fn(torch.sin), Call(torch.randn(2)))
+    config.warmup_in_pool = True
+    assert not warmexec.usable(Backend, Fn, None)  # grad mode on: autograd may record the call
     with torch.no_grad():
-        assert not warmexec._records_grad(torch, Fn(lin), Call(x))
-    lin.requires_grad_(False)
-    assert not warmexec._records_grad(torch, Fn(lin), Call(torch.randn(2)))
+        assert warmexec.usable(Backend, Fn, None)
+        Fn.is_backward = True
+        assert not warmexec.usable(Backend, Fn, None)
+        del Fn.is_backward
+        Backend.warm_in_pool = False  # a warm-up of this tree kept state in its pool
+        assert not warmexec.usable(Backend, Fn, None)
+        Backend.warm_in_pool = True
+        config.warmup_in_pool = False
+        assert not warmexec.usable(Backend, Fn, None)
