@@ -74,3 +74,16 @@ def torch_mod():
 @pytest.fixture
 def cupy_mod():
     return pytest.importorskip("cupy")
+
+
+@pytest.fixture
+def saved_config():
+    """``cgraw.config`` (graphed functions' settings) put back as it was after the test."""
+    import dataclasses
+
+    from cgraw.treetypes import config
+
+    saved = dataclasses.asdict(config)
+    yield config
+    for k, v in saved.items():
+        setattr(config, k, v)

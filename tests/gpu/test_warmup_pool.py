@@ -142,31 +142,6 @@ def test_state_kept_by_a_warm_up_stays_valid(caplog):
     assert not _backend().warm_in_pool
 
 
-def test_whole_training_step_with_momentum_equals_eager():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).cuda()
-    import copy
-
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-
-    def step(m, o, x, y):
-        o.zero_grad(set_to_none=False)
-        loss = torch.nn.functional.mse_loss(m(x), y)
-        loss.backward()
-        o.step()
-        return loss.detach()
-
-    f = cgraw.graphed(lambda x, y: step(model, opt, x, y))  # grad mode on: warmed up outside the pool
-    for _ in range(5):
-        x, y = trand(16, 32), trand(16, 4)
-        torch.testing.assert_close(f(x, y), step(ref, ref_opt, x, y), rtol=1e-5, atol=1e-6)
-        cgraw.mark_step_begin()
-    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-
-
 @torch.no_grad()
 def test_mixed_torch_and_cupy_on_a_side_stream_equals_eager():
     cp = pytest.importorskip("cupy")

@@ -10,7 +10,6 @@ gradient. The ``scenario_*`` functions are also run with the rule removed, and m
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 
@@ -38,11 +37,8 @@ def _grad_mode():
 
 
 @pytest.fixture(autouse=True)
-def _restore_config():
-    saved = dataclasses.asdict(config)
-    yield
-    for k, v in saved.items():
-        setattr(config, k, v)
+def _restore_config(saved_config):
+    """cgraw.config put back after each test (tests/conftest.py)."""
 
 
 class Tree:

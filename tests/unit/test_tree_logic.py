@@ -7,7 +7,6 @@ from the current inputs, so results are compared with eager runs of the same fun
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
@@ -112,11 +111,8 @@ def _spy(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def _restore_config():
-    saved = dataclasses.asdict(config)
-    yield
-    for k, v in saved.items():
-        setattr(config, k, v)
+def _restore_config(saved_config):
+    """cgraw.config put back after each test (tests/conftest.py)."""
 
 
 @pytest.fixture

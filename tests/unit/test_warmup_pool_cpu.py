@@ -9,7 +9,6 @@ of what a warm-up left, runs on CPU torch tensors against a fake torch pool (tor
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import weakref
@@ -25,11 +24,8 @@ from cgraw.tree import NodeState, TreeManager, config
 
 
 @pytest.fixture(autouse=True)
-def _restore_config():
-    saved = dataclasses.asdict(config)
-    yield
-    for k, v in saved.items():
-        setattr(config, k, v)
+def _restore_config(saved_config):
+    """cgraw.config put back after each test (tests/conftest.py)."""
 
 
 @pytest.fixture
