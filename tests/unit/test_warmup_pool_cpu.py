@@ -18,6 +18,7 @@ import programs
 import pytest
 from fake_tree_backend import EAGER_BASE, FakeFn, FakeTreeBackend, Overwritten, new, release
 from test_programs import fake_namespace
+from test_tree_logic import rand
 
 from allocator import check_invariants
 from cgraw.tree import NodeState, TreeManager, config
@@ -31,10 +32,6 @@ def _restore_config(saved_config):
 @pytest.fixture
 def rng():
     return np.random.default_rng()
-
-
-def rand(rng, n: int) -> np.ndarray:
-    return rng.uniform(0.5, 2.0, n) * rng.choice([-1.0, 1.0], n)
 
 
 def affine(x):
