@@ -234,12 +234,17 @@ class CudaBackend(TorchAutograd):
         return rebindexec.prove(self, rec, call)
 
     def drop_placeholders(self, rec: Recording, placeholders: list) -> None:
-        """Let placeholders no graph node reads any more go back to the pool."""
+        """Let placeholders no graph node reads any more go back to the pool: nothing keeps them
+        then, torch's owner of their block included (H200 ``pool_probe.json``: it kept a 64 MiB
+        placeholder of a rebound input allocated for the life of the recording)."""
         gone = {id(p) for p in placeholders}
         kept, out = rec.keep
         kept = [p for p in kept if id(p) not in gone]
         rec.keep = (kept, out)
         if self._tts is not None:
+            for p in placeholders:
+                if ops_of(p) is TORCH:
+                    self._tts.owners.pop(p.untyped_storage().data_ptr(), None)
             rec.spans = self._tts.spans(kept + [rec.out_leaves[i] for i in rec.owned_idx])
 
     def input_notes(self, rec: Recording) -> dict:

@@ -161,6 +161,12 @@ class TorchRouting:
         tp = torch_pool_for(self.pool)
         self._prev_device = torch.cuda.current_device()
         ext = torch.cuda.ExternalStream(self.stream.ptr, device=torch.device("cuda", dev))
+        if self.warm_cublas and self.clear_workspaces:
+            # a graph tree's recording: this thread's cuBLAS handle, made outside the pool; the
+            # workspace a captured matmul needs is made in the pool then, and only then (H200
+            # pool_probe.json: a warm-up inside the routing left a 32 MiB segment in every tree)
+            a = torch.ones((2, 2), device=torch.device("cuda", dev))
+            (a @ a).sum()
         if self.route == "thread":
             self._pool_ctx = torch.cuda.use_mem_pool(tp.mempool, device=dev)
             self._pool_ctx.__enter__()
@@ -174,7 +180,7 @@ class TorchRouting:
                 # workspaces made next land in the pool and are freed after the capture: scratch
                 # memory of this recording only (as torch's own graph trees do)
                 tc._cuda_clearCublasWorkspaces()
-            if self.warm_cublas:
+            if self.warm_cublas and not self.clear_workspaces:
                 # creates this thread's cuBLAS handle and the capture stream's workspace (in the pool)
                 a = torch.ones((2, 2), device=torch.device("cuda", dev))
                 (a @ a).sum()

@@ -358,3 +358,23 @@ def test_blocks_give_one_offset_slot_in_an_arena(monkeypatch):
     monkeypatch.setattr(rebindmem.rngexec, "arenas", lambda: [(0x9000, 4096 * 8)])
     b = rebindmem.Blocks(SimpleNamespace(closed=True))
     assert b.around(0x9000 + 21) == (0x9000 + 16, 8) and b.around(0x9000 + 4096 * 8) is None
+
+
+def test_dropped_placeholders_lose_their_torch_owner():
+    """A placeholder read in place no more has an owner in torch's pool bookkeeping, so its block
+    is freed (H200 pool_probe.json: the owner kept a 64 MiB placeholder for the recording's life)."""
+    torch = pytest.importorskip("torch")
+    import weakref
+
+    from cgraw.treeexec import CudaBackend
+
+    ph, kept = torch.randn(16), torch.randn(16)
+    owners = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in (ph, kept)}
+    tts = SimpleNamespace(owners=owners, spans=lambda ts: [(t.untyped_storage().data_ptr(), 64) for t in ts])
+    rec = SimpleNamespace(keep=([ph, kept], None), out_leaves=[], owned_idx=[], spans=None)
+    CudaBackend.drop_placeholders(SimpleNamespace(_tts=tts), rec, [ph])
+    assert list(owners) == [kept.untyped_storage().data_ptr()]
+    assert rec.keep[0] == [kept] and rec.spans == [(kept.untyped_storage().data_ptr(), 64)]
+    gone = weakref.ref(ph)
+    del ph
+    assert gone() is None
