@@ -24,6 +24,7 @@ import logging
 import sys
 
 from cgraw.arrays import EAGER, TORCH, is_torch, ops_of, out_spec
+from cgraw.capture import _event_on
 from cgraw.errors import SkipCall
 from cgraw.interop import observe as _observe
 from cgraw.interop import torch_c
@@ -222,8 +223,3 @@ def _storage_ptr(t) -> int:
         return t.untyped_storage().data_ptr()
     except Exception:  # noqa: BLE001
         return 0
-
-
-def _event_on(dev, stream_ptr: int):
-    """An event recorded now on the raw stream ``stream_ptr`` (0: the legacy default stream)."""
-    return Stream.from_handle(stream_ptr, dev).record()

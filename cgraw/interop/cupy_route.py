@@ -7,7 +7,8 @@ router runs (put back when the last one ends), and the idle handles of each devi
 next capture, never destroyed). A forwarder sends a call to its thread's router only when CuPy
 passed its own handle of the capture; anything else is CuPy's call, unchanged. ``library_parts``,
 ``handle_router`` and ``HandleRouter`` are the module wiring, ``router()`` factory and router that
-``cupy_solver`` and ``cupy_sparse`` share (``cupy_blas`` shares the wiring only).
+``cupy_solver`` and ``cupy_sparse`` share (``cupy_blas`` shares the wiring only); ``CApi`` is what
+those two know of their library's calls (names, argument kinds, errors), ``CLibrary`` its ctypes side.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import threading
 from cgraw.errors import CaptureError
 
 OFF = ("0", "false", "no", "off")
+CAPTURE_INVALIDATED = 2  # cuStreamIsCapturing's CU_STREAM_CAPTURE_STATUS_INVALIDATED
+INT_RANGE = {"i": (-(1 << 31), (1 << 31) - 1)}  # argument kinds whose values must fit a C int
 
 
 def disabled(env_name: str, environ=os.environ) -> bool:
@@ -92,6 +95,77 @@ def handle_router(owner, env_name: str, pool, stream):
                                                  status=lambda: stream.capture_status)
 
 
+class CApi:
+    """What cgraw knows of one C library's calls that CuPy wraps: ``label`` ("cuSPARSE"), the
+    symbol ``prefix`` ("cusparse"), the file ``stem`` ("libcusparse"), CuPy's wrapper module
+    ``backend``, status names, and the ctypes type of each argument kind (``ctypes_of``), those the
+    routine writes and CuPy returns (``outs``: kind -> ctypes type) included."""
+
+    def __init__(self, label: str, prefix: str, stem: str, backend: str, statuses: dict, ctypes_of: dict,
+                 outs: dict):
+        self.label, self.prefix, self.stem, self.backend = label, prefix, stem, backend
+        self.statuses, self.ctypes_of, self.outs = statuses, ctypes_of, outs
+
+    def symbol(self, name: str) -> str:
+        """``spMV_bufferSize`` -> ``cusparseSpMV_bufferSize``."""
+        return self.prefix + name[0].upper() + name[1:]
+
+    def arity(self, kinds: str) -> int:
+        """How many arguments CuPy's wrapper takes, the handle included (it returns the outputs)."""
+        return 1 + sum(k not in self.outs for k in kinds)
+
+    def status_name(self, status: int) -> str:
+        return f"{self.label.upper()}_STATUS_{self.statuses.get(status, status)}"
+
+    def not_covered(self, name: str, why: str, hint: str = "") -> CaptureError:
+        return CaptureError(f"{self.backend}.{name}", 0, f"{self.label.upper()}_NOT_COVERED",
+                            f"{entry_point()} calls {self.label} {name} ({self.symbol(name)}), which cannot be "
+                            f"captured through cgraw: {why}",
+                            hint or "call it outside the capture and pass its result in")
+
+    def check(self, status: int, name: str) -> None:
+        """Raise for a failed call: CuPy's own error (as eager CuPy raises it), else a ``CaptureError``."""
+        if status:
+            check = getattr(sys.modules.get(self.backend), "check_status", None)
+            if check is not None:
+                check(int(status))
+            raise CaptureError(self.symbol(name), int(status), self.status_name(status),
+                               f"{self.label} {name} failed inside the capture")
+
+    def marshal(self, name: str, kinds: str, vals) -> tuple[list, list]:
+        """``(C arguments, outputs)`` of ``name`` for CuPy's arguments after the handle; a value its C
+        type cannot hold is refused (ctypes would truncate it silently)."""
+        outs_of = self.outs
+        for k, v in zip((k for k in kinds if k not in outs_of), vals, strict=True):
+            lo_hi = INT_RANGE.get(k)
+            if lo_hi is not None and not lo_hi[0] <= int(v) <= lo_hi[1]:
+                raise self.not_covered(name, f"the argument {v} does not fit in its C type")
+        outs = [outs_of[k]() for k in kinds if k in outs_of]
+        it_in, it_out = iter(vals), iter(outs)
+        return [ctypes.byref(next(it_out)) if k in outs_of else next(it_in) for k in kinds], outs
+
+
+def refuse(routing: "Routing", api: CApi, name: str, why: str, original, hint: str = ""):
+    """``original`` refused by name (``why``) when its thread's router's capture stream is current."""
+
+    def run(r, args):
+        if r._get_stream().ptr != r.stream_ptr:
+            return original(*args)
+        raise api.not_covered(name, why, hint)
+
+    return forwarder(routing, name, original, run)
+
+
+def install_specs(routing: "Routing", api: CApi, backend, specs: dict) -> None:
+    """CuPy's wrappers of ``specs`` (name -> argument kinds) routed to ``Router.run``; a wrapper of
+    another shape stays CuPy's."""
+    for name, kinds in specs.items():
+        fn = getattr(backend, name, None)
+        if fn is not None and arity_ok(fn, api.arity(kinds)):
+            routing.patch(backend, name, forwarder(
+                routing, name, fn, lambda r, args, name=name, kinds=kinds, fn=fn: r.run(name, kinds, fn, args)))
+
+
 class HandleRouter:
     """Routes one library's CuPy calls of one capture (one thread, one device, the capture stream) to a
     handle cgraw owns. A subclass sets ``owner`` (its module, whose ``_routing`` and ``_install`` are read
@@ -112,6 +186,33 @@ class HandleRouter:
 
     def producer_streams(self) -> list[int]:
         return []
+
+    def run(self, name: str, kinds: str, original, args: tuple):
+        """A routed CuPy wrapper's call: on cgraw's handle when the capture stream is current."""
+        if self._get_stream().ptr != self.stream_ptr:
+            return original(*args)  # not the capture stream: CuPy's own path (eager, or its refusal)
+        api = self.owner.API
+        if len(args) != api.arity(kinds):
+            raise api.not_covered(name, f"CuPy passed {len(args)} arguments where cgraw's table has "
+                                        f"{api.arity(kinds)} (another CuPy version?)")
+        return self.call(name, kinds, args[1:])
+
+    def call(self, name: str, kinds: str, vals):
+        """``name`` on cgraw's handle with ``vals`` (CuPy's arguments after the handle)."""
+        api = self.owner.API
+        cargs, outs = api.marshal(name, kinds, vals)
+        fn = self.lib.function(name, kinds)
+        self.calls += 1
+        status = fn(self.handle, *cargs)
+        if self._status is not None and self._status() == CAPTURE_INVALIDATED:
+            raise api.not_covered(name, "it synchronised with the host inside the capture, which invalidated it"
+                                  + self.invalidated_note(status))
+        api.check(status, name)
+        return int(outs[0].value) if outs else None  # a _bufferSize query's one output
+
+    def invalidated_note(self, status: int) -> str:
+        """What to add when a call invalidated the capture and returned ``status``."""
+        return f" (it returned {self.owner.API.status_name(status)})" if status else ""
 
     def bind(self, handle: int) -> None:
         """The library's own set-up of cgraw's ``handle``, after it is bound to the capture stream."""
@@ -148,10 +249,12 @@ class HandleRouter:
 
 
 class CLibrary:
-    """A C library through ctypes: entry points resolved once by name, set-up calls checked."""
+    """A C library through ctypes: entry points resolved once by name, set-up calls checked. With
+    ``api`` (a ``CApi``), also its routines by name, ``create`` and ``set_stream``."""
 
     label = "?"  # the library's name in messages ("cuBLAS")
     statuses: dict[int, str] = {}
+    api: CApi | None = None
 
     def __init__(self, dll, path: str = ""):
         self._dll, self.path, self._fns = dll, path, {}
@@ -165,6 +268,23 @@ class CLibrary:
                 fn.argtypes, fn.restype = argtypes, ctypes.c_int
                 self._fns[key] = fn
         return fn
+
+    def function(self, name: str, kinds: str):
+        """Routine ``name`` with the prototype of its argument ``kinds``; ``not_covered`` if missing."""
+        api = self.api
+        fn = self._symbol(name, (api.symbol(name),), [ctypes.c_void_p, *(api.ctypes_of[k] for k in kinds)])
+        if fn is None:
+            raise api.not_covered(name, f"this {api.stem} ({self.path or '?'}) has no entry point for it")
+        return fn
+
+    def create(self) -> int:
+        h, sym = ctypes.c_void_p(), self.api.symbol("create")
+        self._setup(self._symbol("create", (sym,), [ctypes.POINTER(ctypes.c_void_p)]), sym, ctypes.byref(h))
+        return int(h.value or 0)
+
+    def set_stream(self, handle: int, stream: int) -> None:
+        sym = self.api.symbol("setStream")
+        self._setup(self._symbol("setStream", (sym,), [ctypes.c_void_p, ctypes.c_void_p]), sym, handle, stream)
 
     def _setup(self, fn, symbol: str, *args) -> None:
         """Call ``fn`` (``symbol``, None when missing), which sets cgraw's handle up."""

@@ -41,7 +41,6 @@ from __future__ import annotations
 import ctypes
 import sys
 
-from cgraw.errors import CaptureError
 from cgraw.interop import cupy_route as _route
 
 BACKEND = "cupy_backends.cuda.libs.cusolver"
@@ -115,39 +114,18 @@ _BATCHED = ("pass a batch (..., M, M) of matrices up to 32x32: cupy.linalg.eigh,
 HINTS = {_JACOBI: _BATCHED, _HYBRID: _BATCHED}
 STATUS = {1: "NOT_INITIALIZED", 2: "ALLOC_FAILED", 3: "INVALID_VALUE", 4: "ARCH_MISMATCH", 5: "MAPPING_ERROR",
           6: "EXECUTION_FAILED", 7: "INTERNAL_ERROR", 8: "MATRIX_TYPE_NOT_SUPPORTED", 9: "NOT_SUPPORTED"}
-CAPTURE_INVALIDATED = 2  # cuStreamIsCapturing's CU_STREAM_CAPTURE_STATUS_INVALIDATED
-_RANGES = {"i": (-(1 << 31), (1 << 31) - 1)}
+CAPTURE_INVALIDATED = _route.CAPTURE_INVALIDATED
 _CTYPES = {"i": ctypes.c_int, "p": ctypes.c_void_p, "q": ctypes.c_void_p, "o": ctypes.POINTER(ctypes.c_int)}
 _OUTS = {"o": ctypes.c_int}
 SONAMES = ("libcusolver.so.12", "libcusolver.so.11", "libcusolver.so")
-
-
-def cupy_arity(kinds: str) -> int:
-    """How many arguments CuPy's wrapper takes, the handle included (it returns the outputs)."""
-    return 1 + sum(k not in _OUTS for k in kinds)
-
-
-def symbol(name: str) -> str:
-    """``sgetrf_bufferSize`` -> ``cusolverDnSgetrf_bufferSize``."""
-    return "cusolverDn" + name[0].upper() + name[1:]
+API = _route.CApi("cuSOLVER", "cusolverDn", "libcusolver", BACKEND, STATUS, _CTYPES, _OUTS)
+cupy_arity, symbol, _not_covered, _check = API.arity, API.symbol, API.not_covered, API.check
 
 
 class Library(_route.CLibrary):
     """libcusolver through ctypes: each entry point resolved by name, its prototype from ``SPECS``."""
 
-    label, statuses = "cuSOLVER", STATUS
-
-    def function(self, name: str, kinds: str):
-        fn = self._symbol(name, (symbol(name),), [ctypes.c_void_p, *(_CTYPES[k] for k in kinds)])
-        if fn is None:
-            raise _not_covered(name, f"this libcusolver ({self.path or '?'}) has no entry point for it")
-        return fn
-
-    def create(self) -> int:
-        h = ctypes.c_void_p()
-        fn = self._symbol("create", ("cusolverDnCreate",), [ctypes.POINTER(ctypes.c_void_p)])
-        self._setup(fn, "cusolverDnCreate", ctypes.byref(h))
-        return int(h.value or 0)
+    label, statuses, api = "cuSOLVER", STATUS, API
 
     def create_info(self, kind: str) -> int:
         """``cusolverDnCreate{kind}Info`` (kind ``Gesvdj`` or ``Syevj``): a host structure of defaults."""
@@ -156,10 +134,6 @@ class Library(_route.CLibrary):
         fn = self._symbol(sym, (sym,), [ctypes.POINTER(ctypes.c_void_p)])
         self._setup(fn, sym, ctypes.byref(h))
         return int(h.value or 0)
-
-    def set_stream(self, handle: int, stream: int) -> None:
-        fn = self._symbol("setStream", ("cusolverDnSetStream",), [ctypes.c_void_p, ctypes.c_void_p])
-        self._setup(fn, "cusolverDnSetStream", handle, stream)
 
 
 # libcusolver files to try: those this process has loaded (CuPy's first), then the sonames; library(): the
@@ -184,33 +158,8 @@ class Router(_route.HandleRouter):
     # CuPy's handle, made before the capture (enter): cusolverDnCreate allocates, which a capture refuses
     cupy_handle_getter = "get_cusolver_handle"
 
-    def run(self, name: str, kinds: str, original, args: tuple):
-        if self._get_stream().ptr != self.stream_ptr:
-            return original(*args)  # not the capture stream: CuPy's own path (eager, or its refusal)
-        if len(args) != cupy_arity(kinds):
-            raise _not_covered(name, f"CuPy passed {len(args)} arguments where cgraw's table has "
-                                     f"{cupy_arity(kinds)} (another CuPy version?)")
-        return self.call(name, kinds, args[1:])
-
-    def call(self, name: str, kinds: str, vals):
-        """``name`` on cgraw's handle with ``vals`` (CuPy's arguments after the handle)."""
-        ins = [k for k in kinds if k not in _OUTS]
-        for k, v in zip(ins, vals, strict=True):
-            lo_hi = _RANGES.get(k)
-            if lo_hi is not None and not lo_hi[0] <= int(v) <= lo_hi[1]:  # ctypes would truncate it silently
-                raise _not_covered(name, f"the argument {v} does not fit in its C type")
-        outs = [_OUTS[k]() for k in kinds if k in _OUTS]
-        it_in, it_out, cargs = iter(vals), iter(outs), []
-        for k in kinds:
-            cargs.append(ctypes.byref(next(it_out)) if k in _OUTS else next(it_in))
-        fn = self.lib.function(name, kinds)
-        self.calls += 1
-        status = fn(self.handle, *cargs)
-        if self._status is not None and self._status() == CAPTURE_INVALIDATED:
-            raise _not_covered(name, "it synchronised with the host inside the capture, which invalidated it"
-                               + _stale_note(status))
-        _check(status, name)
-        return int(outs[0].value) if outs else None  # a _bufferSize query's one output
+    def invalidated_note(self, status: int) -> str:
+        return _stale_note(status)
 
     # ------------------------------------------------ gesvd and Xsyevd through the batched Jacobi routines
 
@@ -337,46 +286,21 @@ def _copy(dst, src, *, conj: bool) -> None:
         dst[...] = src
 
 
-def _check(status: int, name: str) -> None:
-    if status:
-        check = getattr(sys.modules.get(BACKEND), "check_status", None)
-        if check is not None:
-            check(int(status))  # CuPy's own CUSOLVERError, as eager CuPy raises it
-        raise CaptureError(symbol(name), int(status), f"CUSOLVER_STATUS_{STATUS.get(status, status)}",
-                           f"cuSOLVER {name} failed inside the capture")
-
-
 def _stale_note(status: int) -> str:
     """What a failure inside the capture leaves behind (seen on the H200 with gesvd and syevd)."""
     if not status:
         return ""
-    return (f" (it returned CUSOLVER_STATUS_{STATUS.get(status, status)}; the next cuSOLVER call of this "
+    return (f" (it returned {API.status_name(status)}; the next cuSOLVER call of this "
             "thread, in CuPy or torch, may then fail once with EXECUTION_FAILED)")
 
 
-def _not_covered(name: str, why: str, hint: str = "") -> CaptureError:
-    return CaptureError(f"{BACKEND}.{name}", 0, "CUSOLVER_NOT_COVERED",
-                        f"{_route.entry_point()} calls cuSOLVER {name} ({symbol(name)}), which cannot be captured "
-                        f"through cgraw: {why}",
-                        hint or "call it outside the capture and pass its result in")
-
-
 def _refuse(name: str, why: str, original):
-    def run(r, args):
-        if r._get_stream().ptr != r.stream_ptr:
-            return original(*args)
-        raise _not_covered(name, why, HINTS.get(why, ""))
-
-    return _route.forwarder(_routing, name, original, run)
+    return _route.refuse(_routing, API, name, why, original, HINTS.get(why, ""))
 
 
 def _install() -> None:
     backend = _backend()
-    for name, kinds in SPECS.items():
-        fn = getattr(backend, name, None)
-        if fn is not None and _route.arity_ok(fn, cupy_arity(kinds)):  # a wrapper of another shape stays CuPy's
-            _routing.patch(backend, name, _route.forwarder(
-                _routing, name, fn, lambda r, args, name=name, kinds=kinds, fn=fn: r.run(name, kinds, fn, args)))
+    _route.install_specs(_routing, API, backend, SPECS)
     for name, how in SUBSTITUTED.items():
         fn = getattr(backend, name, None)
         if fn is not None and _route.arity_ok(fn, SUBSTITUTED_ARITY[how]):

@@ -34,7 +34,6 @@ from __future__ import annotations
 import ctypes
 import sys
 
-from cgraw.errors import CaptureError
 from cgraw.interop import cupy_route as _route
 
 BACKEND = "cupy_backends.cuda.libs.cusparse"
@@ -89,43 +88,18 @@ STATUS = {1: "NOT_INITIALIZED", 2: "ALLOC_FAILED", 3: "INVALID_VALUE", 4: "ARCH_
           6: "EXECUTION_FAILED", 7: "INTERNAL_ERROR", 8: "MATRIX_TYPE_NOT_SUPPORTED", 9: "ZERO_PIVOT",
           10: "NOT_SUPPORTED", 11: "INSUFFICIENT_RESOURCES"}
 POINTER_MODE_HOST = 0
-CAPTURE_INVALIDATED = 2  # cuStreamIsCapturing's CU_STREAM_CAPTURE_STATUS_INVALIDATED
-_RANGES = {"i": (-(1 << 31), (1 << 31) - 1)}
+CAPTURE_INVALIDATED = _route.CAPTURE_INVALIDATED
 _CTYPES = {"i": ctypes.c_int, "p": ctypes.c_void_p, "z": ctypes.POINTER(ctypes.c_size_t)}
 _OUTS = {"z": ctypes.c_size_t}
 SONAMES = ("libcusparse.so.12", "libcusparse.so.11", "libcusparse.so")
-
-
-def cupy_arity(kinds: str) -> int:
-    """How many arguments CuPy's wrapper takes, the handle included (it returns the outputs)."""
-    return 1 + sum(k not in _OUTS for k in kinds)
-
-
-def symbol(name: str) -> str:
-    """``spMV_bufferSize`` -> ``cusparseSpMV_bufferSize``; ``xcsr2coo`` -> ``cusparseXcsr2coo``."""
-    return "cusparse" + name[0].upper() + name[1:]
+API = _route.CApi("cuSPARSE", "cusparse", "libcusparse", BACKEND, STATUS, _CTYPES, _OUTS)
+cupy_arity, symbol, _not_covered, _check = API.arity, API.symbol, API.not_covered, API.check
 
 
 class Library(_route.CLibrary):
     """libcusparse through ctypes: each entry point resolved by name, its prototype from ``SPECS``."""
 
-    label, statuses = "cuSPARSE", STATUS
-
-    def function(self, name: str, kinds: str):
-        fn = self._symbol(name, (symbol(name),), [ctypes.c_void_p, *(_CTYPES[k] for k in kinds)])
-        if fn is None:
-            raise _not_covered(name, f"this libcusparse ({self.path or '?'}) has no entry point for it")
-        return fn
-
-    def create(self) -> int:
-        h = ctypes.c_void_p()
-        fn = self._symbol("create", ("cusparseCreate",), [ctypes.POINTER(ctypes.c_void_p)])
-        self._setup(fn, "cusparseCreate", ctypes.byref(h))
-        return int(h.value or 0)
-
-    def set_stream(self, handle: int, stream: int) -> None:
-        fn = self._symbol("setStream", ("cusparseSetStream",), [ctypes.c_void_p, ctypes.c_void_p])
-        self._setup(fn, "cusparseSetStream", handle, stream)
+    label, statuses, api = "cuSPARSE", STATUS, API
 
     def set_pointer_mode(self, handle: int, mode: int) -> None:
         fn = self._symbol("setPointerMode", ("cusparseSetPointerMode",), [ctypes.c_void_p, ctypes.c_int])
@@ -160,55 +134,9 @@ class Router(_route.HandleRouter):
         """CuPy set the pointer mode of its handle: cgraw's handle takes it too."""
         self.lib.set_pointer_mode(self.handle, mode)
 
-    def run(self, name: str, kinds: str, original, args: tuple):
-        if self._get_stream().ptr != self.stream_ptr:
-            return original(*args)  # not the capture stream: CuPy's own path (eager, or its refusal)
-        vals = list(args[1:])
-        if len(args) != cupy_arity(kinds):
-            raise _not_covered(name, f"CuPy passed {len(args)} arguments where cgraw's table has "
-                                     f"{cupy_arity(kinds)} (another CuPy version?)")
-        ins = [k for k in kinds if k not in _OUTS]
-        for k, v in zip(ins, vals, strict=True):
-            lo_hi = _RANGES.get(k)
-            if lo_hi is not None and not lo_hi[0] <= int(v) <= lo_hi[1]:  # ctypes would truncate it silently
-                raise _not_covered(name, f"the argument {v} does not fit in its C type")
-        outs = [_OUTS[k]() for k in kinds if k in _OUTS]
-        it_in, it_out, cargs = iter(vals), iter(outs), []
-        for k in kinds:
-            cargs.append(ctypes.byref(next(it_out)) if k in _OUTS else next(it_in))
-        fn = self.lib.function(name, kinds)
-        self.calls += 1
-        status = fn(self.handle, *cargs)
-        if self._status is not None and self._status() == CAPTURE_INVALIDATED:
-            raise _not_covered(name, "it synchronised with the host inside the capture, which invalidated it"
-                               + (f" (it returned CUSPARSE_STATUS_{STATUS.get(status, status)})" if status else ""))
-        _check(status, name)
-        return int(outs[0].value) if outs else None  # a _bufferSize query's one output
-
-
-def _check(status: int, name: str) -> None:
-    if status:
-        check = getattr(sys.modules.get(BACKEND), "check_status", None)
-        if check is not None:
-            check(int(status))  # CuPy's own CuSparseError, as eager CuPy raises it
-        raise CaptureError(symbol(name), int(status), f"CUSPARSE_STATUS_{STATUS.get(status, status)}",
-                           f"cuSPARSE {name} failed inside the capture")
-
-
-def _not_covered(name: str, why: str, hint: str = "") -> CaptureError:
-    return CaptureError(f"{BACKEND}.{name}", 0, "CUSPARSE_NOT_COVERED",
-                        f"{_route.entry_point()} calls cuSPARSE {name} ({symbol(name)}), which cannot be captured "
-                        f"through cgraw: {why}",
-                        hint or "call it outside the capture and pass its result in")
-
 
 def _refuse(name: str, why: str, original):
-    def run(r, args):
-        if r._get_stream().ptr != r.stream_ptr:
-            return original(*args)
-        raise _not_covered(name, why, HINTS.get(why, ""))
-
-    return _route.forwarder(_routing, name, original, run)
+    return _route.refuse(_routing, API, name, why, original, HINTS.get(why, ""))
 
 
 def _mode_forwarder(original):
@@ -223,11 +151,7 @@ def _mode_forwarder(original):
 
 def _install() -> None:
     backend = _backend()
-    for name, kinds in SPECS.items():
-        fn = getattr(backend, name, None)
-        if fn is not None and _route.arity_ok(fn, cupy_arity(kinds)):  # a wrapper of another shape stays CuPy's
-            _routing.patch(backend, name, _route.forwarder(
-                _routing, name, fn, lambda r, args, name=name, kinds=kinds, fn=fn: r.run(name, kinds, fn, args)))
+    _route.install_specs(_routing, API, backend, SPECS)
     for name, why in REFUSED.items():
         fn = getattr(backend, name, None)
         if fn is not None:
