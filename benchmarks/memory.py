@@ -15,10 +15,12 @@ the whole device, so two children at once would see each other's memory. Program
   backward, SGD with momentum). Batch 8 at ``--resnet-size`` (224) pixels, TF32 off.
 
 Systems: ``eager``; ``cgraw`` (each function ``@cgraw.graphed``, ``cgraw.mark_step_begin()`` every
-step); ``cgraw_warm_in_pool`` (the same with ``cgraw.config.warmup_in_pool = True``: warm-ups
-made with grad mode off run inside the tree's pool, issue 15; run ``20261201T205518Z-8c17662``,
-``memory_warmup_8c17662.json``, named these two ``cgraw_warm_outside`` and ``cgraw`` and moved a
-warm-up into the pool unless an input or the module's parameters required grad); ``torch_trees``
+step; cgraw's defaults: a warm-up autograd records nothing in runs inside the tree's pool,
+``cgraw.warmexec``, issue 15); ``cgraw_warm_outside`` (the same with
+``cgraw.config.warmup_in_pool = False``: every warm-up outside the pool, in torch's global cache;
+until session 12 that was the default, and ``cgraw_warm_in_pool`` named an opt-in for calls made
+with grad mode off (``memory.json`` run ``5a7b611``); run ``20261201T205518Z-8c17662``,
+``memory_warmup_8c17662.json``, used today's names and a rule close to today's); ``torch_trees``
 (each function ``torch.compile(mode="reduce-overhead")``,
 ``torch.compiler.cudagraph_mark_step_begin()`` every step; for the ResNet step the model is
 compiled and loss, ``backward()`` and SGD run eagerly, torch's documented way: a whole step
@@ -52,7 +54,7 @@ import traceback
 from benchmarks._harness import REPO_ROOT, Report
 
 PROGRAMS = ("two_branch", "gpt2", "resnet_train")
-SYSTEMS = ("eager", "cgraw", "cgraw_warm_in_pool", "torch_trees", "torch_trees_aten")
+SYSTEMS = ("eager", "cgraw", "cgraw_warm_outside", "torch_trees", "torch_trees_aten")
 COMPILED = ("torch_trees", "torch_trees_aten")
 DEFAULT_SYSTEMS = {"two_branch": SYSTEMS, "gpt2": SYSTEMS[:4], "resnet_train": SYSTEMS[:4]}
 DEFAULT_STEPS = {"two_branch": 12, "gpt2": 10, "resnet_train": 10}
@@ -74,10 +76,10 @@ RESNET_BATCH = 8
 def _wrap(system: str, fn):
     if system == "eager":
         return fn
-    if system in ("cgraw", "cgraw_warm_in_pool"):
+    if system in ("cgraw", "cgraw_warm_outside"):
         import cgraw
 
-        cgraw.config.warmup_in_pool = system == "cgraw_warm_in_pool"  # issue 15, opt-in (cgraw.warmexec)
+        cgraw.config.warmup_in_pool = system == "cgraw"  # issue 15 (cgraw.warmexec), on by default
         return cgraw.graphed(fn)
     import torch
 
@@ -499,8 +501,8 @@ def _ratios(rows: list[dict]) -> dict:
     out: dict = {}
     for program in dict.fromkeys(r["program"] for r in rows):
         cmp = {}
-        pairs = [("cgraw", "torch_trees"), ("cgraw", "torch_trees_aten"), ("cgraw_warm_in_pool", "torch_trees"),
-                 ("cgraw_warm_in_pool", "cgraw")]
+        pairs = [("cgraw", "torch_trees"), ("cgraw", "torch_trees_aten"), ("cgraw_warm_outside", "torch_trees"),
+                 ("cgraw", "cgraw_warm_outside")]
         pairs += [(s, "eager") for s in SYSTEMS if s != "eager"]
         for a, b in pairs:
             ra, rb = by.get((program, a)), by.get((program, b))

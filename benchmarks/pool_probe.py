@@ -6,7 +6,7 @@ size and the Python frames that made the allocation that created it (``segment_a
 ``benchmarks/results/pool_probe.json`` (issue 15: the tree pool is 354 MiB where torch's trees
 hold 252-256 MiB).
 
-``python3 -m benchmarks.pool_probe [--warm-in-pool]``; needs a GPU.
+``python3 -m benchmarks.pool_probe [--warm-outside]``; needs a GPU.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _frames(entry, limit: int = 4) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.pool_probe", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--warm-in-pool", action="store_true", help="cgraw.config.warmup_in_pool = True")
+    ap.add_argument("--warm-outside", action="store_true", help="cgraw.config.warmup_in_pool = False")
     ap.add_argument("--out", default=os.path.join(REPO_ROOT, "benchmarks", "results", "pool_probe.json"))
     args = ap.parse_args(argv)
     import torch
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     from benchmarks.memory import _TwoBranch
     from cgraw.graphed import _managers
 
-    cgraw.config.warmup_in_pool = args.warm_in_pool
+    cgraw.config.warmup_in_pool = not args.warm_outside
     torch.cuda.init()
     torch.ones(1, device="cuda").sum()
     torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python", max_entries=1 << 20)
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     report = buf.getvalue()
     print(report[:1500])
     doc = {"benchmark": "pool_probe", "commit": os.environ.get("CGRAW_GIT_COMMIT", ""),
-           "warmup_in_pool": args.warm_in_pool, "segments": rows, "total_mib": total,
+           "warmup_in_pool": not args.warm_outside, "segments": rows, "total_mib": total,
            "report": report, "result_alive": kept is not None}
     with open(args.out, "w") as fh:
         json.dump(doc, fh, indent=1)

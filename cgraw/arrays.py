@@ -294,8 +294,13 @@ class _TorchOps(Ops):
     def clone(self, t):
         return t.clone()
 
-    def equal(self, a, b) -> bool:
-        return bool(sys.modules["torch"].equal(a, b))
+    def snapshot(self, t):
+        """A host copy of ``t``'s bytes (a warm-up's mutation check: no device memory)."""
+        return _torch_bytes(t)
+
+    def same(self, snap, t) -> bool:
+        """Whether ``t`` still holds ``snap``'s bytes (bitwise: NaNs equal themselves, -0.0 is not 0.0)."""
+        return bool(sys.modules["torch"].equal(snap, _torch_bytes(t)))
 
     def copy_into(self, dst, src) -> None:
         dst.copy_(src)
@@ -345,8 +350,11 @@ class _CupyOps(Ops):
     def clone(self, t):
         return t.copy()
 
-    def equal(self, a, b) -> bool:
-        return bool(sys.modules["cupy"].array_equal(a, b))
+    def snapshot(self, t):
+        return _cupy_bytes(t)
+
+    def same(self, snap, t) -> bool:
+        return bool((snap == _cupy_bytes(t)).all())
 
     def copy_into(self, dst, src) -> None:
         dst[...] = src
@@ -362,6 +370,19 @@ class _CupyOps(Ops):
         cupy = sys.modules["cupy"]
         return cupy.ndarray(out.shape, out.dtype, leaf.data + (int(out.data.ptr) - int(base.data.ptr)),
                             out.strides)
+
+
+def _torch_bytes(t):
+    """``t``'s elements in host memory as one flat uint8 tensor (a copy even for a CPU tensor)."""
+    h = t.detach().to("cpu", copy=True).resolve_conj().resolve_neg().contiguous()
+    return h.reshape(-1).view(sys.modules["torch"].uint8)
+
+
+def _cupy_bytes(t):
+    """``t``'s elements in host memory as one flat uint8 numpy array."""
+    import numpy
+
+    return numpy.ascontiguousarray(sys.modules["cupy"].asnumpy(t)).reshape(-1).view(numpy.uint8)
 
 
 TORCH = _TorchOps()

@@ -40,10 +40,10 @@ class Config:
     # autograd through graphed functions (issue 16, cgraw.autograd_plan): outputs require grad and
     # backward() replays a recorded backward; False: outputs are detached from the second call on
     autograd: bool = True
-    # a warm-up made with grad mode off runs inside the tree's pool on its capture stream, as
+    # a warm-up autograd records nothing in runs inside the tree's pool on its capture stream, as
     # torch's trees do (issue 15, cgraw.warmexec): what it frees is what the recordings reuse, not
-    # torch's global cache; its outputs there follow the generation rule. Opt-in for now
-    warmup_in_pool: bool = False
+    # torch's global cache; its outputs there follow the generation rule
+    warmup_in_pool: bool = True
 
     def __setattr__(self, name, value):
         if name not in self.__dataclass_fields__:

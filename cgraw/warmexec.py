@@ -19,6 +19,7 @@ valid, and, for state kept beyond the call, this backend warms up outside the po
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import sys
@@ -37,14 +38,52 @@ _NULL = contextlib.nullcontext()
 
 def usable(backend, fn, call) -> bool:
     """Whether ``fn``'s warm-up runs inside ``backend``'s pool: the setting is on, torch's side of
-    the pool exists, and the call is made with grad mode off (``torch.no_grad()``,
-    ``inference_mode()``): autograd records nothing then. A call autograd records stays outside:
-    what it saves would be freed by a restore while a backward may still read it, and its
-    backward nodes would run on the capture stream (on the H200 that aborted ``test_autograd``).
-    Not for a backward (its outputs become ``.grad``s) or a function torch.compile owns."""
+    the pool exists, and autograd records nothing in the call, as far as can be seen before it
+    runs (``_records_grad``). A call autograd records stays outside: what it saves would be freed
+    by a restore while a backward may still read it, and its backward nodes would run on the
+    capture stream (on the H200 that aborted ``test_autograd``); one it records unseen (a module
+    reached some other way) is caught after the warm-up (``PoolWarmup.settle``). Not for a
+    backward (its outputs become ``.grad``s) or a function torch.compile owns."""
     return (config.warmup_in_pool and backend._tts is not None and backend.warm_in_pool
-            and not backend._torch.is_grad_enabled() and not getattr(fn, "is_backward", False)
-            and not getattr(fn, "copies_out", False) and not _observe.is_compiled(fn.fn))
+            and not getattr(fn, "is_backward", False) and not getattr(fn, "copies_out", False)
+            and not _observe.is_compiled(fn.fn) and not _records_grad(backend._torch, fn.fn, call))
+
+
+def _records_grad(torch, f, call) -> bool:
+    """Grad mode is on and an input, or a tensor or module the function reaches directly (bound
+    ``self``, closure cells, globals it names, a ``functools.partial``'s arguments), requires grad."""
+    if not torch.is_grad_enabled():
+        return False
+    held = list(call.leaves)
+    for _ in range(4):  # partials and bound methods of partials
+        if isinstance(f, functools.partial):
+            held += [f.args, *f.keywords.values()]
+            f = f.func
+            continue
+        held += [f, getattr(f, "__self__", None)]
+        f = getattr(f, "__func__", f)
+        code = getattr(f, "__code__", None)
+        if code is not None:
+            held += [c.cell_contents for c in (f.__closure__ or ()) if _filled(c)]
+            names = getattr(f, "__globals__", {})
+            held += [names[n] for n in code.co_names if n in names]
+        break
+    Module, Tensor = torch.nn.Module, torch.Tensor
+    for x in held:
+        for y in (x if isinstance(x, (tuple, list)) else (x,)):
+            if isinstance(y, Tensor) and y.requires_grad:
+                return True
+            if isinstance(y, Module) and any(p.requires_grad for p in y.parameters()):
+                return True
+    return False
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell (a name bound after the function was made)
+        return False
+    return True
 
 
 _PINNED: list = []  # capture streams autograd may still use after their pool was replaced
@@ -157,7 +196,7 @@ def run(backend, fn, call, args, kwargs) -> Warm:
         if usable(backend, fn, call):
             pw = PoolWarmup(backend.pool, backend._tts)
         with torch.autograd.graph.saved_tensors_hooks(pw.pack if pw else _same, unpacked), pw or _NULL:
-            before = _copies(call)  # in the pool too: what it frees there, the recordings reuse
+            before = _copies(call)
             with obs if obs is not None else _NULL:
                 out = fn.fn(*args, **kwargs)
             mutated = _mutated(call, before)
@@ -205,12 +244,14 @@ def cpu_output(out_leaves) -> str | None:
 
 
 def _copies(call) -> list:
-    """Copies of the eager inputs, to tell afterwards which ones the function wrote."""
-    return [(j, call.ops[j].clone(t)) for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER]
+    """Host copies of the eager inputs, to tell afterwards which ones the function wrote. In host
+    memory: device copies the size of every eager input stayed cached by torch (or, made in the
+    pool, raised its high-water mark) after the warm-up (issue 15, ``benchmarks/memory.py``)."""
+    return [(j, call.ops[j].snapshot(t)) for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER]
 
 
 def _mutated(call, copies: list) -> tuple:
-    return tuple(j for j, copy in copies if not call.ops[j].equal(copy, call.leaves[j]))
+    return tuple(j for j, copy in copies if not call.ops[j].same(copy, call.leaves[j]))
 
 
 def _same(x):

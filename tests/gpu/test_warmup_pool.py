@@ -1,7 +1,9 @@
-"""GPU tier of the warm-up inside the tree's pool (issue 15, ``cgraw.warmexec``; opt-in with
-``cgraw.config.warmup_in_pool``, for calls made with grad mode off): results equal eager, warm-up
-outputs handed out as a replay's are, state a warm-up keeps stays valid, mixed torch and CuPy on
-the caller's streams; calls autograd records warm up outside the pool and train as eager."""
+"""GPU tier of the warm-up inside the tree's pool (issue 15, ``cgraw.warmexec``,
+``cgraw.config.warmup_in_pool``, on by default, for calls autograd records nothing in): results
+equal eager, warm-up outputs handed out as a replay's are, state a warm-up keeps stays valid, mixed
+torch and CuPy on the caller's streams, eager inputs mutated in place; calls autograd records warm
+up outside the pool (or, when the module was out of sight, move the tree to a fresh pool) and train
+as eager."""
 
 from __future__ import annotations
 
@@ -178,6 +180,59 @@ def test_a_call_autograd_records_warms_up_outside_the_pool():
         z = g(x)
         assert _in_tree_pool(z)
         torch.testing.assert_close(z, lin(x) * 3.0)
+
+
+def test_grad_mode_on_without_trainable_state_warms_up_in_the_pool():
+    """Grad mode on (no ``no_grad``), nothing requiring grad: the warm-up runs in the pool, its
+    output is handed out as a replay's, and an eager input it mutates is mutated as eager does."""
+    assert config.warmup_in_pool
+
+    def body(x, acc):
+        acc.mul_(0.5).add_(x)  # mutates an eager input
+        return torch.sigmoid(x) * acc
+
+    f = cgraw.graphed(body)
+    for i in range(6):
+        x = trand(1 << 16)
+        acc = trand(1 << 16)
+        ref_acc = acc.clone()
+        ref = body(x, ref_acc)
+        y = f(x, acc)
+        torch.testing.assert_close(y, ref)
+        torch.testing.assert_close(acc, ref_acc)
+        assert not y.requires_grad
+        if i == 0:
+            assert _in_tree_pool(y)
+        cgraw.mark_step_begin()
+    assert _backend().warm_in_pool
+
+
+def test_module_out_of_sight_records_a_graph_and_moves_the_pool():
+    """The module is reached through an object the pre-check does not open (H200 ``8c17662``
+    segfaulted here): the warm-up runs in the pool, records an autograd graph, the tree moves to
+    a fresh pool, and the backwards of the warm-up and of the replays give eager gradients."""
+    import copy
+
+    class Holder:
+        pass
+
+    torch.manual_seed(3)
+    holder = Holder()
+    holder.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).cuda()
+    ref = copy.deepcopy(holder.net)
+    f = cgraw.graphed(lambda t: holder.net(t) * 2.0)
+    for i in range(5):
+        x = trand(16, 32)
+        y = f(x)
+        assert y.requires_grad
+        if i == 0:
+            assert not _backend().warm_in_pool  # the graph was seen after the warm-up
+        y.square().mean().backward()
+        (ref(x) * 2.0).square().mean().backward()
+        for p, q in zip(holder.net.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+            p.grad = q.grad = None
+        cgraw.mark_step_begin()
 
 
 @torch.no_grad()

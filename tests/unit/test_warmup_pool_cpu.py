@@ -282,25 +282,54 @@ def test_settle_of_outputs_that_require_grad_hands_nothing_out():
     warmexec._PINNED.pop()
 
 
-def test_only_calls_made_without_grad_warm_up_in_the_pool():
+_w_global = None  # a module a function reaches through a global name (set by the test below)
+
+
+def test_calls_autograd_records_warm_up_outside_the_pool(saved_config):
+    """``warmexec.usable``: grad mode off, or on with nothing requiring grad that the function
+    reaches directly, warms up in the pool; an input, closure cell, global, bound module or
+    partial argument that requires grad keeps the warm-up outside."""
     torch = pytest.importorskip("torch")
+    import functools
+
     from cgraw import warmexec
 
     class Backend:
         _tts, warm_in_pool, _torch = object(), True, torch
 
     class Fn:
-        fn = staticmethod(torch.sin)
+        def __init__(self, f):
+            self.fn = f
 
-    config.warmup_in_pool = True
-    assert not warmexec.usable(Backend, Fn, None)  # grad mode on: autograd may record the call
+    class Call:
+        def __init__(self, *leaves):
+            self.leaves = leaves
+
+    def usable(f, *leaves):
+        return warmexec.usable(Backend, Fn(f), Call(*leaves))
+
+    global _w_global
+    x, w = torch.randn(4), torch.randn(4, requires_grad=True)
+    lin = torch.nn.Linear(4, 4)
+    frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+    assert config.warmup_in_pool  # the default
+    assert usable(torch.sin, x)  # grad mode on, nothing requires grad: autograd records nothing
+    assert usable(lambda t: frozen(t) * 2.0, x)
+    assert not usable(torch.sin, w)  # an input requires grad
+    assert not usable(lambda t: lin(t) * 2.0, x)  # a closure over a module with trainable parameters
+    assert not usable(lambda t: t * w, x)  # a closure over a tensor that requires grad
+    assert not usable(lin, x) and not usable(lin.forward, x)  # the module, or its bound forward
+    assert not usable(functools.partial(torch.mul, w), x)
+    _w_global = lin
+    assert not usable(lambda t: _w_global(t), x)  # a global name
+    _w_global = None
     with torch.no_grad():
-        assert warmexec.usable(Backend, Fn, None)
-        Fn.is_backward = True
-        assert not warmexec.usable(Backend, Fn, None)
-        del Fn.is_backward
+        assert usable(torch.sin, w) and usable(lin, x)  # grad mode off: nothing is recorded
+        f = Fn(torch.sin)
+        f.is_backward = True
+        assert not warmexec.usable(Backend, f, Call(x))
         Backend.warm_in_pool = False  # a warm-up of this tree kept state in its pool
-        assert not warmexec.usable(Backend, Fn, None)
+        assert not usable(torch.sin, x)
         Backend.warm_in_pool = True
         config.warmup_in_pool = False
-        assert not warmexec.usable(Backend, Fn, None)
+        assert not usable(torch.sin, x)
