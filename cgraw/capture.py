@@ -87,7 +87,7 @@ class capture:
         self.warm_cublas = warm_cublas
         self.random = random
         self._rng: rng.RngStream | None = None
-        self._tree = False  # a graph-tree recording (for_tree)
+        self._tree = self._empty_cache = False  # a graph-tree recording (for_tree), torch's cache emptied first
         self._route = "thread"
         self.graph: Graph | None = None
         self._adapters: list = []
@@ -97,15 +97,17 @@ class capture:
         self._t0 = 0.0
 
     @classmethod
-    def for_tree(cls, pool: DevicePool, device, *, warm_cublas: bool, route: str) -> "capture":
+    def for_tree(cls, pool: DevicePool, device, *, warm_cublas: bool, route: str,
+                 empty_cache: bool = False) -> "capture":
         """A graph-tree recording (``treeexec``): cuBLAS workspaces are scratch inside the
         recording, and memory handed out is managed by the tree's checkpoints, not by the arrays'
         lifetimes. ``route``: ``"thread"`` routes this thread's allocations to the pool,
-        ``"stream"`` those on the capture stream (a backward pass allocates on autograd's thread)."""
+        ``"stream"`` those on the capture stream (a backward pass allocates on autograd's thread).
+        ``empty_cache``: release torch's cached free memory first, as ``torch.cuda.graph`` does."""
         if route not in ("thread", "stream"):
             raise ValueError(f"{route=} must be 'thread' or 'stream'")
         self = cls(pool=pool, device=device, warm_cublas=warm_cublas)
-        self._tree, self._route = True, route
+        self._tree, self._route, self._empty_cache = True, route, empty_cache
         return self
 
     def __enter__(self) -> Graph:
@@ -273,7 +275,8 @@ class capture:
             if _itorch.torch_module() is None:
                 raise ImportError("frameworks=('torch',) but torch is not imported")
             out.append(_itorch.TorchRouting(pool, stream, warm_cublas=self.warm_cublas,
-                                            clear_workspaces=self._tree, route=self._route))
+                                            clear_workspaces=self._tree, route=self._route,
+                                            empty_cache=self._empty_cache))
         if (wanted is None and _icupy.cupy_module() is not None) or (wanted is not None and "cupy" in wanted):
             if _icupy.cupy_module() is None:
                 raise ImportError("frameworks=('cupy',) but cupy is not imported")

@@ -261,6 +261,12 @@ class TreeManager:
         that no restore frees them."""
         st.warmups += 1
         self.current = node
+        parent = node.parent
+        if ((parent is None or parent.state is NodeState.RECORDED) and self.pool_state is not parent
+                and self.backend.warm_restores(fn, call)):
+            # an in-pool warm-up reuses what other branches' recordings hold, as a recording does
+            # (torch's trees restore before warm-ups too); else a new branch raises the pool's peak
+            self._restore_to(parent)
         try:
             w = self.backend.warmup(fn, call, args, kwargs)
         except BaseException:

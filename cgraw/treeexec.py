@@ -71,6 +71,12 @@ class CudaBackend(TorchAutograd):
         """Run eagerly, inside the pool where ``warmexec.usable`` (``warmexec.run``)."""
         return warmexec.run(self, fn, call, args, kwargs)
 
+    def warm_restores(self, fn, call: Call) -> bool:
+        if not warmexec.usable(self, fn, call):
+            return False
+        in_pool = self._pool_owner()
+        return not any(k == EAGER and in_pool(p) for k, p in zip(call.kinds, call.ptrs, strict=True))
+
     def record(self, fn, call: Call, warm: Warm) -> Recording:
         leaves, kinds, ops, mutated = call.leaves, call.kinds, call.ops, warm.mutated
         for j in mutated:
@@ -87,7 +93,8 @@ class CudaBackend(TorchAutograd):
                 call.ptrs[j] = ops[j].ptr(clone)
         rec = Recording(fn.name)
         cap = capture.for_tree(self.pool, self.device, warm_cublas=config.warm_cublas,
-                               route="stream" if warm.runs_backward else "thread")
+                               route="stream" if warm.runs_backward else "thread",
+                               empty_cache=config.empty_cache_on_record)
         placeholders, saved = {}, []  # saved: what autograd saves, when the capture records a backward
         grad, subs, reason = call.grad and not warm.runs_backward, placeholders, None
         try:

@@ -44,6 +44,10 @@ class Config:
     # torch's trees do (issue 15, cgraw.warmexec): what it frees is what the recordings reuse, not
     # torch's global cache; its outputs there follow the generation rule
     warmup_in_pool: bool = True
+    # torch's cached free memory is released before each recording, as torch.cuda.graph (and so
+    # torch's trees) do before every capture: warm-up memory and dropped cuBLAS workspaces are not
+    # kept cached beside the tree's pool (issue 15); False keeps torch's cache warm for eager code
+    empty_cache_on_record: bool = True
 
     def __setattr__(self, name, value):
         if name not in self.__dataclass_fields__:
@@ -239,6 +243,10 @@ class Backend(Protocol):
 
     def warmup(self, fn, call, args, kwargs) -> Warm:
         """Run the function eagerly; report what a recording must know (or why to skip it)."""
+
+    def warm_restores(self, fn, call) -> bool:
+        """Whether ``fn``'s warm-up will run inside the pool and may reuse what restoring the
+        pool to its parent's checkpoint frees (no eager input lies in the pool)."""
 
     def record(self, fn, call, warm: Warm) -> Replayable:
         """Capture the function for ``call``; ``SkipCall`` when it cannot be (``dirty`` when the

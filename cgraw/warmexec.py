@@ -24,6 +24,7 @@ import gc
 import logging
 import sys
 
+from cgraw import _defer
 from cgraw.arrays import EAGER, TORCH, is_torch, ops_of, out_spec
 from cgraw.capture import _event_on
 from cgraw.errors import SkipCall
@@ -98,6 +99,7 @@ class PoolWarmup:
         self.saved: set = set()  # storages autograd saved (the pack hook adds them): a backward frees them
         self._ctxs: list = []
         self._callers: list[int] = []
+        self._counted = False  # in cgraw._defer's count of routings
 
     def pack(self, x):
         """A ``saved_tensors_hooks`` pack hook: note ``x``'s storage, keep ``x``."""
@@ -127,6 +129,10 @@ class PoolWarmup:
                 # bias), made outside the pool: they outlive the call
                 a = torch.ones((2, 2), device=torch.device("cuda", dev))
                 torch.addmm(a[0], a, a @ a)
+            # routed like a capture: nothing is freed meanwhile (torch asserts when a MemPool is
+            # released or its cache emptied while any routing is underway; cgraw._defer)
+            _defer.capture_begins()
+            self._counted = True
             self._push(torch.cuda.use_mem_pool(self.tts.pool.mempool, device=dev))
         except BaseException:
             self.__exit__(None, None, None)
@@ -142,6 +148,9 @@ class PoolWarmup:
             while self._ctxs:
                 self._ctxs.pop().__exit__(None, None, None)
         finally:
+            if self._counted:
+                self._counted = False
+                _defer.capture_ends()
             done = self.pool.capture_stream.record()
             for ptr in self._callers:
                 Stream.from_handle(ptr, self.pool.device).wait(done)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import sys
 from bisect import bisect_right
 
+from cgraw import _defer
 from cgraw.interop import torch_c
 
 HOST_SYNC = (
@@ -136,9 +137,10 @@ class TorchRouting:
     """Brackets a capture for torch: pool routing, current stream and device, cuBLAS warm-up."""
 
     def __init__(self, pool, stream, *, warm_cublas: bool = True, clear_workspaces: bool = False,
-                 route: str = "thread"):
+                 route: str = "thread", empty_cache: bool = False):
         self.torch = sys.modules["torch"]
         self.clear_workspaces = clear_workspaces
+        self.empty_cache = empty_cache
         # "thread": this thread's allocations, side streams included (torch.cuda.use_mem_pool).
         # "stream": allocations on the capture stream from any thread, which is where autograd's
         # device thread runs a backward pass; side streams are then not routed.
@@ -154,6 +156,31 @@ class TorchRouting:
         """torch's current stream: the capture must come after the work queued there."""
         return [int(torch_c.api()._cuda_getCurrentRawStream(self.pool.device.ordinal))]
 
+    def prepare(self) -> None:
+        """Before the capture begins, while nothing is routed. For a graph tree's recording
+        (``clear_workspaces``): this thread's cuBLAS handle, made outside the pool, and every
+        cuBLAS workspace dropped, so that the workspace a captured matmul needs is made in the
+        pool then, and only then (H200 ``pool_probe.json``: a warm-up inside the routing left a
+        32 MiB segment in every tree); then, with ``empty_cache``, torch's cached free memory
+        released, as ``torch.cuda.graph`` does before every capture (torch's trees record through
+        it): what warm-ups and dropped workspaces left cached is not kept beside the tree's pool.
+        Not while another capture or in-pool warm-up routes allocations (``cgraw._defer``): torch
+        asserts then."""
+        if not self.clear_workspaces:
+            return
+        torch = self.torch
+        if self.warm_cublas:
+            a = torch.ones((2, 2), device=torch.device("cuda", self.pool.device.ordinal))
+            (a @ a).sum()
+        torch_c.api()._cuda_clearCublasWorkspaces()
+        if self.empty_cache:
+            with _defer._lock:
+                if not _defer.active():
+                    torch.cuda.empty_cache()
+
+    def unprepare(self, failed: bool = True) -> None:
+        """Nothing to undo (``prepare`` only released memory)."""
+
     def enter(self) -> None:
         torch = self.torch
         dev = self.pool.device.ordinal
@@ -161,12 +188,6 @@ class TorchRouting:
         tp = torch_pool_for(self.pool)
         self._prev_device = torch.cuda.current_device()
         ext = torch.cuda.ExternalStream(self.stream.ptr, device=torch.device("cuda", dev))
-        if self.warm_cublas and self.clear_workspaces:
-            # a graph tree's recording: this thread's cuBLAS handle, made outside the pool; the
-            # workspace a captured matmul needs is made in the pool then, and only then (H200
-            # pool_probe.json: a warm-up inside the routing left a 32 MiB segment in every tree)
-            a = torch.ones((2, 2), device=torch.device("cuda", dev))
-            (a @ a).sum()
         if self.route == "thread":
             self._pool_ctx = torch.cuda.use_mem_pool(tp.mempool, device=dev)
             self._pool_ctx.__enter__()
@@ -176,10 +197,6 @@ class TorchRouting:
             if self.route == "stream":
                 tc._cuda_beginAllocateCurrentStreamToPool(dev, tp.id)
                 self._pool_ctx = _StreamRouting(tc, dev, tp.id)
-            if self.clear_workspaces:
-                # workspaces made next land in the pool and are freed after the capture: scratch
-                # memory of this recording only (as torch's own graph trees do)
-                tc._cuda_clearCublasWorkspaces()
             if self.warm_cublas and not self.clear_workspaces:
                 # creates this thread's cuBLAS handle and the capture stream's workspace (in the pool)
                 a = torch.ones((2, 2), device=torch.device("cuda", dev))

@@ -275,3 +275,41 @@ def test_training_forward_gives_eager_gradients():
             cgraw.mark_step_begin()
     finally:
         config.autograd = old
+
+
+@pytest.mark.parametrize("empty", [True, False])
+def test_recording_releases_torch_cached_memory_first(saved_config, empty):
+    """``config.empty_cache_on_record`` (default on): a tree recording empties torch's cache of
+    free blocks first, as ``torch.cuda.graph`` does before every capture; off, the cache stays."""
+    saved_config.empty_cache_on_record = empty
+    f = cgraw.graphed(lambda x: torch.sin(x) * 2.0 + 1.0)
+    x = trand(4096)
+    torch.testing.assert_close(f(x), torch.sin(x) * 2.0 + 1.0)  # warm-up
+    cached = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del cached  # 64 MiB free in torch's cache
+    before = torch.cuda.memory_reserved()
+    torch.testing.assert_close(f(x), torch.sin(x) * 2.0 + 1.0)  # recorded
+    after = torch.cuda.memory_reserved()
+    if empty:
+        assert after <= before - (60 << 20), (before, after)
+    else:
+        assert after >= before, (before, after)
+
+
+def test_in_pool_warm_up_counts_as_routing():
+    """While a warm-up routes allocations to the tree's pool, releases wait (``cgraw._defer``),
+    as during a capture: torch asserts when a MemPool is released or its cache emptied then."""
+    from cgraw import _defer
+
+    seen = []
+
+    def body(x):
+        seen.append(_defer.active())
+        return x * 3.0
+
+    f = cgraw.graphed(body)
+    x = trand(4096)
+    y = f(x)
+    assert seen == [True] and _in_tree_pool(y)
+    assert not _defer.active()
+    torch.testing.assert_close(y, x * 3.0)

@@ -330,6 +330,11 @@ class FakeTreeBackend:
         assert not set(map(id, on_path)) & set(map(id, off_path))
         self.pool.restore(snap)
 
+    def warm_restores(self, fn, call) -> bool:
+        if not self.warm_in_pool or getattr(fn, "copies_out", False):
+            return False
+        return not any(k == EAGER and self.pool.owns(p) for k, p in zip(call.kinds, call.ptrs, strict=True))
+
     def warmup(self, fn, call, args, kwargs):
         self.log.append(("warmup", fn.name))
         before = [(j, t.value) for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER]

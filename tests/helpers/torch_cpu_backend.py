@@ -100,6 +100,9 @@ class CpuTorchBackend(TorchAutograd):
         for name, t in list(handed) + self.grad_views():
             self.poisoned.append(t)
 
+    def warm_restores(self, fn, call) -> bool:
+        return False  # warm-ups run outside the pool here
+
     def warmup(self, fn, call, args, kwargs):
         self.log.append(("warmup", fn.name))
         w = Warm(fn.fn(*args, **kwargs))

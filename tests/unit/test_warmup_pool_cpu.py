@@ -333,3 +333,46 @@ def test_calls_autograd_records_warm_up_outside_the_pool(saved_config):
         Backend.warm_in_pool = True
         config.warmup_in_pool = False
         assert not usable(torch.sin, x)
+
+
+def _widen(y):
+    tmp = new(np.abs(y.value) + 1.0)  # temporaries: a warm-up needs more than its output
+    tmp2 = new(np.log(tmp.value))
+    release(tmp)
+    out = new(tmp2.value * y.value)
+    release(tmp2)
+    return out
+
+
+@pytest.mark.parametrize("restore", [True, False])
+def test_new_branch_warm_up_reuses_the_other_branch_memory(rng, monkeypatch, restore):
+    """The seed's two branches (1 -> 2 -> 4, 1 -> 3 -> 4) with warm-ups in the pool: the second
+    branch's warm-up runs after the pool is restored to its recorded parent's checkpoint, so it
+    reuses what the first branch's recordings hold and the pool stays at the larger path's size
+    (test_tree's max-of-paths test on the GPU). Without the restore it grows."""
+    be, mgr = make()
+    if not restore:
+        monkeypatch.setattr(be, "warm_restores", lambda fn, call: False)
+    f1, f2, f3, f4 = (FakeFn(affine, mgr, name="f1"), FakeFn(double, mgr, name="f2"), FakeFn(_widen, mgr, name="f3"),
+                      FakeFn(double, mgr, name="f4"))
+
+    def step(branch):
+        x = be.tensor(rand(rng, 1 << 18))  # 2 MiB: a segment per block
+        out = f4((f2 if branch else f3)(f1(x)))
+        y = x.value * 1.5 + 0.25
+        z = y * 2.0 - 1.0 if branch else np.log(np.abs(y) + 1.0) * y
+        assert np.allclose(out.value, z * 2.0 - 1.0)
+        mgr.mark_step_begin()
+
+    for _ in range(4):
+        step(True)
+    one_path = be.source.reserved_bytes
+    for b in [False, True, False, False, True]:
+        step(b)
+    both = be.source.reserved_bytes
+    assert all(n.state is NodeState.RECORDED for n in mgr.nodes())
+    check_invariants(be.pool)
+    if restore:
+        assert both <= one_path, (both, one_path)
+    else:
+        assert both > one_path, (both, one_path)
