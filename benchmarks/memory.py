@@ -19,7 +19,7 @@ step; cgraw's defaults: a warm-up autograd records nothing in runs inside the tr
 ``cgraw.warmexec``, issue 15); ``cgraw_warm_outside`` (the same with
 ``cgraw.config.warmup_in_pool = False``: every warm-up outside the pool, in torch's global cache;
 until session 12 that was the default, and ``cgraw_warm_in_pool`` named an opt-in for calls made
-with grad mode off (``memory.json`` run ``5a7b611``); run ``20261201T205518Z-8c17662``,
+with grad mode off (run ``5a7b611``, ``memory_run_5a7b611.json``); run ``20261201T205518Z-8c17662``,
 ``memory_warmup_8c17662.json``, used today's names and a rule close to today's); ``torch_trees``
 (each function ``torch.compile(mode="reduce-overhead")``,
 ``torch.compiler.cudagraph_mark_step_begin()`` every step; for the ResNet step the model is
