@@ -12,8 +12,10 @@ freed for good at the next restore (``TorchTreeState`` owns their blocks from he
 it left in the pool that are neither its outputs nor saved for a backward (an optimizer's state
 made on its first step, a buffer built lazily and kept on a module, the outputs of a function
 that will run eagerly from now on) would be freed by the next restore under whoever holds them.
-The warm-up reports them (``Warm.stash``): the tree moves to a fresh pool, which leaves them
-valid, and, for state kept beyond the call, this backend warms up outside the pool from then on.
+The warm-up reports them, and an autograd graph recorded in it (``Warm.stash``): the tree moves
+to a fresh pool, which leaves them valid, and this backend warms up outside the pool from then on.
+While it routes, the warm-up counts as a capture for ``cgraw._defer``; its check for mutated
+inputs compares host copies, so it takes no device memory.
 """
 
 from __future__ import annotations
