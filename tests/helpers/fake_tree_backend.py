@@ -330,16 +330,18 @@ class FakeTreeBackend:
         assert not set(map(id, on_path)) & set(map(id, off_path))
         self.pool.restore(snap)
 
+    def _warms_in_pool(self, fn) -> bool:
+        return self.warm_in_pool and not getattr(fn, "copies_out", False)
+
     def warm_restores(self, fn, call) -> bool:
-        if not self.warm_in_pool or getattr(fn, "copies_out", False):
-            return False
-        return not any(k == EAGER and self.pool.owns(p) for k, p in zip(call.kinds, call.ptrs, strict=True))
+        return self._warms_in_pool(fn) and not any(
+            k == EAGER and self.pool.owns(p) for k, p in zip(call.kinds, call.ptrs, strict=True))
 
     def warmup(self, fn, call, args, kwargs):
         self.log.append(("warmup", fn.name))
         before = [(j, t.value) for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER]
         assert self.mode == "eager"
-        in_pool = self.warm_in_pool and not getattr(fn, "copies_out", False)
+        in_pool = self._warms_in_pool(fn)
         self.mode, self._warm_blocks = ("warm" if in_pool else "eager"), {}
         try:
             out = fn.fn(*args, **kwargs)
