@@ -1,7 +1,6 @@
-"""Arrays of any framework, for graph trees: one ``Ops`` object per framework (``TORCH``,
-``CUPY``; pointer, bytes, device, contiguity, clone, compare, empty of a shape, alias), found once
-per type by ``ops_of``; and the flattening of a call's arguments and outputs into leaves, a
-signature and a *spec* that rebuilds them.
+"""The flattening of a graphed call's arguments and outputs into array leaves, a signature and a
+*spec* that rebuilds them. What each framework's arrays offer is ``cgraw.frameworks``' ``Ops``
+(re-exported here: ``TORCH``, ``CUPY``, ``ops_of``, ``is_torch``, ``register``).
 
 Layer L6: no CUDA; torch and CuPy are reached through ``sys.modules`` only (the caller has
 imported them), torch's container registry through ``interop.torch_c``.
@@ -21,22 +20,12 @@ import dataclasses
 import sys
 
 from cgraw.errors import SkipCall
+from cgraw.frameworks import CUPY, TORCH, Ops, is_torch, ops_of, register
 from cgraw.interop import torch_c
 
 EAGER, STATIC, TREE = 0, 1, 2
 LEAF = ("t",)  # the spec of a tensor leaf
 SINGLE = object()  # the output spec of a function returning one tensor
-
-_tensor_type: list = [None]  # [torch.Tensor] once torch is loaded
-
-
-def _torch_tensor():
-    T = _tensor_type[0]
-    if T is None:
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            T = _tensor_type[0] = getattr(torch, "Tensor", None)
-    return T
 
 
 def _is_module(x) -> bool:
@@ -232,203 +221,9 @@ def unflatten(spec, it):
     return rebuild(spec, it)
 
 
-# ---------------------------------------------------------------------- per framework
-
-
-class Ops:
-    """What graph trees need of one framework's arrays. One instance per framework; ``ops_of``
-    picks it once per type, and a call's input plan keeps it per leaf (``calls.Call.ops``)."""
-
-    __slots__ = ()
-    name = "?"
-    poisonable = False  # end of a generation: reading a handed-out output raises (torch)
-
-    def check(self, t) -> None:
-        """Raise ``SkipCall`` for arrays a graph cannot read or hand out (sparse torch tensors)."""
-
-    def key(self, t) -> tuple:
-        """The array's part of a call's signature: ``(shape, strides, dtype)``."""
-        raise NotImplementedError
-
-    def static(self, t) -> bool:
-        """Whether the framework marks ``t`` as living at a fixed address (read in place)."""
-        return False
-
-
-class _TorchOps(Ops):
-    __slots__ = ()
-    name = "torch"
-    poisonable = True
-
-    def check(self, t) -> None:
-        if t.layout is not sys.modules["torch"].strided:
-            raise SkipCall(f"sparse or other non-strided tensors ({t.layout}) are not supported")
-
-    def key(self, t):
-        return (t.shape, t.stride(), t.dtype)
-
-    def static(self, t) -> bool:
-        # nn.Parameter, or torch._dynamo.mark_static_address (transformers' static caches)
-        return (isinstance(t, sys.modules["torch"].nn.Parameter)
-                or getattr(t, "_dynamo_static_input_type", None) is not None)
-
-    def ptr(self, t) -> int:
-        return t.data_ptr()
-
-    def base_ptr(self, t) -> int:
-        """Start of the allocation ``t`` views."""
-        return t.untyped_storage().data_ptr()
-
-    def nbytes(self, t) -> int:
-        return t.numel() * t.element_size()
-
-    def device(self, t) -> int:
-        return t.get_device()
-
-    def contiguous(self, t) -> bool:
-        return t.is_contiguous()
-
-    def empty(self, shape, like):
-        return sys.modules["torch"].empty(shape, dtype=like.dtype, device=like.device)
-
-    def clone(self, t):
-        return t.clone()
-
-    def snapshot(self, t):
-        """A host copy of ``t``'s bytes (a warm-up's mutation check: no device memory)."""
-        return _torch_bytes(t)
-
-    def same(self, snap, t) -> bool:
-        """Whether ``t`` still holds ``snap``'s bytes (bitwise: NaNs equal themselves, -0.0 is not 0.0)."""
-        return bool(sys.modules["torch"].equal(snap, _torch_bytes(t)))
-
-    def copy_into(self, dst, src) -> None:
-        dst.copy_(src)
-
-    def alias_maker(self, t):
-        """A bound method returning a new object over ``t``'s memory (each call's outputs are
-        distinct objects)."""
-        return t.detach
-
-    def view_of(self, leaf, out, base):
-        """``out`` viewed ``base`` (a placeholder, or the leaf at record time); the same view of
-        ``leaf``, which has ``base``'s layout. None when the view cannot be carried over."""
-        if out.dtype != base.dtype or leaf.dtype != base.dtype:
-            return None
-        if out is base:
-            return leaf
-        delta = out.storage_offset() - base.storage_offset()
-        return leaf.as_strided(out.shape, out.stride(), leaf.storage_offset() + delta)
-
-
-class _CupyOps(Ops):
-    __slots__ = ()
-    name = "cupy"
-
-    def key(self, t):
-        return (t.shape, t.strides, t.dtype.str)
-
-    def ptr(self, t) -> int:
-        return int(t.data.ptr)
-
-    def base_ptr(self, t) -> int:
-        mem = t.data.mem
-        return int(mem.ptr) if mem is not None else int(t.data.ptr)
-
-    def nbytes(self, t) -> int:
-        return t.nbytes
-
-    def device(self, t) -> int:
-        return t.device.id
-
-    def contiguous(self, t) -> bool:
-        return t.flags.c_contiguous
-
-    def empty(self, shape, like):
-        return sys.modules["cupy"].empty(shape, dtype=like.dtype)
-
-    def clone(self, t):
-        return t.copy()
-
-    def snapshot(self, t):
-        return _cupy_bytes(t)
-
-    def same(self, snap, t) -> bool:
-        return bool((snap == _cupy_bytes(t)).all())
-
-    def copy_into(self, dst, src) -> None:
-        dst[...] = src
-
-    def alias_maker(self, t):
-        return t.view
-
-    def view_of(self, leaf, out, base):
-        if out.dtype != base.dtype:
-            return None
-        if out is base:
-            return leaf
-        cupy = sys.modules["cupy"]
-        return cupy.ndarray(out.shape, out.dtype, leaf.data + (int(out.data.ptr) - int(base.data.ptr)),
-                            out.strides)
-
-
-def _torch_bytes(t):
-    """``t``'s elements in host memory as one flat uint8 tensor (a copy even for a CPU tensor)."""
-    h = t.detach().to("cpu", copy=True).resolve_conj().resolve_neg().contiguous()
-    return h.reshape(-1).view(sys.modules["torch"].uint8)
-
-
-def _cupy_bytes(t):
-    """``t``'s elements in host memory as one flat uint8 numpy array."""
-    import numpy
-
-    return numpy.ascontiguousarray(sys.modules["cupy"].asnumpy(t)).reshape(-1).view(numpy.uint8)
-
-
-TORCH = _TorchOps()
-CUPY = _CupyOps()
-
-_by_type: dict = {}  # type -> Ops or None, filled by ops_of
-_registered: list = []  # (type, Ops) from register()
-
-
-def register(cls: type, ops: Ops) -> None:
-    """Treat instances of ``cls`` as arrays with ``ops`` (tests register a simulated array)."""
-    _registered.append((cls, ops))
-    _by_type.clear()
-
-
-def ops_of(x) -> Ops | None:
-    """The ``Ops`` of ``x``'s framework, or None when ``x`` is not an array. Worked out once per type."""
-    t = type(x)
-    try:
-        return _by_type[t]
-    except KeyError:
-        pass
-    ops = _detect(t, x)
-    if "torch" in sys.modules or ops is not None:  # before torch loads, a type may still become one
-        _by_type[t] = ops
-    return ops
-
-
-def _detect(t: type, x) -> Ops | None:
-    for cls, ops in _registered:
-        if issubclass(t, cls):
-            return ops
-    T = _torch_tensor()
-    if T is not None and issubclass(t, T):
-        return TORCH
-    mod = t.__module__ or ""
-    if mod.startswith("torch") and hasattr(x, "data_ptr"):
-        return TORCH
-    if mod.startswith("cupy") and hasattr(x, "data") and hasattr(x, "strides"):
-        return CUPY
-    return None
-
-
-def is_torch(x) -> bool:
-    return ops_of(x) is TORCH
-
-
 class _NoType:
     """Stands for torch.Tensor when torch is not loaded: no object has this exact type."""
+
+
+__all__ = ["CUPY", "EAGER", "LEAF", "SINGLE", "STATIC", "TORCH", "TREE", "Ops", "flatten", "is_torch", "ops_of",
+           "out_spec", "rebuild", "register", "replace_leaves", "unflatten"]

@@ -16,6 +16,11 @@ calls it for every call; backends only read what it decides.
 - grad mode (``use_grad_mode``): with autograd recording, the key gains ``(GRAD, indices of the
   leaves that require grad)``, so calls under ``torch.no_grad()`` select recordings of their own
   (``cgraw.autograd_plan``). Without a probe installed, keys are what they were.
+- the settings that choose kernels (``use_kernel_state``: autocast, TF32, deterministic
+  algorithms, the default dtype, inference mode, cuDNN and attention flags; see
+  ``interop.torch_state``): the key ends with an id of their current values, so a call made under
+  other settings selects (or makes) a recording of its own. A function reads the cuDNN and
+  attention flags only once its warm-up has shown it runs such ops (``learn_kernel_groups``).
 """
 
 from __future__ import annotations
@@ -27,11 +32,12 @@ from cgraw.arrays import EAGER, LEAF, STATIC, TORCH, TREE, _NoType, flatten
 from cgraw.errors import SkipCall
 
 __all__ = ["EAGER", "GRAD", "STATIC", "TREE", "Call", "InputPlan", "declared_mutations", "grad_enabled", "inspect",
-           "mark_static", "moved", "use_grad_mode"]
+           "learn_kernel_groups", "mark_static", "moved", "use_grad_mode", "use_kernel_state"]
 
 _static_ids: dict[int, object] = {}  # id(array) -> weakref, filled by mark_static
 _tensor = [_NoType]  # [torch.Tensor] once torch is loaded: the exact-type fast path
 _grad_mode: list = [None]  # [a probe: does autograd record now?] (torch.is_grad_enabled), or [None]
+_kernel: list = [None, ()]  # [interop.torch_state.KernelState, its getters of every group], or [None, ()]
 
 
 class _GradMark:
@@ -61,6 +67,30 @@ def use_grad_mode(probe) -> None:
     (``torch.is_grad_enabled``, False under ``no_grad`` and ``inference_mode``); None, the
     default, leaves keys as they were."""
     _grad_mode[0] = probe
+
+
+def use_kernel_state(ks) -> None:
+    """End every call's key with ``ks.state(getters)``, the id of the settings that choose kernels
+    now (an ``interop.torch_state.KernelState``; None: keys are what they were)."""
+    _kernel[0] = ks
+    _kernel[1] = () if ks is None else ks.getters(None)
+
+
+def learn_kernel_groups(fn, groups, key: tuple) -> tuple | None:
+    """A warm-up of ``fn`` ran ops depending on the setting ``groups`` (``torch_state.GROUPS``
+    names; None: unknown). If that narrows or widens what ``fn``'s calls read, set it and return
+    ``key`` (the warmed call's key) ending with the id of the settings under the new reading, which
+    is what the function's next call under the same settings will have; else None."""
+    ks = _kernel[0]
+    if ks is None or groups is None:
+        return None
+    old = getattr(fn, "kernel_groups", None)
+    new = frozenset(groups) if old is None else old | frozenset(groups)
+    if new == old:
+        return None
+    fn.kernel_groups = new
+    fn.kernel_getters = ks.getters(new)
+    return key[:-1] + (ks.state(fn.kernel_getters),)
 
 
 def grad_enabled() -> bool:
@@ -113,7 +143,7 @@ def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
             if type(a) is not T:
                 break
         else:  # the hot path: plain tensors only, no options (one pass per property, no generic dispatch)
-            return _inspect_tensors(args, tree_outputs, device)
+            return _inspect_tensors(fn, args, tree_outputs, device)
     leaves, key_parts, kinds, ptrs, ops, specs, spans = [], [], [], [], [], [], []
     static_pos = fn.static_argnums
     for i, a in enumerate(args):
@@ -166,13 +196,18 @@ def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
             call.rows, call.bucket, call.padded = chosen
             call.key = buckets.padded_key(key_parts, leaves, call.padded, call.bucket)
     p = _grad_mode[0]
-    return _with_grad(call) if p is not None and p() else call
+    if p is not None and p():
+        _with_grad(call)
+    ks = _kernel[0]
+    if ks is not None:
+        call.key = call.key + (ks.state(getattr(fn, "kernel_getters", None) or _kernel[1]),)
+    return call
 
 
 _PLAIN: dict[int, tuple] = {}  # n -> (ops, arg spans, arg specs) of n plain tensor arguments (shared, read-only)
 
 
-def _inspect_tensors(args, tree_outputs, device: int) -> Call:
+def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
     """``inspect`` of a call whose arguments are all exact ``torch.Tensor``s, of a function
     without ``static_argnums``, ``pad_buckets`` or keyword arguments: the same result, faster."""
     n = len(args)
@@ -207,7 +242,12 @@ def _inspect_tensors(args, tree_outputs, device: int) -> Call:
         kinds = [EAGER] * n
     call = Call(key, list(args), kinds, ptrs, *shared)
     p = _grad_mode[0]
-    return _with_grad(call) if p is not None and p() else call
+    if p is not None and p():
+        _with_grad(call)
+    ks = _kernel[0]
+    if ks is not None:
+        call.key = call.key + (ks.state(getattr(fn, "kernel_getters", None) or _kernel[1]),)
+    return call
 
 
 class InputPlan:

@@ -45,6 +45,9 @@ def _manager(ordinal: int) -> TreeManager:
 class GraphedFunction:
     """A function whose calls are warmed up, recorded and replayed by its device's graph tree."""
 
+    kernel_groups = None  # groups of kernel-choosing settings its warm-ups showed it reads (calls.learn_kernel_groups)
+    kernel_getters = None  # the getters of those settings read on each call; None: every group
+
     def __init__(self, fn, *, static_argnums=(), mutates=(), pad_buckets=None):
         if not callable(fn):
             raise TypeError(f"cgraw.graphed needs a callable, not {type(fn).__name__}")

@@ -40,7 +40,7 @@ import threading
 
 from cgraw import treetypes
 from cgraw.autograd_plan import AutogradBook, plan_backward, promotion_note
-from cgraw.calls import TREE, InputPlan, declared_mutations, grad_enabled, inspect, moved
+from cgraw.calls import TREE, InputPlan, declared_mutations, grad_enabled, inspect, learn_kernel_groups, moved
 from cgraw.errors import CgrawError, SkipCall, TreeError
 from cgraw.treetypes import Backend, Config, FunctionStats, NodeState, Replayable, Rewarm, TreeNode, Warm, config
 
@@ -281,6 +281,8 @@ class TreeManager:
                 self.pool_state = None
             else:
                 self.handed_out.extend([(fn.name, t) for t in w.handed])
+        if w.groups is not None:  # file the node under the key its next call will have
+            treetypes.rekey(self.roots, node, learn_kernel_groups(fn, w.groups, call.key))
         declared = declared_mutations(fn, call)
         w.mutated = tuple(w.mutated) + tuple(j for j in declared if j not in w.mutated)
         w.external = tuple(w.external)
@@ -404,7 +406,8 @@ class TreeManager:
         descendants stay in the tree as WARMED nodes and are recorded again when a call reaches
         them."""
         self._forget_recordings(node.walk())  # the node itself too: _record sets it again on success
-        if self.pool_state is not None and not _alive_in_tree(self.pool_state, self):
+        ps = self.pool_state
+        if ps is not None and not (any(n is ps for n in self.nodes()) and ps.recording is not None):
             self.pool_state = _UNKNOWN
 
     def nodes(self) -> list[TreeNode]:
@@ -440,10 +443,6 @@ class _Unknown:
 
 
 _UNKNOWN = _Unknown()
-
-
-def _alive_in_tree(node: TreeNode, mgr: TreeManager) -> bool:
-    return any(n is node for n in mgr.nodes()) and node.recording is not None
 
 
 __all__ = ["Backend", "Config", "FunctionStats", "NodeState", "Replayable", "Rewarm", "SkipCall", "TreeError",

@@ -26,12 +26,13 @@ import sys
 from cgraw import buckets, rebindexec, rebindmem, warmexec
 from cgraw import stream as _streams
 from cgraw.arrays import EAGER, SINGLE, TORCH, ops_of, out_spec, replace_leaves
-from cgraw.calls import Call, use_torch
+from cgraw.calls import Call, use_kernel_state, use_torch
 from cgraw.capture import capture
 from cgraw.errors import CaptureError, CudaError, SkipCall, UnsafeCallError
 from cgraw.interop import observe as _observe
 from cgraw.interop import torch_c
 from cgraw.interop.torch_autograd import NoRebind, TorchAutograd, capture_inputs, grad_info, run_saving
+from cgraw.interop.torch_state import kernel_state
 from cgraw.interop.torch_tree import TorchTreeState
 from cgraw.memory import DevicePool
 from cgraw.recording import EXTERNAL, OWNED, InputAlias, InputCopy, Recording
@@ -63,6 +64,7 @@ class CudaBackend(TorchAutograd):
             self._tts = TorchTreeState.for_pool(self.pool)
             _observe.install_module_hooks()
             grad_probe(self._torch.is_grad_enabled)  # grad mode joins the key while config.autograd
+            use_kernel_state(kernel_state())  # so do the settings that choose kernels (autocast, TF32, ...)
         _streams.refresh()
 
     # ------------------------------------------------------------------ warm-up, record, replay
@@ -80,15 +82,16 @@ class CudaBackend(TorchAutograd):
     def record(self, fn, call: Call, warm: Warm) -> Recording:
         leaves, kinds, ops, mutated = call.leaves, call.kinds, call.ops, warm.mutated
         for j in mutated:
-            if kinds[j] == EAGER and not ops[j].contiguous(leaves[j]):
-                raise SkipCall("skipping cudagraphs due to mutated inputs (a non-contiguous eager input)")
+            if kinds[j] == EAGER and _node_bytes(call, j) != ops[j].nbytes(leaves[j]):
+                raise SkipCall("skipping cudagraphs due to mutated inputs (an eager input whose elements have "
+                               "gaps or overlaps between them)")
         # An eager input living in the tree's own pool (h = f(h) across a new branch: the previous
         # step's output) may sit in blocks the checkpoint restore just freed, where this
         # recording's placeholders can land. Copy it out first; nothing has written there yet.
         in_pool = self._pool_owner()
         for j, t in enumerate(leaves):
             if kinds[j] == EAGER and in_pool(call.ptrs[j]):
-                clone = ops[j].clone(t)
+                clone = ops[j].clone_layout(t)
                 leaves[j] = clone
                 call.ptrs[j] = ops[j].ptr(clone)
         rec = Recording(fn.name)
@@ -103,20 +106,24 @@ class CudaBackend(TorchAutograd):
                 for j, t in enumerate(leaves):
                     if kinds[j] == EAGER:
                         o = ops[j]
-                        ph = buckets.empty_rows(t, call.bucket) if j in call.padded else o.empty(t.shape, t)
+                        # the function sees the caller's layout (sizes, strides, offset), so it
+                        # runs the kernels eager runs and returns outputs with eager's strides
+                        ph = buckets.empty_rows(t, call.bucket) if j in call.padded else o.empty_layout(t)
                         placeholders[j] = ph
-                        # a contiguous input is copied by a memcpy node whose source is patched per
-                        # call; a non-contiguous one is copied eagerly before each launch (replay),
-                        # never by a captured kernel, which would bake in this call's address
-                        if o.nbytes(t) and o.contiguous(t):
-                            stream.copy_dtod(o.ptr(ph), call.ptrs[j], o.nbytes(t))
+                        # an input is copied by a memcpy node over its span, whose source is patched
+                        # per call; one whose span is mostly gaps is copied element by element before
+                        # each launch (replay), never by a captured kernel, which would bake in this
+                        # call's address
+                        n = _node_bytes(call, j)
+                        if n:
+                            stream.copy_dtod(o.ptr(ph), call.ptrs[j], n)
                 subs = capture_inputs(call, placeholders) if grad else placeholders
                 new_args, new_kwargs = replace_leaves(call.arg_specs, call.kwarg_specs, leaves, subs)
                 out = (run_saving(fn.fn, new_args, new_kwargs, saved, subs, warm.external) if grad
                        else fn.fn(*new_args, **new_kwargs))
                 for j in mutated:
                     if kinds[j] == EAGER and ops[j].nbytes(leaves[j]):
-                        stream.copy_dtod(call.ptrs[j], ops[j].ptr(placeholders[j]), ops[j].nbytes(leaves[j]))
+                        stream.copy_dtod(call.ptrs[j], ops[j].ptr(placeholders[j]), _node_bytes(call, j))
         except (CaptureError, UnsafeCallError) as exc:
             reason = _skip_reason(exc)
         except BaseException:
@@ -162,11 +169,10 @@ class CudaBackend(TorchAutograd):
         copies_back = []
         for j, ph in placeholders.items():
             t, o = leaves[j], ops[j]
-            n = o.nbytes(t)
-            if not n:
+            if not o.nbytes(t):
                 continue
-            dst = o.ptr(ph)
-            if o.contiguous(t):
+            dst, n = o.ptr(ph), _node_bytes(call, j)
+            if n:
                 node = memcpys.get((dst, call.ptrs[j]))
                 if node is None:
                     raise SkipCall("could not find the input-copy node in the captured graph")
@@ -174,7 +180,7 @@ class CudaBackend(TorchAutograd):
             else:
                 rec.slow_in.append((j, ph))
         for j in mutated:
-            n = ops[j].nbytes(leaves[j])
+            n = _node_bytes(call, j)
             if kinds[j] == EAGER and n:
                 src = ops[j].ptr(placeholders[j])
                 node = memcpys.get((call.ptrs[j], src))
@@ -228,8 +234,8 @@ class CudaBackend(TorchAutograd):
             return None
         j = rebind.leaf
         o, t = call.ops[j], call.leaves[j]
-        copy = o.empty(t.shape, t)
-        _copy_on(copy, t, o, target)
+        copy = o.empty_layout(t)
+        _copy_on(o.flat_span(copy), o.flat_span(t), o, target)
         rec.staged.append((rebind, copy))
         return o.ptr(copy)
 
@@ -264,7 +270,7 @@ class CudaBackend(TorchAutograd):
         leaves, kinds, ops = call.leaves, call.kinds, call.ops
         by_base = {}
         for j, ph in placeholders.items():
-            if call.bucket is None and ops[j].contiguous(leaves[j]):
+            if call.bucket is None and ops[j].key(ph)[1] == ops[j].key(leaves[j])[1]:  # the caller's layout
                 by_base[ops[j].base_ptr(ph)] = (j, ph)
         for j, t in enumerate(leaves):
             if kinds[j] != EAGER:
@@ -387,6 +393,15 @@ def _copy_on(dst, src, ops, target: int) -> None:
 
     with _external_stream(cupy, Stream.from_handle(target, dst.device.id), dst.device.id):
         ops.copy_into(dst, src)
+
+
+def _node_bytes(call: Call, j: int) -> int:
+    """Bytes the memcpy node of eager input ``j`` copies (``Ops.node_bytes``; a padded input's
+    placeholder is contiguous, so only a contiguous one), or 0: copied element by element."""
+    o, t = call.ops[j], call.leaves[j]
+    if j in call.padded:
+        return o.nbytes(t) if o.contiguous(t) else 0
+    return o.node_bytes(t)
 
 
 def _row_bytes(call: Call, j: int) -> int:

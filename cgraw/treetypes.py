@@ -168,6 +168,18 @@ class TreeNode:
         return f"<TreeNode {self.fn.name} {self.state.value} depth={self.depth}>"
 
 
+def rekey(roots: dict, node: TreeNode, key) -> None:
+    """File ``node`` (a child of its parent, or one of ``roots``) under ``key`` instead, unless
+    ``key`` is None or taken."""
+    parent = node.parent
+    siblings = roots if parent is None else parent.children
+    fid = node.fn.fn_id
+    if key is not None and (fid, key) not in siblings and siblings.get((fid, node.key)) is node:
+        del siblings[(fid, node.key)]
+        node.key = key
+        siblings[(fid, key)] = node
+
+
 def recorded_ancestor(node: "TreeNode | None") -> "TreeNode | None":
     """``node`` or its nearest ancestor that holds a recording (None: the root checkpoint)."""
     while node is not None and node.state is not NodeState.RECORDED:
@@ -208,7 +220,7 @@ class Warm:
     function must run eagerly from now on (or None), and what else a recording must know."""
 
     __slots__ = ("out", "mutated", "skip", "external", "epoch", "runs_backward", "mode_epoch", "in_pool",
-                 "handed", "stash")
+                 "handed", "stash", "groups")
 
     def __init__(self, out, mutated=(), skip=None, external=(), epoch=-1, runs_backward=False, mode_epoch=0):
         self.out = out
@@ -221,6 +233,7 @@ class Warm:
         self.in_pool = False  # it ran inside the tree's pool and left blocks there (restore before recording)
         self.handed = ()  # its outputs in the pool: invalid once the generation ends
         self.stash = None  # why blocks it left in the pool are held beyond its outputs (lazily made state), or None
+        self.groups = None  # groups of kernel-choosing settings the ops it ran depend on (calls.learn_kernel_groups), or None
 
 
 class Replayable(Protocol):

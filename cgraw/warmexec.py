@@ -32,6 +32,7 @@ from cgraw.capture import _event_on
 from cgraw.errors import SkipCall
 from cgraw.interop import observe as _observe
 from cgraw.interop import torch_c
+from cgraw.interop.torch_state import groups_of
 from cgraw.stream import Stream
 from cgraw.treetypes import Warm, config
 
@@ -236,6 +237,7 @@ def run(backend, fn, call, args, kwargs) -> Warm:
             w.skip = (f"CPU tensors or ops: CPU random numbers ({obs.cpu_random}) would repeat on every "
                       "replay")
         w.external = obs.external(list(call.leaves) + out_leaves)
+        w.groups = groups_of(obs.ops)
     w.epoch = _observe._epoch[0] if _observe._epoch[0] == epoch else -1
     w.mode_epoch = mode if _observe._mode_epoch[0] == mode else -1
     if pw is not None:

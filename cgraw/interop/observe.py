@@ -8,6 +8,8 @@ every aten and custom op below autograd, at no cost to later replays) cgraw lear
 - ``unsafe``: a custom op tagged ``torch._C.Tag.cudagraph_unsafe`` ran (torch's trees skip such
   functions; so does cgraw);
 - ``cpu_random``: a random-number op made a CPU tensor (a replay would repeat the numbers);
+- ``ops``: the names of the ops that ran (which kernel-choosing settings the function depends
+  on, ``interop.torch_state.groups_of``);
 - ``external``: tensors the function read that are neither its arguments nor made during the
   call, and are still alive after it: closure tensors, such as a model's weights reached through
   ``self``. A recording reads them by address, so cgraw keeps them alive and checks their
@@ -175,6 +177,7 @@ def _make_observer_class():
             self.seen: dict[int, weakref.ref] = {}
             self.unsafe: str | None = None
             self.cpu_random: str | None = None
+            self.ops: set = set()  # overload names of the ops that ran (torch_state.groups_of)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
@@ -185,6 +188,7 @@ def _make_observer_class():
             return out
 
         def _note(self, func, args, kwargs, out) -> None:
+            self.ops.add(getattr(func, "__name__", ""))
             tags = getattr(func, "tags", ())
             if self.unsafe is None and unsafe_tag is not None and unsafe_tag in tags:
                 self.unsafe = str(func)

@@ -106,6 +106,37 @@ def pytree():
     return mod
 
 
+# torch._C getters of the process-wide settings that change which kernels eager torch runs, by
+# group (interop.torch_state): "guarded" are what dynamo's GlobalStateGuard also checks, "core"
+# reaches every function, "cudnn" convolutions, batch norms and recurrent layers, "sdp" scaled
+# dot-product attention. A name the installed torch lacks is left out: that setting does not exist there.
+KERNEL_STATE = {
+    "guarded": ("_get_cublas_allow_tf32", "_get_float32_matmul_precision",
+                "_get_cublas_allow_fp16_reduced_precision_reduction",
+                "_get_cublas_allow_bf16_reduced_precision_reduction", "_get_deterministic_algorithms",
+                "_get_deterministic_algorithms_warn_only", "_is_torch_function_enabled"),
+    "core": ("_get_cublas_allow_fp16_accumulation", "_get_deterministic_fill_uninitialized_memory"),
+    "cudnn": ("_get_cudnn_enabled", "_get_cudnn_benchmark", "_get_cudnn_deterministic", "_get_cudnn_allow_tf32"),
+    "sdp": ("_get_flash_sdp_enabled", "_get_mem_efficient_sdp_enabled", "_get_math_sdp_enabled",
+            "_get_cudnn_sdp_enabled", "_get_math_sdp_allow_fp16_bf16_reduction"),
+}
+
+
+def kernel_state_getters() -> dict[str, tuple]:
+    """``{group: (getter, ...)}`` of ``KERNEL_STATE``'s functions the installed torch has."""
+    C = api()._torch._C
+    return {group: tuple(f for f in (getattr(C, n, None) for n in names) if f is not None)
+            for group, names in KERNEL_STATE.items()}
+
+
+def global_state_guard():
+    """``torch._C._dynamo.guards.GlobalStateGuard`` (dynamo's one-call check that grad mode,
+    autocast, TF32 and the other global settings its compiled frames assume still hold), or None."""
+    dynamo = getattr(api()._torch._C, "_dynamo", None)
+    guards = getattr(dynamo, "guards", None)
+    return getattr(guards, "GlobalStateGuard", None)
+
+
 def memory_segments() -> list:
     """Every segment of torch's CUDA caching allocator, as ``torch.cuda.memory_snapshot()`` lists
     them, each with its ``segment_pool_id``; callers filter.
@@ -131,5 +162,5 @@ def _reset() -> None:
     _api = None
 
 
-__all__ = ["NEEDED", "SUPPORTED", "TorchApiError", "api", "check", "cudagraph_unsafe_tag", "memory_segments",
-           "nondeterministic_seeded_tag", "pytree"]
+__all__ = ["KERNEL_STATE", "NEEDED", "SUPPORTED", "TorchApiError", "api", "check", "cudagraph_unsafe_tag",
+           "global_state_guard", "kernel_state_getters", "memory_segments", "nondeterministic_seeded_tag", "pytree"]
