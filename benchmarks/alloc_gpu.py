@@ -7,15 +7,24 @@ loops. cgraw's and CuPy's figures are the pools' own calls; torch's is ``torch.e
 
 from __future__ import annotations
 
+import argparse
 import random
 
-from benchmarks._harness import Report, host_us
+from benchmarks._harness import Report, host_us, no_gpu
 from benchmarks.alloc_overhead import _sizes
 
 N_LIVE = 1000
 
 
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="python3 -m benchmarks.alloc_gpu", description=__doc__.split("\n\n")[0])
+    return ap.parse_args(argv)
+
+
 def main(argv=None) -> int:
+    _parse(argv)
+    if no_gpu():
+        return 2
     import cgraw
 
     rep = Report("alloc_gpu")

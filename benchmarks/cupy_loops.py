@@ -122,10 +122,14 @@ def _systems(rep: Report, cp, cgraw, name: str, f, make, *, rounds: int, loops: 
     return out
 
 
-def main(argv=None) -> int:
+def _parse(argv):
     ap = argparse.ArgumentParser(prog="python3 -m benchmarks.cupy_loops", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few rounds (a smoke run; figures not for the README)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
     if no_gpu():
         return 2
     import cupy as cp

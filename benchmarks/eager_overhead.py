@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks._harness import REPO_ROOT, Report, bootstrap_ci, host_sync_us, verdict
+from benchmarks._harness import REPO_ROOT, Report, bootstrap_ci, host_sync_us, no_gpu, verdict
 
 TARGET = 1.10
 TAG = "@@eager_overhead "  # prefixes the children's protocol lines (other output is ignored)
@@ -147,12 +147,18 @@ class _Child:
         self.err.close()
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.eager_overhead")
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.eager_overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=8, help="pairs of child processes (one of each kind)")
     ap.add_argument("--rounds", type=int, default=40, help="alternations per pair")
     ap.add_argument("--no-pin", action="store_true", help="do not pin the children's main thread to one core")
-    args = ap.parse_args([] if argv is None else argv)
+    return ap.parse_args([] if argv is None else argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if no_gpu():
+        return 2
 
     rep = Report("eager_overhead")
     core = -1

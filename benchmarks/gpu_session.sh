@@ -3,13 +3,14 @@
 # Logs and JSON go to $OUT; a short table is printed last. From the repository root on the GPU machine:
 #   bash benchmarks/gpu_session.sh [STAGE[,STAGE...]|all] [extra pytest args...]
 # Stages: tests  -m "gpu and not slow", the third-party tier included (about 3 min)
-#         slow   the random walk and the soak (about 3 min)
+#         slow   the random walk, the soak and the quick benchmark run end to end (about 6 min)
 #         stress the "gpu and not slow" tier with CGRAW_GC_STRESS=1 (gc at capture boundaries and
 #                in allocations made while a capture routes)
 #         smoke  benchmarks.sanitize_smoke under compute-sanitizer memcheck (about 1 min)
 #         memcheck  the whole "gpu and not slow" tier under compute-sanitizer memcheck
 #         threads  python -m benchmarks.allocator_threads (about 1 min)
-#         bench  python -m benchmarks, all parts, then the plots (CGRAW_BENCH_ARGS: e.g. "--only models,graphed")
+#         bench  python -m benchmarks --full, all parts, then the plots (CGRAW_BENCH_ARGS replaces --full: e.g.
+#                "--only models,graphed", or "" for the quick run)
 #         parallel  every non-slow tier at once, as one H200 ran them in session 6 (about 6 min; each tier stops
 #                at CGRAW_PARALLEL_TIMEOUT seconds, default 540): the GPU
 #                tier in four shards, the random walk, the gc-stress tier without third-party tests,
@@ -115,7 +116,7 @@ segv diagnosis: in $(( $(date +%s) - t ))s ($(grep -l 'Segmentation fault' "$L"/
   tar czf "$OUT/segv_logs.tgz" -C "$OUT" segv && rm -rf "$L"
 fi
 if has slow; then
-  t=$(date +%s); timeout 300 $PYTEST --timeout=280 -m "gpu and slow" -s "$@" > "$OUT/gpu_slow.log" 2>&1
+  t=$(date +%s); timeout ${CGRAW_SLOW_TIMEOUT:-540} $PYTEST --timeout=280 -m "gpu and slow" -s "$@" > "$OUT/gpu_slow.log" 2>&1
   summary="$summary
 $(stamp "slow tier" $? $t "$(tail -n 1 "$OUT/gpu_slow.log" | cut -c1-200)")"
 fi
@@ -137,7 +138,7 @@ $(stamp "allocator threads" $? $t "$(grep -c '"hung": true' benchmarks/results/a
   cp benchmarks/results/allocator_threads.json "$OUT/" 2>/dev/null
 fi
 if has bench; then
-  t=$(date +%s); timeout ${CGRAW_BENCH_TIMEOUT:-560} python3 -m benchmarks ${CGRAW_BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+  t=$(date +%s); timeout ${CGRAW_BENCH_TIMEOUT:-560} python3 -m benchmarks ${CGRAW_BENCH_ARGS---full} > "$OUT/bench.log" 2>&1
   rc=$?; echo "benchmarks rc=$rc" >> "$OUT/bench.log"
   timeout 60 python3 -m benchmarks.plots >> "$OUT/bench.log" 2>&1
   summary="$summary

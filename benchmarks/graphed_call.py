@@ -2,29 +2,47 @@
 ``copy_`` and against ``torch.compile(mode="reduce-overhead")`` (CUDAGraph Trees), same run.
 
 Workload: ``k`` eager inputs of 4 KB (1,024 float32) and one output, ``out = x0*2 + x1 + ... ``.
-Two input patterns: the same input tensors every call ("same": no memcpy-node update needed), and
-two input sets used alternately ("alternating": every eager input's copy node is patched per call).
+Two input patterns: the same input tensors every call ("same": nothing to re-point), and two input
+sets used alternately ("alternating": every eager input moves on every call, so the graph is
+re-pointed at it: a copied input's memcpy node, or the kernel nodes that read a rebound one).
 Also: time to first replay (warm-up + record + instantiate + replay) against one eager call; and,
 for one input (k=1), the driver's floor on the same executable as a peer: a raw ``cuGraphLaunch``
-("same") and one ``cudaGraphExecMemcpyNodeSetParams1D`` plus a raw ``cuGraphLaunch``
-("alternating"), with the ratios of issue #10's targets.
+("same") and the driver calls that re-point the graph at the other input plus a raw
+``cuGraphLaunch`` ("alternating"), with the ratios of the hot path's targets.
 Every system is checked against eager on both input sets before it is timed; one that differs is
 recorded under ``failed_checks`` and not timed. The systems of one ``k`` are timed together in
 interleaved rounds (41 rounds of 100-call bursts, shuffled order, a synchronise after each burst),
 so that a drift of the machine's speed moves them alike; ratios are medians of per-round ratios.
 The cost of each extra changed eager input (``extra_inputs``) is measured apart: graphed functions
 of 1, 4 and 16 inputs timed in one set of interleaved rounds, the slope taken per round.
+
+``python3 -m benchmarks.graphed_call [--quick] [--out PATH]`` writes
+``benchmarks/results/graphed_call.json``; ``--quick`` (part of ``python3 -m benchmarks``) times one
+input only, in 11 rounds, without ``extra_inputs``, and writes ``graphed_call_quick.json``.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
 import sys
 import time
 
-from benchmarks._harness import Report, alternating, bootstrap_ci, host_sync_us, host_us_interleaved, verdict
+from benchmarks._harness import (
+    RESULTS_DIR,
+    Report,
+    alternating,
+    bootstrap_ci,
+    host_sync_us,
+    host_us_interleaved,
+    no_gpu,
+    verdict,
+)
 
 NUMEL = 1024
+KS, QUICK_KS = (1, 4, 16), (1,)
+ROUNDS, QUICK_ROUNDS = 41, 11
 
 
 def _fn(*xs):
@@ -34,11 +52,11 @@ def _fn(*xs):
     return out
 
 
-def run(rep: Report, ks=(1, 4, 16)) -> dict:
+def run(rep: Report, ks=KS, rounds: int = ROUNDS) -> dict:
     _warm_process()
     out = {}
     for k in ks:
-        out[k] = _run_k(rep, k)
+        out[k] = _run_k(rep, k, rounds)
     return out
 
 
@@ -89,7 +107,7 @@ def _warm_process() -> None:
     cgraw.reset()
 
 
-def _run_k(rep: Report, k: int) -> dict:
+def _run_k(rep: Report, k: int, rounds: int) -> dict:
     import torch
 
     import cgraw
@@ -160,11 +178,13 @@ def _run_k(rep: Report, k: int) -> dict:
     else:
         if rep.check(f"graphed_call k={k}: torch.compile reduce-overhead", same_as_eager(ro_call)):
             timed["reduce_overhead"] = alternate(ro_call)
+    floor_repoint = None
     if k == 1 and "cgraw_same" in timed:
-        timed.update(_floors(mgr, g, sets))
+        floors, floor_repoint = _floors(_recording(mgr, g), sets)
+        timed.update(floors)
 
-    res = host_us_interleaved(timed, loops=100, rounds=41, sync=sync)
-    # the cgraw recording is still right after all that (the floors re-pointed its copy node)
+    res = host_us_interleaved(timed, loops=100, rounds=rounds, sync=sync)
+    # the cgraw recording is still right after all that (the floors re-pointed its graph)
     rep.check(f"graphed_call k={k}: cgraw.graphed after the timing", same_as_eager(lambda xs: g(*xs)))
     eager_us = host_sync_us(lambda: _fn(*sets[0]), sync, loops=500)["median_us"]
 
@@ -180,40 +200,86 @@ def _run_k(rep: Report, k: int) -> dict:
                   reduce_overhead_first5_ms=ro_first_ms,
                   ratio_vs_reduce_overhead=_ratio(res, "cgraw_alternating", "reduce_overhead"),
                   floor_raw_launch_us=med("floor_raw_launch"), floor_patch_and_launch_us=med("floor_patch_and_launch"),
-                  **_targets(res))
+                  floor_repoint=floor_repoint, rounds=rounds, **_targets(res))
     cgraw.reset()
     return row
 
 
-def _floors(mgr, g, sets) -> dict:
+def _recording(mgr, g):
+    """The recording of graphed function ``g`` (its one recorded tree node)."""
+    return next(n for n in mgr.nodes() if n.fn is g and n.recording is not None).recording
+
+
+def _floors(rec, sets) -> tuple[dict, str]:
     """The driver's floor for a graphed call of one eager input, on the recording's own
-    executable, as burst-safe calls: a raw ``cuGraphLaunch`` on the current stream, and one
-    memcpy-node re-point (the runtime's 1-D setter, called directly) plus that launch, alternating
-    between the two inputs. The node is put back to what the recording believes after every call
-    pair, so the graphed calls timed in the same rounds see it as they left it."""
+    executable, as burst-safe calls: ``floor_raw_launch``, a raw ``cuGraphLaunch`` on the current
+    stream; ``floor_patch_and_launch``, the driver calls that re-point the graph at the input
+    (``_repoint``) plus that launch, alternating between the two inputs of ``sets``. Every second
+    call points the graph back at the address the recording holds, so the graphed calls timed in
+    the same rounds find it as they left it. Also returns what the re-point does (for the row);
+    an input the graph neither copies nor reads in place has no re-point floor."""
     from cgraw import _cuda
     from cgraw import stream as _streams
 
-    node = next(n for n in mgr.nodes() if n.fn is g and n.recording is not None)
-    rec = node.recording
-    c = next(c for c in rec.copies if not c.back)
-    launch, set_1d, d2d = _cuda.graph_launch_raw, _cuda.memcpy_node_set_1d_raw, _cuda.MEMCPY_D2D
-    exec_, exec_rt, ptr = rec.graph._exec, rec.setter.exec_, _streams.current_ptr(0)
-    srcs = [xs[0].data_ptr() for xs in sets]
-    other = srcs[1] if srcs[0] == c.ptr else srcs[0]
-    state = {"i": 0}
+    launch, exec_, stream = _cuda.graph_launch_raw, rec.graph._exec, _streams.current_ptr(0)
 
     def raw():
-        launch(exec_, ptr)
+        launch(exec_, stream)
+
+    floors = {"floor_raw_launch": raw}
+    repoint, held, what = _repoint(rec, 0)
+    if repoint is None:
+        return floors, what
+    a, b = (xs[0].data_ptr() for xs in sets)
+    state = {"i": 0}
 
     def patch_and_launch():
-        # alternate between the other input and the recording's own (a re-point every call),
-        # ending each pair where the recording believes the node is
         state["i"] ^= 1
-        set_1d(exec_rt, c.node, c.fixed, other if state["i"] else c.ptr, c.count, d2d)
-        launch(exec_, ptr)
+        p = held.ptr
+        if state["i"]:
+            p = b if p == a else a
+        repoint(p)
+        launch(exec_, stream)
 
-    return {"floor_raw_launch": raw, "floor_patch_and_launch": patch_and_launch}
+    floors["floor_patch_and_launch"] = patch_and_launch
+    return floors, what
+
+
+def _repoint(rec, leaf: int):
+    """``(repoint(ptr), held, what)``: the bare driver calls that make ``rec``'s executable
+    read eager input ``leaf`` at ``ptr``, without the runtime's bookkeeping; ``held.ptr`` is the
+    address the recording believes the graph reads. A copied input: its memcpy node's source
+    (``cudaGraphExecMemcpyNodeSetParams1D``). An input read in place: the recording's own
+    argument buffers rewritten and handed to each kernel node that reads it
+    (``cuGraphExecKernelNodeSetParams``), and its 1-D memcpy nodes re-pointed. ``(None, None,
+    why)`` for an input that is neither."""
+    from cgraw import _cuda
+
+    set_1d, d2d, exec_rt = _cuda.memcpy_node_set_1d_raw, _cuda.MEMCPY_D2D, rec.setter.exec_
+    c = next((c for c in rec.copies if c.leaf == leaf and not c.back), None)
+    if c is not None:
+        def repoint_copy(p):
+            set_1d(exec_rt, c.node, c.fixed, p, c.count, d2d)
+
+        return repoint_copy, c, "1 memcpy node (cudaGraphExecMemcpyNodeSetParams1D)"
+    r = next((r for r in rec.rebinds if r.leaf == leaf), None)
+    if r is None:
+        return None, None, f"none: input {leaf} is neither copied nor read in place ({rec.input_notes.get(leaf)})"
+    set_kernel = _cuda.drv.cuGraphExecKernelNodeSetParams
+    words, memcpys = r.words, r.memcpys
+    kernels = [(k.exec_, k.node, k.q) for k in r.kernels]
+
+    def repoint_in_place(p):
+        for w, d in words:
+            w.value = p + d
+        for e, node, q in kernels:
+            set_kernel(e, node, q)
+        for node, dd, sd, dst, src, n in memcpys:
+            set_1d(exec_rt, node, dst if dd is None else p + dd, src if sd is None else p + sd, n, d2d)
+
+    what = (f"{len(kernels)} kernel node(s) (cuGraphExecKernelNodeSetParams) and {len(memcpys)} memcpy node(s) "
+            "(cudaGraphExecMemcpyNodeSetParams1D): the input is read in place")
+    return repoint_in_place, r, what
 
 
 def _ratio(res: dict, a: str, b: str):
@@ -222,7 +288,7 @@ def _ratio(res: dict, a: str, b: str):
     return statistics.median([x / y for x, y in zip(res[a]["samples"], res[b]["samples"])])
 
 
-TARGETS = {  # issue #10: (numerator, denominator, at most)
+TARGETS = {  # the hot path's targets: (numerator, denominator, at most)
     "alternating_over_floor": ("cgraw_alternating", "floor_patch_and_launch", 1.6),
     "alternating_over_hand_cudagraph": ("cgraw_alternating", "hand_cudagraph_copy", 0.7),
     "same_over_raw_launch": ("cgraw_same", "floor_raw_launch", 1.3),
@@ -290,11 +356,27 @@ def extra_inputs(rep: Report, ks=(1, 4, 16)) -> dict | None:
     return rep.add(**row)
 
 
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="python3 -m benchmarks.graphed_call", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help=f"one eager input, {QUICK_ROUNDS} rounds, no extra-input slope (figures not for the README)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/graphed_call.json, "
+                                                "graphed_call_quick.json with --quick)")
+    return ap.parse_args(argv)
+
+
 def main(argv=None) -> int:
+    args = _parse(argv)
+    if no_gpu():
+        return 2
     rep = Report("graphed_call")
-    run(rep)
-    extra_inputs(rep)
-    print(f"results: {rep.save()}")
+    if args.quick:
+        run(rep, QUICK_KS, QUICK_ROUNDS)
+    else:
+        run(rep)
+        extra_inputs(rep)
+    out = args.out or os.path.join(RESULTS_DIR, "graphed_call_quick.json" if args.quick else "graphed_call.json")
+    print(f"results: {rep.save({'options': {'quick': args.quick}}, path=out)}")
     return 1 if rep.failed_checks else 0  # a system that differs from eager fails the part
 
 

@@ -9,23 +9,29 @@ Every system's result is compared with the eager chain (bitwise) before it is ti
 differs is recorded under ``failed_checks`` and not timed. The 1-node replay cost is timed in
 bursts of ``REPLAY_BURST`` launches with a synchronise between bursts, systems interleaved over
 rounds; its ratios are medians of per-round ratios with a bootstrap 95% interval.
+
+``python3 -m benchmarks.launch_overhead [--quick] [--out PATH]`` writes
+``benchmarks/results/launch_overhead.json``; ``--quick`` (part of ``python3 -m benchmarks``) runs
+N = 1, 16, 256 with fewer repetitions and rounds and writes ``launch_overhead_quick.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 
 import numpy as np
 
-from benchmarks._harness import Report, bootstrap_ci, host_sync_us, host_us
+from benchmarks._harness import RESULTS_DIR, Report, bootstrap_ci, host_sync_us, host_us, no_gpu
 
-SIZES = (1, 16, 256, 1024)
+SIZES, QUICK_SIZES = (1, 16, 256, 1024), (1, 16, 256)
+REPS, QUICK_REPS = 50, 20  # replays between the CUDA events of one device-time figure
 NUMEL = 1024
 REPLAY_BURST = 100  # launches between synchronisations in replay_cost
-REPLAY_ROUNDS = 41
+REPLAY_ROUNDS, QUICK_REPLAY_ROUNDS = 41, 11
 
 
 def _events_ms(launch, reps: int, start, end, sync) -> float:
@@ -192,7 +198,7 @@ def _cupy_chain_n(rep: Report, n: int, reps: int, s_ev, e_ev) -> None:
     g.close()
 
 
-def replay_cost(rep: Report) -> dict:
+def replay_cost(rep: Report, rounds: int = REPLAY_ROUNDS) -> dict:
     """Host cost of one replay of a 1-node graph: cgraw against raw launches of the same executable."""
     import torch
     from cuda.bindings import runtime as rt
@@ -233,12 +239,12 @@ def replay_cost(rep: Report) -> dict:
     # bursts of REPLAY_BURST launches between synchronisations: the queue never fills, so the
     # figure is the host's cost and not the device time of the replays
     samples = {k: [] for k in systems}
-    for _ in range(REPLAY_ROUNDS):
+    for _ in range(rounds):
         for k, fn in systems.items():
             samples[k].append(host_us(fn, loops=REPLAY_BURST, repeats=5, warmup=10, sync=sync)["median_us"])
     for k, v in samples.items():
         out[k] = float(np.median(v))
-        rep.add(workload="replay_1node", system=k, submit_us=out[k], burst=REPLAY_BURST, rounds=REPLAY_ROUNDS)
+        rep.add(workload="replay_1node", system=k, submit_us=out[k], burst=REPLAY_BURST, rounds=rounds)
     ratios = {"ratio_cgraw_vs_raw_cuGraphLaunch": "raw cuGraphLaunch",
               "ratio_cgraw_vs_raw_cudaGraphLaunch": "raw cudaGraphLaunch",
               "ratio_cgraw_vs_torch": "torch.cuda.CUDAGraph.replay"}
@@ -255,15 +261,39 @@ def replay_cost(rep: Report) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.launch_overhead")
-    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    ap.add_argument("--reps", type=int, default=50)
+def _sizes(text: str) -> list:
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"chain lengths are positive integers, comma-separated: {text!r}")
+    return sizes
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="python3 -m benchmarks.launch_overhead", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help=f"chains of {', '.join(map(str, QUICK_SIZES))}, {QUICK_REPS} replays per device figure, "
+                         f"{QUICK_REPLAY_ROUNDS} rounds of the 1-node replay (figures not for the README)")
+    ap.add_argument("--sizes", type=_sizes, default=None,
+                    help=f"chain lengths (default {','.join(map(str, SIZES))}; with --quick "
+                         f"{','.join(map(str, QUICK_SIZES))})")
+    ap.add_argument("--reps", type=int, default=None, help=f"replays per device figure (default {REPS})")
     ap.add_argument("--frameworks", default="torch,cupy")
-    args = ap.parse_args([] if argv is None else argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/launch_overhead.json, "
+                                                "launch_overhead_quick.json with --quick)")
+    return ap.parse_args([] if argv is None else argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if no_gpu():
+        return 2
+    sizes = args.sizes or list(QUICK_SIZES if args.quick else SIZES)
+    reps = args.reps or (QUICK_REPS if args.quick else REPS)
     rep = Report("launch_overhead")
-    extra = {}
+    extra = {"options": {"quick": args.quick, "sizes": sizes, "reps": reps}}
     fws = args.frameworks.split(",")
     if "torch" in fws:
         try:
@@ -271,16 +301,17 @@ def main(argv=None) -> int:
         except ImportError as exc:
             rep.peer_missing("torch", str(exc))
         else:
-            extra["replay_1node"] = replay_cost(rep)
-            torch_chain(rep, sizes, args.reps)
+            extra["replay_1node"] = replay_cost(rep, QUICK_REPLAY_ROUNDS if args.quick else REPLAY_ROUNDS)
+            torch_chain(rep, sizes, reps)
     if "cupy" in fws:
         try:
             import cupy  # noqa: F401
         except ImportError as exc:
             rep.peer_missing("cupy", str(exc))
         else:
-            cupy_chain(rep, sizes, args.reps)
-    path = rep.save(extra)
+            cupy_chain(rep, sizes, reps)
+    out = args.out or os.path.join(RESULTS_DIR, "launch_overhead_quick.json" if args.quick else "launch_overhead.json")
+    path = rep.save(extra, path=out)
     print(f"results: {path}")
     return 1 if rep.failed_checks else 0  # a system that differs from eager fails the part
 

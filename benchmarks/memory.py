@@ -533,7 +533,7 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def _parse(argv):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.split("\n\n")[0])
     ap.add_argument("--programs", default=",".join(PROGRAMS), help=f"comma-separated, of {', '.join(PROGRAMS)}")
     ap.add_argument("--systems", default=None,
@@ -548,20 +548,28 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": program logic only, no readings
     ap.add_argument("--child", nargs=2, metavar=("PROGRAM", "SYSTEM"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-
     if args.child:
         program, system = args.child
         if program not in PROGRAMS or system not in SYSTEMS:
             ap.error(f"unknown program or system: {program} {system}")
+        return args
+    args.program_list = [p for p in args.programs.split(",") if p]
+    bad = [p for p in args.program_list if p not in PROGRAMS]
+    args.system_list = None if args.systems is None else [s for s in args.systems.split(",") if s]
+    bad += [s for s in args.system_list or () if s not in SYSTEMS]
+    if bad:
+        ap.error(f"unknown program or system: {', '.join(bad)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if args.child:
+        program, system = args.child
         args.steps = args.steps or DEFAULT_STEPS[program]
         return _child_main(program, system, args)
 
-    programs = [p for p in args.programs.split(",") if p]
-    bad = [p for p in programs if p not in PROGRAMS]
-    systems = None if args.systems is None else [s for s in args.systems.split(",") if s]
-    bad += [s for s in systems or () if s not in SYSTEMS]
-    if bad:
-        ap.error(f"unknown program or system: {', '.join(bad)}")
+    programs, systems = args.program_list, args.system_list
     if args.device == "cuda" and not args.force:
         from cgraw import _cuda
 

@@ -904,14 +904,19 @@ def _add(rep: Report, rows: dict, row: dict) -> None:
     rep.add(**row)
 
 
+def figure(row: dict | None, key: str, *, device: str = "cuda"):
+    """``row[key]`` when the row's figure counts (checked, no error, and for a cgraw tree system
+    on the GPU, every timed call replayed), else None."""
+    if not row or row.get("check") not in ("ok", "reference") or row.get("error") or not row.get(key):
+        return None
+    if row.get("system") in CGRAW_TREE_SYSTEMS and device != "cpu" and not row.get("graph_replayed"):
+        return None
+    return row[key]
+
+
 def _summary(by_system: dict) -> dict:
     def fig(system, key):
-        r = by_system.get(system)
-        if not r or r.get("check") not in ("ok", "reference") or r.get("error") or not r.get(key):
-            return None
-        if system in CGRAW_TREE_SYSTEMS and DEVICE != "cpu" and not r.get("graph_replayed"):
-            return None
-        return r[key]
+        return figure(by_system.get(system), key, device=DEVICE)
 
     def ratio(a, b):
         return a / b if a is not None and b else None

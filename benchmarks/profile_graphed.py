@@ -12,10 +12,12 @@ per-round ratios with a bootstrap 95% interval, judged against the target of 1.1
 path is checked against eager before it is timed. What the pieces do not cover (the tree's own
 bookkeeping) is reported as a remainder, marked ``derived``.
 
-Issue #10's targets are judged in the same interleaved rounds: a graphed call with one alternating
-4 KB input against the driver's floor on the same executable (one memcpy-node re-point plus a raw
-launch; at most 1.6x) and against a hand-made ``torch.cuda.CUDAGraph`` with ``copy_`` (at most
-0.7x); with the same input every call against a raw launch (at most 1.3x).
+The hot path's targets are judged in the same interleaved rounds: a graphed call with one
+alternating 4 KB input against the driver's floor on the same executable (the driver calls that
+re-point the graph at the moved input, a copied input's memcpy node or the kernel nodes that read
+an input read in place, plus a raw launch; at most 1.6x) and against a hand-made
+``torch.cuda.CUDAGraph`` with ``copy_`` (at most 0.7x); with the same input every call against a
+raw launch (at most 1.3x).
 
 ``python -m benchmarks.profile_graphed [--inputs K] [--burst N] [--rounds R] [--cprofile]`` on the
 GPU machine; writes ``benchmarks/results/profile_graphed.json``. ``--cprofile`` also prints the
@@ -30,8 +32,8 @@ import statistics
 import sys
 import time
 
-from benchmarks._harness import Report, bootstrap_ci, percentile, verdict
-from benchmarks.graphed_call import _fn, _hand_graph
+from benchmarks._harness import Report, bootstrap_ci, no_gpu, percentile, verdict
+from benchmarks.graphed_call import _fn, _hand_graph, _repoint
 
 REPLAY_TARGET = 1.10  # Graph.replay() host cost / raw cuGraphLaunch (issue 8)
 NUMEL = 1024
@@ -204,23 +206,22 @@ def _pieces(g, xs, xs2, ts):
         return run
 
     def floor_alt():
-        """The driver's floor of an alternating call: one memcpy-node re-point and one raw
-        launch on the recording's own executable (issue #10)."""
+        """The driver's floor of an alternating call: the driver calls that re-point the graph at
+        the input (``graphed_call._repoint``) and one raw launch on the recording's own executable."""
         rec = rec_of()
-        c = next((c for c in rec.copies if not c.back), None)
-        if c is None:
-            raise LookupError("the recording has no input-copy node")
-        set_1d, d2d, clock = _cuda.memcpy_node_set_1d_raw, _cuda.MEMCPY_D2D, time.perf_counter_ns
-        exec_rt, exec_, ptr = rec.setter.exec_, rec.graph._exec, _streams.current_ptr(0)
+        repoint, held, what = _repoint(rec, 0)
+        if repoint is None:
+            raise LookupError(what)
+        exec_, ptr, clock = rec.graph._exec, _streams.current_ptr(0), time.perf_counter_ns
         srcs = (xs[0].data_ptr(), xs2[0].data_ptr())
 
         def run(n):
             t0 = clock()
             for i in range(n):
-                set_1d(exec_rt, c.node, c.fixed, srcs[i & 1], c.count, d2d)
+                repoint(srcs[i & 1])
                 launch(exec_, ptr)
             elapsed = clock() - t0
-            set_1d(exec_rt, c.node, c.fixed, c.ptr, c.count, d2d)  # back to what the recording believes
+            repoint(held.ptr)  # back to what the recording believes
             return elapsed
 
         return run
@@ -259,9 +260,9 @@ def _pieces(g, xs, xs2, ts):
     return pieces
 
 
-FLOOR_ALT = "floor: memcpy-node set + raw cuGraphLaunch, alternating inputs"
+FLOOR_ALT = "floor: input re-point + raw cuGraphLaunch, alternating inputs"
 HAND_ALT = "torch.cuda.CUDAGraph + copy_, alternating inputs"
-TARGETS = (  # issue #10: (label, numerator piece, denominator piece, at most)
+TARGETS = (  # the hot path's targets: (label, numerator piece, denominator piece, at most)
     ("graphed call alternating / floor", "graphed call, alternating inputs", FLOOR_ALT, 1.6),
     ("graphed call alternating / hand-made CUDAGraph + copy_", "graphed call, alternating inputs", HAND_ALT, 0.7),
     ("graphed call same inputs / raw cuGraphLaunch", "graphed call, same inputs", "raw cuGraphLaunch (current stream)",
@@ -346,15 +347,21 @@ def _cprofile(g, xs, calls: int, sync) -> None:
     pstats.Stats(pr).sort_stats("tottime").print_stats(22)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.profile_graphed")
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.profile_graphed", description=__doc__.split("\n\n")[0])
     ap.add_argument("k_pos", nargs="?", type=int, help=argparse.SUPPRESS)  # the old positional form
     ap.add_argument("--inputs", "-k", type=int, default=1, help="eager 4 KB inputs per call")
     ap.add_argument("--burst", type=int, default=100, help="calls per timed burst")
     ap.add_argument("--rounds", type=int, default=101, help="bursts per piece (interleaved)")
     ap.add_argument("--cprofile", action="store_true", help="also print a cProfile listing")
     ap.add_argument("--cprofile-calls", type=int, default=20000)
-    args = ap.parse_args([] if argv is None else argv)
+    return ap.parse_args([] if argv is None else argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if no_gpu():
+        return 2
     k = args.k_pos or args.inputs
 
     import torch
@@ -454,6 +461,7 @@ def main(argv=None) -> int:
                if n.fn is g and n.recording is not None).recording
     device_us = _device_us_per_replay(rec.graph.replay)
     extra = {"k": k, "burst": args.burst, "rounds": args.rounds, "ratios": ratios, "targets": targets,
+             "floor_repoint": _repoint(rec, 0)[2],
              "device_us_per_replay": device_us, "unavailable": unavailable,
              "graph_nodes": rec.graph.num_nodes,
              "current_stream_ptr": _streams.current_ptr(0)}

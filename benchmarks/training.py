@@ -644,7 +644,7 @@ def _run(args, torch, cgraw, t_start):
     return summary, path
 
 
-def main(argv=None) -> int:
+def _parse(argv):
     ap = argparse.ArgumentParser(prog="python3 -m benchmarks.training", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few rounds (a smoke run; figures not for the README)")
     ap.add_argument("--workloads", type=_csv(WORKLOADS), default=list(WORKLOADS),
@@ -656,7 +656,11 @@ def main(argv=None) -> int:
                          "graph as it was before issue 16; the other cgraw systems always run with it on)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": the logic, no figures
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
     if args.device != "cpu" and no_gpu():
         return 2
     t_start = time.perf_counter()

@@ -12,12 +12,13 @@ differs is recorded under ``failed_checks`` and not timed (its figure is null).
 
 from __future__ import annotations
 
+import argparse
 import gc
 import sys
 
 import numpy as np
 
-from benchmarks._harness import Report, alternating, host_sync_us
+from benchmarks._harness import Report, alternating, host_sync_us, no_gpu
 
 
 def _mlp(rep: Report) -> None:
@@ -258,7 +259,15 @@ def _tree_memory(rep: Report) -> None:
     cgraw.reset()
 
 
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="python3 -m benchmarks.workloads", description=__doc__.split("\n\n")[0])
+    return ap.parse_args(argv)
+
+
 def main(argv=None) -> int:
+    _parse(argv)
+    if no_gpu():
+        return 2
     rep = Report("workloads")
     _mlp(rep)
     _stencil(rep)

@@ -1,10 +1,34 @@
-"""``python -m benchmarks``'s part selection (CPU: no part runs)."""
+"""``python -m benchmarks``: the quick run's plan and summary, part selection, and every part's
+command line (CPU: no part runs)."""
 
 import argparse
+import importlib
+import json
+import os
+import sys
+import types
 
 import pytest
 
-from benchmarks.__main__ import PARTS, _parts
+from benchmarks.__main__ import PARTS, QUICK, _parse, _parts, plan
+
+
+@pytest.fixture
+def no_driver(monkeypatch):
+    from cgraw import _cuda
+
+    monkeypatch.setattr(_cuda, "driver_available", lambda: (False, "no driver (test)"))
+
+
+@pytest.fixture
+def driver_untouched(monkeypatch):
+    """Parsing a command line must not ask for the driver."""
+    from cgraw import _cuda
+
+    def called():
+        raise AssertionError("the driver was probed while parsing a command line")
+
+    monkeypatch.setattr(_cuda, "driver_available", called)
 
 
 def test_only_takes_a_comma_separated_list_of_known_parts():
@@ -132,3 +156,199 @@ def test_training_check_holds_graphs_elementwise_and_the_compiled_peer_in_norm()
     for compiled in (False, True):
         with pytest.raises(CheckFailed, match="weight"):
             _check(torch, None, stepper(torch.zeros(1, 1000)), info, [None], ref, init, compiled=compiled)
+
+
+# ---------------------------------------------------------------- the main command's plan
+
+
+def test_the_main_command_is_the_quick_run_of_launch_graphed_and_models(tmp_path):
+    steps = plan(_parse(["--out-dir", str(tmp_path)]))
+    assert [p for p, *_ in steps] == ["launch", "graphed", "models"] == list(QUICK)
+    for part, module, args, path in steps:
+        assert module == PARTS[part][0]
+        assert "--quick" in args
+        assert args[args.index("--out") + 1] == path == str(tmp_path / os.path.basename(path))
+        assert path.endswith("_quick.json")
+    models_args = steps[2][2]
+    assert models_args[models_args.index("--only") + 1] == "gpt2_b1"
+
+
+def test_full_runs_every_part_in_order_and_only_picks_parts_of_it():
+    steps = plan(_parse(["--full"]))
+    assert [p for p, *_ in steps] == list(PARTS)
+    assert all("--quick" not in args and "--out" not in args for _, _, args, _ in steps)
+    only = plan(_parse(["--only", "rebind,launch"]))
+    assert [p for p, *_ in only] == ["launch", "rebind"]  # the full run's order, full form
+    assert only[0][2] == [] and only[0][3].endswith("launch_overhead.json") and only[1][3] is None
+
+
+def test_sizes_go_to_the_launch_part_only():
+    for argv in ([], ["--full"]):
+        steps = plan(_parse([*argv, "--sizes", "1,16"]))
+        for part, _, args, _ in steps:
+            assert (args[-2:] == ["--sizes", "1,16"]) == (part == "launch")
+
+
+def test_out_dir_is_refused_for_the_full_run(capsys):
+    for argv in (["--full", "--out-dir", "x"], ["--only", "models", "--out-dir", "x"]):
+        with pytest.raises(SystemExit) as exc:
+            _parse(argv)
+        assert exc.value.code == 2
+    assert "--out-dir applies to the quick run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [[], ["--full"], ["--only", "graphed"]])
+def test_without_a_gpu_every_form_exits_2_with_one_line(no_driver, capsys, argv):
+    from benchmarks.__main__ import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == "benchmarks need a CUDA GPU: no driver (test)\n"
+
+
+# ---------------------------------------------------------------- every part's command line
+
+
+def _part_commands():
+    """(part, arguments) of every command line ``python -m benchmarks`` hands a part."""
+    out = [(part, args) for part, _, args, _ in plan(_parse(["--full", "--sizes", "1,16"]))]
+    out += [(part, args) for part, _, args, _ in plan(_parse(["--out-dir", "/nonexistent/dir", "--sizes", "2"]))]
+    return out
+
+
+@pytest.mark.parametrize("part,args", _part_commands(), ids=lambda v: v if isinstance(v, str) else " ".join(v))
+def test_every_part_parses_the_command_line_it_is_given(driver_untouched, part, args):
+    mod = importlib.import_module(PARTS[part][0])
+    ns = mod._parse(args)
+    assert isinstance(ns, argparse.Namespace)
+    if "--quick" in args:
+        assert ns.quick is True
+        assert ns.out == args[args.index("--out") + 1]
+
+
+@pytest.mark.parametrize("part", list(PARTS))
+def test_every_part_prints_its_help_without_a_gpu(driver_untouched, capsys, part):
+    mod = importlib.import_module(PARTS[part][0])
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--help"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python")
+
+
+@pytest.mark.parametrize("part", list(PARTS))
+def test_every_part_exits_2_without_a_gpu(no_driver, capsys, part):
+    mod = importlib.import_module(PARTS[part][0])
+    args = QUICK[part][0] if part in QUICK else PARTS[part][1]
+    assert mod.main(list(args)) == 2
+    assert "no driver (test)" in capsys.readouterr().err
+
+
+def test_launch_sizes_must_be_positive_integers(capsys):
+    from benchmarks import launch_overhead
+
+    assert launch_overhead._parse(["--sizes", "1,16"]).sizes == [1, 16]
+    for bad in ("1,x", "0,4", ","):
+        with pytest.raises(SystemExit):
+            launch_overhead._parse(["--sizes", bad])
+
+
+# ---------------------------------------------------------------- the run and its summary table
+
+
+def _fake_part(name, doc_rows, *, raises=False):
+    """A part module whose main writes a JSON of ``doc_rows`` where ``--out`` says, as this run."""
+    mod = types.ModuleType(name)
+
+    def main(argv):
+        if raises:
+            raise RuntimeError("part broke (test)")
+        path = argv[argv.index("--out") + 1]
+        with open(path, "w") as f:
+            json.dump({"run_id": os.environ["CGRAW_RUN_ID"], "rows": doc_rows, "options": {"device": "cuda"}}, f)
+        return 0
+
+    mod.main = main
+    return mod
+
+
+LAUNCH_ROWS = [
+    {"workload": "replay_1node", "system": "cgraw.replay", "submit_us": 3.0},
+    {"workload": "replay_1node", "system": "raw cuGraphLaunch", "submit_us": 2.5},
+    {"workload": "replay_1node", "system": "torch.cuda.CUDAGraph.replay", "submit_us": 4.0},
+    {"workload": "chain", "framework": "torch", "n": 16, "system": "eager", "sync_us_per_kernel": 9.0,
+     "device_us_per_kernel": 5.0},
+    {"workload": "chain", "framework": "torch", "n": 256, "system": "eager", "sync_us_per_kernel": 8.0,
+     "device_us_per_kernel": 5.0},
+    {"workload": "chain", "framework": "torch", "n": 256, "system": "cgraw.replay", "sync_us_per_kernel": 1.2,
+     "device_us_per_kernel": 1.1},
+    {"workload": "chain", "framework": "torch", "n": 256, "system": "torch.cuda.CUDAGraph",
+     "sync_us_per_kernel": 1.2, "device_us_per_kernel": 1.0},
+]
+GRAPHED_ROWS = [{"workload": "graphed_call", "k": 1, "cgraw_alternating_us": 9.0, "hand_cudagraph_copy_us": 10.0,
+                 "reduce_overhead_us": 90.0, "floor_patch_and_launch_us": 4.5, "cgraw_same_us": 8.0,
+                 "floor_raw_launch_us": 2.0}]
+
+
+def test_the_quick_run_prints_one_summary_table_from_its_parts_json(monkeypatch, tmp_path, capsys):
+    from benchmarks import __main__ as bm
+    from cgraw import _cuda
+
+    monkeypatch.setattr(_cuda, "driver_available", lambda: (True, ""))
+    monkeypatch.setenv("CGRAW_RUN_ID", "run-under-test")
+    monkeypatch.setitem(sys.modules, PARTS["launch"][0], _fake_part("fake_launch", LAUNCH_ROWS))
+    monkeypatch.setitem(sys.modules, PARTS["graphed"][0], _fake_part("fake_graphed", GRAPHED_ROWS))
+    monkeypatch.setitem(sys.modules, PARTS["models"][0], _fake_part("fake_models", [], raises=True))
+    assert bm.main(["--out-dir", str(tmp_path / "out")]) == 1  # one part raised
+    out = capsys.readouterr().out
+    table = out[out.index("[benchmarks] summary of run run-under-test"):].splitlines()[1:]
+    assert table[0].split() == ["part", "measure", "cgraw", "peer", "peer's", "cgraw/peer"]
+    launch = [ln for ln in table if ln.startswith("launch")]
+    assert any("1-node graph replay" in ln and ln.endswith("1.20") for ln in launch)  # 3.0 / 2.5
+    assert any("torch chain of 256 kernels, host us per kernel" in ln and "torch eager" in ln and ln.endswith("0.15")
+               for ln in launch)  # 1.2 / 8.0, at the longest chain
+    graphed = [ln for ln in table if ln.startswith("graphed")]
+    assert any("torch.cuda.CUDAGraph + copy_" in ln and ln.endswith("0.90") for ln in graphed)
+    assert any("driver floor" in ln and ln.endswith("2.00") for ln in graphed)
+    models = [ln for ln in table if ln.startswith("models")]
+    assert len(models) == 1 and "the part ended with status raised" in models[0]
+    assert sorted(os.listdir(tmp_path / "out")) == ["graphed_call_quick.json", "launch_overhead_quick.json"]
+
+
+def test_the_summary_reads_only_this_runs_json(tmp_path):
+    from benchmarks import summary
+
+    path = tmp_path / "graphed_call_quick.json"
+    assert summary.load(str(path), "now") == (None, f"no {path}")
+    path.write_text(json.dumps({"run_id": "earlier", "rows": GRAPHED_ROWS}))
+    doc, why = summary.load(str(path), "now")
+    assert doc is None and "comes from run earlier, not this one" in why
+    assert summary.load(str(path), None)[0] is None  # no part of this run wrote anything
+    doc, why = summary.load(str(path), "earlier")
+    assert why is None and doc["rows"] == GRAPHED_ROWS
+    (row,) = summary.rows_for("graphed", None, why="no file")
+    assert row[:2] == ("graphed", "no result: no file")
+
+
+def test_the_summary_leaves_out_model_figures_that_do_not_count():
+    """A cgraw row that did not replay every timed call, or a system that failed its check, has
+    no figure in the table (``-``), as in the models part's own summary."""
+    from benchmarks import summary
+
+    def row(system, us, **kw):
+        return {"workload": "gpt2_b1", "system": system, "unit": "call", "host_us": us, "check": "ok", **kw}
+
+    doc = {"options": {"device": "cuda"}, "rows": [
+        row("eager", 2600.0, check="reference"), row("cgraw_graphed", 290.0, graph_replayed=True),
+        row("torch_cudagraph", 310.0), row("reduce_overhead", 175.0, check="differs from eager: x"),
+        row("cgraw_over_compile", 170.0, graph_replayed=False)]}
+    rows = summary.models_rows(doc)
+    by_peer = {(r[1], r[3]): r for r in rows}
+    per_call = "gpt2_b1, host us per call"
+    assert by_peer[(per_call, "eager torch")][2:] == (290.0, "eager torch", 2600.0)
+    assert by_peer[(per_call, "torch.cuda.CUDAGraph (hand-made)")][4] == 310.0
+    assert by_peer[(per_call, "torch.compile reduce-overhead")][2:] == (290.0, "torch.compile reduce-overhead", None)
+    over = by_peer[("gpt2_b1, cgraw over torch.compile, host us per call", "torch.compile reduce-overhead")]
+    assert over[2] is None and over[4] is None
+    lines = summary.table(rows).splitlines()
+    assert next(ln for ln in lines if "eager torch" in ln).endswith("0.11")  # 290 / 2600
+    assert next(ln for ln in lines if per_call in ln and "reduce-overhead" in ln).split()[-2:] == ["-", "-"]
