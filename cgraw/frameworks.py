@@ -112,13 +112,15 @@ class _TorchOps(Ops):
         """Bytes from ``t``'s first element to one past its last (its strides are never negative)."""
         return span_elements(t.shape, t.stride()) * t.element_size()
 
-    def empty_layout(self, t):
+    def empty_layout(self, t, align=None):
         """A new tensor with ``t``'s sizes, strides and dtype, and its storage offset where that
         costs at most the tensor's span again (else its alignment modulo 256 bytes): what a
-        recording's function sees in place of ``t``."""
+        recording's function sees in place of ``t``. ``align``: start at that address modulo 256
+        instead (a copy for a recording made with another alignment)."""
         torch = sys.modules["torch"]
         n = span_elements(t.shape, t.stride())
-        off = layout_offset(t.storage_offset(), n, t.element_size())
+        off = (layout_offset(t.storage_offset(), n, t.element_size()) if align is None
+               else align // t.element_size())
         if off == 0 and t.is_contiguous():
             return torch.empty(t.shape, dtype=t.dtype, device=t.device)
         base = torch.empty(off + n, dtype=t.dtype, device=t.device)
@@ -195,16 +197,18 @@ class _CupyOps(Ops):
         return span_elements(t.shape, [s // size for s in t.strides]) * size if all(
             s % size == 0 for s in t.strides) else -1
 
-    def empty_layout(self, t):
+    def empty_layout(self, t, align=None):
         """A new array with ``t``'s shape, strides and dtype, at its offset from the start of its
         allocation where that costs at most its span again (else that offset's alignment modulo
-        256 bytes); C-contiguous when ``t`` has a negative or unaligned stride."""
+        256 bytes; ``align``: at that address modulo 256 instead); C-contiguous when ``t`` has a
+        negative or unaligned stride."""
         cupy = sys.modules["cupy"]
-        if t.flags.c_contiguous or self.span(t) < 0:
+        if (t.flags.c_contiguous and not align) or self.span(t) < 0:
             return cupy.empty(t.shape, dtype=t.dtype)
         size = t.itemsize
         n = self.span(t) // size
-        off = layout_offset((self.ptr(t) - self.base_ptr(t)) // size, n, size)
+        off = (layout_offset((self.ptr(t) - self.base_ptr(t)) // size, n, size) if align is None
+               else align // size)
         base = cupy.empty(off + n, dtype=t.dtype)
         return cupy.ndarray(t.shape, t.dtype, base.data + off * size, t.strides)
 

@@ -234,7 +234,7 @@ class CudaBackend(TorchAutograd):
             return None
         j = rebind.leaf
         o, t = call.ops[j], call.leaves[j]
-        copy = o.empty_layout(t)
+        copy = o.empty_layout(t, align=rebind.base & 255)  # the recording's alignment, which its kernels assume
         _copy_on(o.flat_span(copy), o.flat_span(t), o, target)
         rec.staged.append((rebind, copy))
         return o.ptr(copy)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import operator
 import sys
+import threading
 
 from cgraw.interop import torch_c
 
@@ -64,7 +65,8 @@ class KernelState:
         self._by_groups: dict = {}  # groups -> the getters read per call
         guard = torch_c.global_state_guard()
         self._guard_cls = guard if guard is not None and _guard_sees_changes(torch, guard) else None
-        self._recent: list = []  # [(guard, id of the values it covers)], newest first
+        self._recent: list = []  # [(guard, id of the values it covers)], newest first; never emptied
+        self._lock = threading.Lock()  # threads change _recent and _ids one at a time
 
     # ------------------------------------------------------------------ per call
 
@@ -86,12 +88,16 @@ class KernelState:
         try:
             return self._ids[values]
         except KeyError:
-            i = self._ids[values] = len(self._ids)
-            return i
+            with self._lock:
+                return self._ids.setdefault(values, len(self._ids))
 
     def _guarded(self) -> int:
         """The id of the settings dynamo's guard covers, from a recent guard that still holds or
         read anew (without a usable guard: read on every call)."""
+        with self._lock:
+            return self._guarded_locked()
+
+    def _guarded_locked(self) -> int:
         recent = self._recent
         for k in range(1, len(recent)):
             if recent[k][0].check():
@@ -101,10 +107,7 @@ class KernelState:
         values = (torch.get_default_dtype(), torch.is_autocast_cache_enabled(),
                   *[torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None for d in self._devices],
                   *map(_call, self._guarded_getters))
-        ids = self._ids
-        gid = ids.get(values)
-        if gid is None:
-            gid = ids[values] = len(ids)
+        gid = self._ids.setdefault(values, len(self._ids))
         if self._guard_cls is not None:
             recent.insert(0, (self._guard_cls(), gid))
             del recent[_RECENT:]

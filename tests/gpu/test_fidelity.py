@@ -114,7 +114,7 @@ def test_cudnn_tf32_selects_its_own_recording():
             a = conv(x)
         with states[1]():
             b = conv(x)
-        assert (a - b).abs().max().item() > 1e-3
+        assert (a - b).abs().max().item() > 1e-4  # TF32 changes eager's result (tolerance below: 2e-5)
         f = cgraw.graphed(conv)
         _alternate(f, conv, lambda: (trand(4, 64, 32, 32),), states, check=_close)
     assert _stats(f).recordings == 2
@@ -219,9 +219,9 @@ def test_channels_last_input_keeps_eagers_layout_and_kernels():
 
 
 LAYOUTS = {
-    "transposed": lambda: trand(96, 64).t(),
+    "transposed": lambda: trand(64, 64).t(),
     "sliced": lambda: trand(64, 100)[:, 10:74],
-    "mostly gaps": lambda: trand(64, 4096)[:, :64:2],
+    "mostly gaps": lambda: trand(64, 4096)[:, :128:2],
     "expanded": lambda: trand(64, 1).expand(64, 64),
     "offset": lambda: trand(64 * 64 + 3)[3:].view(64, 64),
     "far offset": lambda: trand(1 << 20)[(1 << 19) + 1:(1 << 19) + 1 + 64 * 64].view(64, 64),
@@ -289,14 +289,18 @@ def test_mutated_channels_last_input_is_written_back():
 
 
 def test_cupy_fortran_order_input_keeps_its_layout():
+    seen = []
+
     def g(a):
-        return cp.sin(a) * 2 + a
+        seen.append(a.strides)
+        return cp.sin(a) * 2 + a.T.copy().T
 
     f = cgraw.graphed(g)
     for _ in range(5):
         cgraw.mark_step_begin()
         a = cp.asfortranarray(crand(128, 96))
         out, ref = f(a), g(a)
-        assert out.strides == ref.strides and out.flags.f_contiguous
+        assert out.strides == ref.strides
         assert cp.array_equal(out, ref)
     assert _stats(f).recordings == 1
+    assert set(seen) == {a.strides}  # the warm-up, the recording and eager saw Fortran order
