@@ -75,9 +75,9 @@ grad-mode probe, keys and generations as before). None of it has run on the H200
    warm-up and make it SKIPPED.
 
 6. Grad mode is part of the recording key (``calls.use_grad_mode``): with grad enabled the key
-   gains ``(GRAD, indices of leaves that require grad)``, so ``torch.no_grad()`` and
-   ``inference_mode()`` calls select a forward-only recording of their own, and a function
-   called both ways has two. Under no_grad the key is what it was before this issue. Whether
+   gains ``(GRAD, indices of leaves that require grad, indices of eager leaves holding a .grad)``,
+   so ``torch.no_grad()`` and ``inference_mode()`` calls select a forward-only recording of
+   their own, and a function called both ways has two. Under no_grad the key has no such entry. Whether
    closure tensors require grad is checked per call with their addresses (freezing a
    sub-module warms the node up again).
 

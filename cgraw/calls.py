@@ -103,11 +103,20 @@ _NO_LEAF_GRAD = ((GRAD, ()),)  # the key suffix of the common case: no leaf requ
 
 
 def _with_grad(call: "Call") -> "Call":
-    """Mark ``call`` as made with grad enabled: which leaves require grad joins its key (a
-    graphed call's hot path: a list comprehension, and no new suffix when none does)."""
+    """Mark ``call`` as made with grad enabled: which leaves require grad joins its key, and which
+    of them are eager autograd leaves already holding a ``.grad`` (a backward inside the function
+    would add to it; ``treeexec`` runs such calls eagerly). A graphed call's hot path: a list
+    comprehension, and no new suffix when no leaf requires grad."""
     call.grad = True
-    req = [j for j, t in enumerate(call.leaves) if getattr(t, "requires_grad", False)]
-    call.key = call.key + (((GRAD, tuple(req)),) if req else _NO_LEAF_GRAD)
+    leaves = call.leaves
+    req = [j for j, t in enumerate(leaves) if getattr(t, "requires_grad", False)]
+    if not req:
+        call.key = call.key + _NO_LEAF_GRAD
+        return call
+    kinds = call.kinds
+    held = tuple(j for j in req if kinds[j] == EAGER and getattr(leaves[j], "is_leaf", False)
+                 and getattr(leaves[j], "grad", None) is not None)
+    call.key = call.key + ((GRAD, tuple(req), held),)
     return call
 
 

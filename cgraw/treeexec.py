@@ -85,6 +85,13 @@ class CudaBackend(TorchAutograd):
             if kinds[j] == EAGER and _node_bytes(call, j) != ops[j].nbytes(leaves[j]):
                 raise SkipCall("skipping cudagraphs due to mutated inputs (an eager input whose elements have "
                                "gaps or overlaps between them)")
+        # a backward inside the function differentiates with respect to the placeholders of the
+        # eager inputs that require grad: they are autograd leaves too (the warm-up made sure the
+        # function leaves their .grad as it found it, calls.py keys inputs already holding one apart)
+        leaf_grad = [j for j, t in enumerate(leaves) if warm.runs_backward and kinds[j] == EAGER
+                     and getattr(t, "requires_grad", False)]
+        if any(leaves[j].grad is not None for j in leaf_grad):
+            raise SkipCall("an eager input's .grad holds a gradient that a backward inside the function adds to")
         # An eager input living in the tree's own pool (h = f(h) across a new branch: the previous
         # step's output) may sit in blocks the checkpoint restore just freed, where this
         # recording's placeholders can land. Copy it out first; nothing has written there yet.
@@ -109,6 +116,8 @@ class CudaBackend(TorchAutograd):
                         # the function sees the caller's layout (sizes, strides, offset), so it
                         # runs the kernels eager runs and returns outputs with eager's strides
                         ph = buckets.empty_rows(t, call.bucket) if j in call.padded else o.empty_layout(t)
+                        if j in leaf_grad:
+                            ph.requires_grad_()
                         placeholders[j] = ph
                         # an input is copied by a memcpy node over its span, whose source is patched
                         # per call; one whose span is mostly gaps is copied element by element before

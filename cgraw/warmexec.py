@@ -207,6 +207,7 @@ def run(backend, fn, call, args, kwargs) -> Warm:
             obs = _observe.observer(call.leaves)
         if usable(backend, fn, call):
             pw = PoolWarmup(backend.pool, backend._tts)
+        grads = _input_grads(call)
         with torch.autograd.graph.saved_tensors_hooks(pw.pack if pw else _same, unpacked), pw or _NULL:
             before = _copies(call)
             with obs if obs is not None else _NULL:
@@ -222,6 +223,8 @@ def run(backend, fn, call, args, kwargs) -> Warm:
             log.warning("cgraw: %s mutates non-contiguous eager input %d", fn.name, j)
     w = Warm(out, mutated)
     w.runs_backward = backward[0] or getattr(fn, "is_backward", False)
+    if torch is not None and backward[0]:
+        w.skip = _grads_left(call, grads)
     out_leaves: list = []
     try:
         out_spec(out, out_leaves)
@@ -253,6 +256,29 @@ def cpu_output(out_leaves) -> str | None:
         if ops_of(t) is TORCH and t.get_device() < 0:
             return ("CPU tensors or ops: the function returns a CPU tensor, which a replay would return "
                     "unchanged (as torch's CUDAGraph Trees, cgraw runs such functions eagerly)")
+    return None
+
+
+def _input_grads(call) -> list:
+    """``(leaf index, its .grad)`` of the eager inputs that are autograd leaves requiring grad."""
+    return [(j, t.grad) for j, t in enumerate(call.leaves)
+            if call.kinds[j] == EAGER and getattr(t, "requires_grad", False) and t.is_leaf]
+
+
+def _grads_left(call, before: list) -> str | None:
+    """Why a function that ran a backward must run eagerly: it left a gradient in an eager
+    input's ``.grad`` (a replay would leave it in the recording's copy of the input), or an
+    eager input requiring grad is not an autograd leaf (its backward would reach the caller's
+    graph, which a recording cannot); else None."""
+    for j, g in before:
+        if call.leaves[j].grad is not g:
+            return (f"a backward inside the function changes the .grad of eager input {j}, which a replay "
+                    "would leave in the recording's copy of the input (clear it inside the function, or use "
+                    "torch.autograd.grad)")
+    for j, t in enumerate(call.leaves):
+        if call.kinds[j] == EAGER and getattr(t, "requires_grad", False) and not t.is_leaf:
+            return (f"eager input {j} requires grad but is not an autograd leaf: a backward inside the function "
+                    "would reach the caller's autograd graph, which a replay cannot")
     return None
 
 

@@ -304,3 +304,57 @@ def test_cupy_fortran_order_input_keeps_its_layout():
         assert cp.array_equal(out, ref)
     assert _stats(f).recordings == 1
     assert set(seen) == {a.strides}  # the warm-up, the recording and eager saw Fortran order
+
+
+# ---------------------------------------------------------------------- gradients with respect to inputs
+
+
+def _surface(x):
+    return (torch.sin(x) * x).sum(dim=-1)
+
+
+def _eager_grad(x):
+    leaf = x.detach().clone().requires_grad_()
+    _surface(leaf).sum().backward()
+    return leaf.grad
+
+
+@pytest.mark.parametrize("how", ["backward", "autograd.grad"])
+def test_gradients_with_respect_to_inputs_inside_a_graphed_function(how):
+    def step(inp):
+        r = _surface(inp)
+        if how == "backward":
+            r.sum().backward()
+            g = inp.grad.clone()
+            inp.grad = None
+            return g
+        (g,) = torch.autograd.grad(r.sum(), inp)
+        return g * 1.0
+
+    f = cgraw.graphed(step)
+    for shape in ((64, 32), (16, 8)):
+        for _ in range(5):
+            cgraw.mark_step_begin()
+            x = trand(*shape).requires_grad_()
+            g = f(x)
+            torch.testing.assert_close(g, _eager_grad(x), rtol=1e-5, atol=1e-5)
+            assert x.grad is None  # as eager leaves it
+    s = _stats(f)
+    assert s.recordings == 2 and s.replays == 6 and not s.skip_reasons, s
+
+
+def test_a_gradient_left_in_an_input_runs_eagerly_with_the_reason():
+    def step(inp):
+        _surface(inp).sum().backward()
+        return inp.grad * 2
+
+    f = cgraw.graphed(step)
+    x = trand(32, 16).requires_grad_()
+    ref = x.detach().clone().requires_grad_()
+    for _ in range(4):
+        cgraw.mark_step_begin()
+        out = f(x)
+        torch.testing.assert_close(out, step(ref))
+        torch.testing.assert_close(x.grad, ref.grad)  # accumulated call after call, as eager
+    s = _stats(f)
+    assert s.recordings == 0 and any(".grad of eager input 0" in r for r in s.skip_reasons), s
