@@ -31,7 +31,7 @@ from cgraw.arrays import EAGER, TORCH, is_torch, ops_of, out_spec
 from cgraw.capture import _event_on
 from cgraw.errors import SkipCall
 from cgraw.interop import observe as _observe
-from cgraw.interop import torch_c
+from cgraw.interop import torch_autograd, torch_c
 from cgraw.stream import Stream
 from cgraw.treetypes import Warm, config
 
@@ -228,6 +228,8 @@ def run(backend, fn, call, args, kwargs) -> Warm:
         w.skip = str(exc)
     if w.skip is None:
         w.skip = cpu_output(out_leaves)
+    if w.skip is None and torch is not None and config.autograd:
+        w.skip = torch_autograd.reentrant_checkpoint(out_leaves, call.leaves)
     if obs is not None:
         if obs.unsafe is not None:
             w.skip = (f"calls custom op {obs.unsafe}, tagged torch._C.Tag.cudagraph_unsafe (as torch's "

@@ -13,8 +13,13 @@ every aten and custom op below autograd, at no cost to later replays) cgraw lear
   ``self``. A recording reads them by address, so cgraw keeps them alive and checks their
   addresses on every call (``model.half()``, ``param.data = ...`` move them).
 
-``torch.compile``d functions are not observed: Dynamo does not compile under a dispatch mode, so
-observing would compile the function inside the recording instead.
+The Observer is a ``torch_modes.mode_base()`` mode: the bodies of higher-order operators
+(``torch.cond``, ``while_loop``, ``scan``) are observed like any other code, and torch.compile'd
+code called inside the function is compiled during the warm-up and runs compiled under it. Of
+compiled code the Observer sees only what goes through the dispatcher (extern kernels such as
+``mm``, custom and fallback ops, the seeds of Inductor's random numbers), not the tensors its
+Triton kernels read: closure tensors read only there are not in ``external``. A function that is
+itself ``torch.compile``d (``cgraw.graphed(torch.compile(f))``) is not observed.
 
 ``_mode_epoch`` counts switches of any module between training and evaluation (``model.train()``,
 ``model.eval()``): a recording made in the other mode warms up again (``Recording.stale``).
@@ -33,7 +38,7 @@ import sys
 import threading
 import weakref
 
-from cgraw.interop import torch_c
+from cgraw.interop import torch_c, torch_modes
 
 _epoch = [0]
 _mode_epoch = [0]  # switches of any module between training and evaluation (Module.train) so far
@@ -161,13 +166,11 @@ def observer(inputs):
 
 def _make_observer_class():
     torch = sys.modules["torch"]
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     unsafe_tag = torch_c.cudagraph_unsafe_tag()
     seeded_tag = torch_c.nondeterministic_seeded_tag()
     T = torch.Tensor
 
-    class Observer(TorchDispatchMode):
+    class Observer(torch_modes.mode_base()):
         def __init__(self, inputs):
             super().__init__()
             self.inputs = {id(t) for t in inputs}
@@ -177,7 +180,10 @@ def _make_observer_class():
             self.cpu_random: str | None = None
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+            if self.is_higher_order(func):
+                out = self.run_higher_order(func, args, kwargs)
+            else:
+                out = func(*args, **(kwargs or {}))
             try:
                 self._note(func, args, kwargs, out)
             except Exception:  # bookkeeping must never break the user's function

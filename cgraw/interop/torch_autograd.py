@@ -136,6 +136,31 @@ def grad_info(rec, call, subs: dict, saved: list) -> GradInfo | None:
     return GradInfo(leaves, params, out_idx, outs, ins, saved, ext)
 
 
+REENTRANT_CHECKPOINT = (
+    "its outputs come out of torch.utils.checkpoint(use_reentrant=True), whose backward refuses "
+    "torch.autograd.grad, the call a recorded backward makes; pass use_reentrant=False (torch's "
+    "recommendation) to have it graphed"
+)
+
+
+def reentrant_checkpoint(out_leaves, in_leaves) -> str | None:
+    """Why a function runs eagerly when autograd goes through graphed functions: its outputs'
+    autograd graph, walked back to its inputs, has a ``torch.utils.checkpoint(use_reentrant=True)``
+    node (``CheckpointFunctionBackward``); else None."""
+    stop = {id(getattr(t, "grad_fn", None)) for t in in_leaves}
+    stack = [t.grad_fn for t in out_leaves if getattr(t, "grad_fn", None) is not None]
+    seen: set = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen or id(node) in stop:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return REENTRANT_CHECKPOINT
+        stack.extend(n for n, _ in node.next_functions)
+    return None
+
+
 class BackwardFn:
     """The backward of one forward node: a graphed function of the tree (``call_backward``)
     that differentiates the autograd graph of the node's current recording."""
