@@ -206,7 +206,7 @@ def run(backend, fn, call, args, kwargs) -> Warm:
             obs = _observe.observer(call.leaves)
         if usable(backend, fn, call):
             pw = PoolWarmup(backend.pool, backend._tts)
-        with torch.autograd.graph.saved_tensors_hooks(pw.pack if pw else _same, unpacked), pw or _NULL:
+        with torch_autograd.saving_hooks(pw.pack if pw else _same, unpacked), pw or _NULL:
             before = _copies(call)
             with obs if obs is not None else _NULL:
                 out = fn.fn(*args, **kwargs)
@@ -220,7 +220,7 @@ def run(backend, fn, call, args, kwargs) -> Warm:
         if not ops[j].contiguous(call.leaves[j]):
             log.warning("cgraw: %s mutates non-contiguous eager input %d", fn.name, j)
     w = Warm(out, mutated)
-    w.runs_backward = backward[0] or getattr(fn, "is_backward", False)
+    w.runs_backward = backward[0] or (obs is not None and obs.backward) or getattr(fn, "is_backward", False)
     out_leaves: list = []
     try:
         out_spec(out, out_leaves)

@@ -8,6 +8,8 @@ every aten and custom op below autograd, at no cost to later replays) cgraw lear
 - ``unsafe``: a custom op tagged ``torch._C.Tag.cudagraph_unsafe`` ran (torch's trees skip such
   functions; so does cgraw);
 - ``cpu_random``: a random-number op made a CPU tensor (a replay would repeat the numbers);
+- ``backward``: an op ran inside a backward pass (``torch.autograd.grad``, ``torch.func.grad``):
+  the recording then routes allocations by stream, where autograd's device thread allocates;
 - ``external``: tensors the function read that are neither its arguments nor made during the
   call, and are still alive after it: closure tensors, such as a model's weights reached through
   ``self``. A recording reads them by address, so cgraw keeps them alive and checks their
@@ -168,6 +170,7 @@ def _make_observer_class():
     torch = sys.modules["torch"]
     unsafe_tag = torch_c.cudagraph_unsafe_tag()
     seeded_tag = torch_c.nondeterministic_seeded_tag()
+    graph_task = torch_c.graph_task_id()
     T = torch.Tensor
 
     class Observer(torch_modes.mode_base()):
@@ -178,6 +181,7 @@ def _make_observer_class():
             self.seen: dict[int, weakref.ref] = {}
             self.unsafe: str | None = None
             self.cpu_random: str | None = None
+            self.backward = False  # an op ran inside a backward pass (torch.func.grad's too)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if self.is_higher_order(func):
@@ -191,6 +195,8 @@ def _make_observer_class():
             return out
 
         def _note(self, func, args, kwargs, out) -> None:
+            if not self.backward and graph_task is not None and graph_task() != -1:
+                self.backward = True
             tags = getattr(func, "tags", ())
             if self.unsafe is None and unsafe_tag is not None and unsafe_tag in tags:
                 self.unsafe = str(func)

@@ -106,6 +106,19 @@ def operator_classes() -> tuple:
                  if isinstance(c, type))
 
 
+def top_saved_tensors_hooks():
+    """The innermost ``saved_tensors_hooks`` pair of this thread, ``(pack, unpack)``, or None (also
+    where torch lacks ``torch._C._autograd._top_saved_tensors_default_hooks``)."""
+    top = getattr(getattr(api()._torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(True)
+
+
+def graph_task_id():
+    """``torch._C._current_graph_task_id``: called, -1 outside a backward pass and the running
+    backward's id inside one; None where torch lacks it."""
+    return getattr(api()._torch._C, "_current_graph_task_id", None)
+
+
 def pytree():
     """``torch.utils._pytree`` (the container registry torch users know), or None."""
     mod = sys.modules.get("torch.utils._pytree")
@@ -146,5 +159,6 @@ def _reset() -> None:
     _api = None
 
 
-__all__ = ["NEEDED", "SUPPORTED", "TorchApiError", "api", "check", "cudagraph_unsafe_tag", "higher_order_operator_class",
-           "memory_segments", "nondeterministic_seeded_tag", "operator_classes", "pytree"]
+__all__ = ["NEEDED", "SUPPORTED", "TorchApiError", "api", "check", "cudagraph_unsafe_tag", "graph_task_id",
+           "higher_order_operator_class", "memory_segments", "nondeterministic_seeded_tag", "operator_classes", "pytree",
+           "top_saved_tensors_hooks"]

@@ -175,3 +175,36 @@ def test_reentrant_checkpoint_in_the_outputs_history_is_named():
         assert (reason is None) if want is None else (want in reason), reason
     with torch.no_grad():
         assert reentrant_checkpoint([checkpoint(lin, x, use_reentrant=True)], [x]) is None
+
+
+def test_saving_hooks_step_aside_for_torch_func_and_come_back():
+    from cgraw.interop.torch_autograd import saving_hooks
+
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t
+
+    x, w = torch.randn(4, 3), torch.randn(3, requires_grad=True)
+
+    def loss(w):
+        return (torch.tanh(x @ w) ** 2).sum()
+
+    with saving_hooks(pack, lambda t: t):
+        g = torch.func.grad(loss)(w)  # torch raises under any saved-tensor hooks; these step aside
+        assert torch_c.top_saved_tensors_hooks()[0] is pack
+        (w * 2.0).sin().sum()  # saved outside the transform: seen
+    torch.testing.assert_close(g, torch.func.grad(loss)(w))
+    assert packed and torch_c.top_saved_tensors_hooks() is None
+    with saving_hooks(pack, lambda t: t), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with pytest.raises(RuntimeError, match="saved tensor hooks"):  # a user's own hooks: as eager
+            torch.func.grad(loss)(w)
+
+
+def test_observer_notes_a_backward_inside_the_function():
+    w = torch.randn(3, requires_grad=True)
+    obs, _ = _observe(lambda x: torch.func.grad(lambda v: (v * x).sin().sum())(w), torch.randn(3))
+    assert obs.backward
+    obs, _ = _observe(lambda x: (x * w).sin().sum(), torch.randn(3))
+    assert not obs.backward
