@@ -160,5 +160,5 @@ def _reset() -> None:
 
 
 __all__ = ["NEEDED", "SUPPORTED", "TorchApiError", "api", "check", "cudagraph_unsafe_tag", "graph_task_id",
-           "higher_order_operator_class", "memory_segments", "nondeterministic_seeded_tag", "operator_classes", "pytree",
-           "top_saved_tensors_hooks"]
+           "higher_order_operator_class", "memory_segments", "nondeterministic_seeded_tag", "operator_classes",
+           "pytree", "top_saved_tensors_hooks"]

@@ -57,7 +57,8 @@ CHECKPOINT_HINT = (
 )
 
 
-def not_covered(op: str, why: str = "it draws from torch's CUDA generator", hint: str = NOT_COVERED_HINT) -> CaptureError:
+def not_covered(op: str, why: str = "it draws from torch's CUDA generator",
+                hint: str = NOT_COVERED_HINT) -> CaptureError:
     return CaptureError(f"torch {op}", 0, "RNG_NOT_COVERED",
                         f"torch random numbers: {op} cannot be captured by cgraw ({why})", hint)
 

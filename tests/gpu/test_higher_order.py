@@ -106,7 +106,7 @@ def test_cond_on_a_host_predicate_is_graphed_and_its_branch_draws_fresh_numbers(
 def test_cond_with_a_host_predicate_in_a_capture_draws_fresh_numbers_per_replay():
     x = trand(1 << 14)
     pred = torch.tensor(True)
-    torch.cond(pred, _noise_branch, _false_branch, (x,))  # Dynamo compiles torch.cond's wrapper here, not in the capture
+    torch.cond(pred, _noise_branch, _false_branch, (x,))  # Dynamo compiles torch.cond's wrapper here, not in capture
     with cgraw.capture() as g:
         y = torch.cond(pred, _noise_branch, _false_branch, (x,))
     got = []

@@ -65,7 +65,10 @@ def test_observer_sees_the_ops_inside_while_loop_and_scan():
     def step(i, y):
         return i + 1, host_side(y) * 0.5
 
-    obs, (n, y) = _observe(lambda x: torch._higher_order_ops.while_loop(lambda i, y: i < 3, step, (torch.tensor(0), x)), x)
+    def loop(x):
+        return torch._higher_order_ops.while_loop(lambda i, y: i < 3, step, (torch.tensor(0), x))
+
+    obs, (n, y) = _observe(loop, x)
     assert int(n) == 3 and obs.unsafe is not None
     torch.testing.assert_close(y, x * 1.5 ** 3)
 
