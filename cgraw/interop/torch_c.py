@@ -1,4 +1,4 @@
-"""The one module that reaches into torch's private API (``torch._C`` and ``torch.utils._pytree``).
+"""The one module that reaches into torch's private API (``torch._C``, ``torch._ops``, ``torch.utils._pytree``).
 
 Layer L1: imports only ``errors``; torch is found in ``sys.modules`` (cgraw never imports it).
 Every private name cgraw uses is listed in ``NEEDED`` with what it is for. Names are looked up on
@@ -91,6 +91,34 @@ def nondeterministic_seeded_tag():
     return getattr(tags, "nondeterministic_seeded", None)
 
 
+def higher_order_operator_class():
+    """``torch._ops.HigherOrderOperator`` (``torch.cond``, ``while_loop``, ``scan``, ``map``: operators
+    whose arguments include Python callables), or None."""
+    ops = getattr(api()._torch, "_ops", None)
+    return getattr(ops, "HigherOrderOperator", None)
+
+
+def operator_classes() -> tuple:
+    """The classes of torch's operator objects (``torch._ops.OperatorBase``, ``OpOverloadPacket``):
+    callables a higher-order operator takes as operators, not as bodies."""
+    ops = getattr(api()._torch, "_ops", None)
+    return tuple(c for c in (getattr(ops, "OperatorBase", None), getattr(ops, "OpOverloadPacket", None))
+                 if isinstance(c, type))
+
+
+def top_saved_tensors_hooks():
+    """The innermost ``saved_tensors_hooks`` pair of this thread, ``(pack, unpack)``, or None (also
+    where torch lacks ``torch._C._autograd._top_saved_tensors_default_hooks``)."""
+    top = getattr(getattr(api()._torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(True)
+
+
+def graph_task_id():
+    """``torch._C._current_graph_task_id``: called, -1 outside a backward pass and the running
+    backward's id inside one; None where torch lacks it."""
+    return getattr(api()._torch._C, "_current_graph_task_id", None)
+
+
 def pytree():
     """``torch.utils._pytree`` (the container registry torch users know), or None."""
     mod = sys.modules.get("torch.utils._pytree")
@@ -163,4 +191,5 @@ def _reset() -> None:
 
 
 __all__ = ["KERNEL_STATE", "NEEDED", "SUPPORTED", "TorchApiError", "api", "check", "cudagraph_unsafe_tag",
-           "global_state_guard", "kernel_state_getters", "memory_segments", "nondeterministic_seeded_tag", "pytree"]
+           "global_state_guard", "graph_task_id", "higher_order_operator_class", "kernel_state_getters",
+           "memory_segments", "nondeterministic_seeded_tag", "operator_classes", "pytree", "top_saved_tensors_hooks"]
