@@ -322,7 +322,7 @@ def test_no_grad_evaluation_selects_its_own_recording(tree):
     keys = [k for (_fid, k) in tree.mgr.roots]
     assert len(keys) == 2
     grad_key = [k for k in keys if k and type(k[-1]) is tuple and k[-1][0] is GRAD_MARK]
-    assert len(grad_key) == 1 and grad_key[0][-1] == (GRAD_MARK, (0,))
+    assert len(grad_key) == 1 and grad_key[0][-1] == (GRAD_MARK, (0,), ())  # leaf 0 requires grad, holds none
     assert all(r.state is NodeState.RECORDED for r in tree.mgr.roots.values())
     assert tree.mgr.stats[f.fn_id].recordings == 2 and tree.mgr.stats[f.fn_id].rerecords == 0
     assert tree.mgr.generation == 9  # every call of the root function began a step
