@@ -207,7 +207,6 @@ class CudaBackend(TorchAutograd):
         rec.out_alias = [ops_of(t).alias_maker(t) if k is OWNED else None
                          for t, k in zip(out_leaves, rec.out_kinds)]
         rec.owned_idx = [i for i, k in enumerate(rec.out_kinds) if k is OWNED]
-        rec.poison_idx = [i for i in rec.owned_idx if ops_of(out_leaves[i]) is TORCH]
         owned = [out_leaves[i] for i in rec.owned_idx]
         rec.out_ptrs = [p for p in (ops_of(t).ptr(t) for t in owned) if p]
         # one owned output: its alias maker, bound once (t.detach for torch, a.view for CuPy)
@@ -354,13 +353,15 @@ class CudaBackend(TorchAutograd):
 
     def end_generation(self, handed: list, cloning: str | None) -> None:
         """Poison (or, with ``user_visible`` cloning, clone out) the owned torch outputs handed
-        out (CuPy arrays cannot be poisoned, see the README; replay never hands them in)."""
+        out (CuPy arrays cannot be poisoned, see the README: they are skipped)."""
         tts = self._tts
         if tts is None:
             return
         handed = list(handed) + self.grad_views()  # the autograd outputs that alias them
         poison, messages = tts.poison, self._messages
         for name, t in handed:
+            if not ops_of(t).poisonable:
+                continue
             if cloning == "user_visible":
                 tts.clone_out(t)
                 continue

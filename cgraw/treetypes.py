@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cgraw import calls
+from cgraw.arrays import ops_of, out_spec
 from cgraw.calls import InputPlan
+from cgraw.errors import SkipCall
 
 
 class NodeState(enum.Enum):
@@ -203,6 +205,78 @@ def describe_nodes(head: str, roots, num_nodes) -> str:
     return "\n".join(lines)
 
 
+class PathOutputs:
+    """What the calls of one generation made, held weakly, so that the tree sees when all of it
+    is dead (torch's trees keep weak references to their outputs' storages for this). ``handed``:
+    ``[(function name, weak reference)]`` of outputs in the tree's memory, invalidated when the
+    generation ends if still alive. ``watched``: weak references to the other outputs of its
+    warm-ups and eager runs, never invalidated, but a later call depends on the path while one
+    is alive (``a = f(x)`` warmed up outside the pool, then ``g(a)``)."""
+
+    __slots__ = ("handed", "watched")
+
+    def __init__(self) -> None:
+        self.handed: list = []
+        self.watched: list = []
+
+    def hand(self, name: str, outs) -> None:
+        self.handed.extend([(name, _ref(t)) for t in outs])
+
+    def watch(self, out, call) -> None:
+        """Watch the arrays of ``out`` but ``call``'s inputs, views of them at the same address
+        and static arrays."""
+        leaves: list = []
+        try:
+            out_spec(out, leaves)
+        except SkipCall:
+            pass  # an output no graph can hand out (a sparse tensor): the leaves before it are watched
+        if not leaves:
+            return
+        ins, ptrs = {id(t) for t in call.leaves}, set(call.ptrs)
+        for t in leaves:
+            ops = ops_of(t)
+            if id(t) in ins or ops.static(t) or _ptr(ops, t) in ptrs:
+                continue
+            try:
+                self.watched.append(_ref(t))
+            except TypeError:  # an array type without weak references: alive until the generation ends
+                self.watched.append(_always)
+
+    def alive(self) -> bool:
+        """Whether any output of the generation is alive."""
+        for _, r in self.handed:
+            if r() is not None:
+                return True
+        return any(r() is not None for r in self.watched)
+
+    def take(self) -> list:
+        """``[(function name, output)]`` of the handed-out outputs alive now; forgets everything.
+        (A root function's every call ends a generation: a loop, no comprehension, costs least.)"""
+        live = []
+        for name, r in self.handed:
+            t = r()
+            if t is not None:
+                live.append((name, t))
+        self.handed = []
+        if self.watched:
+            self.watched = []
+        return live
+
+
+_ref = weakref.ref
+
+
+def _ptr(ops, t) -> int | None:
+    try:
+        return ops.ptr(t)
+    except RuntimeError:  # no storage (a meta tensor): no address to share with an input
+        return None
+
+
+def _always() -> bool:
+    return True
+
+
 class Rewarm(str):
     """A re-record reason (from a recording's ``stale``) after which the node must warm up again first:
     what the warm-up learned about the function (the tensors it reads through its closure) may
@@ -244,7 +318,8 @@ class Replayable(Protocol):
     instantiate_ms: float
 
     def replay(self, call) -> tuple[Any, Any]:
-        """Launch for ``call``: the outputs, and those to end with the generation."""
+        """Launch for ``call``: the outputs, and those in the tree's memory (watched while alive,
+        invalidated when the generation ends)."""
 
     def stale(self) -> "Rewarm | None":
         """Why the warm-up's knowledge is out of date (the node warms up again), or None."""
@@ -288,7 +363,8 @@ class Backend(Protocol):
         """Start over on a fresh pool; returns its root checkpoint."""
 
     def end_generation(self, handed: list, cloning: str | None) -> None:
-        """Invalidate (or clone out) the outputs handed out, ``[(function name, output)]``."""
+        """Invalidate (or clone out) the outputs handed out that are still alive, ``[(function
+        name, output)]``; those the backend cannot invalidate (CuPy arrays) it passes over."""
 
     def with_backward(self, ticket, out, call) -> Any:
         """Outputs of a call made with grad enabled (``call`` is None when the call ran eagerly

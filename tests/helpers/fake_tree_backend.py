@@ -19,9 +19,12 @@ What those do depends on the backend's mode:
   from the current inputs, which is what a replayed graph does.
 
 Like the CUDA backend, ``record`` copies eager inputs into pool placeholders, reads static and
-tree-output inputs in place and copies mutated eager inputs back after a replay. Calls are
-classified by the real ``cgraw.calls`` (``FakeT`` is registered as an array type with
-``arrays.register``); ``spy_inspect`` wraps it to log and to inject skips.
+tree-output inputs in place and copies mutated eager inputs back after a replay. Each replay
+hands out new ``FakeT`` objects and the fake keeps none of them (nor a warm-up's outputs): an
+output dies when the caller drops it, as a torch tensor does, so the tree's weak references see
+what a test keeps (``TreeManager._path_is_dead``). Calls are classified by the real
+``cgraw.calls`` (``FakeT`` is registered as an array type with ``arrays.register``);
+``spy_inspect`` wraps it to log and to inject skips.
 
 Autograd (``cgraw.autograd_plan``), simulated: ``GRAD`` is the grad mode (install its probe with
 ``calls.use_grad_mode(GRAD.probe)``; ``GRAD.off()`` is ``torch.no_grad()``). A ``FakeFn`` made
@@ -470,8 +473,8 @@ class FakeTreeBackend:
         self.discards.append(rec)
 
     def end_generation(self, handed: list, cloning) -> None:
-        """Like the torch backend: each handed-out tensor is poisoned, or moved to a private copy
-        with ``cloning="user_visible"``."""
+        """Like the torch backend: each handed-out tensor still alive is poisoned, or moved to a
+        private copy with ``cloning="user_visible"``."""
         self.log.append(("end_generation", len(handed)))
         self.generations.append((list(handed), cloning))
         for name, t in handed:
