@@ -239,14 +239,14 @@ def test_generation_end_poisons_the_torch_outputs_and_skips_cupy_ones(monkeypatc
     """Replays hand out their owned outputs of every framework (the tree watches whether they
     live); the CUDA backend poisons the torch ones still alive and passes over CuPy arrays,
     which cannot be poisoned."""
-    from cgraw import arrays
+    from cgraw import frameworks
     from cgraw.treeexec import CudaBackend
 
     class TorchLike:
         pass
 
-    monkeypatch.setattr(arrays, "_registered", [(TorchLike, arrays.TORCH)])
-    monkeypatch.setattr(arrays, "_by_type", {})
+    monkeypatch.setattr(frameworks, "_registered", [(TorchLike, frameworks.TORCH)])
+    monkeypatch.setattr(frameworks, "_by_type", {})
     poisoned, cloned = [], []
     tts = types.SimpleNamespace(poison=lambda t, msg: poisoned.append((t, msg)), clone_out=cloned.append)
     be = types.SimpleNamespace(_tts=tts, _messages={}, grad_views=list)
