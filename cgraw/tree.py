@@ -31,6 +31,11 @@ the next one begins; then the backend poisons them (torch) or clones them
 generation is pending (``cgraw.autograd_plan``, which also holds the design of autograd through
 graphed functions), a root function's call does not begin one; it extends the path, so the
 saved activations of the pending forwards are not overwritten.
+
+Threads. A tree belongs to the thread that made it (``cgraw.graphed`` keeps one per thread and
+device), with its own generations, pool and capture stream. Trees grow (warm-ups, recordings,
+dropped recordings) under one process-wide ``RecordingLock``; replays take no lock. A backward is
+a node of its forward's tree, run from autograd's thread (``TreeAutograd.call_backward``).
 """
 
 from __future__ import annotations
@@ -39,24 +44,26 @@ import logging
 import threading
 
 from cgraw import treetypes
-from cgraw.autograd_plan import AutogradBook, plan_backward, promotion_note
-from cgraw.calls import TREE, InputPlan, declared_mutations, grad_enabled, inspect, moved
+from cgraw.autograd_plan import BUSY, AutogradBook, TreeAutograd, promotion_note
+from cgraw.calls import InputPlan, declared_mutations, grad_enabled, inspect, moved
 from cgraw.errors import CgrawError, SkipCall, TreeError
 from cgraw.treetypes import Backend, Config, FunctionStats, NodeState, Replayable, Rewarm, TreeNode, Warm, config
 
 log = logging.getLogger("cgraw")
 
+SERIAL = treetypes.RecordingLock()  # the lock every tree grows under, unless it is given its own
 
-class TreeManager:
-    """The tree of one device: roots, the current path, generations and the pool's checkpoints.
 
-    Calls must come from the thread that created the manager (captures are thread-local); another
-    thread gets a clear error.
+class TreeManager(TreeAutograd):
+    """The tree of one thread on one device: roots, the current path, generations, the pool's
+    checkpoints. Calls from another thread than the one that made it get a clear error (its
+    captures and generations are that thread's). ``serial``: the lock the tree grows under.
     """
 
-    def __init__(self, backend, *, device_index: int = 0):
+    def __init__(self, backend, *, device_index: int = 0, serial: treetypes.RecordingLock = SERIAL):
         self.backend = backend
         self.device_index = device_index
+        self.serial = serial
         self.roots: dict = {}
         self.root_fns: set = set()
         self.current: TreeNode | None = None  # the node executed last in this generation
@@ -89,15 +96,19 @@ class TreeManager:
         """Raise a clear error when ``what`` is used from a thread that does not own this tree."""
         if threading.get_ident() != self.owner_thread:
             raise CgrawError(
-                f"{what} called from a thread other than the one that owns device {self.device_index}'s "
-                "graph tree; cgraw trees are single-threaded: call graphed functions, mark_step_begin() "
-                "and reset() from one thread, or use cgraw.capture() on the other")
+                f"{what} called from a thread other than the one that owns this graph tree of device "
+                f"{self.device_index}; each thread has its own trees: call graphed functions, "
+                "cgraw.mark_step_begin() and cgraw.reset() as usual and they act on the calling thread's")
 
     # ------------------------------------------------------------------ the call
 
     def call(self, fn, args, kwargs):
         if threading.get_ident() != self.owner_thread:
             self.check_thread(f"graphed function {fn.name!r}")
+        return self.call_here(fn, args, kwargs)
+
+    def call_here(self, fn, args, kwargs):
+        """``call`` unchecked: ``cgraw.graphed`` hands each thread only its own trees."""
         book = self.book
         if self.current is not None and fn.fn_id in self.root_fns and not (book.tickets and book.pending()):
             deferred = self._begin_step(args)  # the inference rule: a root function begins a step
@@ -145,6 +156,23 @@ class TreeManager:
                     name = fn.name
                     self.handed_out.extend([(name, t) for t in owned])
                 return self._with_backward(fn, node, out, call) if call.grad else out
+        elif node is not None and node.state is NodeState.SKIPPED:  # eager, without the lock
+            self.current = node
+            out = self._eager(fn, node.stats, node.skip_reason, args, kwargs)
+            return self._with_backward(fn, node, out, call) if call.grad else out
+        else:
+            reason = None
+        if not self._enter_serial():
+            return self._eager_call(fn, BUSY, args, kwargs)  # a backward: never wait (see call_backward)
+        try:
+            return self._grow(fn, call, parent, siblings, node, reason, args, kwargs)
+        finally:
+            self.serial.release()
+
+    def _grow(self, fn, call, parent, siblings, node, reason, args, kwargs):
+        """A call that is neither a replay nor a skipped node's: a new node, a warm-up, a recording
+        or a re-recording (``reason``). Under ``serial``."""
+        if reason is not None:
             out = self._rerecord(node, fn, call, reason, args, kwargs)
         else:
             st = self._stats(fn)
@@ -169,45 +197,9 @@ class TreeManager:
                 out = self._record(node, fn, st, call, args, kwargs)
         return self._with_backward(fn, node, out, call) if call.grad else out
 
-    # ------------------------------------------------------------------ autograd (cgraw.autograd_plan)
-
-    def _orphan_pending(self) -> None:
-        """Forwards whose backward may still run keep what a recompute reads (before poisoning)."""
-        orphans = self.book.end_generation()
-        if orphans:
-            self.backend.orphan(orphans)
-
-    def _with_backward(self, fn, node, out, call):
-        """Issue the ticket of a call made with grad enabled; the backend gives the outputs that
-        require grad a backward reporting to it. ``call`` is None for a call run before it was
-        classified (its inputs may be the tree's memory)."""
-        rec = node.recording if node is not None and node.state is NodeState.RECORDED else None
-        ticket = self.book.issue(fn.fn_id, fn.name, node, rec, call is None or TREE in call.kinds)
-        return self.backend.with_backward(ticket, out, call)
-
     def _eager_call(self, fn, reason: str, args, kwargs):
         out = self._eager(fn, self._stats(fn), reason, args, kwargs)
         return self._with_backward(fn, None, out, None) if grad_enabled() else out
-
-    def backward_plan(self, ticket, *, grad_enabled: bool = False):
-        """``autograd_plan.plan_backward``; a reason not to run through the tree is logged once
-        and counted on the forward's function (``cgraw.report()``)."""
-        kind, reason = plan_backward(ticket, grad_enabled=grad_enabled)
-        st = self.stats.get(ticket.fn_id)
-        if reason is not None and st is not None:
-            what = f"backward ran {kind.value}: {reason}"
-            if what not in st.skip_reasons:
-                log.warning("cgraw: %s: %s", st.name, what)
-            st.skip_reasons[what] = st.skip_reasons.get(what, 0) + 1
-        return kind, reason
-
-    def call_backward(self, fn, args):
-        """Run ``fn``, the backward of a forward recorded in this generation (``backward_plan``
-        said TREE), as the next node of the path. Autograd's thread calls it while the owning
-        thread waits in ``backward()``, so the thread is not checked; it never begins a generation."""
-        if self.current is None:
-            raise TreeError(f"{fn.name}: a backward through the tree needs its forward's generation")
-        return self._call(fn, args, {})
 
     def _promote(self, fn, args, kwargs):
         """``fn`` keeps extending the path under way (``prefill(x)`` once, then ``decode(tok)`` in a
@@ -416,18 +408,25 @@ class TreeManager:
     def reset(self) -> None:
         """End the generation, drop every node and recording; the backend frees the pool."""
         self.check_thread("cgraw.reset()")
-        self._orphan_pending()
-        if self.handed_out:
+        self.release(end_generation=True)
+
+    def release(self, *, end_generation: bool = False) -> None:
+        """Drop every node and recording; the backend frees the pool. From any thread, for the tree
+        of a thread that has ended: outputs handed out stay valid while held, neither poisoned nor
+        cloned (the thread may have passed them on); a pending backward recomputes its forward."""
+        with self.serial:
+            self._orphan_pending()
             handed, self.handed_out = self.handed_out, []
-            self.backend.end_generation(handed, config.generation_cloning)
-        self._forget_recordings(self.nodes())
-        self.roots.clear()
-        self.root_fns.clear()
-        self.current = None
-        self.tree_outputs = {}
-        self.pool_state = _UNKNOWN
-        self._keys_seen = {}
-        self.backend.close()
+            if end_generation and handed:
+                self.backend.end_generation(handed, config.generation_cloning)
+            self._forget_recordings(self.nodes())
+            self.roots.clear()
+            self.root_fns.clear()
+            self.current = None
+            self.tree_outputs = {}
+            self.pool_state = _UNKNOWN
+            self._keys_seen = {}
+            self.backend.close()
 
     def describe(self) -> str:
         """A text view of the tree: which node follows which."""
@@ -446,5 +445,5 @@ def _alive_in_tree(node: TreeNode, mgr: TreeManager) -> bool:
     return any(n is node for n in mgr.nodes()) and node.recording is not None
 
 
-__all__ = ["Backend", "Config", "FunctionStats", "NodeState", "Replayable", "Rewarm", "SkipCall", "TreeError",
+__all__ = ["SERIAL", "Backend", "Config", "FunctionStats", "NodeState", "Replayable", "Rewarm", "SkipCall", "TreeError",
            "TreeManager", "TreeNode", "Warm", "config"]
