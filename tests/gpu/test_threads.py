@@ -13,6 +13,7 @@ import copy
 import faulthandler
 import sys
 import threading
+import time
 
 import pytest
 from gpu_data import full_fp32
@@ -76,21 +77,17 @@ def test_a_graphed_mlp_from_many_threads_equals_eager(threads):
     def serve(i):
         names.add(threading.current_thread().name)
         stream = torch.cuda.Stream()
-        worst = 0.0
         with torch.cuda.stream(stream), torch.no_grad():
             start.wait()  # every thread's first calls (warm-up, recording) at once
             for _ in range(calls):
                 x = torch.randn(8 + i, 64, device="cuda")
-                y = f(x)
-                ref = model(x)
-                torch.testing.assert_close(y, ref, **TOL)
-                worst = max(worst, float((y - ref).abs().max()))
+                torch.testing.assert_close(f(x), model(x), **TOL)
         st = _my_stats(f)
-        return worst, (st.warmups, st.recordings, st.replays, st.eager_calls, dict(st.skip_reasons))
+        return st.warmups, st.recordings, st.replays, st.eager_calls, dict(st.skip_reasons)
 
     with cf.ThreadPoolExecutor(max_workers=threads) as ex:
         results = _wait_all([ex.submit(serve, i) for i in range(threads)], "serving threads")
-    for worst, stats in results:
+    for stats in results:
         assert stats == (1, 1, calls - 2, 0, {}), stats
     assert not _worker_trees_left(names)  # each thread's tree went when the pool shut down
     assert _defer.pending() == 0
@@ -103,13 +100,13 @@ def test_a_thread_records_while_another_replays():
 
     def replays():
         stream = torch.cuda.Stream()
-        n = 0
+        n, deadline = 0, time.monotonic() + DEADLINE_S / 2
         with torch.cuda.stream(stream), torch.no_grad():
             for _ in range(3):
                 x = torch.randn(16, 64, device="cuda")
                 torch.testing.assert_close(fa(x), model_a(x), **TOL)
             a_recorded.set()
-            while not b_done.is_set() or n < 20:  # replays while the other thread records
+            while (not b_done.is_set() or n < 20) and time.monotonic() < deadline:  # while the other records
                 x = torch.randn(16, 64, device="cuda")
                 torch.testing.assert_close(fa(x), model_a(x), **TOL)
                 n += 1
@@ -117,9 +114,9 @@ def test_a_thread_records_while_another_replays():
         return n, (st.recordings, st.eager_calls)
 
     def records():
-        assert a_recorded.wait(DEADLINE_S)
         stream = torch.cuda.Stream()
         try:
+            assert a_recorded.wait(DEADLINE_S / 2)
             with torch.cuda.stream(stream), torch.no_grad():
                 for _ in range(6):
                     x = torch.randn(4, 64, device="cuda")
@@ -131,7 +128,7 @@ def test_a_thread_records_while_another_replays():
 
     with cf.ThreadPoolExecutor(max_workers=2) as ex:
         (n, a_stats), b_stats = _wait_all([ex.submit(replays), ex.submit(records)], "replaying and recording")
-    assert n >= 20 and a_stats == (1, 0)
+    assert b_done.is_set() and n >= 20 and a_stats == (1, 0)
     assert b_stats == (1, 1, 4, 0, {})  # the capture ran beside the other thread's replays and held
 
 
