@@ -115,15 +115,18 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import weakref
 
 from cgraw.calls import TREE
 from cgraw.errors import TreeError
 from cgraw.treetypes import NodeState
 
-__all__ = ["AutogradBook", "BackwardPlan", "BackwardTicket", "TreeAutograd", "plan_backward", "promotion_note"]
+__all__ = ["BUSY", "AutogradBook", "BackwardPlan", "BackwardTicket", "TreeAutograd", "plan_backward",
+           "promotion_note"]
 
 log = logging.getLogger("cgraw")
+BUSY = "another thread was warming up or recording a graph tree (it ran eagerly this time)"
 
 
 class BackwardPlan(enum.Enum):
@@ -277,8 +280,11 @@ def promotion_note(name: str, limit: int) -> str:
 
 
 class TreeAutograd:
-    """The graph tree's side of autograd: a mixin of ``tree.TreeManager`` (its ``book``,
-    ``backend``, ``stats``, ``current`` and ``_call``)."""
+    """The ``tree.TreeManager`` side of autograd (a mixin): tickets of calls made with grad
+    enabled, the plan of each backward, and the backward as a node of its forward's tree, run
+    from autograd's device thread (``call_backward``)."""
+
+    _backward_thread: int | None = None  # the thread running call_backward now
 
     def _orphan_pending(self) -> None:
         """Forwards whose backward may still run keep what a recompute reads (before poisoning)."""
@@ -295,8 +301,8 @@ class TreeAutograd:
         return self.backend.with_backward(ticket, out, call)
 
     def backward_plan(self, ticket, *, grad_enabled: bool = False):
-        """``autograd_plan.plan_backward``; a reason not to run through the tree is logged once
-        and counted on the forward's function (``cgraw.report()``)."""
+        """``plan_backward``; a reason not to run through the tree is logged once and counted on
+        the forward's function (``cgraw.report()``)."""
         kind, reason = plan_backward(ticket, grad_enabled=grad_enabled)
         st = self.stats.get(ticket.fn_id)
         if reason is not None and st is not None:
@@ -308,8 +314,22 @@ class TreeAutograd:
 
     def call_backward(self, fn, args):
         """Run ``fn``, the backward of a forward recorded in this generation (``backward_plan``
-        said TREE), as the next node of the path. Autograd's thread calls it while the owning
-        thread waits in ``backward()``, so the thread is not checked; it never begins a generation."""
+        said TREE), as the next node of the path. Autograd's device thread calls it while the
+        owning thread waits in ``backward()``, so the thread is not checked; it never begins a
+        generation. To warm up or record it enters the tree's lock as the owning thread's guest;
+        when another thread holds the lock it runs eagerly this once (``BUSY``) instead of waiting."""
         if self.current is None:
             raise TreeError(f"{fn.name}: a backward through the tree needs its forward's generation")
-        return self._call(fn, args, {})
+        before, self._backward_thread = self._backward_thread, threading.get_ident()
+        try:
+            return self._call(fn, args, {})
+        finally:
+            self._backward_thread = before
+
+    def _enter_serial(self) -> bool:
+        """Take the tree's lock to grow it. A backward enters as the owning thread's guest, or not
+        at all: the thread holding the lock may be waiting for this one (its warm-up runs a
+        backward pass on autograd's device thread)."""
+        if self._backward_thread != threading.get_ident():
+            return self.serial.acquire()
+        return self.serial.acquire(host=self.owner_thread, blocking=False)

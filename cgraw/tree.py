@@ -40,6 +40,11 @@ pending backward's is), the call starts from a root, as if it were the first cal
 So ``f(x)``, then ``g(x)`` in a loop with its outputs dropped, records ``g`` at its second call.
 While outputs stay alive, calls of a function that is not a root extend the path, up to
 ``config.path_repeat_limit``.
+
+Threads. A tree belongs to the thread that made it (``cgraw.graphed`` keeps one per thread and
+device), with its own generations, pool and capture stream. Trees grow (warm-ups, recordings,
+dropped recordings) under one process-wide ``RecordingLock``; replays take no lock. A backward is
+a node of its forward's tree, run from autograd's thread (``TreeAutograd.call_backward``).
 """
 
 from __future__ import annotations
@@ -49,25 +54,28 @@ import threading
 import weakref
 
 from cgraw import treetypes
-from cgraw.autograd_plan import AutogradBook, TreeAutograd, promotion_note
+from cgraw.autograd_plan import BUSY, AutogradBook, TreeAutograd, promotion_note
 from cgraw.calls import TREE, InputPlan, declared_mutations, grad_enabled, inspect, learn_kernel_groups, moved
 from cgraw.errors import CgrawError, SkipCall, TreeError
+from cgraw.treepool import UNKNOWN, TreePool
 from cgraw.treetypes import Backend, Config, FunctionStats, NodeState, Replayable, Rewarm, TreeNode, Warm, config
 
 log = logging.getLogger("cgraw")
 _ref = weakref.ref
 
+SERIAL = treetypes.RecordingLock()  # the lock every tree grows under, unless it is given its own
 
-class TreeManager(TreeAutograd):
-    """The tree of one device: roots, the current path, generations and the pool's checkpoints.
 
-    Calls must come from the thread that created the manager (captures are thread-local); another
-    thread gets a clear error.
+class TreeManager(TreeAutograd, TreePool):
+    """The tree of one thread on one device: roots, the current path, generations, the pool's
+    checkpoints. Calls from another thread than the one that made it get a clear error (its
+    captures and generations are that thread's). ``serial``: the lock the tree grows under.
     """
 
-    def __init__(self, backend, *, device_index: int = 0):
+    def __init__(self, backend, *, device_index: int = 0, serial: treetypes.RecordingLock = SERIAL):
         self.backend = backend
         self.device_index = device_index
+        self.serial = serial
         self.roots: dict = {}
         self.root_fns: set = set()
         self.current: TreeNode | None = None  # the node executed last in this generation
@@ -109,15 +117,19 @@ class TreeManager(TreeAutograd):
         """Raise a clear error when ``what`` is used from a thread that does not own this tree."""
         if threading.get_ident() != self.owner_thread:
             raise CgrawError(
-                f"{what} called from a thread other than the one that owns device {self.device_index}'s "
-                "graph tree; cgraw trees are single-threaded: call graphed functions, mark_step_begin() "
-                "and reset() from one thread, or use cgraw.capture() on the other")
+                f"{what} called from a thread other than the one that owns this graph tree of device "
+                f"{self.device_index}; each thread has its own trees: call graphed functions, "
+                "cgraw.mark_step_begin() and cgraw.reset() as usual and they act on the calling thread's")
 
     # ------------------------------------------------------------------ the call
 
     def call(self, fn, args, kwargs):
         if threading.get_ident() != self.owner_thread:
             self.check_thread(f"graphed function {fn.name!r}")
+        return self.call_here(fn, args, kwargs)
+
+    def call_here(self, fn, args, kwargs):
+        """``call`` unchecked: ``cgraw.graphed`` hands each thread only its own trees."""
         book = self.book
         if self.current is not None and fn.fn_id in self.root_fns and not (book.tickets and book.pending()):
             deferred = self._begin_step(args)  # the inference rule: a root function begins a step
@@ -167,6 +179,22 @@ class TreeManager(TreeAutograd):
                     for t in owned:  # a loop, no comprehension: one output is the common case
                         handed.append((name, _ref(t)))
                 return self._with_backward(fn, node, out, call) if call.grad else out
+        elif node is not None and node.state is NodeState.SKIPPED:  # eager, without the lock
+            out = self._eager_node(node, call, args, kwargs)
+            return self._with_backward(fn, node, out, call) if call.grad else out
+        else:
+            reason = None
+        if not self._enter_serial():
+            return self._eager_call(fn, BUSY, args, kwargs)  # a backward: never wait (see call_backward)
+        try:
+            return self._grow(fn, call, parent, siblings, node, reason, args, kwargs)
+        finally:
+            self.serial.release()
+
+    def _grow(self, fn, call, parent, siblings, node, reason, args, kwargs):
+        """A call that is neither a replay nor a skipped node's: a new node, a warm-up, a recording
+        or a re-recording (``reason``). Under ``serial``."""
+        if reason is not None:
             out = self._rerecord(node, fn, call, reason, args, kwargs)
         elif parent is not None and not getattr(fn, "copies_out", False) and self._path_is_dead(call):
             # every output of the path is dead: end it (torch's trees do), so this call starts
@@ -259,10 +287,10 @@ class TreeManager(TreeAutograd):
         try:
             w = self.backend.warmup(fn, call, args, kwargs)
         except BaseException:
-            self.pool_state = _UNKNOWN  # it may have left blocks in the pool
+            self.pool_state = UNKNOWN  # it may have left blocks in the pool
             raise
         if w.in_pool:
-            self.pool_state = _UNKNOWN
+            self.pool_state = UNKNOWN
             if w.stash is not None:
                 log.info("cgraw: the warm-up of %s %s; the graph tree moves to a fresh pool and warms up "
                          "outside it from now on", fn.name, w.stash)
@@ -297,10 +325,10 @@ class TreeManager(TreeAutograd):
             node.skip_reason = str(exc)
             # a failed capture put the pool back itself; a recording that failed after its capture
             # left blocks behind, so the next recording must restore first
-            self.pool_state = _UNKNOWN if exc.dirty else anchor
+            self.pool_state = UNKNOWN if exc.dirty else anchor
             return self._eager_node(node, call, args, kwargs)
         except BaseException:
-            self.pool_state = _UNKNOWN  # the pool may hold the failed recording's blocks
+            self.pool_state = UNKNOWN  # the pool may hold the failed recording's blocks
             raise
         node.recording = rec
         node.plan = InputPlan(call)
@@ -361,70 +389,28 @@ class TreeManager(TreeAutograd):
                         "cgraw.config.skip_dynamic_graphs = True", fn.name, len(seen))
         return config.skip_dynamic_graphs and idx >= limit
 
-    def _restore_to(self, anchor: TreeNode | None) -> None:
-        """Make the pool's bookkeeping the checkpoint at the end of ``anchor``'s recording."""
-        path = set() if anchor is None else {id(n) for n in anchor.path()}
-        on_path, off_path = [], []
-        for n in self.nodes():
-            if n.state is NodeState.RECORDED and n.recording is not None:
-                (on_path if id(n) in path else off_path).append(n.recording)
-        snap = self.root_checkpoint if anchor is None else anchor.checkpoint
-        try:
-            self.backend.restore(snap, on_path, off_path)
-        except Exception as exc:
-            # something outside the tree (a traceback, a global) holds memory the checkpoint
-            # would hand out again: start over on a fresh pool rather than risk a wrong result
-            log.warning("cgraw: cannot restore the graph tree's pool (%s); re-recording the tree "
-                        "on a fresh pool", exc)
-            self._renew()
-            anchor = None
-        self.pool_state = anchor
-
-    def _renew(self) -> None:
-        self._forget_recordings(self.nodes())
-        self.root_checkpoint = self.backend.renew()
-        self.tree_outputs = {}
-
-    def _forget_recordings(self, nodes) -> None:
-        """Discard the recordings of ``nodes``; recorded ones are WARMED again (recorded anew
-        when a call reaches them)."""
-        for n in nodes:
-            if n.recording is not None:
-                self.backend.discard(n.recording)
-                n.recording = None
-                n.checkpoint = None
-                n.plan = None
-            if n.state is NodeState.RECORDED:
-                n.state = NodeState.WARMED
-
-    def _drop_subtree_of(self, node: TreeNode) -> None:
-        """A node is re-recorded: its old recording and its descendants' recordings go. The
-        descendants stay in the tree as WARMED nodes and are recorded again when a call reaches
-        them."""
-        self._forget_recordings(node.walk())  # the node itself too: _record sets it again on success
-        ps = self.pool_state
-        if ps is not None and not (any(n is ps for n in self.nodes()) and ps.recording is not None):
-            self.pool_state = _UNKNOWN
-
-    def nodes(self) -> list[TreeNode]:
-        out = []
-        for r in self.roots.values():
-            out.extend(r.walk())
-        return out
-
     def reset(self) -> None:
         """End the generation, drop every node and recording; the backend frees the pool."""
         self.check_thread("cgraw.reset()")
-        self._orphan_pending()
-        self.backend.end_generation(self.outs.take(), config.generation_cloning)
-        self._forget_recordings(self.nodes())
-        self.roots.clear()
-        self.root_fns.clear()
-        self.current = None
-        self.tree_outputs = {}
-        self.pool_state = _UNKNOWN
-        self._keys_seen = {}
-        self.backend.close()
+        self.release(end_generation=True)
+
+    def release(self, *, end_generation: bool = False) -> None:
+        """Drop every node and recording; the backend frees the pool. From any thread, for the tree
+        of a thread that has ended: outputs handed out stay valid while held, neither poisoned nor
+        cloned (the thread may have passed them on); a pending backward recomputes its forward."""
+        with self.serial:
+            self._orphan_pending()
+            handed = self.outs.take()
+            if end_generation:
+                self.backend.end_generation(handed, config.generation_cloning)
+            self._forget_recordings(self.nodes())
+            self.roots.clear()
+            self.root_fns.clear()
+            self.current = None
+            self.tree_outputs = {}
+            self.pool_state = UNKNOWN
+            self._keys_seen = {}
+            self.backend.close()
 
     def describe(self) -> str:
         """A text view of the tree: which node follows which."""
@@ -432,12 +418,5 @@ class TreeManager(TreeAutograd):
         return treetypes.describe_nodes(head, self.roots.values(), self.backend.num_nodes)
 
 
-class _Unknown:
-    """Marker: the pool's bookkeeping matches no live node (force a restore before recording)."""
-
-
-_UNKNOWN = _Unknown()
-
-
-__all__ = ["Backend", "Config", "FunctionStats", "NodeState", "Replayable", "Rewarm", "SkipCall", "TreeError",
+__all__ = ["SERIAL", "Backend", "Config", "FunctionStats", "NodeState", "Replayable", "Rewarm", "SkipCall", "TreeError",
            "TreeManager", "TreeNode", "Warm", "config"]
