@@ -126,6 +126,7 @@ class Recording:
         "out_spec",  # arrays.out_spec of the output structure
         "owned_idx",  # indices of the OWNED outputs
         "out_ptrs",  # data pointers of the OWNED outputs (tree-output inputs of later calls)
+        "users",  # [(users, baseline)] of the OWNED outputs' memory (frameworks.Ops.users): in use while above
         "alias0",  # one owned output, unpadded: its bound alias maker (the fastest replay)
         "bucket",  # padding bucket, or None
         "padded",  # leaf indices of the padded inputs
@@ -153,7 +154,7 @@ class Recording:
         self.in_pool = self.stage = None
         self.staged = []
         self.out_leaves, self.out_kinds, self.out_alias = [], [], []
-        self.owned_idx, self.out_ptrs = [], []
+        self.owned_idx, self.out_ptrs, self.users = [], [], []
         self.out_spec = self.alias0 = self.bucket = None
         self.padded = frozenset()
         self.out_rows = []

@@ -111,7 +111,11 @@ class TreeManager(TreeAutograd, TreePool):
         (torch's ``all_outputs_are_dead``), none is this call's input, and no autograd graph of its
         forwards is alive (their outputs as autograd hands them out; a pending backward's saved
         activations are the path's memory too)."""
-        return TREE not in call.kinds and not self.outs.alive() and not self.book.graphs_alive()
+        if TREE in call.kinds or self.outs.alive() or self.book.graphs_alive():
+            return False
+        # a view or .detach() alias of an output outlives the output object: count its memory's users
+        return not any(treetypes.memory_in_use(getattr(n.recording, "users", ()))
+                       for n in self.current.path() if n.recording is not None)
 
     def check_thread(self, what: str) -> None:
         """Raise a clear error when ``what`` is used from a thread that does not own this tree."""

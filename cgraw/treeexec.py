@@ -249,7 +249,11 @@ class CudaBackend(TorchAutograd):
 
     def first_replay(self, rec: Recording, call: Call):
         """The recording's first call: its inputs read in place where ``rebindexec.prove`` shows
-        that is safe, else as recorded. Returns what ``Recording.replay`` returns."""
+        that is safe, else as recorded. Returns what ``Recording.replay`` returns. Before it, the
+        users of the owned outputs' memory are counted: what the recording itself holds, once the
+        capture's temporaries are gone, is the baseline above which an alias is alive."""
+        rec.users = [(u, u()) for u in (ops_of(t).users(t) for t in (rec.out_leaves[i] for i in rec.owned_idx))
+                     if u is not None]
         if rec.proof is None:
             return rec.replay(call)
         return rebindexec.prove(self, rec, call)

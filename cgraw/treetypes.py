@@ -212,16 +212,26 @@ class PathOutputs:
     ``[(function name, weak reference)]`` of outputs in the tree's memory, invalidated when the
     generation ends if still alive. ``watched``: weak references to the other outputs of its
     warm-ups and eager runs, never invalidated, but a later call depends on the path while one
-    is alive (``a = f(x)`` warmed up outside the pool, then ``g(a)``)."""
+    is alive (``a = f(x)`` warmed up outside the pool, then ``g(a)``). ``memory``: ``(users,
+    baseline)`` of the warm-up outputs in the tree's memory (``Ops.users``): a view or
+    ``.detach()`` alias of one keeps its memory in use after the output itself is gone.
+    Recordings' outputs are counted the same way through ``Replayable.users``
+    (``memory_in_use``)."""
 
-    __slots__ = ("handed", "watched")
+    __slots__ = ("handed", "watched", "memory")
 
     def __init__(self) -> None:
         self.handed: list = []
         self.watched: list = []
+        self.memory: list = []
 
     def hand(self, name: str, outs) -> None:
-        self.handed.extend([(name, _ref(t)) for t in outs])
+        """Outputs of a warm-up in the tree's memory: nothing but the caller holds them."""
+        for t in outs:
+            self.handed.append((name, _ref(t)))
+            users = ops_of(t).users(t)
+            if users is not None:
+                self.memory.append((users, 0))
 
     def watch(self, out, call) -> None:
         """Watch the arrays of ``out`` but ``call``'s inputs, views of them at the same address
@@ -244,11 +254,11 @@ class PathOutputs:
                 self.watched.append(_always)
 
     def alive(self) -> bool:
-        """Whether any output of the generation is alive."""
+        """Whether any output of the generation, or any alias of a warm-up's, is alive."""
         for _, r in self.handed:
             if r() is not None:
                 return True
-        return any(r() is not None for r in self.watched)
+        return any(r() is not None for r in self.watched) or memory_in_use(self.memory)
 
     def take(self) -> list:
         """``[(function name, output)]`` of the handed-out outputs alive now; forgets everything.
@@ -261,7 +271,14 @@ class PathOutputs:
         self.handed = []
         if self.watched:
             self.watched = []
+        if self.memory:
+            self.memory = []
         return live
+
+
+def memory_in_use(users) -> bool:
+    """Whether any of ``[(users, baseline)]`` counts more references than its baseline."""
+    return any(count() > base for count, base in users)
 
 
 _ref = weakref.ref
@@ -315,6 +332,7 @@ class Replayable(Protocol):
     """A recording, as the tree's hot path uses it (no backend call in between)."""
 
     out_ptrs: list  # data pointers of the memory its outputs own in the pool
+    users: list  # (users, baseline) of that memory: more than the baseline while an alias holds it
     capture_ms: float
     instantiate_ms: float
 

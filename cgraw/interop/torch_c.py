@@ -28,6 +28,7 @@ NEEDED = {
     "_cuda_releasePool": "ending that routing",
     "_cuda_clearCublasWorkspaces": "keeping cuBLAS workspaces inside a recording",
     "_cuda_memorySnapshot": "reading torch's segments, always with None (see memory_segments)",
+    "_storage_Use_Count": "whether memory a graph tree handed out is still used (a view or .detach() of an output)",
 }
 
 
@@ -165,6 +166,20 @@ def global_state_guard():
     return getattr(guards, "GlobalStateGuard", None)
 
 
+def storage_users(t):
+    """A callable counting the references to ``t``'s storage (every tensor over it, views and
+    ``.detach()`` aliases included), through a weak reference to the storage, as torch's trees
+    see whether outputs are alive; it keeps neither ``t`` nor its memory alive."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    ref = StorageWeakRef(t.untyped_storage())
+    count = api()._storage_Use_Count
+
+    def users() -> int:
+        return count(ref.cdata)
+    return users
+
+
 def memory_segments() -> list:
     """Every segment of torch's CUDA caching allocator, as ``torch.cuda.memory_snapshot()`` lists
     them, each with its ``segment_pool_id``; callers filter.
@@ -192,4 +207,5 @@ def _reset() -> None:
 
 __all__ = ["KERNEL_STATE", "NEEDED", "SUPPORTED", "TorchApiError", "api", "check", "cudagraph_unsafe_tag",
            "global_state_guard", "graph_task_id", "higher_order_operator_class", "kernel_state_getters",
-           "memory_segments", "nondeterministic_seeded_tag", "operator_classes", "pytree", "top_saved_tensors_hooks"]
+           "memory_segments", "nondeterministic_seeded_tag", "operator_classes", "pytree", "storage_users",
+           "top_saved_tensors_hooks"]

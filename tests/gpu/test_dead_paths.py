@@ -119,3 +119,23 @@ def test_outputs_kept_alive_or_a_view_of_one_keep_the_path():
     del view
     torch.testing.assert_close(h(z), z.cos())
     assert [n.fn for n in _managers[0].current.path()] == [h]
+
+
+@pytest.mark.parametrize("alias", ["detach", "data"])
+def test_a_detached_alias_of_an_output_stays_valid(alias):
+    """Only an alias of an output survives (``f(x).detach()``): its memory is still in use, so
+    the path is not ended and no later recording is given that memory."""
+    f = cgraw.graphed(lambda x: x * 2.0 + 1.0)
+    g = cgraw.graphed(lambda x: torch.sin(x) * 5.0)
+    for _ in range(3):  # f warmed up, recorded, replayed
+        cgraw.mark_step_begin()
+        f(trand(1 << 16))
+    cgraw.mark_step_begin()
+    x = trand(1 << 16)
+    kept = getattr(f(x), alias)() if alias == "detach" else f(x).data
+    expected = kept.clone()
+    for _ in range(6):  # g, first called now: it must not be given f's output memory
+        y = trand(1 << 16)
+        torch.testing.assert_close(g(y), torch.sin(y) * 5.0)
+    torch.cuda.synchronize()
+    assert torch.equal(kept, expected)
