@@ -226,7 +226,7 @@ def summarise(rows: list) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def _parse(argv):
     ap = argparse.ArgumentParser(prog="python3 -m benchmarks.threads", description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=_counts, default=(1, 2, 8), help="comma-separated thread counts")
     ap.add_argument("--seconds", type=float, default=2.0, help="timed seconds per run")
@@ -234,11 +234,16 @@ def main(argv=None) -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/threads.json)")
     args = ap.parse_args(argv)
-    counts = args.threads
-    systems = [s for s in args.systems.split(",") if s]
-    bad = [s for s in systems if s not in SYSTEMS]
-    if bad or not systems:
+    args.systems = [s for s in args.systems.split(",") if s]
+    bad = [s for s in args.systems if s not in SYSTEMS]
+    if bad or not args.systems:
         ap.error(f"unknown system(s) {bad}; choose from {', '.join(SYSTEMS)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    counts, systems = args.threads, args.systems
     if no_gpu():
         return 2
 

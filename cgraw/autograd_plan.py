@@ -100,7 +100,7 @@ grad-mode probe, keys and generations as before). None of it has run on the H200
    while the owning thread waits in ``backward()`` (torch copies its tree state into autograd
    threads); the three events from torch: ``backward_ran`` from the Function's backward,
    ``freed`` from a finalizer on an object only the autograd graph holds (the tree holds
-   outputs weakly, ``treetypes.PathOutputs``, as torch's trees do, so a dropped output frees its
+   outputs weakly, ``treeoutputs.PathOutputs``, as torch's trees do, so a dropped output frees its
    graph; a live graph keeps the path under way, ``AutogradBook.graphs_alive``),
    ``never_needed`` when no output requires grad; ``Backend.orphan`` (clone the tree-output
    inputs of orphaned tickets out of the pool); ``calls.use_grad_mode(torch.is_grad_enabled)``;

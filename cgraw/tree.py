@@ -34,7 +34,7 @@ saved activations of the pending forwards are not overwritten.
 
 A generation also ends when everything its path made is dead, as torch's trees end a path whose
 outputs are all dead. Before a call would add a node to the path (not before a replay), the tree
-checks its weak references to the outputs of the path's calls (``treetypes.PathOutputs``): when
+checks its weak references to the outputs of the path's calls (``treeoutputs.PathOutputs``): when
 none is alive, none is the call's input and no autograd graph of the path's forwards is alive (a
 pending backward's is), the call starts from a root, as if it were the first call of the process.
 So ``f(x)``, then ``g(x)`` in a loop with its outputs dropped, records ``g`` at its second call.
@@ -57,6 +57,7 @@ from cgraw import treetypes
 from cgraw.autograd_plan import BUSY, AutogradBook, TreeAutograd, promotion_note
 from cgraw.calls import TREE, InputPlan, declared_mutations, grad_enabled, inspect, learn_kernel_groups, moved
 from cgraw.errors import CgrawError, SkipCall, TreeError
+from cgraw.treeoutputs import PathOutputs, memory_in_use
 from cgraw.treepool import UNKNOWN, TreePool
 from cgraw.treetypes import Backend, Config, FunctionStats, NodeState, Replayable, Rewarm, TreeNode, Warm, config
 
@@ -83,7 +84,7 @@ class TreeManager(TreeAutograd, TreePool):
         self.pool_state: TreeNode | None = None  # whose checkpoint the pool's bookkeeping equals
         self.root_checkpoint = backend.snapshot()
         self.tree_outputs: dict[int, TreeNode] = {}  # data pointer -> node, this generation
-        self.outs = treetypes.PathOutputs()  # what the calls of this generation made, held weakly
+        self.outs = PathOutputs()  # what the calls of this generation made, held weakly
         self.stats: dict[int, FunctionStats] = {}
         self.owner_thread = threading.get_ident()
         self._keys_seen: dict[int, dict] = {}  # fn id -> {input signature: order first seen}
@@ -114,7 +115,7 @@ class TreeManager(TreeAutograd, TreePool):
         if TREE in call.kinds or self.outs.alive() or self.book.graphs_alive():
             return False
         # a view or .detach() alias of an output outlives the output object: count its memory's users
-        return not any(treetypes.memory_in_use(getattr(n.recording, "users", ()))
+        return not any(memory_in_use(getattr(n.recording, "users", ()))
                        for n in self.current.path() if n.recording is not None)
 
     def check_thread(self, what: str) -> None:

@@ -1,6 +1,6 @@
 """CPU tests of how a graph tree sees that memory it handed out is still used: a view or a
 ``.detach()`` alias of an output keeps the output's memory in use after the output object itself
-is gone (``frameworks.Ops.users``, ``treetypes.PathOutputs``, ``treetypes.memory_in_use``), so a
+is gone (``frameworks.Ops.users``, ``treeoutputs.PathOutputs``, ``treeoutputs.memory_in_use``), so a
 path whose outputs survive only as aliases is not ended and its memory is not handed out again."""
 
 from __future__ import annotations
@@ -12,9 +12,17 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from cgraw.frameworks import TORCH  # noqa: E402
-from cgraw.treetypes import PathOutputs, memory_in_use  # noqa: E402
+from cgraw.treeoutputs import PathOutputs, memory_in_use  # noqa: E402
 
 pytestmark = pytest.mark.torch
+
+
+def _alias(t, how):
+    if how == "detach":
+        return t.detach()
+    if how == "view":
+        return t[2:]
+    return t.data if how == "data" else None
 
 
 @pytest.mark.parametrize("alias", ["detach", "view", "data", "none"])
@@ -22,7 +30,7 @@ def test_an_alias_of_a_warm_up_output_keeps_its_memory_in_use(alias):
     outs = PathOutputs()
     t = torch.randn(16)
     outs.hand("f", [t])
-    kept = {"detach": t.detach, "view": lambda: t[2:], "data": lambda: t.data, "none": lambda: None}[alias]()
+    kept = _alias(t, alias)
     del t
     gc.collect()
     assert outs.alive() == (alias != "none")
