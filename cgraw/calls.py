@@ -86,10 +86,10 @@ def learn_kernel_groups(fn, groups, key: tuple) -> tuple | None:
         return None
     old = getattr(fn, "kernel_groups", None)
     new = frozenset(groups) if old is None else old | frozenset(groups)
-    if new == old:
-        return None
-    fn.kernel_groups = new
-    fn.kernel_getters = ks.getters(new)
+    if new != old:
+        fn.kernel_groups = new
+        fn.kernel_getters = ks.getters(new)
+    # also when unchanged: the call may have been keyed before another thread's warm-up learned them
     return key[:-1] + (ks.state(fn.kernel_getters),)
 
 

@@ -342,7 +342,12 @@ class CudaBackend(TorchAutograd):
             plan = self._tts.plan_restore(torch_ckpt, [r.spans for r in on_path])
         self.pool.restore(cg)
         if plan is not None:
+            # torch's owners of blocks change here, and with them what the recordings on the path
+            # hold of their outputs' memory: their baselines move by as much (callers' aliases do not)
+            before = [[u() for u, _ in r.users] for r in on_path]
             self._tts.apply_restore(torch_ckpt, plan)
+            for r, counts in zip(on_path, before):
+                r.users = [(u, base + u() - c) for (u, base), c in zip(r.users, counts)]
 
     def renew(self):
         """Start over on a fresh pool. The old pool is not closed: whatever still holds its memory

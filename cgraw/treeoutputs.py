@@ -32,12 +32,20 @@ class PathOutputs:
         self.memory: list = []
 
     def hand(self, name: str, outs) -> None:
-        """Outputs of a warm-up in the tree's memory: nothing but the caller holds them."""
+        """Outputs of a warm-up in the tree's memory, which only the caller holds: each output
+        object over a block counts one user above what the tree holds of it."""
+        outs = list({id(t): t for t in outs}.values())
         for t in outs:
             self.handed.append((name, _ref(t)))
-            users = ops_of(t).users(t)
-            if users is not None:
-                self.memory.append((users, 0))
+        by_memory: dict = {}
+        for t in outs:
+            ops = ops_of(t)
+            if ops.users(t) is not None:  # a framework that can count them
+                by_memory.setdefault(ops.base_ptr(t), []).append((ops, t))
+        for same in by_memory.values():
+            ops, t = same[0]
+            users = ops.users(t)
+            self.memory.append((users, users() - len(same)))
 
     def watch(self, out, call) -> None:
         """Watch the arrays of ``out`` but ``call``'s inputs, views of them at the same address
