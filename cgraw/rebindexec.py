@@ -17,6 +17,11 @@ ways the graph reaches the input, by running the call twice:
    inputs; zeros for integer ones, which cannot send an index out of bounds), and the graph
    replayed again; its ranges' contents must equal the first replay's, byte for byte.
 
+The generator records a graph that draws random numbers reads are among those ranges, and the
+host's side of its generators (torch's offset, CuPy's ``_rk_seed``, the records' mirror,
+``rng.GraphRng.save``) is put back with them: the second replay draws what the first drew, and
+the generators move once.
+
 Equal: the inputs are read in place from now on (``recording.InputRebind``) and their
 placeholders are freed. Different (a read the scan did not see, a non-deterministic kernel):
 the ranges are put back once more, the graph is restored as recorded and replayed with its
@@ -246,9 +251,13 @@ def prove(backend, rec, call):
         except CudaError as exc:
             _note(notes, rebinds, f"cgraw could not save what its graph reaches ({exc.call}: {exc.name})")
             return rec.replay(call)
+        rng = None if rec.rng_sync is None else rec.graph.rng  # its generators (rng.GraphRng)
+        generators = None if rng is None else rng.save()
         rec.replay(call)  # A: as recorded, with the copies
         _pack(ranges, after_a, stream, out=True)
         _pack(ranges, saved, stream, out=False)
+        if rng is not None:
+            rng.restore(generators)
         try:
             _switch(rec, pend, rebinds, on=True)
             for r in rebinds:
@@ -265,6 +274,8 @@ def prove(backend, rec, call):
             return result
         log.info("cgraw: %s: inputs %s keep their copies: %s", rec.name, [r.leaf for r in rebinds], why)
         _pack(ranges, saved, stream, out=False)
+        if rng is not None:
+            rng.restore(generators)
         _switch(rec, pend, rebinds, on=False)
         _note(notes, rebinds, why)
         return rec.replay(call)  # as recorded: the call's one effective run
