@@ -14,9 +14,10 @@ overhead, graphed call and its pieces, workloads, graph-safe random numbers and 
 the frameworks' seeds costs a call, allocator, eager overhead), then which CuPy functions a
 capture records (cupy_coverage: a table, not timings) and CuPy-only loops, then training steps
 (autograd through graphed functions against whole-step graphs, make_graphed_callables and
-reduce-overhead), then zero-copy inputs (rebind; last, because it drives the newest runtime code
-and a sticky CUDA error there would fail every later part of the process). ``--only PART[,PART]``
-runs those parts of the full run (in this order).
+reduce-overhead), then graphed calls from 1, 2 and 8 threads (throughput and memory against eager
+and one serialised tree), then zero-copy inputs (rebind; last, because it drives the newest
+runtime code and a sticky CUDA error there would fail every later part of the process).
+``--only PART[,PART]`` runs those parts of the full run (in this order).
 
 With no GPU it exits with status 2 and a one-line reason. A part that raises is reported and the
 others still run; the exit status is then 1. The CPU-only allocator figure is
@@ -51,6 +52,7 @@ PARTS = {
     "cupy_coverage": ("benchmarks.cupy_coverage", []),
     "cupy_loops": ("benchmarks.cupy_loops", []),
     "training": ("benchmarks.training", []),
+    "threads": ("benchmarks.threads", []),
     "rebind": ("benchmarks.rebind", []),
 }
 

@@ -99,8 +99,9 @@ grad-mode probe, keys and generations as before). None of it has run on the H200
    warm-up, record and replay through ``call_backward``, called from autograd's device thread
    while the owning thread waits in ``backward()`` (torch copies its tree state into autograd
    threads); the three events from torch: ``backward_ran`` from the Function's backward,
-   ``freed`` from a finalizer on an object only the autograd graph holds (so ``handed_out``
-   must hold outputs weakly, as torch's trees do, or a dropped output never frees its graph),
+   ``freed`` from a finalizer on an object only the autograd graph holds (the tree holds
+   outputs weakly, ``treeoutputs.PathOutputs``, as torch's trees do, so a dropped output frees its
+   graph; a live graph keeps the path under way, ``AutogradBook.graphs_alive``),
    ``never_needed`` when no output requires grad; ``Backend.orphan`` (clone the tree-output
    inputs of orphaned tickets out of the pool); ``calls.use_grad_mode(torch.is_grad_enabled)``;
    ``requires_grad`` of closure tensors in the per-call check; ``module.training`` is not in
@@ -113,9 +114,19 @@ grad-mode probe, keys and generations as before). None of it has run on the H200
 from __future__ import annotations
 
 import enum
+import logging
+import threading
 import weakref
 
-__all__ = ["AutogradBook", "BackwardPlan", "BackwardTicket", "plan_backward", "promotion_note"]
+from cgraw.calls import TREE
+from cgraw.errors import TreeError
+from cgraw.treetypes import NodeState
+
+__all__ = ["BUSY", "AutogradBook", "BackwardPlan", "BackwardTicket", "TreeAutograd", "plan_backward",
+           "promotion_note"]
+
+log = logging.getLogger("cgraw")
+BUSY = "another thread was warming up or recording a graph tree (it ran eagerly this time)"
 
 
 class BackwardPlan(enum.Enum):
@@ -199,6 +210,12 @@ class AutogradBook:
         self.tickets.append(t)
         return t
 
+    def graphs_alive(self) -> bool:
+        """Whether the autograd graph of a forward of this generation is alive: what the user holds
+        may be made from its outputs (autograd's own tensors, not the ones the tree handed out)."""
+        self.tickets = [t for t in self.tickets if not t.released]
+        return bool(self.tickets)
+
     def pending(self) -> list[BackwardTicket]:
         """The tickets that keep the current generation open."""
         live = [t for t in self.tickets if not t.released]
@@ -260,3 +277,59 @@ def promotion_note(name: str, limit: int) -> str:
             "pending; it now begins a generation anyway, so the pending backwards recompute their "
             "forwards eagerly. For evaluation or sampling use torch.no_grad(); for longer "
             "sequences (BPTT) raise cgraw.config.path_repeat_limit")
+
+
+class TreeAutograd:
+    """The ``tree.TreeManager`` side of autograd (a mixin): tickets of calls made with grad
+    enabled, the plan of each backward, and the backward as a node of its forward's tree, run
+    from autograd's device thread (``call_backward``)."""
+
+    _backward_thread: int | None = None  # the thread running call_backward now
+
+    def _orphan_pending(self) -> None:
+        """Forwards whose backward may still run keep what a recompute reads (before poisoning)."""
+        orphans = self.book.end_generation()
+        if orphans:
+            self.backend.orphan(orphans)
+
+    def _with_backward(self, fn, node, out, call):
+        """Issue the ticket of a call made with grad enabled; the backend gives the outputs that
+        require grad a backward reporting to it. ``call`` is None for a call run before it was
+        classified (its inputs may be the tree's memory)."""
+        rec = node.recording if node is not None and node.state is NodeState.RECORDED else None
+        ticket = self.book.issue(fn.fn_id, fn.name, node, rec, call is None or TREE in call.kinds)
+        return self.backend.with_backward(ticket, out, call)
+
+    def backward_plan(self, ticket, *, grad_enabled: bool = False):
+        """``plan_backward``; a reason not to run through the tree is logged once and counted on
+        the forward's function (``cgraw.report()``)."""
+        kind, reason = plan_backward(ticket, grad_enabled=grad_enabled)
+        st = self.stats.get(ticket.fn_id)
+        if reason is not None and st is not None:
+            what = f"backward ran {kind.value}: {reason}"
+            if what not in st.skip_reasons:
+                log.warning("cgraw: %s: %s", st.name, what)
+            st.skip_reasons[what] = st.skip_reasons.get(what, 0) + 1
+        return kind, reason
+
+    def call_backward(self, fn, args):
+        """Run ``fn``, the backward of a forward recorded in this generation (``backward_plan``
+        said TREE), as the next node of the path. Autograd's device thread calls it while the
+        owning thread waits in ``backward()``, so the thread is not checked; it never begins a
+        generation. To warm up or record it enters the tree's lock as the owning thread's guest;
+        when another thread holds the lock it runs eagerly this once (``BUSY``) instead of waiting."""
+        if self.current is None:
+            raise TreeError(f"{fn.name}: a backward through the tree needs its forward's generation")
+        before, self._backward_thread = self._backward_thread, threading.get_ident()
+        try:
+            return self._call(fn, args, {})
+        finally:
+            self._backward_thread = before
+
+    def _enter_serial(self) -> bool:
+        """Take the tree's lock to grow it. A backward enters as the owning thread's guest, or not
+        at all: the thread holding the lock may be waiting for this one (its warm-up runs a
+        backward pass on autograd's device thread)."""
+        if self._backward_thread != threading.get_ident():
+            return self.serial.acquire()
+        return self.serial.acquire(host=self.owner_thread, blocking=False)

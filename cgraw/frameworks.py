@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 
 from cgraw.errors import SkipCall
+from cgraw.interop import torch_c
 
 _tensor_type: list = [None]  # [torch.Tensor] once torch is loaded
 
@@ -71,6 +72,11 @@ class Ops:
         """Whether the framework marks ``t`` as living at a fixed address (read in place)."""
         return False
 
+    def users(self, t):
+        """A callable counting what references ``t``'s memory now (any array over it), or None
+        when the framework cannot tell; it does not keep ``t`` alive."""
+        return None
+
 
 class _TorchOps(Ops):
     __slots__ = ()
@@ -91,6 +97,9 @@ class _TorchOps(Ops):
 
     def ptr(self, t) -> int:
         return t.data_ptr()
+
+    def users(self, t):
+        return torch_c.storage_users(t)
 
     def base_ptr(self, t) -> int:
         """Start of the allocation ``t`` views."""
@@ -169,6 +178,13 @@ class _CupyOps(Ops):
 
     def key(self, t):
         return (t.shape, t.strides, t.dtype.str)
+
+    def users(self, t):
+        mem = t.data.mem  # every array over the allocation holds it (a view too)
+        if mem is None:
+            return None
+        getrefcount = sys.getrefcount
+        return lambda: getrefcount(mem)
 
     def ptr(self, t) -> int:
         return int(t.data.ptr)

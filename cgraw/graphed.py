@@ -1,49 +1,133 @@
-"""``@cgraw.graphed`` and the functions around it: one graph tree per device.
+"""``@cgraw.graphed`` and the functions around it: one graph tree per thread and device.
 
 Layer L9 (public API). ``calls`` classifies a call, ``tree`` decides, ``treeexec`` does the CUDA work; this module
-keeps the per-device registry and the user-facing helpers (``mark_step_begin``, ``mark_static``,
+keeps the registry of trees and the user-facing helpers (``mark_step_begin``, ``mark_static``,
 ``unsafe``, ``report``, ``reset``).
+
+Threads. A graphed function called on a thread runs in that thread's tree for the device (made at
+the thread's first call there): its own pool, capture stream and generations, as torch's trees are
+kept per thread. ``mark_step_begin()`` and ``reset()`` act on the calling thread's trees;
+``report()`` lists every thread's. A thread's trees are released when the thread ends, without
+poisoning what they handed out (the thread may have passed its results on). Trees grow one at a
+time across the process (``tree.SERIAL``); replays on different threads run side by side.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import functools
 import itertools
 import sys
 import threading
+import warnings
+import weakref
 
 from cgraw import buckets
+from cgraw import tree as _tree
 from cgraw.calls import mark_static
 from cgraw.capture import capturing
 from cgraw.device import Device
-from cgraw.errors import UnsafeCallError
+from cgraw.errors import ResourceLeakWarning, UnsafeCallError
 from cgraw.tree import TreeManager, config
 from cgraw.treeexec import CudaBackend
 from cgraw.treetypes import next_fn_id
 
+
+class _ThreadTrees(threading.local):
+    """The calling thread's trees, by device ordinal. ``token`` lives as long as the thread: its
+    finalizer releases the thread's trees once the thread has ended (``_thread_ended``)."""
+
+    def __init__(self) -> None:
+        self.trees: dict[int, TreeManager] = {}
+        self.token: _ThreadToken | None = None
+
+
+class _ThreadToken:
+    __slots__ = ("number", "__weakref__")
+
+    def __init__(self, number: int):
+        self.number = number
+
+
+_here = _ThreadTrees()
 _lock = threading.Lock()
-_managers: dict[int, TreeManager] = {}  # device ordinal -> tree; guarded by _lock
+# every live thread's trees: (thread number, device ordinal) -> (thread name, tree); guarded by _lock.
+# Never take tree.SERIAL while holding _lock (a tree that grows may make another device's tree).
+_all: dict[tuple[int, int], tuple[str, TreeManager]] = {}
+_thread_numbers = itertools.count(1)
 
 
+class _ThisThread(collections.abc.Mapping):
+    """``_managers[ordinal]``: the calling thread's tree on a device (tests and benchmarks read it)."""
+
+    def __getitem__(self, ordinal: int) -> TreeManager:
+        return _here.trees[ordinal]
+
+    def __iter__(self):
+        return iter(list(_here.trees))
+
+    def __len__(self) -> int:
+        return len(_here.trees)
+
+
+_managers = _ThisThread()
 _tensor_type = [None]  # [torch.Tensor] once torch is loaded
 
 
 def _manager(ordinal: int) -> TreeManager:
-    mgr = _managers.get(ordinal)
+    """The calling thread's tree on device ``ordinal``, made at the thread's first call there."""
+    here = _here
+    mgr = here.trees.get(ordinal)
     if mgr is None:
+        if _tensor_type[0] is None and "torch" in sys.modules:
+            _tensor_type[0] = sys.modules["torch"].Tensor
         with _lock:
-            mgr = _managers.get(ordinal)
-            if mgr is None:
-                if _tensor_type[0] is None and "torch" in sys.modules:
-                    _tensor_type[0] = sys.modules["torch"].Tensor
-                dev = Device(ordinal).set_current()
-                mgr = _managers[ordinal] = TreeManager(CudaBackend(dev), device_index=ordinal)
-                mgr.backend.mgr = mgr  # a backward asks its tree for the plan (interop.torch_autograd)
+            mgr = _new_tree(ordinal)
+            token = here.token
+            if token is None:
+                token = here.token = _ThreadToken(next(_thread_numbers))
+                weakref.finalize(token, _thread_ended, token.number).atexit = False
+            _all[(token.number, ordinal)] = (threading.current_thread().name, mgr)
+        here.trees[ordinal] = mgr
     return mgr
 
 
+def _new_tree(ordinal: int) -> TreeManager:
+    """A new tree on device ``ordinal`` for the calling thread (the CPU tests swap this factory)."""
+    dev = Device(ordinal).set_current()
+    mgr = TreeManager(CudaBackend(dev), device_index=ordinal)
+    mgr.backend.mgr = mgr  # a backward asks its tree for the plan (interop.torch_autograd)
+    return mgr
+
+
+def _thread_ended(number: int) -> None:
+    """Finalizer of a thread's token, run as the thread ends: release its trees. Never raises."""
+    if sys.is_finalizing():
+        return
+    with _lock:
+        ended = [key for key in _all if key[0] == number]
+        trees = [_all.pop(key)[1] for key in ended]
+    for mgr in trees:
+        try:
+            mgr.release()
+        except Exception as exc:  # noqa: BLE001 - a finalizer: the tree's memory may stay reserved
+            try:
+                warnings.warn(ResourceLeakWarning(f"releasing the graph tree of an ended thread raised {exc!r}"),
+                              stacklevel=2)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _every_tree() -> list[tuple[int, str, TreeManager]]:
+    """``(device ordinal, thread name, tree)`` of every live thread, by device, then thread."""
+    with _lock:
+        items = sorted(_all.items())
+    return sorted(((ordinal, name, mgr) for (_, ordinal), (name, mgr) in items), key=lambda t: t[0])
+
+
 class GraphedFunction:
-    """A function whose calls are warmed up, recorded and replayed by its device's graph tree."""
+    """A function whose calls are warmed up, recorded and replayed by the calling thread's graph tree
+    of their device."""
 
     kernel_groups = None  # groups of kernel-choosing settings its warm-ups showed it reads (calls.learn_kernel_groups)
     kernel_getters = None  # the getters of those settings read on each call; None: every group
@@ -68,10 +152,10 @@ class GraphedFunction:
             if type(a) is _tensor_type[0]:  # fast path: a torch tensor first
                 d = a.get_device()
                 if d >= 0:
-                    mgr = _managers.get(d)
+                    mgr = _here.trees.get(d)
                     if mgr is not None:
-                        return mgr.call(self, args, kwargs)
-        return _manager(_device_of(args, kwargs)).call(self, args, kwargs)
+                        return mgr.call_here(self, args, kwargs)
+        return _manager(_device_of(args, kwargs)).call_here(self, args, kwargs)
 
     def __repr__(self) -> str:
         return f"<cgraw.graphed {self.name}>"
@@ -117,22 +201,31 @@ def unsafe(fn=None, *, reason: str = "must not be captured"):
 
 
 def mark_step_begin() -> None:
-    """Begin a new generation on every device: outputs handed out so far become invalid."""
-    for mgr in list(_managers.values()):
+    """Begin a new generation in the calling thread's trees, on every device: outputs they handed
+    out so far become invalid. Other threads' generations go on."""
+    for mgr in list(_here.trees.values()):
         mgr.mark_step_begin()
 
 
 def report(*, file=None) -> str:
     """Per function: recordings, re-records and why, replays, skips and why, capture and
-    instantiate time; per tree: pool bytes and the tree itself. Printed and returned."""
+    instantiate time; per tree (every thread's): pool bytes and the tree itself. Printed and
+    returned."""
+    with _tree.SERIAL:  # other threads' trees do not grow meanwhile
+        text = _report_lines(_every_tree())
+    print(text, file=file or sys.stdout)
+    return text
+
+
+def _report_lines(trees) -> str:
     lines = []
-    for ordinal, mgr in sorted(_managers.items()):
+    for ordinal, thread, mgr in trees:
         pool = mgr.backend.pool
         st = pool.stats() if not pool.closed else None
         torch_bytes = pool.torch_reserved_bytes if not pool.closed else 0
-        lines.append(f"device {ordinal}: pool reserved {_mib(st.reserved_bytes if st else 0)} "
+        lines.append(f"device {ordinal}, thread {thread}: pool reserved {_mib(st.reserved_bytes if st else 0)} "
                      f"(+{_mib(torch_bytes)} through torch), {len(mgr.nodes())} tree node(s)")
-        for s in mgr.stats.values():
+        for s in list(mgr.stats.values()):  # the owning thread may add one meanwhile
             lines.append(f"  {s.name}: {s.recordings} recording(s), {s.rerecords} re-record(s), "
                          f"{s.replays} replay(s), {s.warmups} warm-up(s), {s.eager_calls} eager call(s), "
                          f"{s.variants} input signature(s), capture {s.capture_ms:.1f} ms, "
@@ -141,7 +234,7 @@ def report(*, file=None) -> str:
                 lines.append("    made a root function: called cgraw.config.path_repeat_limit times on one path")
             for r in s.rerecord_reasons[-5:]:
                 lines.append(f"    re-recorded: {r}")
-            for r, n in s.skip_reasons.items():
+            for r, n in list(s.skip_reasons.items()):
                 lines.append(f"    skipped {n}x: {r}")
         for n in mgr.nodes():
             if n.recording is not None:
@@ -158,26 +251,26 @@ def report(*, file=None) -> str:
                     if why is not None:
                         lines.append(f"      input {leaf} copied: {why}")
         lines.append(mgr.describe())
-    text = "\n".join(lines) if lines else "cgraw: no graphed function has run"
-    print(text, file=file or sys.stdout)
-    return text
+    return "\n".join(lines) if lines else "cgraw: no graphed function has run"
 
 
 def tree_text(device: int = 0) -> str:
-    """The tree of ``device`` as text: which recording follows which."""
-    mgr = _managers.get(device)
-    return mgr.describe() if mgr is not None else f"no graph tree on device {device}"
+    """The calling thread's tree of ``device`` as text: which recording follows which."""
+    mgr = _here.trees.get(device)
+    return mgr.describe() if mgr is not None else f"no graph tree on device {device} in this thread"
 
 
 def reset() -> None:
-    """Free every tree, its recordings and its pool. Memory that outputs handed out still use
-    stays valid until they are gone; the rest goes back once no capture routes allocations.
-    Must be called from the thread that owns the trees."""
-    with _lock:
-        mgrs = list(_managers.values())
-        for mgr in mgrs:
-            mgr.check_thread("cgraw.reset()")
-        _managers.clear()
+    """Free the calling thread's trees, their recordings and their pools. Memory that outputs
+    handed out still use stays valid until they are gone; the rest goes back once no capture
+    routes allocations. Other threads' trees stay (each is freed when its thread ends)."""
+    here = _here
+    mgrs = list(here.trees.values())
+    here.trees.clear()
+    if here.token is not None:
+        with _lock:
+            for key in [k for k in _all if k[0] == here.token.number]:
+                del _all[key]
     for mgr in mgrs:
         mgr.reset()
 

@@ -126,8 +126,8 @@ class Recording:
         "out_alias",  # per output leaf: the bound alias maker of an OWNED one (t.detach, a.view), else None
         "out_spec",  # arrays.out_spec of the output structure
         "owned_idx",  # indices of the OWNED outputs
-        "poison_idx",  # indices of the OWNED outputs that can be poisoned (torch)
         "out_ptrs",  # data pointers of the OWNED outputs (tree-output inputs of later calls)
+        "users",  # [(users, baseline)] of the OWNED outputs' memory (frameworks.Ops.users): in use while above
         "alias0",  # one owned output, unpadded: its bound alias maker (the fastest replay)
         "bucket",  # padding bucket, or None
         "padded",  # leaf indices of the padded inputs
@@ -156,7 +156,7 @@ class Recording:
         self.in_pool = self.stage = None
         self.staged = []
         self.out_leaves, self.out_kinds, self.out_alias = [], [], []
-        self.owned_idx, self.poison_idx, self.out_ptrs = [], [], []
+        self.owned_idx, self.out_ptrs, self.users = [], [], []
         self.out_spec = self.alias0 = self.bucket = None
         self.padded = frozenset()
         self.out_rows = []
@@ -187,8 +187,8 @@ class Recording:
         return None if why is None else Rewarm(why)
 
     def replay(self, call):
-        """Launch for ``call`` (a ``calls.Call``): ``(outputs, owned outputs to poison when the
-        generation ends)``."""
+        """Launch for ``call`` (a ``calls.Call``): ``(outputs, the owned ones)``: the tree watches
+        whether those are alive and invalidates them when the generation ends."""
         if self.bucket is not None:
             return self._replay_padded(call)
         ptrs = call.ptrs
@@ -222,9 +222,9 @@ class Recording:
         alias0 = self.alias0
         if alias0 is not None:
             o = alias0()
-            return o, ((o,) if self.poison_idx else ())
+            return o, (o,)
         outs = self._outputs(call)
-        return unflatten(self.out_spec, iter(outs)), [outs[i] for i in self.poison_idx]
+        return unflatten(self.out_spec, iter(outs)), [outs[i] for i in self.owned_idx]
 
     def _replay_padded(self, call):
         """``replay`` of a padding-bucket recording: the padded inputs' copy nodes also get this
@@ -246,7 +246,7 @@ class Recording:
         outs = self._outputs(call)
         for i in self.out_rows:
             outs[i] = outs[i][:n]
-        owned = [outs[i] for i in self.poison_idx]
+        owned = [outs[i] for i in self.owned_idx]
         if self.out_spec is SINGLE:
             return outs[0], owned
         return unflatten(self.out_spec, iter(outs)), owned

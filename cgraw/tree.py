@@ -31,32 +31,52 @@ the next one begins; then the backend poisons them (torch) or clones them
 generation is pending (``cgraw.autograd_plan``, which also holds the design of autograd through
 graphed functions), a root function's call does not begin one; it extends the path, so the
 saved activations of the pending forwards are not overwritten.
+
+A generation also ends when everything its path made is dead, as torch's trees end a path whose
+outputs are all dead. Before a call would add a node to the path (not before a replay), the tree
+checks its weak references to the outputs of the path's calls (``treeoutputs.PathOutputs``): when
+none is alive, none is the call's input and no autograd graph of the path's forwards is alive (a
+pending backward's is), the call starts from a root, as if it were the first call of the process.
+So ``f(x)``, then ``g(x)`` in a loop with its outputs dropped, records ``g`` at its second call.
+While outputs stay alive, calls of a function that is not a root extend the path, up to
+``config.path_repeat_limit``.
+
+Threads. A tree belongs to the thread that made it (``cgraw.graphed`` keeps one per thread and
+device), with its own generations, pool and capture stream. Trees grow (warm-ups, recordings,
+dropped recordings) under one process-wide ``RecordingLock``; replays take no lock. A backward is
+a node of its forward's tree, run from autograd's thread (``TreeAutograd.call_backward``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
 from cgraw import treetypes
-from cgraw.autograd_plan import AutogradBook, plan_backward, promotion_note
+from cgraw.autograd_plan import BUSY, AutogradBook, TreeAutograd, promotion_note
 from cgraw.calls import TREE, InputPlan, declared_mutations, grad_enabled, inspect, learn_kernel_groups, moved
 from cgraw.errors import CgrawError, SkipCall, TreeError
+from cgraw.treeoutputs import PathOutputs, memory_in_use
+from cgraw.treepool import UNKNOWN, TreePool
 from cgraw.treetypes import Backend, Config, FunctionStats, NodeState, Replayable, Rewarm, TreeNode, Warm, config
 
 log = logging.getLogger("cgraw")
+_ref = weakref.ref
+
+SERIAL = treetypes.RecordingLock()  # the lock every tree grows under, unless it is given its own
 
 
-class TreeManager:
-    """The tree of one device: roots, the current path, generations and the pool's checkpoints.
-
-    Calls must come from the thread that created the manager (captures are thread-local); another
-    thread gets a clear error.
+class TreeManager(TreeAutograd, TreePool):
+    """The tree of one thread on one device: roots, the current path, generations, the pool's
+    checkpoints. Calls from another thread than the one that made it get a clear error (its
+    captures and generations are that thread's). ``serial``: the lock the tree grows under.
     """
 
-    def __init__(self, backend, *, device_index: int = 0):
+    def __init__(self, backend, *, device_index: int = 0, serial: treetypes.RecordingLock = SERIAL):
         self.backend = backend
         self.device_index = device_index
+        self.serial = serial
         self.roots: dict = {}
         self.root_fns: set = set()
         self.current: TreeNode | None = None  # the node executed last in this generation
@@ -64,7 +84,7 @@ class TreeManager:
         self.pool_state: TreeNode | None = None  # whose checkpoint the pool's bookkeeping equals
         self.root_checkpoint = backend.snapshot()
         self.tree_outputs: dict[int, TreeNode] = {}  # data pointer -> node, this generation
-        self.handed_out: list = []  # (function name, output) handed out in this generation
+        self.outs = PathOutputs()  # what the calls of this generation made, held weakly
         self.stats: dict[int, FunctionStats] = {}
         self.owner_thread = threading.get_ident()
         self._keys_seen: dict[int, dict] = {}  # fn id -> {input signature: order first seen}
@@ -77,27 +97,44 @@ class TreeManager:
         self.check_thread("cgraw.mark_step_begin()")
         self._end_generation()
 
-    def _end_generation(self) -> None:
+    def _end_generation(self, handed: list | None = None) -> None:
+        """``handed``: the live outputs to invalidate, when the caller has taken them."""
+        if handed is None:
+            handed = self.outs.take()
         self.generation += 1
         self._orphan_pending()
-        handed, self.handed_out = self.handed_out, []
         self.backend.end_generation(handed, config.generation_cloning)
         self.tree_outputs = {}
         self.current = None
+
+    def _path_is_dead(self, call) -> bool:
+        """Whether nothing made on the path under way is in use: no output of its calls is alive
+        (torch's ``all_outputs_are_dead``), none is this call's input, and no autograd graph of its
+        forwards is alive (their outputs as autograd hands them out; a pending backward's saved
+        activations are the path's memory too)."""
+        if TREE in call.kinds or self.outs.alive() or self.book.graphs_alive():
+            return False
+        # a view or .detach() alias of an output outlives the output object: count its memory's users
+        return not any(memory_in_use(getattr(n.recording, "users", ()))
+                       for n in self.current.path() if n.recording is not None)
 
     def check_thread(self, what: str) -> None:
         """Raise a clear error when ``what`` is used from a thread that does not own this tree."""
         if threading.get_ident() != self.owner_thread:
             raise CgrawError(
-                f"{what} called from a thread other than the one that owns device {self.device_index}'s "
-                "graph tree; cgraw trees are single-threaded: call graphed functions, mark_step_begin() "
-                "and reset() from one thread, or use cgraw.capture() on the other")
+                f"{what} called from a thread other than the one that owns this graph tree of device "
+                f"{self.device_index}; each thread has its own trees: call graphed functions, "
+                "cgraw.mark_step_begin() and cgraw.reset() as usual and they act on the calling thread's")
 
     # ------------------------------------------------------------------ the call
 
     def call(self, fn, args, kwargs):
         if threading.get_ident() != self.owner_thread:
             self.check_thread(f"graphed function {fn.name!r}")
+        return self.call_here(fn, args, kwargs)
+
+    def call_here(self, fn, args, kwargs):
+        """``call`` unchecked: ``cgraw.graphed`` hands each thread only its own trees."""
         book = self.book
         if self.current is not None and fn.fn_id in self.root_fns and not (book.tickets and book.pending()):
             deferred = self._begin_step(args)  # the inference rule: a root function begins a step
@@ -113,13 +150,14 @@ class TreeManager:
         that are this call's own arguments (``h = f(h)``, ``h, c = f(h, c)``) stay readable until
         the call has copied them in (they are eager inputs now), and are poisoned after it."""
         keep = []
-        if config.generation_cloning is None and self.handed_out:
+        handed = self.outs.take()
+        if config.generation_cloning is None and handed:
             ids = treetypes.arg_ids(args)
             rest = []
-            for item in self.handed_out:
+            for item in handed:
                 (keep if id(item[1]) in ids else rest).append(item)
-            self.handed_out = rest
-        self._end_generation()
+            handed = rest
+        self._end_generation(handed)
         return keep
 
     def _call(self, fn, args, kwargs):
@@ -142,10 +180,32 @@ class TreeManager:
                 for ptr in rec.out_ptrs:
                     self.tree_outputs[ptr] = node
                 if owned and not getattr(fn, "copies_out", False):
-                    name = fn.name
-                    self.handed_out.extend([(name, t) for t in owned])
+                    name, handed = fn.name, self.outs.handed
+                    for t in owned:  # a loop, no comprehension: one output is the common case
+                        handed.append((name, _ref(t)))
                 return self._with_backward(fn, node, out, call) if call.grad else out
+        elif node is not None and node.state is NodeState.SKIPPED:  # eager, without the lock
+            out = self._eager_node(node, call, args, kwargs)
+            return self._with_backward(fn, node, out, call) if call.grad else out
+        else:
+            reason = None
+        if not self._enter_serial():
+            return self._eager_call(fn, BUSY, args, kwargs)  # a backward: never wait (see call_backward)
+        try:
+            return self._grow(fn, call, parent, siblings, node, reason, args, kwargs)
+        finally:
+            self.serial.release()
+
+    def _grow(self, fn, call, parent, siblings, node, reason, args, kwargs):
+        """A call that is neither a replay nor a skipped node's: a new node, a warm-up, a recording
+        or a re-recording (``reason``). Under ``serial``."""
+        if reason is not None:
             out = self._rerecord(node, fn, call, reason, args, kwargs)
+        elif parent is not None and not getattr(fn, "copies_out", False) and self._path_is_dead(call):
+            # every output of the path is dead: end it (torch's trees do), so this call starts
+            # from a root, as if it were the first call of the process; a backward never does
+            self._end_generation()
+            return self._call(fn, args, kwargs)
         else:
             st = self._stats(fn)
             fresh = node is None
@@ -161,53 +221,16 @@ class TreeManager:
                     node.state = NodeState.SKIPPED
                     node.skip_reason = "dynamic shapes: more input signatures than config.dynamic_shape_warn_limit"
             if node.state is NodeState.SKIPPED:
-                self.current = node
-                out = self._eager(fn, st, node.skip_reason, args, kwargs)
+                out = self._eager_node(node, call, args, kwargs)
             elif fresh or node.warm is None:  # a warm-up that raised taught nothing: warm up again
                 out = self._warm(node, fn, st, call, args, kwargs)
             else:
                 out = self._record(node, fn, st, call, args, kwargs)
         return self._with_backward(fn, node, out, call) if call.grad else out
 
-    # ------------------------------------------------------------------ autograd (cgraw.autograd_plan)
-
-    def _orphan_pending(self) -> None:
-        """Forwards whose backward may still run keep what a recompute reads (before poisoning)."""
-        orphans = self.book.end_generation()
-        if orphans:
-            self.backend.orphan(orphans)
-
-    def _with_backward(self, fn, node, out, call):
-        """Issue the ticket of a call made with grad enabled; the backend gives the outputs that
-        require grad a backward reporting to it. ``call`` is None for a call run before it was
-        classified (its inputs may be the tree's memory)."""
-        rec = node.recording if node is not None and node.state is NodeState.RECORDED else None
-        ticket = self.book.issue(fn.fn_id, fn.name, node, rec, call is None or TREE in call.kinds)
-        return self.backend.with_backward(ticket, out, call)
-
     def _eager_call(self, fn, reason: str, args, kwargs):
         out = self._eager(fn, self._stats(fn), reason, args, kwargs)
         return self._with_backward(fn, None, out, None) if grad_enabled() else out
-
-    def backward_plan(self, ticket, *, grad_enabled: bool = False):
-        """``autograd_plan.plan_backward``; a reason not to run through the tree is logged once
-        and counted on the forward's function (``cgraw.report()``)."""
-        kind, reason = plan_backward(ticket, grad_enabled=grad_enabled)
-        st = self.stats.get(ticket.fn_id)
-        if reason is not None and st is not None:
-            what = f"backward ran {kind.value}: {reason}"
-            if what not in st.skip_reasons:
-                log.warning("cgraw: %s: %s", st.name, what)
-            st.skip_reasons[what] = st.skip_reasons.get(what, 0) + 1
-        return kind, reason
-
-    def call_backward(self, fn, args):
-        """Run ``fn``, the backward of a forward recorded in this generation (``backward_plan``
-        said TREE), as the next node of the path. Autograd's thread calls it while the owning
-        thread waits in ``backward()``, so the thread is not checked; it never begins a generation."""
-        if self.current is None:
-            raise TreeError(f"{fn.name}: a backward through the tree needs its forward's generation")
-        return self._call(fn, args, {})
 
     def _promote(self, fn, args, kwargs):
         """``fn`` keeps extending the path under way (``prefill(x)`` once, then ``decode(tok)`` in a
@@ -247,8 +270,7 @@ class TreeManager:
                 node.state = NodeState.SKIPPED
                 node.skip_reason = (f"warmed up again {node.rewarms} times ({reason}); set "
                                     "cgraw.config.rewarm_limit to allow more")
-                self.current = node
-                return self._eager(fn, st, node.skip_reason, args, kwargs)
+                return self._eager_node(node, call, args, kwargs)
             return self._warm(node, fn, st, call, args, kwargs)
         return self._record(node, fn, st, call, args, kwargs)
 
@@ -270,17 +292,18 @@ class TreeManager:
         try:
             w = self.backend.warmup(fn, call, args, kwargs)
         except BaseException:
-            self.pool_state = _UNKNOWN  # it may have left blocks in the pool
+            self.pool_state = UNKNOWN  # it may have left blocks in the pool
             raise
         if w.in_pool:
-            self.pool_state = _UNKNOWN
+            self.pool_state = UNKNOWN
             if w.stash is not None:
                 log.info("cgraw: the warm-up of %s %s; the graph tree moves to a fresh pool and warms up "
                          "outside it from now on", fn.name, w.stash)
                 self._renew()
                 self.pool_state = None
             else:
-                self.handed_out.extend([(fn.name, t) for t in w.handed])
+                self.outs.hand(fn.name, w.handed)
+        self.outs.watch(w.out, call)
         if w.groups is not None:  # file the node under the key its next call will have
             treetypes.rekey(self.roots, node, learn_kernel_groups(fn, w.groups, call.key))
         declared = declared_mutations(fn, call)
@@ -292,7 +315,7 @@ class TreeManager:
             node.state = NodeState.SKIPPED
             node.skip_reason = w.skip
             self._note_skip(fn, st, w.skip)
-        out, w.out = w.out, None  # the node keeps what the warm-up learned, not its result
+        out, w.out, w.handed = w.out, None, ()  # the node keeps what the warm-up learned, not its result
         return out
 
     def _record(self, node: TreeNode, fn, st: FunctionStats, call, args, kwargs):
@@ -307,11 +330,10 @@ class TreeManager:
             node.skip_reason = str(exc)
             # a failed capture put the pool back itself; a recording that failed after its capture
             # left blocks behind, so the next recording must restore first
-            self.pool_state = _UNKNOWN if exc.dirty else anchor
-            self.current = node
-            return self._eager(fn, st, node.skip_reason, args, kwargs)
+            self.pool_state = UNKNOWN if exc.dirty else anchor
+            return self._eager_node(node, call, args, kwargs)
         except BaseException:
-            self.pool_state = _UNKNOWN  # the pool may hold the failed recording's blocks
+            self.pool_state = UNKNOWN  # the pool may hold the failed recording's blocks
             raise
         node.recording = rec
         node.plan = InputPlan(call)
@@ -335,6 +357,13 @@ class TreeManager:
             log.warning("cgraw: skipping cudagraphs for %s: %s", fn.name, reason)
             st.skip_reasons[reason] = 0
 
+    def _eager_node(self, node: TreeNode, call, args, kwargs):
+        """Run a SKIPPED node's function eagerly as the path's next node."""
+        self.current = node
+        out = self._eager(node.fn, node.stats, node.skip_reason, args, kwargs)
+        self.outs.watch(out, call)
+        return out
+
     def _eager(self, fn, st: FunctionStats, reason: str, args, kwargs):
         if reason not in st.skip_reasons:
             log.warning("cgraw: skipping cudagraphs for %s: %s", fn.name, reason)
@@ -348,7 +377,7 @@ class TreeManager:
         for ptr in node.recording.out_ptrs:
             self.tree_outputs[ptr] = node
         if not getattr(node.fn, "copies_out", False):  # a backward's are copied out before anyone sees them
-            self.handed_out.extend([(node.fn.name, t) for t in owned])
+            self.outs.hand(node.fn.name, owned)
 
     def _new_variant(self, fn, st: FunctionStats, key) -> bool:
         """Count input signatures per function; True when this one must run eagerly."""
@@ -365,72 +394,28 @@ class TreeManager:
                         "cgraw.config.skip_dynamic_graphs = True", fn.name, len(seen))
         return config.skip_dynamic_graphs and idx >= limit
 
-    def _restore_to(self, anchor: TreeNode | None) -> None:
-        """Make the pool's bookkeeping the checkpoint at the end of ``anchor``'s recording."""
-        path = set() if anchor is None else {id(n) for n in anchor.path()}
-        on_path, off_path = [], []
-        for n in self.nodes():
-            if n.state is NodeState.RECORDED and n.recording is not None:
-                (on_path if id(n) in path else off_path).append(n.recording)
-        snap = self.root_checkpoint if anchor is None else anchor.checkpoint
-        try:
-            self.backend.restore(snap, on_path, off_path)
-        except Exception as exc:
-            # something outside the tree (a traceback, a global) holds memory the checkpoint
-            # would hand out again: start over on a fresh pool rather than risk a wrong result
-            log.warning("cgraw: cannot restore the graph tree's pool (%s); re-recording the tree "
-                        "on a fresh pool", exc)
-            self._renew()
-            anchor = None
-        self.pool_state = anchor
-
-    def _renew(self) -> None:
-        self._forget_recordings(self.nodes())
-        self.root_checkpoint = self.backend.renew()
-        self.tree_outputs = {}
-
-    def _forget_recordings(self, nodes) -> None:
-        """Discard the recordings of ``nodes``; recorded ones are WARMED again (recorded anew
-        when a call reaches them)."""
-        for n in nodes:
-            if n.recording is not None:
-                self.backend.discard(n.recording)
-                n.recording = None
-                n.checkpoint = None
-                n.plan = None
-            if n.state is NodeState.RECORDED:
-                n.state = NodeState.WARMED
-
-    def _drop_subtree_of(self, node: TreeNode) -> None:
-        """A node is re-recorded: its old recording and its descendants' recordings go. The
-        descendants stay in the tree as WARMED nodes and are recorded again when a call reaches
-        them."""
-        self._forget_recordings(node.walk())  # the node itself too: _record sets it again on success
-        ps = self.pool_state
-        if ps is not None and not (any(n is ps for n in self.nodes()) and ps.recording is not None):
-            self.pool_state = _UNKNOWN
-
-    def nodes(self) -> list[TreeNode]:
-        out = []
-        for r in self.roots.values():
-            out.extend(r.walk())
-        return out
-
     def reset(self) -> None:
         """End the generation, drop every node and recording; the backend frees the pool."""
         self.check_thread("cgraw.reset()")
-        self._orphan_pending()
-        if self.handed_out:
-            handed, self.handed_out = self.handed_out, []
-            self.backend.end_generation(handed, config.generation_cloning)
-        self._forget_recordings(self.nodes())
-        self.roots.clear()
-        self.root_fns.clear()
-        self.current = None
-        self.tree_outputs = {}
-        self.pool_state = _UNKNOWN
-        self._keys_seen = {}
-        self.backend.close()
+        self.release(end_generation=True)
+
+    def release(self, *, end_generation: bool = False) -> None:
+        """Drop every node and recording; the backend frees the pool. From any thread, for the tree
+        of a thread that has ended: outputs handed out stay valid while held, neither poisoned nor
+        cloned (the thread may have passed them on); a pending backward recomputes its forward."""
+        with self.serial:
+            self._orphan_pending()
+            handed = self.outs.take()
+            if end_generation:
+                self.backend.end_generation(handed, config.generation_cloning)
+            self._forget_recordings(self.nodes())
+            self.roots.clear()
+            self.root_fns.clear()
+            self.current = None
+            self.tree_outputs = {}
+            self.pool_state = UNKNOWN
+            self._keys_seen = {}
+            self.backend.close()
 
     def describe(self) -> str:
         """A text view of the tree: which node follows which."""
@@ -438,12 +423,5 @@ class TreeManager:
         return treetypes.describe_nodes(head, self.roots.values(), self.backend.num_nodes)
 
 
-class _Unknown:
-    """Marker: the pool's bookkeeping matches no live node (force a restore before recording)."""
-
-
-_UNKNOWN = _Unknown()
-
-
-__all__ = ["Backend", "Config", "FunctionStats", "NodeState", "Replayable", "Rewarm", "SkipCall", "TreeError",
+__all__ = ["SERIAL", "Backend", "Config", "FunctionStats", "NodeState", "Replayable", "Rewarm", "SkipCall", "TreeError",
            "TreeManager", "TreeNode", "Warm", "config"]

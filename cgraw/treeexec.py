@@ -208,7 +208,6 @@ class CudaBackend(TorchAutograd):
         rec.out_alias = [ops_of(t).alias_maker(t) if k is OWNED else None
                          for t, k in zip(out_leaves, rec.out_kinds)]
         rec.owned_idx = [i for i, k in enumerate(rec.out_kinds) if k is OWNED]
-        rec.poison_idx = [i for i in rec.owned_idx if ops_of(out_leaves[i]) is TORCH]
         owned = [out_leaves[i] for i in rec.owned_idx]
         rec.out_ptrs = [p for p in (ops_of(t).ptr(t) for t in owned) if p]
         # one owned output: its alias maker, bound once (t.detach for torch, a.view for CuPy)
@@ -251,7 +250,11 @@ class CudaBackend(TorchAutograd):
 
     def first_replay(self, rec: Recording, call: Call):
         """The recording's first call: its inputs read in place where ``rebindexec.prove`` shows
-        that is safe, else as recorded. Returns what ``Recording.replay`` returns."""
+        that is safe, else as recorded. Returns what ``Recording.replay`` returns. Before it, the
+        users of the owned outputs' memory are counted: what the recording itself holds, once the
+        capture's temporaries are gone, is the baseline above which an alias is alive."""
+        rec.users = [(u, u()) for u in (ops_of(t).users(t) for t in (rec.out_leaves[i] for i in rec.owned_idx))
+                     if u is not None]
         if rec.proof is None:
             return rec.replay(call)
         return rebindexec.prove(self, rec, call)
@@ -355,13 +358,15 @@ class CudaBackend(TorchAutograd):
 
     def end_generation(self, handed: list, cloning: str | None) -> None:
         """Poison (or, with ``user_visible`` cloning, clone out) the owned torch outputs handed
-        out (CuPy arrays cannot be poisoned, see the README; replay never hands them in)."""
+        out (CuPy arrays cannot be poisoned, see the README: they are skipped)."""
         tts = self._tts
         if tts is None:
             return
         handed = list(handed) + self.grad_views()  # the autograd outputs that alias them
         poison, messages = tts.poison, self._messages
         for name, t in handed:
+            if not ops_of(t).poisonable:
+                continue
             if cloning == "user_visible":
                 tts.clone_out(t)
                 continue

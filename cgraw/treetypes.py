@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -240,11 +241,13 @@ class Replayable(Protocol):
     """A recording, as the tree's hot path uses it (no backend call in between)."""
 
     out_ptrs: list  # data pointers of the memory its outputs own in the pool
+    users: list  # (users, baseline) of that memory: more than the baseline while an alias holds it
     capture_ms: float
     instantiate_ms: float
 
     def replay(self, call) -> tuple[Any, Any]:
-        """Launch for ``call``: the outputs, and those to end with the generation."""
+        """Launch for ``call``: the outputs, and those in the tree's memory (watched while alive,
+        invalidated when the generation ends)."""
 
     def stale(self) -> "Rewarm | None":
         """Why the warm-up's knowledge is out of date (the node warms up again), or None."""
@@ -288,7 +291,8 @@ class Backend(Protocol):
         """Start over on a fresh pool; returns its root checkpoint."""
 
     def end_generation(self, handed: list, cloning: str | None) -> None:
-        """Invalidate (or clone out) the outputs handed out, ``[(function name, output)]``."""
+        """Invalidate (or clone out) the outputs handed out that are still alive, ``[(function
+        name, output)]``; those the backend cannot invalidate (CuPy arrays) it passes over."""
 
     def with_backward(self, ticket, out, call) -> Any:
         """Outputs of a call made with grad enabled (``call`` is None when the call ran eagerly
@@ -302,6 +306,69 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Drop the pool."""
+
+
+class RecordingLock:
+    """One thread at a time grows any graph tree of the process: warm-ups, recordings (with their
+    first replay and checkpoint), re-recordings and dropping recordings. Replays take no lock.
+
+    Why process-wide, when each thread has its own tree: a recording's first replay synchronises
+    the device (``rebindexec.prove``) and a warm-up runs the user's eager code, either of which
+    invalidates a capture running on another thread; torch's cuBLAS workspaces are cleared for
+    every thread before each recording (torch's own trees serialise the same paths).
+
+    Re-entrant. A *guest* shares the holder's turn: autograd's device thread runs the backward of
+    a tree whose owning thread waits in ``backward()``, perhaps while it holds the lock (a warm-up
+    that runs a backward pass); ``acquire(host=owner)`` then lets it in.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self.holder: int | None = None  # thread ident; guarded by _cond
+        self._depth = 0  # acquisitions not yet released, guests' included; guarded by _cond
+        self._guests: dict[int, int] = {}  # thread ident -> its acquisitions as a guest; guarded by _cond
+
+    def acquire(self, *, host: int | None = None, blocking: bool = True) -> bool:
+        """Take the lock (or enter as ``host``'s guest while ``host`` holds it). With ``blocking``
+        False, return False instead of waiting for another thread."""
+        me = threading.get_ident()
+        with self._cond:
+            while True:
+                holder = self.holder
+                if holder is None or holder == me:
+                    self.holder = me
+                    self._depth += 1
+                    return True
+                if me in self._guests or (host is not None and holder == host):
+                    self._guests[me] = self._guests.get(me, 0) + 1
+                    self._depth += 1
+                    return True
+                if not blocking:
+                    return False
+                self._cond.wait()
+
+    def release(self) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            n = self._guests.get(me)
+            if n is not None:
+                if n == 1:
+                    del self._guests[me]
+                else:
+                    self._guests[me] = n - 1
+            elif self.holder != me:
+                raise RuntimeError("cgraw: the recording lock is released by a thread that does not hold it")
+            self._depth -= 1
+            if self._depth == 0:
+                self.holder = None
+                self._cond.notify_all()
+
+    def __enter__(self) -> "RecordingLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def arg_ids(args) -> set:

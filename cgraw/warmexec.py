@@ -31,7 +31,7 @@ from cgraw.arrays import EAGER, TORCH, is_torch, ops_of, out_spec
 from cgraw.capture import _event_on
 from cgraw.errors import SkipCall
 from cgraw.interop import observe as _observe
-from cgraw.interop import torch_c
+from cgraw.interop import torch_autograd, torch_c
 from cgraw.interop.torch_state import groups_of
 from cgraw.stream import Stream
 from cgraw.treetypes import Warm, config
@@ -208,7 +208,7 @@ def run(backend, fn, call, args, kwargs) -> Warm:
         if usable(backend, fn, call):
             pw = PoolWarmup(backend.pool, backend._tts)
         grads = _input_grads(call)
-        with torch.autograd.graph.saved_tensors_hooks(pw.pack if pw else _same, unpacked), pw or _NULL:
+        with torch_autograd.saving_hooks(pw.pack if pw else _same, unpacked), pw or _NULL:
             before = _copies(call)
             with obs if obs is not None else _NULL:
                 out = fn.fn(*args, **kwargs)
@@ -222,8 +222,8 @@ def run(backend, fn, call, args, kwargs) -> Warm:
         if not ops[j].contiguous(call.leaves[j]):
             log.warning("cgraw: %s mutates non-contiguous eager input %d", fn.name, j)
     w = Warm(out, mutated)
-    w.runs_backward = backward[0] or getattr(fn, "is_backward", False)
-    if torch is not None and backward[0]:
+    w.runs_backward = backward[0] or (obs is not None and obs.backward) or getattr(fn, "is_backward", False)
+    if torch is not None and w.runs_backward:
         w.skip = _grads_left(call, grads)
     out_leaves: list = []
     try:
@@ -232,6 +232,8 @@ def run(backend, fn, call, args, kwargs) -> Warm:
         w.skip = str(exc)
     if w.skip is None:
         w.skip = cpu_output(out_leaves)
+    if w.skip is None and torch is not None and config.autograd:
+        w.skip = torch_autograd.reentrant_checkpoint(out_leaves, call.leaves)
     if obs is not None:
         if obs.unsafe is not None:
             w.skip = (f"calls custom op {obs.unsafe}, tagged torch._C.Tag.cudagraph_unsafe (as torch's "

@@ -10,13 +10,20 @@ every aten and custom op below autograd, at no cost to later replays) cgraw lear
 - ``cpu_random``: a random-number op made a CPU tensor (a replay would repeat the numbers);
 - ``ops``: the names of the ops that ran (which kernel-choosing settings the function depends
   on, ``interop.torch_state.groups_of``);
+- ``backward``: an op ran inside a backward pass (``torch.autograd.grad``, ``torch.func.grad``):
+  the recording then routes allocations by stream, where autograd's device thread allocates;
 - ``external``: tensors the function read that are neither its arguments nor made during the
   call, and are still alive after it: closure tensors, such as a model's weights reached through
   ``self``. A recording reads them by address, so cgraw keeps them alive and checks their
   addresses on every call (``model.half()``, ``param.data = ...`` move them).
 
-``torch.compile``d functions are not observed: Dynamo does not compile under a dispatch mode, so
-observing would compile the function inside the recording instead.
+The Observer is a ``torch_modes.mode_base()`` mode: the bodies of higher-order operators
+(``torch.cond``, ``while_loop``, ``scan``) are observed like any other code, and torch.compile'd
+code called inside the function is compiled during the warm-up and runs compiled under it. Of
+compiled code the Observer sees only what goes through the dispatcher (extern kernels such as
+``mm``, custom and fallback ops, the seeds of Inductor's random numbers), not the tensors its
+Triton kernels read: closure tensors read only there are not in ``external``. A function that is
+itself ``torch.compile``d (``cgraw.graphed(torch.compile(f))``) is not observed.
 
 ``_mode_epoch`` counts switches of any module between training and evaluation (``model.train()``,
 ``model.eval()``): a recording made in the other mode warms up again (``Recording.stale``).
@@ -35,7 +42,7 @@ import sys
 import threading
 import weakref
 
-from cgraw.interop import torch_c
+from cgraw.interop import torch_c, torch_modes
 
 _epoch = [0]
 _mode_epoch = [0]  # switches of any module between training and evaluation (Module.train) so far
@@ -163,13 +170,12 @@ def observer(inputs):
 
 def _make_observer_class():
     torch = sys.modules["torch"]
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     unsafe_tag = torch_c.cudagraph_unsafe_tag()
     seeded_tag = torch_c.nondeterministic_seeded_tag()
+    graph_task = torch_c.graph_task_id()
     T = torch.Tensor
 
-    class Observer(TorchDispatchMode):
+    class Observer(torch_modes.mode_base()):
         def __init__(self, inputs):
             super().__init__()
             self.inputs = {id(t) for t in inputs}
@@ -178,9 +184,13 @@ def _make_observer_class():
             self.unsafe: str | None = None
             self.cpu_random: str | None = None
             self.ops: set = set()  # overload names of the ops that ran (torch_state.groups_of)
+            self.backward = False  # an op ran inside a backward pass (torch.func.grad's too)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+            if self.is_higher_order(func):
+                out = self.run_higher_order(func, args, kwargs)
+            else:
+                out = func(*args, **(kwargs or {}))
             try:
                 self._note(func, args, kwargs, out)
             except Exception:  # bookkeeping must never break the user's function
@@ -189,6 +199,8 @@ def _make_observer_class():
 
         def _note(self, func, args, kwargs, out) -> None:
             self.ops.add(getattr(func, "__name__", ""))
+            if not self.backward and graph_task is not None and graph_task() != -1:
+                self.backward = True
             tags = getattr(func, "tags", ())
             if self.unsafe is None and unsafe_tag is not None and unsafe_tag in tags:
                 self.unsafe = str(func)

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import weakref
 
 from cgraw import treetypes
 from cgraw.arrays import TREE, out_spec, replace_leaves, unflatten
 from cgraw.autograd_plan import BackwardPlan
 from cgraw.errors import CgrawError, SkipCall
+from cgraw.interop import torch_c
 
 
 class NoRebind:
@@ -63,6 +65,55 @@ def _same(x):
     return x
 
 
+_tls = threading.local()  # .hooks: the saved_tensors_hooks cgraw pushed last on this thread, or None
+_step_aside = [False]  # torch.autograd.graph.disable_saved_tensors_hooks wrapped (once per process)
+
+
+@contextlib.contextmanager
+def saving_hooks(pack, unpack):
+    """``torch.autograd.graph.saved_tensors_hooks(pack, unpack)`` that step aside for torch.func's
+    transforms (``grad``, ``vjp``, ``jacrev``, ``hessian``): they refuse to run under any
+    saved-tensor hooks (``disable_saved_tensors_hooks`` raises), and the function's eager code has
+    none. Inside such a transform these hooks are off, so tensors saved there pass unseen (the
+    warm-up's ``Observer`` sees a backward run there by other means)."""
+    torch = sys.modules["torch"]
+    if not _step_aside[0]:
+        _wrap_disable(torch.autograd.graph)
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    prev = getattr(_tls, "hooks", None)
+    with hooks:
+        _tls.hooks = hooks
+        try:
+            yield
+        finally:
+            _tls.hooks = prev
+
+
+def _wrap_disable(graph) -> None:
+    orig = graph.disable_saved_tensors_hooks
+
+    @contextlib.contextmanager
+    def disable_saved_tensors_hooks(error_message):
+        hooks = getattr(_tls, "hooks", None)
+        top = torch_c.top_saved_tensors_hooks() if hooks is not None else None
+        if top is None or top[0] is not hooks.pack_hook:  # not cgraw's on top: torch decides
+            with orig(error_message):
+                yield
+            return
+        hooks.__exit__(None, None, None)
+        _tls.hooks = None
+        try:
+            with orig(error_message):
+                yield
+        finally:
+            hooks.__enter__()
+            _tls.hooks = hooks
+
+    disable_saved_tensors_hooks.__wrapped__ = orig
+    graph.disable_saved_tensors_hooks = disable_saved_tensors_hooks
+    _step_aside[0] = True
+
+
 def capture_inputs(call, placeholders: dict) -> dict:
     """What a capture with grad enabled reads per leaf: placeholders (eager leaves) and detached
     aliases (leaves read in place) of the leaves that require grad, marked to require it, so
@@ -88,7 +139,6 @@ def run_saving(fn, args, kwargs, saved: list, subs: dict, external=()):
     does (the previous ``loss``), and the captured backward's engine then makes the default stream
     wait on the capture: ``cudaErrorStreamCaptureImplicit`` (seen on the H200, session 9). The
     aliases' gradients go to the parameters through ``_Graphed``, outside any capture."""
-    torch = sys.modules["torch"]
     aliases = subs[ALIASES] = {id(t): t.detach().requires_grad_() for t in external
                                if getattr(t, "requires_grad", False)}
 
@@ -96,7 +146,7 @@ def run_saving(fn, args, kwargs, saved: list, subs: dict, external=()):
         saved.append(x)
         return x
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, _same), _read_through(aliases):
+    with saving_hooks(pack, _same), _read_through(aliases):
         return fn(*args, **kwargs)
 
 
@@ -134,6 +184,31 @@ def grad_info(rec, call, subs: dict, saved: list) -> GradInfo | None:
     aliases = subs.get(ALIASES, {})
     ins = [subs[j] for j in leaves] + [aliases.get(id(t), t) for t in params]
     return GradInfo(leaves, params, out_idx, outs, ins, saved, ext)
+
+
+REENTRANT_CHECKPOINT = (
+    "its outputs come out of torch.utils.checkpoint(use_reentrant=True), whose backward refuses "
+    "torch.autograd.grad, the call a recorded backward makes; pass use_reentrant=False (torch's "
+    "recommendation) to have it graphed"
+)
+
+
+def reentrant_checkpoint(out_leaves, in_leaves) -> str | None:
+    """Why a function runs eagerly when autograd goes through graphed functions: its outputs'
+    autograd graph, walked back to its inputs, has a ``torch.utils.checkpoint(use_reentrant=True)``
+    node (``CheckpointFunctionBackward``); else None."""
+    stop = {id(getattr(t, "grad_fn", None)) for t in in_leaves}
+    stack = [t.grad_fn for t in out_leaves if getattr(t, "grad_fn", None) is not None]
+    seen: set = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen or id(node) in stop:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return REENTRANT_CHECKPOINT
+        stack.extend(n for n, _ in node.next_functions)
+    return None
 
 
 class BackwardFn:

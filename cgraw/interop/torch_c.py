@@ -1,4 +1,4 @@
-"""The one module that reaches into torch's private API (``torch._C`` and ``torch.utils._pytree``).
+"""The one module that reaches into torch's private API (``torch._C``, ``torch._ops``, ``torch.utils._pytree``).
 
 Layer L1: imports only ``errors``; torch is found in ``sys.modules`` (cgraw never imports it).
 Every private name cgraw uses is listed in ``NEEDED`` with what it is for. Names are looked up on
@@ -28,6 +28,7 @@ NEEDED = {
     "_cuda_releasePool": "ending that routing",
     "_cuda_clearCublasWorkspaces": "keeping cuBLAS workspaces inside a recording",
     "_cuda_memorySnapshot": "reading torch's segments, always with None (see memory_segments)",
+    "_storage_Use_Count": "whether memory a graph tree handed out is still used (a view or .detach() of an output)",
 }
 
 
@@ -91,6 +92,34 @@ def nondeterministic_seeded_tag():
     return getattr(tags, "nondeterministic_seeded", None)
 
 
+def higher_order_operator_class():
+    """``torch._ops.HigherOrderOperator`` (``torch.cond``, ``while_loop``, ``scan``, ``map``: operators
+    whose arguments include Python callables), or None."""
+    ops = getattr(api()._torch, "_ops", None)
+    return getattr(ops, "HigherOrderOperator", None)
+
+
+def operator_classes() -> tuple:
+    """The classes of torch's operator objects (``torch._ops.OperatorBase``, ``OpOverloadPacket``):
+    callables a higher-order operator takes as operators, not as bodies."""
+    ops = getattr(api()._torch, "_ops", None)
+    return tuple(c for c in (getattr(ops, "OperatorBase", None), getattr(ops, "OpOverloadPacket", None))
+                 if isinstance(c, type))
+
+
+def top_saved_tensors_hooks():
+    """The innermost ``saved_tensors_hooks`` pair of this thread, ``(pack, unpack)``, or None (also
+    where torch lacks ``torch._C._autograd._top_saved_tensors_default_hooks``)."""
+    top = getattr(getattr(api()._torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(True)
+
+
+def graph_task_id():
+    """``torch._C._current_graph_task_id``: called, -1 outside a backward pass and the running
+    backward's id inside one; None where torch lacks it."""
+    return getattr(api()._torch._C, "_current_graph_task_id", None)
+
+
 def pytree():
     """``torch.utils._pytree`` (the container registry torch users know), or None."""
     mod = sys.modules.get("torch.utils._pytree")
@@ -137,6 +166,20 @@ def global_state_guard():
     return getattr(guards, "GlobalStateGuard", None)
 
 
+def storage_users(t):
+    """A callable counting the references to ``t``'s storage (every tensor over it, views and
+    ``.detach()`` aliases included), through a weak reference to the storage, as torch's trees
+    see whether outputs are alive; it keeps neither ``t`` nor its memory alive."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    ref = StorageWeakRef(t.untyped_storage())
+    count = api()._storage_Use_Count
+
+    def users() -> int:
+        return count(ref.cdata)
+    return users
+
+
 def memory_segments() -> list:
     """Every segment of torch's CUDA caching allocator, as ``torch.cuda.memory_snapshot()`` lists
     them, each with its ``segment_pool_id``; callers filter.
@@ -163,4 +206,6 @@ def _reset() -> None:
 
 
 __all__ = ["KERNEL_STATE", "NEEDED", "SUPPORTED", "TorchApiError", "api", "check", "cudagraph_unsafe_tag",
-           "global_state_guard", "kernel_state_getters", "memory_segments", "nondeterministic_seeded_tag", "pytree"]
+           "global_state_guard", "graph_task_id", "higher_order_operator_class", "kernel_state_getters",
+           "memory_segments", "nondeterministic_seeded_tag", "operator_classes", "pytree", "storage_users",
+           "top_saved_tensors_hooks"]

@@ -22,19 +22,25 @@ capture with a ``CaptureError`` naming it. CPU random numbers and other devices 
 The draws follow torch's default CUDA generator of the capture's device (``TorchRng.use``): each
 replay reads its seed and offset and advances the offset, as eager draws do (``rng.torch_sync``).
 The ``generator=`` argument is ignored inside captures: every draw follows the default generator.
+
+The mode is a ``torch_modes.mode_base()`` mode: draws inside the bodies of higher-order operators
+are routed too, and torch.compile'd code runs compiled; the seeds of Inductor's random numbers
+(``aten.randint.low_out`` into an int64 buffer) are drawn here, so compiled code draws fresh
+numbers on every replay.
+
+Draws inside a ``torch.utils.checkpoint`` that restores torch's random state for its
+recomputation fail the capture (``torch_rng_patch.checkpoint_region``); the patches in place
+while a capture routes (sdpa's backend, torch's generator state) are in ``torch_rng_patch``.
 """
 
 from __future__ import annotations
 
 import sys
-import threading
 
 from cgraw import _cuda, rng, rngexec
 from cgraw.errors import CaptureError
+from cgraw.interop import torch_modes, torch_rng_patch
 
-_tls = threading.local()
-_patch_lock = threading.Lock()
-_patch = {"count": 0, "orig": None, "wrapper": None}
 _mode_cls: list = [None]
 _codes: dict = {}
 
@@ -48,9 +54,16 @@ _SDPA_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficie
              "_efficient_attention_forward", "_scaled_dot_product_fused_attention_overrideable")
 
 
-def not_covered(op: str, why: str = "it draws from torch's CUDA generator") -> CaptureError:
+CHECKPOINT_HINT = (
+    "draw the random tensor outside the checkpointed function and pass it in, or pass "
+    "preserve_rng_state=False (its recomputation then draws fresh numbers, as it does eagerly)"
+)
+
+
+def not_covered(op: str, why: str = "it draws from torch's CUDA generator",
+                hint: str = NOT_COVERED_HINT) -> CaptureError:
     return CaptureError(f"torch {op}", 0, "RNG_NOT_COVERED",
-                        f"torch random numbers: {op} cannot be captured by cgraw ({why})", NOT_COVERED_HINT)
+                        f"torch random numbers: {op} cannot be captured by cgraw ({why})", hint)
 
 
 def _dtype_codes(torch) -> dict:
@@ -81,13 +94,11 @@ class TorchRng:
         if cls is None:
             cls = _mode_cls[0] = _make_mode_class()
         self._mode = cls(self.stream)
-        _tls.active = self.stream
-        _install_sdpa()
+        torch_rng_patch.install(self.stream)
         try:
             self._mode.__enter__()
         except BaseException:
-            _tls.active = None
-            _remove_sdpa()
+            torch_rng_patch.remove()
             raise
 
     def exit(self) -> None:
@@ -96,44 +107,7 @@ class TorchRng:
                 mode, self._mode = self._mode, None
                 mode.__exit__(None, None, None)
         finally:
-            _tls.active = None
-            _remove_sdpa()
-
-
-# ----------------------------------------------------------------------------- sdpa with dropout
-
-def _install_sdpa() -> None:
-    torch = sys.modules["torch"]
-    F = torch.nn.functional
-    with _patch_lock:
-        if _patch["count"] == 0:
-            orig = F.scaled_dot_product_attention
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            def scaled_dot_product_attention(*args, **kwargs):
-                p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
-                if p and getattr(_tls, "active", None) is not None:
-                    with sdpa_kernel([SDPBackend.MATH]):
-                        return orig(*args, **kwargs)
-                return orig(*args, **kwargs)
-
-            scaled_dot_product_attention.__wrapped__ = orig
-            _patch["orig"], _patch["wrapper"] = orig, scaled_dot_product_attention
-            F.scaled_dot_product_attention = scaled_dot_product_attention
-        _patch["count"] += 1
-
-
-def _remove_sdpa() -> None:
-    torch = sys.modules.get("torch")
-    with _patch_lock:
-        if _patch["count"] <= 0:
-            return
-        _patch["count"] -= 1
-        if _patch["count"] == 0:
-            F = torch.nn.functional
-            if F.scaled_dot_product_attention is _patch["wrapper"]:
-                F.scaled_dot_product_attention = _patch["orig"]
-            _patch["orig"] = _patch["wrapper"] = None
+            torch_rng_patch.remove()
 
 
 # ----------------------------------------------------------------------------- the mode
@@ -155,8 +129,6 @@ def _bind(func, args, kwargs) -> dict:
 
 def _make_mode_class():
     torch = sys.modules["torch"]
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     aten = torch.ops.aten
     codes = _dtype_codes(torch)
     T = torch.Tensor
@@ -172,13 +144,15 @@ def _make_mode_class():
     def dense(t) -> bool:
         return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
 
-    class RngMode(TorchDispatchMode):
+    class RngMode(torch_modes.mode_base()):
         def __init__(self, stream: rng.RngStream):
             super().__init__()
             self.rs = stream
             self.dev = stream.device
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self.is_higher_order(func):
+                return self.run_higher_order(func, args, kwargs)
             kwargs = kwargs or {}
             h = handlers.get(func.overloadpacket)
             if h is not None:
@@ -204,6 +178,14 @@ def _make_mode_class():
         def cu_stream(self):
             return _cuda.stream_handle(torch.cuda.current_stream(self.dev).cuda_stream)
 
+        def replayable(self, op: str) -> None:
+            """Refuse a draw that a checkpoint's recomputation would have to draw again."""
+            where = torch_rng_patch.checkpoint_region()
+            if where is not None:
+                raise not_covered(op, f"it draws in the {where} of a torch.utils.checkpoint with preserve_rng_state="
+                                  "True, whose recomputation must draw the same numbers again, which cgraw's "
+                                  "per-graph generator cannot do", CHECKPOINT_HINT)
+
         def fill(self, t, dist: str, *, a=0.0, b=0.0, p=None, lo=0, rng_range=0):
             """Draw into ``t`` (any layout): directly when dense, else through a dense copy."""
             code = codes.get(t.dtype)
@@ -219,6 +201,7 @@ def _make_mode_class():
                 self.fill(tmp, dist, a=a, b=b, p=p, lo=lo, rng_range=rng_range)
                 t.copy_(tmp)
                 return t
+            self.replayable(f"a {dist} draw")
             pptr = 0
             if p is not None:
                 p = p.to(device=t.device, dtype=torch.float32).expand(t.shape).contiguous()
@@ -365,6 +348,7 @@ def _make_mode_class():
         code = codes.get(x.dtype)
         if code not in ("f32", "f64", "f16", "bf16"):
             raise not_covered(f"{func} on a {x.dtype} tensor")
+        m.replayable(str(func))
         keep = 1.0 - p
         scale = 0.0 if keep == 0.0 else 1.0 / keep
         x = x.contiguous()

@@ -13,7 +13,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -634,28 +633,6 @@ def test_item15_interrupt_right_after_the_capture_began(monkeypatch, pool):
     g.replay()
     torch.testing.assert_close(y, x + 2.0)
     g.close()
-
-
-def test_item15_mark_step_begin_and_reset_check_the_owning_thread():
-    f = cgraw.graphed(lambda x: x * 2.0)
-    f(trand(8))
-    errors = []
-
-    def other():
-        for fn in (cgraw.mark_step_begin, cgraw.reset):
-            try:
-                fn()
-                errors.append(f"{fn.__name__} did not raise")
-            except cgraw.CgrawError as e:
-                if "thread" not in str(e):
-                    errors.append(str(e))
-
-    t = threading.Thread(target=other)
-    t.start()
-    t.join()
-    assert not errors, errors
-    x = trand(8)
-    torch.testing.assert_close(f(x), x * 2.0)
 
 
 def test_item15_capture_restores_the_current_device_and_context(pool):

@@ -19,9 +19,17 @@ What those do depends on the backend's mode:
   from the current inputs, which is what a replayed graph does.
 
 Like the CUDA backend, ``record`` copies eager inputs into pool placeholders, reads static and
-tree-output inputs in place and copies mutated eager inputs back after a replay. Calls are
-classified by the real ``cgraw.calls`` (``FakeT`` is registered as an array type with
-``arrays.register``); ``spy_inspect`` wraps it to log and to inject skips.
+tree-output inputs in place and copies mutated eager inputs back after a replay. Each replay
+hands out new ``FakeT`` objects and the fake keeps none of them (nor a warm-up's outputs): an
+output dies when the caller drops it, as a torch tensor does, so the tree's weak references see
+what a test keeps (``TreeManager._path_is_dead``). Calls are classified by the real
+``cgraw.calls`` (``FakeT`` is registered as an array type with ``arrays.register``);
+``spy_inspect`` wraps it to log and to inject skips.
+
+Threads: ``new()``, ``release()``, ``assign()``, ``save()`` and the inspect spy talk to the backend
+warming up, capturing or replaying on the calling thread, else to the one made last on that
+thread, else to the one made last (``_ACTIVE``); an allocation that no backend of the thread
+makes is eager. So trees of several threads, each on its own backend, run side by side.
 
 Autograd (``cgraw.autograd_plan``), simulated: ``GRAD`` is the grad mode (install its probe with
 ``calls.use_grad_mode(GRAD.probe)``; ``GRAD.off()`` is ``torch.no_grad()``). A ``FakeFn`` made
@@ -38,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import weakref
 
 import numpy as np
@@ -50,7 +59,9 @@ from cgraw.errors import CgrawError, SkipCall
 from cgraw.tree import Warm
 
 EAGER_BASE = 1 << 56  # eager addresses: far above anything the pool's IntRangeSource hands out
-_ACTIVE: list = []  # the backend that new()/release()/assign() talk to (the latest one created)
+_ACTIVE: list = []  # the backend created last (new() and the others talk to it when the thread has none)
+_HERE = threading.local()  # .busy: the backend not in eager mode on this thread; .home: the one made last here
+_EAGER_LOCK = threading.Lock()  # eager address ranges are handed out to several threads
 
 
 class Clobbered(AssertionError):
@@ -226,7 +237,7 @@ class FakeTreeBackend:
         self.source = IntRangeSource()
         self.pool = Pool(self.source, name="fake-tree", **pool_kwargs)
         self.mem = Memory()
-        self.mode = "eager"
+        self._mode = "eager"
         self._cursor: list = []  # replay: the recording's allocations still to hand out
         self._capture: FakeRecording | None = None
         self._eager_next = EAGER_BASE
@@ -249,32 +260,44 @@ class FakeTreeBackend:
         self._bfns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # forward node -> its backward FakeFn
         _ACTIVE.append(self)
         del _ACTIVE[:-1]
+        _HERE.home = self
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        """Eager, warm, capture or replay; a backend in any mode but eager is its thread's busy one."""
+        self._mode = value
+        _HERE.busy = None if value == "eager" else self
 
     # ------------------------------------------------------------------ allocation for test code
 
-    def new(self, value) -> FakeT:
+    def new(self, value, mode: str | None = None) -> FakeT:
         value = np.asarray(value, dtype=np.float64).ravel()
         nbytes = value.nbytes
-        if self.mode == "eager":
+        mode = mode or self.mode
+        if mode == "eager":
             ptr = self._eager_range(nbytes)
             t = FakeT(ptr, nbytes, self.mem)
             self.mem.write(ptr, nbytes, value)
             weakref.finalize(t, self.mem.drop, ptr)
             return t
-        if self.mode == "capture":
+        if mode == "capture":
             block = self.pool.malloc(nbytes)
             rec = self._capture
             rec.allocs.append((block.ptr, nbytes))
             rec.live[block.ptr] = block.size
             self.mem.write(block.ptr, nbytes, np.full(value.shape, np.nan))  # nothing ran yet
             return FakeT(block.ptr, nbytes, self.mem)
-        if self.mode == "warm":
+        if mode == "warm":
             block = self.pool.malloc(nbytes)
             self.mem.write(block.ptr, nbytes, value)
             t = FakeT(block.ptr, nbytes, self.mem)
             self._warm_blocks[block.ptr] = weakref.ref(t)
             return t
-        assert self.mode == "replay"
+        assert mode == "replay"
         ptr, n = self._cursor.pop(0)
         assert n == nbytes, f"replay allocates {nbytes} bytes where the capture allocated {n}"
         self.mem.write(ptr, nbytes, value)
@@ -282,8 +305,9 @@ class FakeTreeBackend:
 
     def _eager_range(self, nbytes: int) -> int:
         """A fresh eager address (never reused, with a gap: eager ranges never touch)."""
-        ptr = self._eager_next
-        self._eager_next += -(-nbytes // 512) * 512 + 512
+        with _EAGER_LOCK:
+            ptr = self._eager_next
+            self._eager_next += -(-nbytes // 512) * 512 + 512
         return ptr
 
     def release(self, t: FakeT) -> None:
@@ -300,12 +324,8 @@ class FakeTreeBackend:
         self.mem.write(t.ptr, t.nbytes, np.asarray(value, dtype=np.float64).ravel())
 
     def tensor(self, values, *, requires_grad: bool = False) -> FakeT:
-        """An eager input tensor holding ``values``."""
-        mode, self.mode = self.mode, "eager"
-        try:
-            t = self.new(values)
-        finally:
-            self.mode = mode
+        """An eager input tensor holding ``values`` (from any thread)."""
+        t = self.new(values, mode="eager")
         t.requires_grad = requires_grad
         return t
 
@@ -470,8 +490,8 @@ class FakeTreeBackend:
         self.discards.append(rec)
 
     def end_generation(self, handed: list, cloning) -> None:
-        """Like the torch backend: each handed-out tensor is poisoned, or moved to a private copy
-        with ``cloning="user_visible"``."""
+        """Like the torch backend: each handed-out tensor still alive is poisoned, or moved to a
+        private copy with ``cloning="user_visible"``."""
         self.log.append(("end_generation", len(handed)))
         self.generations.append((list(handed), cloning))
         for name, t in handed:
@@ -552,24 +572,42 @@ class FakeTreeBackend:
         return sum(1 for e in self.log if e[0] == what and (name is None or e[1] == name))
 
 
+def _busy():
+    return getattr(_HERE, "busy", None)
+
+
+def _backend():
+    """The backend test code on this thread talks to (the module docstring says which)."""
+    return _busy() or getattr(_HERE, "home", None) or _ACTIVE[-1]
+
+
 def new(value) -> FakeT:
     """Allocate a result holding ``value`` (use inside graphed test functions)."""
-    return _ACTIVE[-1].new(value)
+    be = _busy()
+    return be.new(value) if be is not None else _backend().new(value, mode="eager")
 
 
 def release(t: FakeT) -> None:
     """Drop a temporary (inside graphed test functions)."""
-    _ACTIVE[-1].release(t)
+    be = _busy()
+    if be is not None:
+        be.release(t)
 
 
 def assign(t: FakeT, value) -> None:
     """Write ``value`` into ``t`` in place (inside graphed test functions)."""
-    _ACTIVE[-1].assign(t, value)
+    be = _busy()
+    if be is not None:
+        be.assign(t, value)
+    else:
+        t.mem.write(t.ptr, t.nbytes, np.asarray(value, dtype=np.float64).ravel())
 
 
 def save(t: FakeT) -> None:
     """Save ``t`` for the backward (inside graphed test functions; a capture keeps it)."""
-    _ACTIVE[-1].save(t)
+    be = _busy()
+    if be is not None:
+        be.save(t)
 
 
 class FakeGradMode:
@@ -617,7 +655,7 @@ _real_inspect = calls.inspect
 def spy_inspect(fn, args, kwargs, tree_outputs, device):
     """``cgraw.calls.inspect`` as the tree calls it, logged to the active fake backend, with its
     ``inspect_skip`` hook. Tests install it: ``monkeypatch.setattr(cgraw.tree, "inspect", spy_inspect)``."""
-    be = _ACTIVE[-1] if _ACTIVE else None
+    be = _backend() if _ACTIVE else None
     if be is not None:
         be.log.append(("inspect", fn.name))
         be.inspected.append((fn.name, dict(tree_outputs)))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -322,7 +323,7 @@ def test_no_grad_evaluation_selects_its_own_recording(tree):
     keys = [k for (_fid, k) in tree.mgr.roots]
     assert len(keys) == 2
     grad_key = [k for k in keys if k and type(k[-1]) is tuple and k[-1][0] is GRAD_MARK]
-    assert len(grad_key) == 1 and grad_key[0][-1] == (GRAD_MARK, (0,))
+    assert len(grad_key) == 1 and grad_key[0][-1] == (GRAD_MARK, (0,), ())  # leaf 0 requires grad, holds none
     assert all(r.state is NodeState.RECORDED for r in tree.mgr.roots.values())
     assert tree.mgr.stats[f.fn_id].recordings == 2 and tree.mgr.stats[f.fn_id].rerecords == 0
     assert tree.mgr.generation == 9  # every call of the root function began a step
@@ -370,6 +371,43 @@ def test_evaluation_with_grad_enabled_deepens_the_path_at_most_once(tree):
     assert tree.mgr.book.trains[f.fn_id] is False
     train_step(tree, f)  # a backward: f trains again
     assert tree.mgr.book.trains[f.fn_id] is True
+
+
+def scenario_a_live_graph_keeps_the_path(tree):
+    """``loss = f(x).sum()``: f's output object is gone, its autograd graph (and a pending
+    backward) lives. The path is in use: the next function extends it, and f's saved activations
+    survive until the backward. Once the graph is freed and g's output dropped, everything the
+    path made is dead and the next new function starts from a root."""
+    f = cube_fn(tree)
+    train_step(tree, f)  # f trains from now on
+    g = FakeFn(lambda z: new(z.value * 2.0 - 1.0), tree.mgr, name="g")
+    h = FakeFn(lambda z: new(z.value + 0.5), tree.mgr, name="h")
+    for _ in range(4):
+        x = tree.x()
+        loss = types.SimpleNamespace(ticket=f(x).ticket)  # holds the graph, not the output
+        assert tree.mgr.book.pending() == [loss.ticket]
+        z = tree.x(requires_grad=False)
+        yg = g(z)
+        np.testing.assert_array_equal(yg.value, z.value * 2.0 - 1.0)
+        assert [n.fn.name for n in tree.mgr.current.path()] == ["cube", "g"]
+        check_backward(tree, loss, x)
+        loss.ticket.freed()
+        del loss, yg
+        z = tree.x(requires_grad=False)
+        np.testing.assert_array_equal(h(z).value, z.value + 0.5)
+        assert [n.fn.name for n in tree.mgr.current.path()] == ["h"]
+    assert tree.kinds("cube")[-3:] == ["tree"] * 3
+    assert tree.mgr.stats[g.fn_id].replays == 2 and tree.mgr.stats[h.fn_id].replays == 2
+
+
+def test_a_live_graph_keeps_the_path(tree):
+    scenario_a_live_graph_keeps_the_path(tree)
+
+
+def test_a_live_graph_keeps_the_path_fails_without_the_rule(monkeypatch):
+    monkeypatch.setattr(AutogradBook, "graphs_alive", lambda self: False)
+    with pytest.raises(AssertionError):
+        scenario_a_live_graph_keeps_the_path(Tree())
 
 
 def test_code_without_autograd_keeps_its_keys_and_generations(tree):

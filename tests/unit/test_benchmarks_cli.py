@@ -352,3 +352,37 @@ def test_the_summary_leaves_out_model_figures_that_do_not_count():
     lines = summary.table(rows).splitlines()
     assert next(ln for ln in lines if "eager torch" in ln).endswith("0.11")  # 290 / 2600
     assert next(ln for ln in lines if per_call in ln and "reduce-overhead" in ln).split()[-2:] == ["-", "-"]
+
+
+def test_threads_is_a_part_and_needs_a_gpu(monkeypatch, capsys):
+    from benchmarks import threads
+    from cgraw import _cuda
+
+    assert PARTS["threads"] == ("benchmarks.threads", [])
+    assert list(PARTS).index("threads") < list(PARTS).index("rebind")
+    with pytest.raises(SystemExit) as exc:
+        threads.main(["--help"])
+    assert exc.value.code == 0 and "--threads" in capsys.readouterr().out
+    for bad in (["--threads", "1,x"], ["--threads", "0"], ["--systems", "eager,nope"]):
+        with pytest.raises(SystemExit):
+            threads.main(bad)
+    monkeypatch.setattr(_cuda, "driver_available", lambda: (False, "no driver (test)"))
+    assert threads.main(["--threads", "2"]) == 2
+    assert "no driver (test)" in capsys.readouterr().err
+
+
+def test_threads_summary_takes_medians_and_per_round_ratios_to_eager():
+    from benchmarks.threads import summarise
+
+    def row(system, n, r, cps, used=1.0):
+        return {"system": system, "threads": n, "round": r, "calls_per_s": cps, "us_per_call_per_thread": 1e6 / cps,
+                "used_mib": used, "torch_reserved_mib": used, "torch_allocated_mib": used}
+
+    rows = [row("eager", 2, 0, 100.0), row("graphed", 2, 0, 300.0, 4.0), row("eager", 2, 1, 200.0),
+            row("graphed", 2, 1, 400.0, 6.0), row("graphed", 2, 2, 999.0),  # no eager in round 2: no ratio
+            {"system": "one_tree", "threads": 2, "round": 0, "error": "thread 0: AssertionError"}]
+    s = summarise(rows)
+    assert s["graphed x2"]["calls_per_s_vs_eager"] == 2.5  # median of 3.0 and 2.0
+    assert s["graphed x2"]["calls_per_s"] == 400.0 and s["graphed x2"]["used_mib"] == 4.0
+    assert s["graphed x2"]["runs"] == 3 and s["eager x2"]["calls_per_s_vs_eager"] == 1.0
+    assert "one_tree x2" not in s  # a failed check is never summarised

@@ -182,14 +182,15 @@ def test_padded_replay_patches_counts_and_cuts_outputs(monkeypatch):
                   InputCopy(0, "b0", 0xA00, 0x100, 5 * 64, 64, back=True)]
     rec.out_leaves = [SliceableArray(0xC00, (8, 16)), SliceableArray(0xD00, (3,))]
     rec.out_spec = ("seq", tuple, [("t",), ("t",)])
-    rec.out_kinds, rec.owned_idx, rec.poison_idx = [OWNED, OWNED], [0, 1], []
+    rec.out_kinds, rec.owned_idx = [OWNED, OWNED], [0, 1]
     rec.out_alias = [t.view for t in rec.out_leaves]
     rec.out_rows = [0]
 
     def call(n, p0=0x100, p1=0x200):
         c = types.SimpleNamespace(rows=n, ptrs=[p0, p1], leaves=[None, None])
         out, owned = rec.replay(c)
-        assert owned == []  # CuPy arrays cannot be poisoned: none is handed out for it
+        # every owned output is handed out, CuPy's too: the tree watches whether they live
+        assert owned == (list(out) if isinstance(out, tuple) else [out])
         return out
 
     out = call(5)  # as recorded: nothing to patch
@@ -209,7 +210,7 @@ def test_padded_replay_patches_counts_and_cuts_outputs(monkeypatch):
     assert call(6).shape == (6, 16)
 
 
-def test_plain_replay_patches_only_moved_inputs_and_hands_out_torch_outputs_only(monkeypatch):
+def test_plain_replay_patches_only_moved_inputs_and_hands_out_its_owned_output(monkeypatch):
     from cgraw.recording import OWNED, InputCopy, Recording
 
     patched, launches = [], _fake_launch(monkeypatch)
@@ -219,7 +220,7 @@ def test_plain_replay_patches_only_moved_inputs_and_hands_out_torch_outputs_only
     rec.copies = [InputCopy(0, "n0", 0xA00, 0x100, 256, 0, back=False),
                   InputCopy(1, "n1", 0xB00, 0x200, 128, 0, back=False)]
     out_arr = SliceableArray(0xC00, (4, 16))
-    rec.out_leaves, rec.out_kinds, rec.owned_idx, rec.poison_idx = [out_arr], [OWNED], [0], []
+    rec.out_leaves, rec.out_kinds, rec.owned_idx = [out_arr], [OWNED], [0]
     rec.out_alias = [out_arr.view]
     from cgraw.arrays import SINGLE
     rec.out_spec, rec.alias0 = SINGLE, out_arr.view
@@ -228,13 +229,32 @@ def test_plain_replay_patches_only_moved_inputs_and_hands_out_torch_outputs_only
         return rec.replay(types.SimpleNamespace(rows=None, ptrs=[p0, p1], leaves=[None, None]))
 
     out, owned = call(0x100, 0x200)
-    assert patched == [] and out.data.ptr == 0xC00 and out is not out_arr and owned == ()
+    assert patched == [] and out.data.ptr == 0xC00 and out is not out_arr and owned == (out,)
     call(0x300, 0x200)
     call(0x300, 0x200)  # the node already holds 0x300: no second patch
     assert patched == [("n0", 0xA00, 0x300, 256)] and launches == [("exec", 0x5001)] * 3
-    rec.poison_idx = [0]  # a torch output: handed out to be poisoned when the generation ends
-    out, owned = call(0x300, 0x200)
-    assert owned == (out,)
+
+
+def test_generation_end_poisons_the_torch_outputs_and_skips_cupy_ones(monkeypatch):
+    """Replays hand out their owned outputs of every framework (the tree watches whether they
+    live); the CUDA backend poisons the torch ones still alive and passes over CuPy arrays,
+    which cannot be poisoned."""
+    from cgraw import frameworks
+    from cgraw.treeexec import CudaBackend
+
+    class TorchLike:
+        pass
+
+    monkeypatch.setattr(frameworks, "_registered", [(TorchLike, frameworks.TORCH)])
+    monkeypatch.setattr(frameworks, "_by_type", {})
+    poisoned, cloned = [], []
+    tts = types.SimpleNamespace(poison=lambda t, msg: poisoned.append((t, msg)), clone_out=cloned.append)
+    be = types.SimpleNamespace(_tts=tts, _messages={}, grad_views=list)
+    t, a = TorchLike(), FakeArray(0xC00)
+    CudaBackend.end_generation(be, [("f", t), ("g", a)], None)
+    assert [x for x, _ in poisoned] == [t] and "'f'" in poisoned[0][1]
+    CudaBackend.end_generation(be, [("f", t), ("g", a)], "user_visible")
+    assert cloned == [t]
 
 
 # ---------------------------------------------------------------------- the plain-tensor fast path

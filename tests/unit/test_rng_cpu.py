@@ -589,3 +589,132 @@ def test_routed_unfused_dropout_goes_through_bernoulli(cpu_mode):
     torch.testing.assert_close(y, x * noise / 0.7)
     kept = (z != 0).flatten(2).all(-1) | (z == 0).flatten(2).all(-1)  # whole channels kept or dropped
     assert z.shape == (1, 10, 3, 3) and bool(kept.all()) and stream.calls == 2
+
+
+# ----------------------------------------------------------------------------- higher-order operators, compiled code
+
+def test_routed_draws_inside_cond_and_scan_bodies(cpu_mode):
+    torch, mode, stream = cpu_mode
+    x = torch.randn(3, 5)
+
+    def noisy(x):
+        return x + torch.rand(x.shape)
+
+    def plain(x):
+        return x * 2.0
+
+    with mode:  # the bodies run with the mode pushed again: their draws come from the stream
+        hi = torch.cond(torch.tensor(True), noisy, plain, (x,))
+        lo = torch.cond(torch.tensor(False), noisy, plain, (x,))
+        carry, ys = torch._higher_order_ops.scan(lambda c, r: (c + r, c + torch.rand(c.shape)), torch.zeros(5), x)
+    u = torch.tensor((np.arange(15) % 7) / 7.0, dtype=torch.float32)
+    torch.testing.assert_close(hi, x + u.reshape(3, 5))
+    torch.testing.assert_close(lo, x * 2.0)
+    torch.testing.assert_close(carry, x.sum(0))
+    assert ys.shape == (3, 5) and stream.calls >= 1 + 3  # one in cond, one per scan step (and any shape probe)
+
+
+def test_inductor_seed_buffer_is_drawn_from_the_stream(cpu_mode, monkeypatch):
+    torch, mode, stream = cpu_mode
+    from cgraw import rngexec
+
+    seen = []
+
+    def record(rs, dist, dtype, out, n, cu_stream, *, lo=0, rng_range=0, wide=False, **kw):
+        rs.take(1)
+        seen.append((dist, dtype, n, lo, rng_range, wide))
+
+    monkeypatch.setattr(rngexec, "fill", record)
+    buf = torch.empty(3, dtype=torch.int64)
+    limits = torch.iinfo(torch.int64)
+    with mode:  # the call Inductor's generated code makes for the seeds of its random numbers
+        torch.ops.aten.randint.low_out(limits.min, limits.max, [3], out=buf)
+    assert seen == [("randint", "i64", 3, limits.min, limits.max - limits.min, True)]
+    assert stream.calls == 1
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize("how", ["reentrant", "non_reentrant"])
+def test_draws_inside_a_checkpoint_that_restores_random_state_are_refused(cpu_mode, how):
+    torch, mode, stream = cpu_mode
+    from torch.utils.checkpoint import checkpoint
+
+    from cgraw.errors import CaptureError
+
+    def body(x):
+        return torch.nn.functional.dropout(x, 0.5, training=True) * 2.0
+
+    x = torch.randn(4, 8, requires_grad=True)
+    reentrant = how == "reentrant"
+    with pytest.raises(CaptureError, match="checkpoint") as ei, mode:
+        checkpoint(body, x, use_reentrant=reentrant)
+    assert "preserve_rng_state=False" in ei.value.hint
+    with mode:  # torch restores nothing for these: cgraw's draws are as good as eager's
+        a = checkpoint(body, x, use_reentrant=reentrant, preserve_rng_state=False)
+        with torch.no_grad():
+            b = checkpoint(body, x.detach(), use_reentrant=reentrant)
+        c = body(x)
+    assert a.shape == b.shape == c.shape == (4, 8) and stream.calls == 3
+
+
+def test_generator_state_answers_from_the_routing_start_only_while_capturing():
+    from cgraw.interop import torch_rng_patch
+
+    class FakeCuda:
+        capturing = False
+
+        def __init__(self):
+            self.state = np.arange(16, dtype=np.uint8)
+            self.sets = []
+
+        def get_rng_state(self, device="cuda"):
+            if self.capturing:
+                raise RuntimeError("Cannot call CUDAGeneratorImpl::current_seed during CUDA graph capture")
+            return self.state.copy()
+
+        def set_rng_state(self, new_state, device="cuda"):
+            if self.capturing:
+                raise RuntimeError("Cannot call CUDAGeneratorImpl::set_current_seed during CUDA graph capture")
+            self.sets.append(new_state)
+
+        def is_current_stream_capturing(self):
+            return self.capturing
+
+        def current_device(self):
+            return 0
+
+    class Held(np.ndarray):
+        def clone(self):
+            return self.copy()
+
+    cuda = FakeCuda()
+    (orig_get, get), (_, set_) = torch_rng_patch._patch_generator_state(cuda)
+    assert cuda.get_rng_state is get and get.__wrapped__ == orig_get
+    held = np.full(16, 7, dtype=np.uint8).view(Held)
+    torch_rng_patch._held[0] = held
+    try:
+        assert list(get()) == list(range(16))  # not capturing: torch's own answer
+        cuda.capturing = True
+        assert list(get("cuda:0")) == [7] * 16 and list(get(0)) == [7] * 16
+        assert set_(held) is None and cuda.sets == []  # nothing reads torch's generator in the capture
+        with pytest.raises(RuntimeError, match="current_seed"):
+            get(1)  # no state held for that device
+        cuda.capturing = False
+        set_(held)
+        assert len(cuda.sets) == 1
+    finally:
+        torch_rng_patch._held.pop(0, None)
+
+
+def test_generator_state_patch_only_while_routing():
+    torch = _torch()
+    from cgraw.interop import torch_rng
+
+    get, set_ = torch.cuda.get_rng_state, torch.cuda.set_rng_state
+    r = torch_rng.TorchRng(rng.RngStream(0, 0, 0))
+    r.enter()
+    try:
+        assert torch.cuda.get_rng_state.__wrapped__ is get and torch.cuda.set_rng_state.__wrapped__ is set_
+    finally:
+        r.exit()
+    assert torch.cuda.get_rng_state is get and torch.cuda.set_rng_state is set_

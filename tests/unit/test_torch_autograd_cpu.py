@@ -198,6 +198,35 @@ def test_two_graphed_functions_chained(tree):
     assert tree.backend.count("replay", "m1.backward") >= 2
 
 
+def test_a_graph_alive_through_the_loss_keeps_the_path_and_a_freed_one_ends_it(tree):
+    """``loss = f(x).pow(2).sum()`` keeps f's autograd graph (its output tensor is gone): a
+    graphed function called before the backward extends the path, and the gradients equal
+    eager's. After the backward, with the loss and every output dropped, the next new function
+    starts from a root; so does one after an evaluation with grad enabled whose output is
+    dropped (its graph goes with it)."""
+    model, ref = mlp(), mlp()
+    f = graphed(tree, model)
+    g = TorchFn(lambda z: z * 2.0 - 1.0, tree, name="g")
+    h = TorchFn(lambda z: z + 0.5, tree, name="h")
+    for _ in range(4):
+        x = torch.randn(3, 8)
+        loss = f(x).pow(2).sum()
+        z = torch.randn(5)
+        assert torch.equal(g(z), z * 2.0 - 1.0)
+        assert [n.fn.name for n in tree.current.path()] == ["mlp", "g"]
+        loss.backward()
+        ref(x).pow(2).sum().backward()
+        assert_same(model, ref)
+        del loss
+        assert torch.equal(h(z), z + 0.5)
+        assert [n.fn.name for n in tree.current.path()] == ["h"]
+        tree.mark_step_begin()
+    f(torch.randn(3, 8))  # evaluation with grad enabled, the output dropped
+    assert torch.equal(h(z), z + 0.5)
+    assert [n.fn.name for n in tree.current.path()] == ["h"]
+    assert tree.stats[g.fn_id].replays == 2 and tree.stats[h.fn_id].replays >= 2
+
+
 def test_create_graph_recomputes_and_double_backward_matches(tree, caplog):
     model, ref = mlp(), mlp()
     f = graphed(tree, model)
@@ -325,7 +354,7 @@ def test_gradients_leave_the_tree_in_one_foreach_copy_that_accumulate_grad_keeps
         assert_same(model, ref)
         if made:
             assert {p.grad.data_ptr() for p in model.parameters()} == made[-1]  # kept, not cloned again
-        assert not [name for name, _ in tree.handed_out if name == "mlp.backward"]
+        assert not [name for name, _ in tree.outs.handed if name == "mlp.backward"]
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
     assert len(made) >= 3 and copies.count((n_params, 1.0)) == len(made)  # one copy of every gradient per replay

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import weakref
 from collections import Counter
 
 import hypothesis.strategies as st
@@ -377,7 +378,7 @@ def test_mark_step_begin_ends_generation_with_everything_handed_out(tree, rng):
         else:  # or, with generation_cloning, hands the user a private copy
             assert_same(yb, ref_b)
             assert not in_pool(yb)
-        assert tree.mgr.current is None and tree.mgr.tree_outputs == {} and tree.mgr.handed_out == []
+        assert tree.mgr.current is None and tree.mgr.tree_outputs == {} and tree.mgr.outs.handed == []
         assert tree.mgr.generation == gen + 1
     tree.mgr.mark_step_begin()  # an empty generation still ends
     assert tree.be.generations[-1] == ([], "user_visible")
@@ -421,15 +422,17 @@ def test_non_root_function_called_twice_becomes_child(tree, rng):
 
 
 def test_repeated_non_root_function_deepens_the_path_until_made_a_root(tree, rng):
-    """The README's "a function that is not a root extends the path, one node per call": after
-    one call of ``a``, every call of ``g`` is a node one deeper (warmed up, never recorded while
-    no later generation comes back; 12 calls stay under ``config.path_repeat_limit``);
-    ``mark_step_begin()`` before its next call makes ``g`` a root, recorded once and replayed."""
+    """The README's "a function that is not a root extends the path, one node per call, while
+    outputs of the path are alive": after one call of ``a``, every call of ``g`` whose outputs
+    are kept is a node one deeper (warmed up, never recorded while no later generation comes
+    back; 12 calls stay under ``config.path_repeat_limit``); ``mark_step_begin()`` before its next
+    call makes ``g`` a root, recorded once and replayed."""
     a, g = tree.fn(affine), tree.fn(double)
-    a(tree.tensor(rand(rng, 16)))
+    kept = [a(tree.tensor(rand(rng, 16)))]
     for i in range(1, 13):
         x = tree.tensor(rand(rng, 16))
-        assert_same(g(x), tree.eager(g, x))
+        kept.append(g(x))
+        assert_same(kept[-1], tree.eager(g, x))
         assert len(tree.mgr.current.path()) == i + 1  # a -> g -> g -> ...
     st = tree.mgr.stats[g.fn_id]
     assert (st.warmups, st.recordings, st.replays) == (12, 0, 0)
@@ -486,10 +489,107 @@ def test_two_functions_alternating_past_the_limit_keep_their_path(tree, rng):
 def test_path_repeat_limit_zero_keeps_deepening_the_path(tree, rng):
     config.path_repeat_limit = 0
     f, g = tree.fn(affine), tree.fn(double)
-    f(tree.tensor(rand(rng, 8)))
+    kept = [f(tree.tensor(rand(rng, 8)))]
     for _ in range(100):
-        g(tree.tensor(rand(rng, 8)))
+        kept.append(g(tree.tensor(rand(rng, 8))))
     assert len(tree.mgr.current.path()) == 101 and not tree.mgr.stats[g.fn_id].promoted
+
+
+def counts(tree, f) -> tuple:
+    st_ = tree.mgr.stats[f.fn_id]
+    return st_.warmups, st_.recordings, st_.replays, st_.eager_calls
+
+
+def loop_dropping_outputs(tree, g, rng, n: int) -> list:
+    """``g(x)`` ``n`` times, each result compared with eager and dropped; ``(warm-ups,
+    recordings, replays)`` of ``g`` after each call."""
+    seen = []
+    for _ in range(n):
+        x = tree.tensor(rand(rng, 16))
+        assert_same(g(x), tree.eager(g, x))
+        seen.append(counts(tree, g)[:3])
+    return seen
+
+
+def test_a_function_after_another_whose_outputs_died_starts_from_a_root(tree, rng):
+    """``f(x)`` once, then ``g(x)`` ten times with every output dropped: the path ends before
+    ``g``'s first call (everything it made is dead), so ``g`` is recorded at its second call and
+    replayed from its third, exactly as when ``g`` is the first function called."""
+    f, g = tree.fn(affine), tree.fn(double)
+    f(tree.tensor(rand(rng, 16)))
+    seen = loop_dropping_outputs(tree, g, rng, 10)
+    assert seen[:3] == [(1, 0, 0), (1, 1, 0), (1, 1, 1)]
+    assert counts(tree, g) == (1, 1, 8, 0)
+    assert tree.all_paths() == [("affine",), ("double",)] and g.fn_id in tree.mgr.root_fns
+    # the simulated backend keeps nothing it hands out alive: liveness is the caller's alone
+    y = g(tree.tensor(rand(rng, 16)))
+    assert in_pool(y)
+    ref = weakref.ref(y)
+    del y
+    assert ref() is None
+    alone = Tree()
+    assert loop_dropping_outputs(alone, alone.fn(double), rng, 10) == seen
+
+
+@pytest.mark.parametrize("first", ["warm-up", "warm-up in the pool", "replay", "skipped"])
+def test_a_live_output_of_any_node_keeps_the_path(rng, first):
+    """While an output of the path is alive (a warm-up's outside or inside the pool, a replay's,
+    an eager run's of a skipped node), the next function extends the path; once it is dropped, the
+    next new node starts from a root."""
+    tree = Tree()
+    tree.be.warm_in_pool = first == "warm-up in the pool"
+    f, g, h = tree.fn(affine, name="f"), tree.fn(double, name="g"), tree.fn(square, name="h")
+    if first == "skipped":
+        tree.be.record_skip["f"] = "host synchronisation during capture"
+    for _ in range({"warm-up": 0, "warm-up in the pool": 0, "replay": 2, "skipped": 1}[first]):
+        f(tree.tensor(rand(rng, 16)))
+        tree.mgr.mark_step_begin()
+    y = f(tree.tensor(rand(rng, 16)))
+    assert tree.node("f").state is {"replay": NodeState.RECORDED, "skipped": NodeState.SKIPPED}.get(
+        first, NodeState.WARMED)
+    assert in_pool(y) == (first in ("replay", "warm-up in the pool"))
+    x = tree.tensor(rand(rng, 16))
+    assert_same(g(x), tree.eager(g, x))
+    assert [n.fn.name for n in tree.mgr.current.path()] == ["f", "g"]
+    del y
+    x = tree.tensor(rand(rng, 16))
+    assert_same(h(x), tree.eager(h, x))
+    assert tree.mgr.current.parent is None and tree.mgr.current.fn is h
+
+
+def test_an_alias_of_a_dead_output_passed_in_keeps_the_path(tree, rng):
+    """The output object is gone, but the call reads its memory (a tree-output input): the path
+    under way is still in use."""
+    f, g = tree.fn(affine), tree.fn(double)
+    for _ in range(2):  # warmed up, recorded: f's outputs are the tree's memory from now on
+        f(tree.tensor(rand(rng, 16)))
+    for _ in range(3):
+        tree.mgr.mark_step_begin()
+        y = f(tree.tensor(rand(rng, 16)))
+        assert in_pool(y)
+        alias = FakeT(y.ptr, y.nbytes, y.mem)  # a view the tree never handed out
+        ref = values(y)
+        del y
+        assert_same(g(alias), tree.eager(g, tree.tensor(ref)))
+        assert [n.fn.name for n in tree.mgr.current.path()] == ["affine", "double"]
+    assert counts(tree, g)[:3] == (1, 1, 1)
+
+
+def test_kept_outputs_deepen_the_path_and_the_limit_still_makes_a_root(tree, rng, caplog):
+    """``config.path_repeat_limit`` stays the backstop for paths whose outputs stay alive."""
+    config.path_repeat_limit = 6
+    f, g = tree.fn(affine), tree.fn(double)
+    kept = [f(tree.tensor(rand(rng, 16)))]
+    with caplog.at_level(logging.WARNING, logger="cgraw"):
+        for i in range(20):
+            x = tree.tensor(rand(rng, 16))
+            kept.append(g(x))
+            assert_same(kept[-1], tree.eager(g, x))
+            if i < 6:
+                assert len(tree.mgr.current.path()) == i + 2
+    st_ = tree.mgr.stats[g.fn_id]
+    assert st_.promoted and (st_.warmups, st_.recordings, st_.replays) == (7, 1, 12)
+    assert sum("path_repeat_limit" in r.getMessage() for r in caplog.records) == 1
 
 
 # ---------------------------------------------------------------------- 4. tree outputs
@@ -805,16 +905,17 @@ def test_skipped_dynamic_variant_stays_eager_elsewhere_in_the_tree(tree, rng):
     config.skip_dynamic_graphs = True
     config.dynamic_shape_warn_limit = 1
     f, p, q = tree.fn(affine), tree.fn(double), tree.fn(square)
-    p(tree.tensor(rand(rng, 8)))
+    y = p(tree.tensor(rand(rng, 8)))  # kept: f's calls extend the path
     f(tree.tensor(rand(rng, 16)))  # first signature of f (f is never a root here)
     tree.mgr.mark_step_begin()
-    q(tree.tensor(rand(rng, 8)))
+    y = q(tree.tensor(rand(rng, 8)))
     f(tree.tensor(rand(rng, 32)))  # second signature: over the limit, so eager
     assert tree.node("square", "affine").state is NodeState.SKIPPED
     for _ in range(3):
         tree.mgr.mark_step_begin()
-        p(tree.tensor(rand(rng, 8)))
+        y = p(tree.tensor(rand(rng, 8)))
         f(tree.tensor(rand(rng, 32)))  # the same over-the-limit signature, now under p
+    del y
     st_ = tree.mgr.stats[f.fn_id]
     assert st_.eager_calls == 4, "the over-the-limit signature was graphed under another parent"
     assert st_.warmups == 1 and st_.recordings == 0
@@ -852,13 +953,13 @@ def test_describe_lists_the_tree_in_order(tree, rng):
     tree.be.record_skip["s"] = "no capture here"
     for _ in range(3):
         x = tree.tensor(rand(rng, 24))
-        a(x)
-        b(x)
+        ya, yb = a(x), b(x)  # kept: each call extends the path
         c(x)
         tree.mgr.mark_step_begin()
-        a(x)
+        ya = a(x)
         s(x)
         tree.mgr.mark_step_begin()
+    del ya, yb
     nn = {n.fn.name: tree.be.num_nodes(n.recording) for n in tree.mgr.nodes() if n.recording is not None}
     assert tree.mgr.describe() == "\n".join([
         "cgraw tree on device 0: generation 6",
@@ -880,7 +981,7 @@ def test_reset_discards_every_recording_and_closes(tree, rng):
     assert all(r.discarded for r in recs) and len(tree.be.discards) == 5
     assert tree.be.closed == 1 and tree.pool.closed
     assert tree.mgr.roots == {} and tree.mgr.nodes() == [] and tree.mgr.root_fns == set()
-    assert tree.mgr.current is None and tree.mgr.tree_outputs == {} and tree.mgr.handed_out == []
+    assert tree.mgr.current is None and tree.mgr.tree_outputs == {} and tree.mgr.outs.handed == []
     assert tree.be.log[-1] == ("close",)
     assert tree.be.source.reserved_bytes == 0
     check_invariants(tree.pool)
@@ -937,7 +1038,7 @@ call_spec = st.tuples(st.integers(0, 5), st.sampled_from(["prev", "prev", "fresh
 # prefix, then their own calls), and a schedule runs them in random order, so paths repeat and
 # branch, as in a training loop with host-side decisions.
 branch_spec = st.tuples(st.integers(0, 3), st.integers(0, 4), st.lists(call_spec, min_size=0, max_size=3))
-event_spec = st.tuples(st.integers(0, 3), st.sampled_from(["", "", "mark", "move"]), st.integers(0, 5))
+event_spec = st.tuples(st.integers(0, 3), st.sampled_from(["", "", "mark", "move", "drop"]), st.integers(0, 5))
 
 
 @settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -970,6 +1071,8 @@ def test_random_walks_match_eager_and_never_overlap_on_the_path(specs, base, bra
         if event == "mark":
             tree.mgr.mark_step_begin()
             live = []
+        elif event == "drop":  # every output dies: the next new node may start from a root
+            live, out, x, args, o = [], None, None, None, None
         elif event == "move" and which % len(fns) in statics:  # a static input gets a new address
             statics[which % len(fns)] = tree.tensor(rand(rng, 4))
         prev = None
@@ -984,8 +1087,11 @@ def test_random_walks_match_eager_and_never_overlap_on_the_path(specs, base, bra
             args = (statics[i], x) if i in statics else (x,)
             expected = tree.eager(fns[i], *args)  # before the call, while every input is intact
             gen = tree.mgr.generation
+            root_call = fns[i].fn_id in tree.mgr.root_fns and tree.mgr.current is not None
             out = fns[i](*args)
-            if tree.mgr.generation != gen:  # a root function began a new generation
+            if tree.mgr.generation != gen:
+                # a root function began a new generation, or nothing of the ended one was alive
+                assert root_call or tree.mgr.stats[fns[i].fn_id].promoted or not live, "a path in use was ended"
                 live = []
             assert_same(out, expected)
             live.append((out, expected))

@@ -57,7 +57,7 @@ def test_warm_up_output_is_in_the_pool_and_handed_out(rng):
     y1 = f(x)
     assert y1.ptr < EAGER_BASE  # the warm-up's output lies in the tree's pool
     assert np.array_equal(y1.value, x.value * 1.5 + 0.25)
-    assert mgr.handed_out == [("affine", y1)]
+    assert [(name, r()) for name, r in mgr.outs.handed] == [("affine", y1)]
     y2 = f(be.tensor(rand(rng, 300)))  # a root function's call: the generation ends first
     with pytest.raises(Overwritten, match="'affine'"):
         _ = y1.value
@@ -72,7 +72,7 @@ def test_warm_up_outside_the_pool_when_turned_off(rng):
     be, mgr = make(warm_in_pool=False)
     f = FakeFn(affine, mgr)
     y1 = f(be.tensor(rand(rng, 300)))
-    assert y1.ptr >= EAGER_BASE and mgr.handed_out == []
+    assert y1.ptr >= EAGER_BASE and mgr.outs.handed == []
     f(be.tensor(rand(rng, 300)))
     assert y1.poisoned is None and y1.value is not None
 
@@ -113,12 +113,12 @@ def test_state_kept_beyond_the_outputs_moves_the_tree_to_a_fresh_pool(rng, caplo
     x = be.tensor(rand(rng, 100))
     a(x)
     mgr.mark_step_begin()
-    a(x)  # recorded: the tree has a recording when the stash comes
+    ya = a(x)  # recorded: the tree has a recording when the stash comes, its output alive
     with caplog.at_level(logging.INFO, logger="cgraw"):
         y = b(be.tensor(rand(rng, 100)))
     assert any("moves to a fresh pool" in r.getMessage() and "step" in r.getMessage() for r in caplog.records)
     assert be.count("renew") == 1
-    assert [name for name, _ in mgr.handed_out] == ["affine"]  # not step's: it stays valid in the old pool
+    assert [(name, r()) for name, r in mgr.outs.handed] == [("affine", ya)]  # not step's: valid in the old pool
     kept = be.kept[0]
     for _ in range(8):
         mgr.mark_step_begin()

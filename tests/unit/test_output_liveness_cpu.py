@@ -1,0 +1,63 @@
+"""CPU tests of how a graph tree sees that memory it handed out is still used: a view or a
+``.detach()`` alias of an output keeps the output's memory in use after the output object itself
+is gone (``frameworks.Ops.users``, ``treeoutputs.PathOutputs``, ``treeoutputs.memory_in_use``), so a
+path whose outputs survive only as aliases is not ended and its memory is not handed out again."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cgraw.frameworks import TORCH  # noqa: E402
+from cgraw.treeoutputs import PathOutputs, memory_in_use  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+def _alias(t, how):
+    if how == "detach":
+        return t.detach()
+    if how == "view":
+        return t[2:]
+    return t.data if how == "data" else None
+
+
+@pytest.mark.parametrize("alias", ["detach", "view", "data", "none"])
+def test_an_alias_of_a_warm_up_output_keeps_its_memory_in_use(alias):
+    outs = PathOutputs()
+    t = torch.randn(16)
+    outs.hand("f", [t])
+    kept = _alias(t, alias)
+    del t
+    gc.collect()
+    assert outs.alive() == (alias != "none")
+    del kept
+    gc.collect()
+    assert not outs.alive()
+
+
+def test_a_recordings_outputs_are_in_use_above_their_baseline():
+    out = torch.randn(8, 8)  # what a recording holds
+    users = TORCH.users(out)
+    rec_users = [(users, users())]
+    assert not memory_in_use(rec_users)
+    handed = out.detach()  # a replay's alias, dropped by the caller
+    assert memory_in_use(rec_users)
+    del handed
+    assert not memory_in_use(rec_users)
+    kept = out.detach()[1:].t()  # a view of the alias the caller keeps
+    assert memory_in_use(rec_users)
+    del kept
+    assert not memory_in_use(rec_users)
+
+
+def test_users_do_not_keep_the_memory_alive():
+    t = torch.randn(1 << 10)
+    users = TORCH.users(t)
+    assert users() > 0
+    del t
+    gc.collect()
+    assert users() == 0
