@@ -300,15 +300,16 @@ class capture:
 
     def _rng_routers(self, device: int, stream) -> list:
         """The random-number routers of the frameworks being routed (entered after them), each
-        drawing for its framework's generator record on ``device`` (made, on first use, before the
-        capture begins)."""
+        drawing for its framework's generator record of this thread on ``device`` (made, on first
+        use, before the capture begins)."""
         out = []
         for a in self._adapters:
             for cls, mod, kind in ((_itorch.TorchRouting, _torch_rng, rng.TORCH),
                                    (_icupy.CupyRouting, _cupy_rng, rng.CUPY)):
                 if isinstance(a, cls):
-                    src = rngexec.source(device, kind, stream.handle)
-                    out.append(mod.router(rng.RngStream(src.slot, device, threading.get_ident(), kind), src))
+                    thread = threading.get_ident()
+                    src = rngexec.source(device, kind, stream.handle, thread)
+                    out.append(mod.router(rng.RngStream(src.slot, device, thread, kind), src))
         return out
 
     def _restore_context(self) -> None:

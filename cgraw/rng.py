@@ -20,9 +20,16 @@ by the graph's increment, as its eager draws advance it. Different (``manual_see
 ``set_rng_state``, a ``fork_rng`` restore, eager draws in between): one stream-ordered write of the
 record on the replay's stream first. What a replay draws is a function of the generator's state
 alone: same seed and same sequence of calls, same numbers.
+
+Threads. A graph reads the record of the thread that captured it (``rngexec.source``: one record
+per device, framework and thread), so threads that replay side by side, each on its own stream,
+never race on one record. The step's read, compare and advance of the generator holds one
+process-wide lock (``STEP``): two threads' replays never start from the same generator state.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -34,6 +41,7 @@ TORCH, CUPY = "torch", "cupy"
 KINDS = (TORCH, CUPY)
 _TORCH_TAG = 0x746F7263685F726E  # keeps torch's keys apart from its own eager ones (key = seed)
 CUPY_BASE = 0x2545F4914F6CDD1D  # CuPy's record: its state is one integer, the position
+STEP = threading.RLock()  # held by every replay's read-compare-advance of a generator (and a proof's)
 
 
 def splitmix64(x: int) -> int:
@@ -101,15 +109,20 @@ def torch_sync(gen, src: Source, inc: int):
     """The per-replay step of a graph that moves torch generator ``gen`` by ``inc``:
     ``sync(stream)`` before its launch on ``stream`` (the replays' hot path)."""
     seed_of, offset_of, set_offset = gen.initial_seed, gen.get_offset, gen.set_offset
+    acquire, release = STEP.acquire, STEP.release
 
     def sync(stream) -> None:
-        pos = offset_of()
-        seed = seed_of()
-        if pos != src.pos or seed != src.seed:
-            src.set(stream, torch_base(seed), pos, seed)
-        pos += inc
-        set_offset(pos)
-        src.pos = pos
+        acquire()
+        try:
+            pos = offset_of()
+            seed = seed_of()
+            if pos != src.pos or seed != src.seed:
+                src.set(stream, torch_base(seed), pos, seed)
+            pos += inc
+            set_offset(pos)
+            src.pos = pos
+        finally:
+            release()
 
     return sync
 
@@ -119,16 +132,22 @@ def rk_sync(states, device: int, src: Source, inc: int, make_state):
     ``make_state(device)`` when missing, as ``cupy.random`` makes it), its ``_rk_seed`` the
     position (``cupy.random.seed`` sets it; CuPy's kernels advance it)."""
 
+    acquire, release = STEP.acquire, STEP.release
+
     def sync(stream) -> None:
         rs = states._random_states.get(device)
         if rs is None:
             rs = make_state(device)
-        pos = rs._rk_seed
-        if pos != src.pos:
-            src.set(stream, CUPY_BASE, pos, None)
-        pos = (pos + inc) % UINT64_MAX
-        rs._rk_seed = pos
-        src.pos = pos
+        acquire()
+        try:
+            pos = rs._rk_seed
+            if pos != src.pos:
+                src.set(stream, CUPY_BASE, pos, None)
+            pos = (pos + inc) % UINT64_MAX
+            rs._rk_seed = pos
+            src.pos = pos
+        finally:
+            release()
 
     return sync
 

@@ -4,11 +4,13 @@ Layer L3 (a backend over ``_cuda``): knows nothing of torch or CuPy; callers pas
 element counts and dtype codes (``rng_kernels.CTYPES``). The pure decisions (keys, the host's
 mirror, the per-replay step) are in ``rng``.
 
-Records. Per device, one ``cuMemAlloc`` (made outside any capture, kept for the process: the
-kernels of live graphs hold its addresses) holds one 32-byte generator record per framework
-(``rng.KINDS``). ``source(device, kind, stream)`` (before a capture begins) makes the device's
-records on first use, zeroed; the host's mirror starts unknown, so the first replay writes its
-record (``rng.Source.set``: the ``cgraw_rng_set`` kernel on the replay's stream).
+Records. One 32-byte generator record per device, framework (``rng.KINDS``) and capturing
+thread: the graphs a thread captures read its record, so threads replaying side by side never
+share one. Records come from per-device arenas of ``RECORDS`` (``cuMemAlloc``, made outside any
+capture, zeroed, kept for the process: the kernels of live graphs hold their addresses).
+``source(device, kind, stream, thread)`` (before a capture begins) hands out the thread's record;
+the host's mirror starts unknown, so the first replay writes it (``rng.Source.set``: the
+``cgraw_rng_set`` kernel on the replay's stream).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from cgraw import rng_kernels as K
 from cgraw._cuda import kernels as _k
 from cgraw.device import Device
 
+RECORDS = 32  # records per arena
 _lock = threading.Lock()
-_sources: dict[tuple[int, str], rng.Source] = {}  # (device ordinal, kind) -> its record
-_arenas: dict[int, int] = {}  # device ordinal -> base of its records
+_sources: dict[tuple[int, str, int], rng.Source] = {}  # (device, kind, thread) -> its record; under _lock
+_arenas: dict[int, list[int]] = {}  # device ordinal -> bases of its arenas; under _lock
+_taken: dict[int, int] = {}  # device ordinal -> records handed out; under _lock
 _sms: dict[int, int] = {}
 
 _FILL_TYPES = (_k.ARG_PTR, _k.ARG_I64, _k.ARG_PTR, _k.ARG_U64, _k.ARG_F64, _k.ARG_F64, _k.ARG_PTR, _k.ARG_I64,
@@ -32,19 +36,22 @@ _ADVANCE_TYPES = (_k.ARG_PTR, _k.ARG_U64, _k.ARG_U64)
 _SET_TYPES = (_k.ARG_PTR, _k.ARG_U64, _k.ARG_U64)
 
 
-def source(device: int, kind: str, stream) -> rng.Source:
-    """The generator record of framework ``kind`` on ``device``; the first call for a device
-    allocates and zeroes its records on ``stream`` and waits for it. Outside captures."""
-    src = _sources.get((device, kind))
+def source(device: int, kind: str, stream, thread: int) -> rng.Source:
+    """The generator record of framework ``kind`` on ``device`` for graphs captured on ``thread``;
+    a new arena is allocated and zeroed on ``stream`` (waited for) when the device's are taken.
+    Outside captures."""
+    key = (device, kind, thread)
+    src = _sources.get(key)
     if src is not None:
         return src
     with _lock:
-        src = _sources.get((device, kind))
+        src = _sources.get(key)
         if src is not None:
             return src
-        base = _arenas.get(device)
-        if base is None:
-            nbytes = rng.SOURCE_BYTES * len(rng.KINDS)
+        n = _taken.get(device, 0)
+        bases = _arenas.setdefault(device, [])
+        if n == len(bases) * RECORDS:
+            nbytes = rng.SOURCE_BYTES * RECORDS
             base = _cuda.mem_alloc(nbytes)
             try:
                 _k.memset_d32_async(base, 0, nbytes // 4, stream)
@@ -52,9 +59,10 @@ def source(device: int, kind: str, stream) -> rng.Source:
             except BaseException:
                 _cuda.mem_free(base)
                 raise
-            _arenas[device] = base
-        slot = base + rng.SOURCE_BYTES * rng.KINDS.index(kind)
-        src = _sources[(device, kind)] = rng.Source(kind, device, slot, _writer(device, slot))
+            bases.append(base)
+        slot = bases[n // RECORDS] + rng.SOURCE_BYTES * (n % RECORDS)
+        _taken[device] = n + 1
+        src = _sources[key] = rng.Source(kind, device, slot, _writer(device, slot))
         return src
 
 
@@ -140,6 +148,6 @@ def read_record(device: int, slot: int) -> tuple[int, int, int]:
 
 
 def arenas() -> list[tuple[int, int]]:
-    """``(base, bytes)`` of every device's generator records."""
+    """``(base, bytes)`` of every arena of generator records."""
     with _lock:
-        return [(b, rng.SOURCE_BYTES * len(rng.KINDS)) for b in _arenas.values()]
+        return [(b, rng.SOURCE_BYTES * RECORDS) for bases in _arenas.values() for b in bases]

@@ -184,7 +184,8 @@ def _make_mode_class():
             if where is not None:
                 raise not_covered(op, f"it draws in the {where} of a torch.utils.checkpoint with preserve_rng_state="
                                   "True, whose recomputation must draw the same numbers again, which cgraw's "
-                                  "per-graph generator cannot do", CHECKPOINT_HINT)
+                                  "graphed draws cannot do (they are drawn by cgraw's kernels when the graph "
+                                  "replays)", CHECKPOINT_HINT)
 
         def fill(self, t, dist: str, *, a=0.0, b=0.0, p=None, lo=0, rng_range=0):
             """Draw into ``t`` (any layout): directly when dense, else through a dense copy."""

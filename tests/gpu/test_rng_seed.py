@@ -11,8 +11,10 @@ generator's state gives (``rng.replay_key``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -55,8 +57,8 @@ def _gen(device: int = 0):
 
 
 def _source(kind: str = rng.TORCH, device: int = 0) -> rng.Source:
-    """The generator record the graphs of ``device`` read (made by the first capture there)."""
-    return rngexec.source(device, kind, 0)
+    """The generator record the graphs this thread captures on ``device`` read."""
+    return rngexec.source(device, kind, 0, threading.get_ident())
 
 
 def _reference(seed: int, offset: int, call: int, n: int) -> np.ndarray:
@@ -259,6 +261,27 @@ def test_the_proof_of_rebinding_draws_as_one_replay_and_moves_the_generator_once
     nxt = _gen().get_offset()
     _, u2 = f(x)
     _assert_bitwise(u2, _reference(12, nxt, 0, N), "the next call")
+
+
+def test_threads_replaying_side_by_side_draw_apart():
+    """Each thread records and replays on its own stream (its own tree, its own generator record);
+    no two calls of any thread draw the same numbers."""
+    f = cgraw.graphed(lambda x: torch.rand_like(x) + x)
+
+    def work(_):
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            x = torch.zeros(N, device="cuda")
+            got = [f(x).clone() for _ in range(30)]
+        s.synchronize()
+        st = _stats(f)  # this thread's tree
+        return [g.cpu() for g in got], (st.recordings, st.replays, st.eager_calls, dict(st.skip_reasons))
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:  # 4 trees, freed at shutdown
+        results = list(pool.map(work, range(4)))
+    assert [r[1] for r in results] == [(1, 28, 0, {})] * 4  # each thread: warm-up, recording, 28 replays
+    rows = [tuple(t[:16].tolist()) for outs, _ in results for t in outs]
+    assert len(rows) == 120 and len(set(rows)) == 120
 
 
 # ---------------------------------------------------------------- cgraw.capture()

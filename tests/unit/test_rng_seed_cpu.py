@@ -5,6 +5,8 @@ each graph's advance in stream order, as the kernels do (``rng_kernels.SET``, ``
 
 from __future__ import annotations
 
+import threading
+import time
 import types
 
 import pytest
@@ -395,3 +397,68 @@ def test_a_write_that_fails_leaves_the_mirror_and_the_generator_as_they_were():
     with pytest.raises(RuntimeError):
         use.sync(0)
     assert src.pos == -1 and src.seed is None and src.writes == 0 and gen.offset == 0
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+def test_each_thread_gets_its_own_record_on_each_device(monkeypatch):
+    from cgraw import rngexec
+
+    allocs, zeroed = [], []
+    monkeypatch.setattr(rngexec, "_sources", {})
+    monkeypatch.setattr(rngexec, "_arenas", {})
+    monkeypatch.setattr(rngexec, "_taken", {})
+    monkeypatch.setattr(rngexec._cuda, "mem_alloc", lambda n: allocs.append(n) or 0x10000 * len(allocs))
+    monkeypatch.setattr(rngexec._cuda, "stream_synchronize", lambda s: None)
+    monkeypatch.setattr(rngexec._k, "memset_d32_async", lambda p, v, n, s: zeroed.append((p, n * 4)))
+    monkeypatch.setattr(rngexec, "_writer", lambda device, slot: None)
+    a = rngexec.source(0, rng.TORCH, 0, thread=1)
+    assert rngexec.source(0, rng.TORCH, 0, thread=1) is a  # the same thread: the same record
+    b = rngexec.source(0, rng.TORCH, 0, thread=2)
+    c = rngexec.source(0, rng.CUPY, 0, thread=1)
+    d = rngexec.source(1, rng.TORCH, 0, thread=1)
+    assert a.slot == 0x10000 and b.slot == 0x10020 and c.slot == 0x10040 and d.slot == 0x20000
+    assert allocs == [32 * rngexec.RECORDS] * 2 and zeroed == [(0x10000, 1024), (0x20000, 1024)]
+    for t in range(3, rngexec.RECORDS):  # with a, b and c: the first arena full
+        rngexec.source(0, rng.TORCH, 0, thread=t)
+    assert len(allocs) == 2
+    e = rngexec.source(0, rng.TORCH, 0, thread=1000)
+    assert e.slot == 0x30000 and len(allocs) == 3
+    assert sorted(rngexec.arenas()) == [(0x10000, 1024), (0x20000, 1024), (0x30000, 1024)]
+    slots = [s.slot for s in rngexec._sources.values()]
+    assert len(set(slots)) == len(slots)
+
+
+class SlowGen(TorchGen):
+    """A generator whose reads let other threads run (as a thread switch between torch's calls)."""
+
+    def get_offset(self) -> int:
+        time.sleep(0)
+        off = self.offset
+        time.sleep(0.0002)
+        return off
+
+
+def test_replays_of_several_threads_never_start_from_one_generator_state():
+    gen = SlowGen(seed=1)
+    starts, errors = [], []
+
+    def worker():
+        try:
+            rec = Record(rng.TORCH)  # the thread's own record
+            src = rng.Source(rng.TORCH, 0, 0x1000, rec.write)
+            g = FakeGraph(rng.TorchUse(gen, src, 1), rec, 1)
+            for _ in range(40):
+                starts.append(g.replay()[0][0])
+        except BaseException as e:  # noqa: BLE001 -- reported by the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(starts) == 120 and len(set(starts)) == 120  # 120 replays, 120 keys
+    assert gen.offset == 120 * 4
