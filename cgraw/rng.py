@@ -131,7 +131,6 @@ def rk_sync(states, device: int, src: Source, inc: int, make_state):
     """``torch_sync`` for CuPy: ``states._random_states[device]`` is the generator (made with
     ``make_state(device)`` when missing, as ``cupy.random`` makes it), its ``_rk_seed`` the
     position (``cupy.random.seed`` sets it; CuPy's kernels advance it)."""
-
     acquire, release = STEP.acquire, STEP.release
 
     def sync(stream) -> None:
