@@ -10,13 +10,14 @@ reduce-overhead). Each writes its JSON under ``--out-dir`` (default ``benchmarks
 
 ``--full`` runs every part in its full form, each writing its JSON under ``benchmarks/results/``.
 Order: the real models, memory side by side with torch's trees, then the microbenchmarks (launch
-overhead, graphed call and its pieces, workloads, graph-safe random numbers, allocator, eager
-overhead), then which CuPy functions a capture records (cupy_coverage: a table, not timings) and
-CuPy-only loops, then training steps (autograd through graphed functions against whole-step
-graphs, make_graphed_callables and reduce-overhead), then graphed calls from 1, 2 and 8 threads
-(throughput and memory against eager and one serialised tree), then zero-copy inputs (rebind;
-last, because it drives the newest runtime code and a sticky CUDA error there would fail every
-later part of the process). ``--only PART[,PART]`` runs those parts of the full run (in this order).
+overhead, graphed call and its pieces, workloads, graph-safe random numbers and what following
+the frameworks' seeds costs a call, allocator, eager overhead), then which CuPy functions a
+capture records (cupy_coverage: a table, not timings) and CuPy-only loops, then training steps
+(autograd through graphed functions against whole-step graphs, make_graphed_callables and
+reduce-overhead), then graphed calls from 1, 2 and 8 threads (throughput and memory against eager
+and one serialised tree), then zero-copy inputs (rebind; last, because it drives the newest
+runtime code and a sticky CUDA error there would fail every later part of the process).
+``--only PART[,PART]`` runs those parts of the full run (in this order).
 
 With no GPU it exits with status 2 and a one-line reason. A part that raises is reported and the
 others still run; the exit status is then 1. The CPU-only allocator figure is
@@ -45,6 +46,7 @@ PARTS = {
     "profile": ("benchmarks.profile_graphed", []),
     "workloads": ("benchmarks.workloads", []),
     "rng": ("benchmarks.rng", []),
+    "rng_seed": ("benchmarks.rng_seed", []),
     "alloc": ("benchmarks.alloc_gpu", []),
     "eager": ("benchmarks.eager_overhead", []),
     "cupy_coverage": ("benchmarks.cupy_coverage", []),

@@ -77,8 +77,10 @@ METHOD = {
                "'not measured' when cgraw or the reference was not timed. Overall: 'missed' if "
                "any row missed, 'met' if every row met, else 'incomplete' (a row not measured) "
                "or 'unresolved'; target_met is True / False for those first two, else None",
-    "graph_extras": "a cgraw replay also runs the graph's one offset-advance kernel (*slot += "
-                    "draws): counted, it is part of the cost (1/K of it per op). A torch replay "
+    "graph_extras": "a cgraw replay also runs the graph's one advance kernel (the generator "
+                    "record's position and key): counted, it is part of the cost (1/K of it per op); "
+                    "its host step reads and advances torch's generator (no driver call while "
+                    "nothing else moves it; rng_seed.py times it). A torch replay "
                     "first writes its generator's seed and offset (two small fill kernels before "
                     "the graph launch): counted too",
     "eager": "at small sizes the host submits slower than the device runs, so eager's interval "
@@ -113,7 +115,7 @@ METHOD = {
 
 # What this benchmark assumes of cgraw's issue-11 API (so an integrator can adjust one place).
 ASSUMED_API = {
-    "cgraw.manual_seed(seed)": "seeds cgraw's graphs; called once with 0 where it exists",
+    "torch.manual_seed(seed)": "seeds eager and graphed draws alike; called once with 0",
     "Graph.rng.draws": "random-number kernels in a captured graph (Graph.rng None when it draws none)",
     "recording graph": "a graphed function's recordings are cgraw.Graph objects at "
                        "_managers[device].nodes()[i].recording.graph (as workloads.py reads them)",
@@ -722,8 +724,6 @@ def main(argv=None) -> int:
         return 2
     import torch
 
-    import cgraw
-
     _models._fp32(torch)
     rep = Report("rng")
     summary: dict = {}
@@ -732,10 +732,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         summary["compile"] = _compile(rep)
         timings["compile_s"] = time.perf_counter() - t0
-    torch.manual_seed(0)
-    seeded = hasattr(cgraw, "manual_seed")
-    if seeded:
-        cgraw.manual_seed(0)
+    torch.manual_seed(0)  # graphs draw following torch's generator, as eager code does
     kernel_rows, train_rows = [], []
     rounds = QUICK_ROUNDS if args.quick else ROUNDS
     target_ms = QUICK_TARGET_MS if args.quick else TARGET_MS
@@ -759,7 +756,7 @@ def main(argv=None) -> int:
               f"{t.get('speedup_ratio_host')}", flush=True)
     total_s = time.perf_counter() - t_start
     out = args.out or os.path.join(RESULTS_DIR, "rng_quick.json" if args.quick else "rng.json")
-    path = rep.save({"method": METHOD, "assumed_api": ASSUMED_API, "cgraw_manual_seed_called": seeded,
+    path = rep.save({"method": METHOD, "assumed_api": ASSUMED_API,
                      "summary": summary, "total_s": total_s, "timings": timings,
                      "options": {"quick": args.quick, "sections": sections, "sizes": [10**e for e in exponents],
                                  "ops": OPS, "rounds": rounds, "target_ms": target_ms,

@@ -39,7 +39,7 @@ def case(name):
 def _():
     from cgraw import rng_kernels as K
     from cgraw._cuda import kernels
-    names = [K.ADVANCE_NAME] + [K.dropout_name(d) for d in K.FLOATS] + [K.fill_name(d, t, w) for d in K.DISTS for t in K.CTYPES for w in (False, True)]
+    names = [K.ADVANCE_NAME, K.SET_NAME] + [K.dropout_name(d) for d in K.FLOATS] + [K.fill_name(d, t, w) for d in K.DISTS for t in K.CTYPES for w in (False, True)]
     t = time.time()
     for n in names[:3]:
         kernels.compile_image(K.source(n), n, (9, 0))
@@ -52,15 +52,18 @@ def _():
         a = torch.rand(n, device="cuda")
         b = torch.rand(7, device="cuda")
     outs = []
+    gen = torch.cuda.default_generators[0]
     for r in range(3):
+        seed, offset = gen.initial_seed(), gen.get_offset()  # the replay's key comes from these
         g.replay(); torch.cuda.synchronize()
-        ra = rng.reference_uniform_f32(g.rng.key, r * g.rng.draws + 0, n)
-        rb = rng.reference_uniform_f32(g.rng.key, r * g.rng.draws + 1, 7)
+        key = rng.replay_key(rng.torch_base(seed), offset)
+        ra = rng.reference_uniform_f32(key, 0, n)
+        rb = rng.reference_uniform_f32(key, 1, 7)
         assert np.array_equal(a.cpu().numpy(), ra), (a[:5], ra[:5])
         assert np.array_equal(b.cpu().numpy(), rb)
+        assert gen.get_offset() == offset + 4 * g.rng.draws
         outs.append(a.clone())
     assert not torch.equal(outs[0], outs[1])
-    assert g.rng_offset() == 3 * g.rng.draws, g.rng_offset()
     return repr(g.rng)
 
 @case("dtypes_moments")
@@ -166,15 +169,17 @@ def _():
     assert not cp.array_equal(x1, r1)
     return dict(r1=float(r1.mean()), r3=float(r3.var()), r5=float(r5.mean()), r7=(int(r7.min()), int(r7.max())), r9=cp.bincount(r9, minlength=10).tolist(), r10=len(set(r10.tolist())))
 
-@case("torch_eager_untouched")
+@case("torch_eager_follows_replays")
 def _():
     torch.cuda.manual_seed(1); a = torch.rand(5, device="cuda")
     torch.cuda.manual_seed(1)
     with cgraw.capture() as g:
         y = torch.rand(100, device="cuda")
+    assert torch.equal(a, torch.rand(5, device="cuda"))  # the capture drew nothing
+    torch.cuda.manual_seed(1)
     g.replay()
     b = torch.rand(5, device="cuda")
-    assert torch.equal(a, b)
+    assert not torch.equal(a, b)  # the replay moved the generator
     return "ok"
 
 @case("randperm_error")

@@ -33,7 +33,6 @@ from cgraw.graphed import (
 )
 from cgraw.graphed_callables import make_graphed_callables
 from cgraw.memory import DevicePool
-from cgraw.rng import initial_seed, manual_seed
 from cgraw.stream import Event, Stream
 from cgraw.tensor import Tensor, from_dlpack
 from cgraw.tree import config
@@ -65,9 +64,7 @@ __all__ = [
     "config",
     "from_dlpack",
     "graphed",
-    "initial_seed",
     "make_graphed_callables",
-    "manual_seed",
     "mark_static",
     "mark_step_begin",
     "report",
@@ -75,3 +72,12 @@ __all__ = [
     "tree_text",
     "unsafe",
 ]
+
+_SEEDING = ("graphs draw from torch's and CuPy's own generators, as eager code does: seed them with "
+            "torch.manual_seed(s) (or torch.cuda.manual_seed_all) and cupy.random.seed(s)")
+
+
+def __getattr__(name: str):
+    if name in ("manual_seed", "initial_seed"):
+        raise AttributeError(f"cgraw has no {name}: {_SEEDING}")
+    raise AttributeError(f"module 'cgraw' has no attribute {name!r}")

@@ -64,9 +64,9 @@ class capture:
             process has imported.
         warm_cublas: run a tiny torch matmul and create CuPy's cuBLAS handle before capture, and
             warm up a new cuBLAS handle of cgraw's (CuPy's matrix products are routed to it).
-        random: draw torch's and CuPy's random numbers inside the capture from cgraw's generator,
-            fresh on every replay (``cgraw.manual_seed`` seeds it; README "Random numbers"). With
-            ``False`` a random-number call fails the capture.
+        random: draw torch's and CuPy's random numbers inside the capture with cgraw's kernels,
+            fresh on every replay and following torch's and CuPy's generators as eager draws do
+            (README "Random numbers"). With ``False`` a random-number call fails the capture.
     """
 
     def __init__(self, *, pool: DevicePool | None = None, mode: str = "thread_local", device=None,
@@ -86,7 +86,7 @@ class capture:
         self.frameworks = frameworks
         self.warm_cublas = warm_cublas
         self.random = random
-        self._rng: rng.RngStream | None = None
+        self._rng: list = []  # the random-number routers (torch_rng.TorchRng, cupy_rng.CupyRng)
         self._tree = self._empty_cache = False  # a graph-tree recording (for_tree), torch's cache emptied first
         self._route = "thread"
         self.graph: Graph | None = None
@@ -126,11 +126,8 @@ class capture:
         stream = pool.capture_stream
         self.graph = Graph._pending(dev, pool, stream)
         self._adapters = self._make_adapters(pool, stream)
-        if self.random and self._adapters:
-            # the graph's offset slot, zeroed on the capture stream before the capture begins
-            self._rng = rng.RngStream(rngexec.reserve(dev.ordinal, stream.handle), dev.ordinal,
-                                      threading.get_ident())
-            self._adapters += self._rng_routers(dev.ordinal)
+        self._rng = self._rng_routers(dev.ordinal, stream) if self.random and self._adapters else []
+        self._adapters += [_RngAdapter(r) for r in self._rng]
 
         # Work queued before the capture (inputs being written) must finish before the graph's
         # first node: the capture stream waits on the legacy stream and the frameworks' current streams.
@@ -172,7 +169,6 @@ class capture:
             finally:
                 _defer.capture_ends()
                 self._restore_context()
-                self._release_rng()
             raise
         return self.graph
 
@@ -194,10 +190,11 @@ class capture:
             # name the culprits while they are still capturing (EndCapture takes them out)
             unjoined = _itorch.side_streams(capture_id, stream.ptr, _cuda.stream_capture_info)
         rng_error = None
-        rs = self._rng
-        if rs is not None and rs.calls and status == 1 and exc_type is None:
-            try:  # the graph's last node: the next replay draws fresh numbers
-                rngexec.advance(rs, stream.handle)
+        drawn = [r for r in self._rng if r.stream.calls]
+        if drawn and status == 1 and exc_type is None:
+            try:  # the graph's last nodes: the next replay draws fresh numbers
+                for r in drawn:
+                    rngexec.advance(r.stream, stream.handle)
             except BaseException as e:
                 rng_error = e
         err, cugraph = _cuda.stream_end_capture_raw(stream.handle)
@@ -220,7 +217,6 @@ class capture:
         host_funcs.extend(stream.take_host_funcs())
 
         if exc_type is not None or err or exit_error is not None:
-            self._release_rng()
             if cugraph is not None:
                 _cuda.destroy_quietly("graph", cugraph)
             self._restore_pool()
@@ -241,16 +237,13 @@ class capture:
         t0 = time.perf_counter()
         try:
             graph._finish(cugraph, upload=self.upload)
+            if drawn:  # what its replays do with the generators it draws from
+                graph._set_rng(rng.GraphRng(r.use() for r in drawn))
         except BaseException:
+            graph.close()
             self._restore_pool()  # instantiation failed: as after any failed capture
-            self._release_rng()
             raise
         graph._keepalive.extend(host_funcs)
-        if rs is not None and rs.calls:
-            graph.rng = rngexec.SlotHolder(rs)  # returns the slot when the graph is gone
-            self._rng = None
-        else:
-            self._release_rng()
         graph.instantiate_ms = (time.perf_counter() - t0) * 1e3
         if self._tree:
             self._disown()
@@ -302,24 +295,22 @@ class capture:
                 a.unprepare()
             self._adapters = []
             self._restore_context()
-            self._release_rng()
             raise
         return prepared
 
-    def _rng_routers(self, device: int) -> list:
-        """The random-number routers of the frameworks being routed (entered after them)."""
+    def _rng_routers(self, device: int, stream) -> list:
+        """The random-number routers of the frameworks being routed (entered after them), each
+        drawing for its framework's generator record of this thread on ``device`` (made, on first
+        use, before the capture begins)."""
         out = []
         for a in self._adapters:
-            if isinstance(a, _itorch.TorchRouting):
-                out.append(_RngAdapter(_torch_rng.TorchRng(self._rng)))
-            elif isinstance(a, _icupy.CupyRouting):
-                out.append(_RngAdapter(_cupy_rng.CupyRng(self._rng, device)))
+            for cls, mod, kind in ((_itorch.TorchRouting, _torch_rng, rng.TORCH),
+                                   (_icupy.CupyRouting, _cupy_rng, rng.CUPY)):
+                if isinstance(a, cls):
+                    thread = threading.get_ident()
+                    src = rngexec.source(device, kind, stream.handle, thread)
+                    out.append(mod.router(rng.RngStream(src.slot, device, thread, kind), src))
         return out
-
-    def _release_rng(self) -> None:
-        rs, self._rng = self._rng, None
-        if rs is not None:
-            rngexec.release(rs.device, rs.slot)
 
     def _restore_context(self) -> None:
         """Make the context that was current before the capture current again (a capture on

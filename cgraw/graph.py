@@ -2,7 +2,9 @@
 
 Layer L6: imports ``_cuda``, ``device`` and ``stream``; knows nothing of torch, CuPy or the
 capture context manager (``capture`` builds Graphs). ``Graph.replay`` is the hot path: the
-caller's current stream (``stream.current_ptr``) and one driver call.
+caller's current stream (``stream.current_ptr``) and one driver call; a graph that draws random
+numbers first runs its generators' step (``rng.GraphRng.sync``: no driver call unless a
+generator moved outside the graphs).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
-from cgraw import _cuda, rngexec
+from cgraw import _cuda
 from cgraw import stream as _streams
 from cgraw.device import Device
 from cgraw.errors import CaptureError, CgrawError
@@ -66,6 +68,7 @@ class Graph:
         "capture_ms",
         "instantiate_ms",
         "rng",
+        "_rng_sync",
         "__weakref__",
     )
 
@@ -87,7 +90,8 @@ class Graph:
         self.num_nodes = 0
         self.capture_ms = 0.0
         self.instantiate_ms = 0.0
-        self.rng = None  # random numbers drawn in the graph: key, draws, offset slot (rngexec.SlotHolder)
+        self.rng = None  # random numbers drawn in the graph: generators, draws (rng.GraphRng)
+        self._rng_sync = None  # rng.GraphRng.sync, run before each launch
         return self
 
     def _finish(self, cugraph, *, flags: int = 0, upload: bool = True) -> None:
@@ -130,21 +134,34 @@ class Graph:
             ptr = stream.ptr
         else:
             ptr = stream_ptr(stream)
+        sync = self._rng_sync
+        if sync is not None:
+            sync(ptr)
         (err,) = _launch(exec_, ptr)
         if err:
-            self._launch_failed(err, ptr)
+            self.launch_failed(err, ptr)
 
-    def _launch_failed(self, err, ptr: int) -> None:
-        """A launch on the legacy or per-thread stream uses the thread's current context: after
-        another device was made current, make the graph's current and try once more."""
+    def launch_failed(self, err, ptr: int) -> None:
+        """After a launch on ``ptr`` returned ``err`` (also for a caller that inlines ``replay``):
+        recover or raise. A launch on the legacy or per-thread stream uses the thread's current
+        context: after another device was made current, make the graph's current and try once
+        more. A launch that fails leaves its generator records unknown to the host (the next
+        replay writes them)."""
         if ptr in (0, 1, 2):
             self.device.set_current()
             (err,) = _launch(self._exec, ptr)
             if not err:
                 return
+        if self.rng is not None:
+            self.rng.forget()
         raise _cuda.make_error(err, "cuGraphLaunch")
 
     __call__ = replay
+
+    def _set_rng(self, rng) -> None:
+        """The random numbers the graph draws (``rng.GraphRng``), or None."""
+        self.rng = rng
+        self._rng_sync = None if rng is None else rng.sync
 
     # ------------------------------------------------------------------ for graph trees
 
@@ -182,7 +199,7 @@ class Graph:
         self._exec = None
         self._graph = None
         self._keepalive = []
-        self.rng = None
+        self._set_rng(None)
         unregister = getattr(self.pool, "_unregister_graph", None)
         if unregister is not None:
             unregister(self)
@@ -192,13 +209,6 @@ class Graph:
     @property
     def closed(self) -> bool:
         return self._exec is None
-
-    def rng_offset(self) -> int:
-        """The Philox offset the next replay starts from (replays so far times ``rng.draws``);
-        synchronises the device. 0 for a graph without random numbers."""
-        if self.rng is None:
-            return 0
-        return rngexec.read_offset(self.rng.device, self.rng.slot)
 
     def update_from(self, other: "Graph") -> None:
         """Take ``other``'s node parameters with ``cuGraphExecUpdate`` (same topology required).
@@ -224,9 +234,7 @@ class Graph:
                 "update_from needs the same topology and node types; capture again or instantiate the other graph",
             )
         self._keepalive.append(other.pool)
-        if other.rng is not None:  # its kernels read the other graph's offset slot from now on
-            self._keepalive.append(other.rng)
-        self.rng = other.rng
+        self._set_rng(other.rng)  # its kernels draw as the other graph's do
         self._nodes = None
 
     def _require_open(self) -> None:

@@ -17,6 +17,12 @@ ways the graph reaches the input, by running the call twice:
    inputs; zeros for integer ones, which cannot send an index out of bounds), and the graph
    replayed again; its ranges' contents must equal the first replay's, byte for byte.
 
+The generator records a graph that draws random numbers reads are among those ranges, and the
+host's side of its generators (torch's offset, CuPy's ``_rk_seed``, the records' mirror,
+``rng.GraphRng.save``) is put back with them: the second replay draws what the first drew, and
+the generators move once. The proof holds ``rng.STEP`` meanwhile, so no other thread's replay
+starts from a generator state that is put back.
+
 Equal: the inputs are read in place from now on (``recording.InputRebind``) and their
 placeholders are freed. Different (a read the scan did not see, a non-deterministic kernel):
 the ranges are put back once more, the graph is restored as recorded and replayed with its
@@ -39,6 +45,7 @@ from cgraw._cuda import kernels as _k
 from cgraw.errors import CudaError
 from cgraw.rebind import WORD, Placeholder, Plan, scan
 from cgraw.recording import InputRebind
+from cgraw.rng import STEP
 
 log = logging.getLogger("cgraw")
 
@@ -236,6 +243,7 @@ def prove(backend, rec, call):
                               "saves to prove that reading inputs in place is safe")
         return rec.replay(call)
     bufs: list[int] = []
+    held = False
     try:
         try:
             saved, after_a, after_b, flag = (_alloc(bufs, size), _alloc(bufs, size), _alloc(bufs, size),
@@ -246,9 +254,16 @@ def prove(backend, rec, call):
         except CudaError as exc:
             _note(notes, rebinds, f"cgraw could not save what its graph reaches ({exc.call}: {exc.name})")
             return rec.replay(call)
+        gens = None if rec.rng_sync is None else rec.graph.rng  # its generators (rng.GraphRng)
+        if gens is not None:  # other threads' replays wait: the generators go back between the replays
+            STEP.acquire()
+            held = True
+            generators = gens.save()
         rec.replay(call)  # A: as recorded, with the copies
         _pack(ranges, after_a, stream, out=True)
         _pack(ranges, saved, stream, out=False)
+        if gens is not None:
+            gens.restore(generators)
         try:
             _switch(rec, pend, rebinds, on=True)
             for r in rebinds:
@@ -265,6 +280,8 @@ def prove(backend, rec, call):
             return result
         log.info("cgraw: %s: inputs %s keep their copies: %s", rec.name, [r.leaf for r in rebinds], why)
         _pack(ranges, saved, stream, out=False)
+        if gens is not None:
+            gens.restore(generators)
         _switch(rec, pend, rebinds, on=False)
         _note(notes, rebinds, why)
         return rec.replay(call)  # as recorded: the call's one effective run
@@ -277,6 +294,8 @@ def prove(backend, rec, call):
         _note(notes, [r for r in rebinds if notes.get(r.leaf) is None], "the proof replay failed")
         raise
     finally:
+        if held:
+            STEP.release()
         try:
             _cuda.stream_synchronize(stream)
         finally:

@@ -2,7 +2,7 @@
 
 Layer L4: ``_cuda``, ``rngexec`` and ``interop.torch_c`` (L1); torch only when the user imported
 it. ``Blocks`` knows allocations by address (torch's caching-allocator blocks of every pool, the
-tree pool's live blocks, cgraw's offset arenas); ``ranges`` turns argument words and copy
+tree pool's live blocks, cgraw's generator records); ``ranges`` turns argument words and copy
 addresses into the ranges they point into; ``merge`` joins overlapping ranges (never touching
 ones: two allocations side by side cannot be copied as one); ``tables`` reads small ranges for
 pointer tables; ``pool_at_record`` tells memory of the tree's pool (the tree's check, and a
@@ -18,6 +18,7 @@ from bisect import bisect_right
 from cgraw import _cuda, rngexec
 from cgraw.interop import torch_c
 from cgraw.rebind import WORD
+from cgraw.rng import SOURCE_BYTES
 
 TABLE_SCAN_LIMIT = 64 << 10  # ranges at most this large are read for pointer tables
 
@@ -38,8 +39,8 @@ def pool_at_record(pool, torch_pool):
 
 class Blocks:
     """Allocations known by address: torch's caching-allocator blocks (every pool) and the tree
-    pool's live blocks, cgraw's offset arenas; ``around(ptr)`` gives the block holding ``ptr``
-    (in an arena: the one slot), or None."""
+    pool's live blocks, cgraw's generator records; ``around(ptr)`` gives the block holding ``ptr``
+    (among the records: the one record), or None."""
 
     def __init__(self, pool):
         spans = []
@@ -56,7 +57,7 @@ class Blocks:
         arenas = rngexec.arenas()
         spans.extend(arenas)
         spans.sort()
-        self.arenas = {b for b, _ in arenas}  # a value there is one graph's 8-byte offset slot
+        self.arenas = {b for b, _ in arenas}  # a value there is one generator record (rng.Source)
         self.bases = [s[0] for s in spans]
         self.spans = spans
         # device memory cgraw does not know of (CuPy's pool, a library's workspace) is looked for
@@ -68,15 +69,17 @@ class Blocks:
         if i >= 0:
             base, size = self.spans[i]
             if ptr < base + size:
-                return (ptr - (ptr - base) % 8, 8) if base in self.arenas else (base, size)
+                if base in self.arenas:
+                    return ptr - (ptr - base) % SOURCE_BYTES, SOURCE_BYTES
+                return base, size
         return None
 
 
 def ranges(values, blocks: Blocks, phs: list, cache: dict) -> list[tuple[int, int]]:
     """The device ranges ``values`` point into (placeholders left out). A value is looked up in
-    the known blocks and offset slots; the driver (``cuMemGetAddressRange``) is asked only for a
-    value near known device memory: argument words and table contents are mostly numbers, and one
-    driver call per number (it releases the GIL) would make a proof take seconds."""
+    the known blocks and generator records; the driver (``cuMemGetAddressRange``) is asked only
+    for a value near known device memory: argument words and table contents are mostly numbers,
+    and one driver call per number (it releases the GIL) would make a proof take seconds."""
     out = []
     lo, hi = blocks.window
     for v in values:

@@ -1,8 +1,9 @@
 """What a graph-tree recording holds, as named, slotted data for the replay hot path.
 
 Layer L6: no framework imports (arrays through their ``arrays.Ops``); CUDA only as ``Graph.replay``
-does it (one raw launch on the caller's current stream, inlined here: the hot path) and through
-the memcpy-node setter ``Graph`` hands out.
+does it (one raw launch on the caller's current stream, inlined here: the hot path, after the
+generators' step of a recording that draws random numbers) and through the memcpy-node setter
+``Graph`` hands out.
 
 - ``InputCopy``: a memcpy node that moves an eager input into its placeholder before the
   graph's work, or a mutated one back after it. Its caller-side pointer (and, for a padded input,
@@ -143,6 +144,7 @@ class Recording:
         "capture_ms",
         "instantiate_ms",
         "grad",  # interop.torch_autograd.GradInfo of a recording made with grad enabled, or None
+        "rng_sync",  # the graph's random-number step before each launch (rng.GraphRng.sync), or None
     )
 
     def __init__(self, name: str):
@@ -164,6 +166,7 @@ class Recording:
         self.mode_epoch, self.mode_now = 0, [0]
         self.capture_ms = self.instantiate_ms = 0.0
         self.grad = None
+        self.rng_sync = None
 
     # ------------------------------------------------------------------ the hot path
 
@@ -208,8 +211,12 @@ class Recording:
         if self.slow_in:
             self.copy_slow(self, call, None)
         ptr = _streams._current(self.ordinal)  # Graph.replay(), inlined
-        if _launch(self.exec_, ptr)[0]:
-            self.graph.replay()  # raises the launch's error (or recovers on another current device)
+        sync = self.rng_sync
+        if sync is not None:
+            sync(ptr)
+        err = _launch(self.exec_, ptr)[0]
+        if err:
+            self.graph.launch_failed(err, ptr)  # raises (or recovers on another current device)
         if self.staged:
             self.stage(self, call, None)  # copies written inputs back from their staged copies
         alias0 = self.alias0
@@ -229,8 +236,13 @@ class Recording:
                 c.patch(self.setter, p, count)
         if self.slow_in:
             self.copy_slow(self, call, n)
-        if _launch(self.exec_, _streams._current(self.ordinal))[0]:
-            self.graph.replay()
+        ptr = _streams._current(self.ordinal)
+        sync = self.rng_sync
+        if sync is not None:
+            sync(ptr)
+        err = _launch(self.exec_, ptr)[0]
+        if err:
+            self.graph.launch_failed(err, ptr)
         outs = self._outputs(call)
         for i in self.out_rows:
             outs[i] = outs[i][:n]

@@ -1,17 +1,30 @@
-"""Graph-safe random numbers: seeds, per-graph streams and launch geometry (pure).
+"""Graph-safe random numbers: generator records, per-graph draws, the host's mirror (pure).
 
 Layer L1 (pure): no CUDA, no framework. The kernels are in ``rng_kernels`` and run through
 ``rngexec``; torch and CuPy calls reach them through ``interop.torch_rng`` and
-``interop.cupy_rng``.
+``interop.cupy_rng``, which hand this module their generators.
 
-Design (issue 11). Each graph that draws random numbers gets a 64-bit Philox key, derived from
-``cgraw.manual_seed``'s seed and the graph's serial number since that call, and one 8-byte slot of
-device memory holding its offset. A draw captured in the graph is a kernel that reads ``*slot``
-and adds its own offset within the graph (``RngStream.take``); the graph's last node adds the
-graph's total to ``*slot``. So every replay draws fresh numbers with no host work, the graph
-needs no host-side state per replay, and the frameworks' own generators are never touched.
-Two processes that seed cgraw alike and capture the same graphs in the same order draw the same
-numbers.
+Design. Graphed random numbers follow the frameworks' own generators, as eager draws do. Per
+device and framework there is one **generator record** in device memory (``Source``): 32 bytes
+holding the Philox key the kernels read, the generator position ``pos`` the key comes from, and
+the ``base`` the generator's seed gives. A draw captured in a graph is a kernel that reads the key
+and draws at its own offset within the graph (``RngStream.take``); the graph's last node moves the
+record to ``pos + increment`` and recomputes the key (``replay_key``). So back-to-back replays draw
+fresh numbers with no host write.
+
+The host keeps a mirror of what the record will hold once the work queued so far has run
+(``Source.seed``/``Source.pos``). Before a replay of a graph that draws, ``sync`` reads the
+framework's generator: torch's ``(initial_seed(), get_offset())``, CuPy's ``RandomState._rk_seed``.
+Equal to the mirror: the record already holds the right key, and only the generator is advanced
+by the graph's increment, as its eager draws advance it. Different (``manual_seed``,
+``set_rng_state``, a ``fork_rng`` restore, eager draws in between): one stream-ordered write of the
+record on the replay's stream first. What a replay draws is a function of the generator's state
+alone: same seed and same sequence of calls, same numbers.
+
+Threads. A graph reads the record of the thread that captured it (``rngexec.source``: one record
+per device, framework and thread), so threads that replay side by side, each on its own stream,
+never race on one record. The step's read, compare and advance of the generator holds one
+process-wide lock (``STEP``): two threads' replays never start from the same generator state.
 """
 
 from __future__ import annotations
@@ -20,12 +33,15 @@ import threading
 
 import numpy as np
 
-DEFAULT_SEED = 0x853C49E6748FEA9B  # the seed until cgraw.manual_seed is called (fixed, like torch's)
 BLOCK = 256
 _MASK64 = (1 << 64) - 1
-
-_lock = threading.Lock()
-_state = {"seed": DEFAULT_SEED, "serial": 0}
+UINT64_MAX = _MASK64  # CuPy advances RandomState._rk_seed modulo this (RandomState._update_seed)
+SOURCE_BYTES = 32  # a generator record: key, pos, base, one spare word
+TORCH, CUPY = "torch", "cupy"
+KINDS = (TORCH, CUPY)
+_TORCH_TAG = 0x746F7263685F726E  # keeps torch's keys apart from its own eager ones (key = seed)
+CUPY_BASE = 0x2545F4914F6CDD1D  # CuPy's record: its state is one integer, the position
+STEP = threading.RLock()  # held by every replay's read-compare-advance of a generator (and a proof's)
 
 
 def splitmix64(x: int) -> int:
@@ -36,58 +52,212 @@ def splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def manual_seed(seed: int) -> None:
-    """Seed the random numbers of graphs captured from now on.
-
-    Graphs captured after ``cgraw.manual_seed(s)`` draw the same numbers in every process that
-    makes the same captures in the same order. torch's and CuPy's own generators are unaffected
-    (seed them as usual for eager code)."""
-    seed = int(seed)
-    if seed < 0:
-        seed &= _MASK64
-    if seed >> 64:
-        raise ValueError("cgraw.manual_seed takes a seed in [0, 2**64)")
-    with _lock:
-        _state["seed"] = seed
-        _state["serial"] = 0
+def torch_base(seed: int) -> int:
+    """The record's ``base`` for torch's generator seeded with ``seed``."""
+    return splitmix64((seed & _MASK64) ^ _TORCH_TAG)
 
 
-def initial_seed() -> int:
-    """The seed set by the last ``cgraw.manual_seed`` (or the default)."""
-    return _state["seed"]
+def replay_key(base: int, pos: int) -> int:
+    """The Philox key of a replay at generator position ``pos`` (``rng_kernels.MIX`` on the
+    device computes the same)."""
+    return splitmix64(base ^ splitmix64(pos))
 
 
-def next_key() -> int:
-    """The Philox key of the next graph that draws random numbers."""
-    with _lock:
-        serial = _state["serial"]
-        _state["serial"] = serial + 1
-        seed = _state["seed"]
-    return splitmix64(splitmix64(seed) ^ splitmix64(serial + 0x5851F42D4C957F2D))
+def increment(kind: str, calls: int, elements: int) -> int:
+    """How far one replay moves its generator: torch's offset by 4 per offset the graph takes
+    (torch keeps its offsets multiples of 4), CuPy's ``_rk_seed`` by the elements drawn, as
+    CuPy's own kernels do (at least 1)."""
+    return 4 * calls if kind == TORCH else max(1, elements)
+
+
+def advance(kind: str, pos: int, inc: int) -> int:
+    """The position after a replay (torch: modulo 2**64; CuPy: modulo 2**64 - 1, as CuPy)."""
+    return (pos + inc) & _MASK64 if kind == TORCH else (pos + inc) % UINT64_MAX
+
+
+class Source:
+    """One generator record on one device and the host's mirror of it.
+
+    ``seed``/``pos``: what the record will hold once the work queued so far has run (``pos`` -1:
+    unknown, the next replay writes). ``write(stream, base, pos)`` is the stream-ordered write
+    (``rngexec``); ``writes`` counts them."""
+
+    __slots__ = ("_write", "device", "kind", "pos", "seed", "slot", "writes")
+
+    def __init__(self, kind: str, device: int, slot: int, write):
+        self.kind, self.device, self.slot = kind, device, slot
+        self.seed = None
+        self.pos = -1
+        self.writes = 0
+        self._write = write
+
+    def set(self, stream, base: int, pos: int, seed) -> None:
+        """Write the record for ``(seed, pos)`` on ``stream`` (before the replay's launch)."""
+        self._write(stream, base, pos)
+        self.seed, self.pos = seed, pos
+        self.writes += 1
+
+    def forget(self) -> None:
+        """The record's content is unknown (a replay that did not launch): the next one writes."""
+        self.seed, self.pos = None, -1
+
+    def __repr__(self) -> str:
+        return f"<cgraw {self.kind} generator record on device {self.device} at 0x{self.slot:x}>"
+
+
+def torch_sync(gen, src: Source, inc: int):
+    """The per-replay step of a graph that moves torch generator ``gen`` by ``inc``:
+    ``sync(stream)`` before its launch on ``stream`` (the replays' hot path)."""
+    seed_of, offset_of, set_offset = gen.initial_seed, gen.get_offset, gen.set_offset
+    acquire, release = STEP.acquire, STEP.release
+
+    def sync(stream) -> None:
+        acquire()
+        try:
+            pos = offset_of()
+            seed = seed_of()
+            if pos != src.pos or seed != src.seed:
+                src.set(stream, torch_base(seed), pos, seed)
+            pos += inc
+            set_offset(pos)
+            src.pos = pos
+        finally:
+            release()
+
+    return sync
+
+
+def rk_sync(states, device: int, src: Source, inc: int, make_state):
+    """``torch_sync`` for CuPy: ``states._random_states[device]`` is the generator (made with
+    ``make_state(device)`` when missing, as ``cupy.random`` makes it), its ``_rk_seed`` the
+    position (``cupy.random.seed`` sets it; CuPy's kernels advance it)."""
+    acquire, release = STEP.acquire, STEP.release
+
+    def sync(stream) -> None:
+        rs = states._random_states.get(device)
+        if rs is None:
+            rs = make_state(device)
+        acquire()
+        try:
+            pos = rs._rk_seed
+            if pos != src.pos:
+                src.set(stream, CUPY_BASE, pos, None)
+            pos = (pos + inc) % UINT64_MAX
+            rs._rk_seed = pos
+            src.pos = pos
+        finally:
+            release()
+
+    return sync
+
+
+class TorchUse:
+    """A graph's draws from torch's CUDA generator ``gen``: ``draws`` offsets per replay."""
+
+    __slots__ = ("draws", "gen", "inc", "source", "sync")
+
+    def __init__(self, gen, source: Source, draws: int, elements: int = 0):
+        self.gen, self.source, self.draws = gen, source, draws
+        self.inc = increment(TORCH, draws, elements)
+        self.sync = torch_sync(gen, source, self.inc)
+
+    def save(self):
+        """The host's side of the generator (for a replay that is undone: the proof of rebinding)."""
+        return self.gen.get_offset(), self.source.seed, self.source.pos
+
+    def restore(self, saved) -> None:
+        offset, self.source.seed, self.source.pos = saved
+        self.gen.set_offset(offset)
+
+
+class RkUse:
+    """A graph's draws from CuPy's generator of ``device`` (``states``: ``cupy.random._generator``)."""
+
+    __slots__ = ("device", "draws", "inc", "make_state", "source", "states", "sync")
+
+    def __init__(self, states, device: int, source: Source, draws: int, elements: int, make_state):
+        self.states, self.device, self.source, self.draws = states, device, source, draws
+        self.make_state = make_state
+        self.inc = increment(CUPY, draws, elements)
+        self.sync = rk_sync(states, device, source, self.inc, make_state)
+
+    def save(self):
+        rs = self.states._random_states.get(self.device)
+        return rs, (None if rs is None else rs._rk_seed), self.source.seed, self.source.pos
+
+    def restore(self, saved) -> None:
+        rs, pos, self.source.seed, self.source.pos = saved
+        if rs is not None:
+            rs._rk_seed = pos
+
+
+class GraphRng:
+    """What a graph draws (``Graph.rng``): one use per generator, ``sync`` for its replays."""
+
+    __slots__ = ("sync", "uses")
+
+    def __init__(self, uses):
+        self.uses = tuple(uses)
+        syncs = tuple(u.sync for u in self.uses)
+        if len(syncs) == 1:
+            self.sync = syncs[0]
+        else:
+            def sync(stream) -> None:
+                for s in syncs:
+                    s(stream)
+            self.sync = sync
+
+    @property
+    def draws(self) -> int:
+        """Offsets the graph's random-number kernels take per replay."""
+        return sum(u.draws for u in self.uses)
+
+    @property
+    def sources(self) -> list:
+        return [u.source for u in self.uses]
+
+    def save(self) -> list:
+        return [u.save() for u in self.uses]
+
+    def restore(self, saved: list) -> None:
+        for u, s in zip(self.uses, saved):
+            u.restore(s)
+
+    def forget(self) -> None:
+        for u in self.uses:
+            u.source.forget()
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{u.source.kind} on device {u.source.device}: {u.draws} draw(s), +{u.inc}"
+                          for u in self.uses)
+        return f"<cgraw graph random numbers: {parts} per replay>"
 
 
 class RngStream:
-    """The random numbers of one capture: its key, its offset slot, and the draws so far.
+    """The random numbers of one capture from one generator: its record, the draws so far.
 
-    ``key`` is assigned on the first draw (a capture that draws nothing takes no serial number,
-    so unrelated captures do not shift the streams of later ones)."""
+    ``take`` hands each draw its offset within the graph; ``elements`` counts the values drawn."""
 
-    __slots__ = ("slot", "key", "calls", "device", "thread")
+    __slots__ = ("calls", "device", "elements", "kind", "slot", "thread")
 
-    def __init__(self, slot: int, device: int, thread: int):
+    def __init__(self, slot: int, device: int, thread: int, kind: str = TORCH):
         self.slot = slot
-        self.key: int | None = None
         self.calls = 0
+        self.elements = 0
         self.device = device
         self.thread = thread
+        self.kind = kind
 
-    def take(self, steps: int = 1) -> tuple[int, int]:
-        """``(key, offset within the graph)`` for a draw using ``steps`` counter offsets."""
-        if self.key is None:
-            self.key = next_key()
+    def take(self, steps: int = 1, n: int = 0) -> int:
+        """The offset within the graph of a draw of ``n`` values using ``steps`` offsets."""
         off = self.calls
         self.calls = off + steps
-        return self.key, off
+        self.elements += n
+        return off
+
+    @property
+    def increment(self) -> int:
+        return increment(self.kind, self.calls, self.elements)
 
 
 def grid(n: int, per_group: int, sm_count: int) -> int:

@@ -4,10 +4,10 @@ Layer L1 (pure): strings only. ``source(name)`` gives the source that defines th
 ``name``: the shared body below plus an ``extern "C"`` wrapper that instantiates it.
 
 Every kernel draws from Philox4x32-10 (Salmon et al. 2011; the generator of torch and cuRAND) with
-the 64-bit key of the graph that captured it and the 128-bit counter
-``(group low, group high, offset low, offset high)``. ``offset`` is ``*slot + call``: ``*slot``
-is the graph's offset in device memory, advanced by the graph's last node on every replay, and
-``call`` the draw's offset within the graph, fixed at capture. A group is 4 outputs (2 for 64-bit
+the 128-bit counter ``(group low, group high, call low, call high)`` and the 64-bit key it reads
+from its generator record (``slot[0]``, see ``rng.Source``): ``call`` is the draw's offset within
+the graph, fixed at capture, and the key is the replay's (``rng.replay_key`` of the generator's
+position, which the graph's last node advances, ``ADVANCE``). A group is 4 outputs (2 for 64-bit
 draws), so the numbers do not depend on the launch's grid. No header is included: half and
 bfloat16 are converted with PTX or integer rounding, so NVRTC needs no CUDA include path.
 
@@ -146,11 +146,11 @@ __device__ __forceinline__ F shape(F u, F uc, double a, double b) {
 
 FILLS = r"""
 template <typename T, int D, bool WIDE>
-__device__ __forceinline__ void fill(T* out, i64 n, const u64* slot, u64 key, u64 call, double a,
-                                     double b, const float* p, i64 lo, u64 range) {
-  if (D >= 9) { sample<T, D, WIDE>(out, n, slot, key, call, a, b); return; }
+__device__ __forceinline__ void fill(T* out, i64 n, const u64* slot, u64 call, double a, double b,
+                                     const float* p, i64 lo, u64 range) {
+  if (D >= 9) { sample<T, D, WIDE>(out, n, slot, call, a, b); return; }
   const int V = WIDE ? 2 : 4;
-  const u64 off = slot[0] + call;
+  const u64 off = call, key = slot[0];
   const u32 k0 = (u32)key, k1 = (u32)(key >> 32);
   const i64 groups = (n + V - 1) / V;
   const bool aligned = ((u64)out % (sizeof(T) * V)) == 0;
@@ -219,8 +219,8 @@ __device__ __forceinline__ void fill(T* out, i64 n, const u64* slot, u64 key, u6
 // dropout: keep with probability `keep`, scale kept values; mask (bool) may be null
 template <typename T>
 __device__ __forceinline__ void dropout(const T* in, T* out, bool_t* mask, i64 n, const u64* slot,
-                                        u64 key, u64 call, float keep, float scale) {
-  const u64 off = slot[0] + call;
+                                        u64 call, float keep, float scale) {
+  const u64 off = call, key = slot[0];
   const u32 k0 = (u32)key, k1 = (u32)(key >> 32);
   const i64 groups = (n + 3) / 4;
   const bool aligned = ((u64)out % (sizeof(T) * 4)) == 0 && ((u64)in % (sizeof(T) * 4)) == 0
@@ -255,22 +255,50 @@ COMMON = COMMON + SAMPLERS_SOURCE + FILLS
 
 FILL_WRAPPER = r"""
 extern "C" __global__ void __launch_bounds__(256) {name}({t}* out, long long n, const unsigned long long* slot,
-    unsigned long long key, unsigned long long call, double a, double b, const float* p, long long lo,
-    unsigned long long range) {{
-  fill<{t}, {d}, {wide}>(out, n, slot, key, call, a, b, p, lo, range);
+    unsigned long long call, double a, double b, const float* p, long long lo, unsigned long long range) {{
+  fill<{t}, {d}, {wide}>(out, n, slot, call, a, b, p, lo, range);
 }}
 """
 
 DROPOUT_WRAPPER = r"""
 extern "C" __global__ void __launch_bounds__(256) {name}(const {t}* in, {t}* out, bool_t* mask, long long n,
-    const unsigned long long* slot, unsigned long long key, unsigned long long call, float keep, float scale) {{
-  dropout<{t}>(in, out, mask, n, slot, key, call, keep, scale);
+    const unsigned long long* slot, unsigned long long call, float keep, float scale) {{
+  dropout<{t}>(in, out, mask, n, slot, call, keep, scale);
 }}
 """
 
-ADVANCE = r"""
-extern "C" __global__ void cgraw_rng_advance(unsigned long long* slot, unsigned long long inc) {
-  slot[0] += inc;
+# a generator record (rng.Source): slot[0] key, slot[1] position, slot[2] base; the key of a
+# position is rng.replay_key (splitmix64(base ^ splitmix64(pos)))
+MIX = r"""
+typedef unsigned long long u64;
+__device__ __forceinline__ u64 cgraw_splitmix64(u64 x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+"""
+
+# the graph's last node: the position moves by the replay's increment (modulo 2**64, or 2**64 - 1
+# with mod1, as CuPy's _rk_seed), and the key follows it
+ADVANCE = MIX + r"""
+extern "C" __global__ void cgraw_rng_advance(u64* slot, u64 inc, u64 mod1) {
+  u64 p = slot[1], s = p + inc;
+  if (mod1) {
+    if (s < p) s += 1;  // 2**64 is 1 modulo 2**64 - 1
+    if (s == ~0ull) s = 0;
+  }
+  slot[1] = s;
+  slot[0] = cgraw_splitmix64(slot[2] ^ cgraw_splitmix64(s));
+}
+"""
+
+# the host's write when the generator moved outside the graphs (a seed, a state restored, eager draws)
+SET = MIX + r"""
+extern "C" __global__ void cgraw_rng_set(u64* slot, u64 base, u64 pos) {
+  slot[2] = base;
+  slot[1] = pos;
+  slot[0] = cgraw_splitmix64(base ^ cgraw_splitmix64(pos));
 }
 """
 
@@ -290,12 +318,15 @@ def dropout_name(dtype: str) -> str:
 
 
 ADVANCE_NAME = "cgraw_rng_advance"
+SET_NAME = "cgraw_rng_set"
 
 
 def source(name: str) -> str:
     """The CUDA C source defining the kernel ``name`` (one of the names above)."""
     if name == ADVANCE_NAME:
         return ADVANCE
+    if name == SET_NAME:
+        return SET
     parts = name.split("_")
     if name.startswith("cgraw_dropout_"):
         dtype = parts[2]

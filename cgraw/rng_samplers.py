@@ -7,14 +7,15 @@ Rejection samplers (``rng_kernels.SAMPLERS``) need a variable number of
 uniforms per output, so each element ``i`` has its own stream of Philox blocks: block ``j`` of
 element ``i`` is counter ``(i low, (i >> 32) | j << 8, offset low, offset high)``, which holds
 ``i < 2**40`` (``rng_kernels.SAMPLE_MAX``) and ``j < 2**24`` (the iteration caps below use at most 1,537
-blocks). The ``offset`` words are the call's own (``RngStream.take(SAMPLER_STEPS[dist])``): no
-other call draws at them, so these counters meet no other draw of the graph, and within the call
-two elements or two blocks never share one; the numbers do not depend on the grid either. Beta
-takes two offsets: X ~ Gamma(a) draws at ``offset``, Y ~ Gamma(b) at ``offset + 1``. Uniforms
-are open, (0, 1): 32 bits for float32 gamma and beta, 52 bits otherwise. Every rejection loop
-stops after ``CGRAW_CAP`` (1024) tries and then writes NaN (float) or -1 (integer); each try accepts
-with probability above 0.2 (gamma: 0.95, PTRS and BTRS: about 0.8 or more, inversion: a restart
-only past the bound of 10 standard deviations), so the cap is not reached in practice.
+blocks), under the replay's key. The ``offset`` words are the call's own within the graph
+(``RngStream.take(SAMPLER_STEPS[dist])``): no other call draws at them, so these counters meet no
+other draw of the graph, and within the call two elements or two blocks never share one; the
+numbers do not depend on the grid either. Beta takes two offsets: X ~ Gamma(a) draws at
+``offset``, Y ~ Gamma(b) at ``offset + 1``. Uniforms are open, (0, 1): 32 bits for float32 gamma
+and beta, 52 bits otherwise. Every rejection loop stops after ``CGRAW_CAP`` (1024) tries and then
+writes NaN (float) or -1 (integer); each try accepts with probability above 0.2 (gamma: 0.95,
+PTRS and BTRS: about 0.8 or more, inversion: a restart only past the bound of 10 standard
+deviations), so the cap is not reached in practice.
 """
 
 SAMPLERS_SOURCE = r"""
@@ -150,8 +151,8 @@ __device__ __forceinline__ double ws_binomial(Ws& s, double n, double p) {
 }
 
 template <typename T, int D, bool WIDE>
-__device__ __forceinline__ void sample(T* out, i64 n, const u64* slot, u64 key, u64 call, double a, double b) {
-  const u64 off = slot[0] + call;
+__device__ __forceinline__ void sample(T* out, i64 n, const u64* slot, u64 call, double a, double b) {
+  const u64 off = call, key = slot[0];
   const u32 k0 = (u32)key, k1 = (u32)(key >> 32);
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
     Ws s;

@@ -171,6 +171,7 @@ class CudaBackend(TorchAutograd):
         leaves, kinds, ops = call.leaves, call.kinds, call.ops
         rec.graph = g
         rec.exec_, rec.ordinal = g.exec_handle(), g.device.ordinal
+        rec.rng_sync = None if g.rng is None else g.rng.sync
         rec.setter = g.exec_memcpy_setter()
         rec.copy_slow = self._slow_copies
         rec.capture_ms, rec.instantiate_ms = g.capture_ms, g.instantiate_ms

@@ -8,8 +8,14 @@ CuPy's module functions (``cupy.random.random``, ``rand``, ``randn``, ``standard
 which calls cuRAND, and cuRAND refuses stream capture. During a capture cgraw puts a
 ``CaptureRandomState`` in CuPy's table of states for the capture's device: on the capturing
 thread it draws from the graph's stream, on any other thread it forwards to CuPy's own state.
-After the capture CuPy's own state is back, untouched, so eager code draws the same numbers as
-if no capture had run.
+After the capture CuPy's own state is back, untouched by the capture itself.
+
+Replays follow CuPy's generator of the graph's device (``CupyRng.use``): its ``_rk_seed``, which
+``cupy.random.seed`` sets and CuPy's own kernels advance by the elements they draw, is the
+generator position each replay reads and advances by the elements it draws (``rng.rk_sync``). So
+``cupy.random.seed(s)`` governs the numbers replays draw, and CuPy's eager draws that go through
+``_rk_seed`` (gamma, beta, poisson, binomial, ...) see what the replays consumed; its cuRAND
+draws (``random``, ``normal``, ...) keep cuRAND's own offset, which neither reads.
 """
 
 from __future__ import annotations
@@ -313,21 +319,17 @@ class CaptureRandomState:
 class CupyRng:
     """Puts a ``CaptureRandomState`` in CuPy's table for the capture's device, and takes it out."""
 
-    def __init__(self, stream: rng.RngStream, device: int):
+    def __init__(self, stream: rng.RngStream, device: int, source: rng.Source | None = None):
         self.stream = stream
         self.device = device
+        self.source = source
         self._states = None
         self._had = False
         self._before = None
         self._sub = None
 
     def enter(self) -> None:
-        gen = sys.modules.get("cupy.random._generator")
-        if gen is None:
-            import importlib
-
-            gen = importlib.import_module("cupy.random._generator")
-        states = getattr(gen, "_random_states", None)
+        states = getattr(_generator_module(), "_random_states", None)
         if not isinstance(states, dict):
             return  # another CuPy: cupy.random fails as before
         self._states = states
@@ -335,6 +337,12 @@ class CupyRng:
         self._before = states.get(self.device)
         self._sub = CaptureRandomState(self.stream, self._before, self.device)
         states[self.device] = self._sub
+
+    def use(self) -> rng.RkUse:
+        """What replays of the captured graph do with CuPy's generator of its device: read and
+        advance its ``_rk_seed`` (``rng.rk_sync``)."""
+        s = self.stream
+        return rng.RkUse(_generator_module(), s.device, self.source, s.calls, s.elements, _make_state)
 
     def exit(self) -> None:
         states, self._states = self._states, None
@@ -347,3 +355,26 @@ class CupyRng:
                 states[self.device] = original
             else:
                 states.pop(self.device, None)
+
+
+def router(stream: rng.RngStream, source: rng.Source) -> CupyRng:
+    """The router of one capture (``capture`` makes one per framework it routes)."""
+    return CupyRng(stream, stream.device, source)
+
+
+def _generator_module():
+    """``cupy.random._generator``: its ``_random_states`` is CuPy's table of per-device states
+    (looked up at each use: ``cupy.random.reset_states`` replaces the table)."""
+    gen = sys.modules.get("cupy.random._generator")
+    if gen is None:
+        import importlib
+
+        gen = importlib.import_module("cupy.random._generator")
+    return gen
+
+
+def _make_state(device: int):
+    """CuPy's ``RandomState`` of ``device``, made as ``cupy.random`` makes it on first use."""
+    cupy = sys.modules["cupy"]
+    with cupy.cuda.Device(device):
+        return cupy.random.get_random_state()

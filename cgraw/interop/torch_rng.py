@@ -18,7 +18,10 @@ unchanged) answers torch's random-number ops on the capture's device with cgraw'
 the capture (its fused kernels draw from torch's generator inside the kernel), so its dropout is
 the ``native_dropout`` above. Any other op that draws from torch's CUDA generator fails the
 capture with a ``CaptureError`` naming it. CPU random numbers and other devices pass through.
-The ``generator=`` argument is ignored inside captures: every draw comes from the graph's stream.
+
+The draws follow torch's default CUDA generator of the capture's device (``TorchRng.use``): each
+replay reads its seed and offset and advances the offset, as eager draws do (``rng.torch_sync``).
+The ``generator=`` argument is ignored inside captures: every draw follows the default generator.
 
 The mode is a ``torch_modes.mode_base()`` mode: draws inside the bodies of higher-order operators
 are routed too, and torch.compile'd code runs compiled; the seeds of Inductor's random numbers
@@ -72,11 +75,19 @@ def _dtype_codes(torch) -> dict:
 
 
 class TorchRng:
-    """Routes torch's random numbers to ``stream`` (an ``rng.RngStream``) during one capture."""
+    """Routes torch's random numbers to ``stream`` (an ``rng.RngStream``) during one capture;
+    ``source`` is the generator record the draws read (``rng.Source``)."""
 
-    def __init__(self, stream: rng.RngStream):
+    def __init__(self, stream: rng.RngStream, source: rng.Source | None = None):
         self.stream = stream
+        self.source = source
         self._mode = None
+
+    def use(self) -> rng.TorchUse:
+        """What replays of the captured graph do with torch's default CUDA generator of its
+        device: read its seed and offset, advance the offset (``rng.torch_sync``)."""
+        gen = sys.modules["torch"].cuda.default_generators[self.stream.device]
+        return rng.TorchUse(gen, self.source, self.stream.calls, self.stream.elements)
 
     def enter(self) -> None:
         cls = _mode_cls[0]
@@ -173,7 +184,8 @@ def _make_mode_class():
             if where is not None:
                 raise not_covered(op, f"it draws in the {where} of a torch.utils.checkpoint with preserve_rng_state="
                                   "True, whose recomputation must draw the same numbers again, which cgraw's "
-                                  "per-graph generator cannot do", CHECKPOINT_HINT)
+                                  "graphed draws cannot do (they are drawn by cgraw's kernels when the graph "
+                                  "replays)", CHECKPOINT_HINT)
 
         def fill(self, t, dist: str, *, a=0.0, b=0.0, p=None, lo=0, rng_range=0):
             """Draw into ``t`` (any layout): directly when dense, else through a dense copy."""
@@ -363,3 +375,8 @@ def _make_mode_class():
             if packet is not None and packet not in handlers:
                 handlers[packet] = inplace(dist, an, bn, ad, bd)
     return RngMode
+
+
+def router(stream: rng.RngStream, source: rng.Source) -> TorchRng:
+    """The router of one capture (``capture`` makes one per framework it routes)."""
+    return TorchRng(stream, source)

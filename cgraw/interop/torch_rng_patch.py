@@ -14,8 +14,9 @@ While any capture routes torch's random numbers (counted, across threads):
 
 ``checkpoint_region`` tells the router when a draw happens inside a ``torch.utils.checkpoint``
 with ``preserve_rng_state=True`` (its default): its recomputation puts torch's generator back and
-expects the same numbers, which a graph's own generator cannot give again (the recomputation may
-run in another graph, or eagerly), so the router refuses such draws.
+expects the same numbers, which graphed draws cannot give again (they are drawn by cgraw's kernels
+when the graph replays; the recomputation may run in another graph, or eagerly on torch's own),
+so the router refuses such draws.
 """
 
 from __future__ import annotations

@@ -247,4 +247,4 @@ def test_checkpoint_that_draws_runs_eagerly_and_recomputes_the_same_mask(reentra
         # the recomputation in backward drew the forward's mask again (torch's promise, kept eagerly)
         torch.testing.assert_close(x.grad, kept.float() * 2.0)
         S.frequency_check(int(kept.sum()), kept.numel(), 0.5, what="dropout keep rate")
-    _assert_eager(f, "use_reentrant=True" if reentrant else "per-graph generator cannot do")
+    _assert_eager(f, "use_reentrant=True" if reentrant else "graphed draws cannot do")

@@ -1,10 +1,11 @@
 """GPU tier for graph-safe random numbers (issue 11): torch and CuPy random ops captured by
 ``cgraw.capture()`` or ``@cgraw.graphed`` draw fresh numbers on every replay.
 
-Checked against exact references: torch.rand bitwise against ``cgraw.rng``'s NumPy Philox; every
-distribution against its exact law (Kolmogorov-Smirnov, discretised for 16-bit dtypes; chi-square;
-z-tests of frequencies, means and variances; tests/helpers/rng_stats.py, which the CPU tier shows
-can fail); seeding, the frameworks' own generators, and uncovered ops against eager behaviour;
+Checked against exact references: torch.rand bitwise against ``cgraw.rng``'s NumPy Philox at the
+key torch's generator state gives; every distribution against its exact law (Kolmogorov-Smirnov,
+discretised for 16-bit dtypes; chi-square; z-tests of frequencies, means and variances;
+tests/helpers/rng_stats.py, which the CPU tier shows can fail); seeding and the frameworks' own
+generators (tests/gpu/test_rng_seed.py has the rest), and uncovered ops against eager behaviour;
 dropout training of a transformers GPT-2 against eager training; Llama sampling against the eager
 softmax. Each statistical check has a false-failure probability of about 1e-4.
 """
@@ -110,13 +111,17 @@ def test_rand_bitwise_against_reference_and_offsets():
         z = torch.rand(n, device="cuda")
     assert y.dtype == torch.float32 and y.shape == (n,)
     assert g.rng is not None and g.rng.draws == 2, g.rng
-    assert g.rng_offset() == 0
+    gen = torch.cuda.default_generators[0]
+    torch.cuda.manual_seed(77)
     prev = None
     for r in range(3):
+        offset = gen.get_offset()
+        assert offset == 8 * r  # each replay moves torch's offset by 4 per draw
         g.replay()
+        key = cgraw.rng.replay_key(cgraw.rng.torch_base(77), offset)
         got_y, got_z = _host(y), _host(z)
         for k, got in enumerate((got_y, got_z)):
-            ref = cgraw.rng.reference_uniform_f32(g.rng.key, r * g.rng.draws + k, n)
+            ref = cgraw.rng.reference_uniform_f32(key, k, n)
             mism = np.flatnonzero(got.view(np.uint32) != ref.view(np.uint32))
             assert mism.size == 0, (f"replay {r}, draw {k}: {mism.size} of {n} differ from the reference, first "
                                     f"at {mism[:5].tolist()}: {got[mism[:5]]} vs {ref[mism[:5]]}")
@@ -124,12 +129,11 @@ def test_rand_bitwise_against_reference_and_offsets():
         if prev is not None:
             assert not np.array_equal(prev, got_y), f"replay {r} repeated replay {r - 1}"
         prev = got_y
-        assert g.rng_offset() == (r + 1) * g.rng.draws
-    words = cgraw.rng.reference_words(g.rng.key, 0, 4)
+    words = cgraw.rng.reference_words(key, 0, 4)
     assert words.shape == (4, 4) and words.dtype == np.uint32
 
 
-def test_graph_keys_differ_and_plain_graph_has_no_rng():
+def test_graphs_draw_apart_and_plain_graph_has_no_rng():
     x = trand(1000)
     with cgraw.capture() as plain:
         y = x * 2.0
@@ -140,7 +144,7 @@ def test_graph_keys_differ_and_plain_graph_has_no_rng():
         a = torch.rand(1000, device="cuda")
     with cgraw.capture() as g2:
         b = torch.rand(1000, device="cuda")
-    assert g1.rng.key != g2.rng.key
+    assert g1.rng.sources == g2.rng.sources  # one generator: torch's of device 0
     g1.replay()
     g2.replay()
     assert not torch.equal(a, b)
@@ -150,7 +154,7 @@ def test_graph_keys_differ_and_plain_graph_has_no_rng():
 
 
 def _seeded_run(seed: int) -> list[np.ndarray]:
-    cgraw.manual_seed(seed)
+    torch.manual_seed(seed)
     x = torch.ones(50_000, device="cuda")
     with cgraw.capture() as g1:
         u = torch.rand(10_001, device="cuda")
@@ -171,7 +175,7 @@ def _assert_same(a: list, b: list, equal: bool):
     assert all(same) if equal else not any(same), same
 
 
-def test_manual_seed_reproduces_captures():
+def test_torch_manual_seed_reproduces_captures():
     first = _seeded_run(123)
     with cgraw.capture() as other:  # an unrelated graph with random numbers in between
         torch.rand(10, device="cuda")
@@ -182,7 +186,7 @@ def test_manual_seed_reproduces_captures():
     assert not np.array_equal(first[0], first[4]) and not np.array_equal(first[2], first[6])
 
 
-def test_torch_generator_untouched():
+def test_torch_generator_moves_with_replays_not_captures():
     torch.cuda.manual_seed(1)
     a = torch.rand(5, device="cuda")
     b_n = torch.randn(5, device="cuda")
@@ -190,15 +194,18 @@ def test_torch_generator_untouched():
     with cgraw.capture() as g:
         y = torch.rand(5, device="cuda")
         F.dropout(torch.ones(100, device="cuda"), 0.3, training=True)
-    g.replay()
-    g.replay()
     b = torch.rand(5, device="cuda")
-    assert torch.equal(a, b), (a, b)
+    assert torch.equal(a, b), (a, b)  # capturing draws nothing from torch's generator
     assert torch.equal(b_n, torch.randn(5, device="cuda"))
+    torch.cuda.manual_seed(1)
+    g.replay()
+    g.replay()
+    assert torch.cuda.default_generators[0].get_offset() == 16  # two replays of two draws
+    assert not torch.equal(torch.rand(5, device="cuda"), a)  # eager draws start past them
     assert not torch.equal(y, a)
 
 
-def test_cupy_generator_untouched(cupy_mod):
+def test_cupy_generator_moves_with_replays_not_captures(cupy_mod):
     cp = cupy_mod
     cp.random.seed(5)
     a = cp.random.random(7)
@@ -206,9 +213,12 @@ def test_cupy_generator_untouched(cupy_mod):
     cp.random.seed(5)
     with cgraw.capture() as g:
         y = cp.random.random(7)
+    rs = cp.random.get_random_state()
+    assert rs._rk_seed == 5  # capturing draws nothing from CuPy's generator
     g.replay()
     g.replay()
-    b = cp.random.random(7)
+    assert rs._rk_seed == 5 + 2 * 7  # each replay: the elements it draws, as CuPy's kernels
+    b = cp.random.random(7)  # cuRAND's own offset: untouched by the replays
     cp.testing.assert_array_equal(a, b)
     cp.testing.assert_array_equal(a_n, cp.random.standard_normal(7))
     assert not cp.array_equal(y, a)
@@ -630,8 +640,10 @@ def test_cupy_samplers_take_their_offsets_and_size_none(cupy_mod):
         cp.random.binomial(10, 0.5, 10)
     assert one.shape == () and one.dtype == np.float64
     assert g.rng.draws == 5, g.rng
+    rs = cp.random.get_random_state()
+    before = rs._rk_seed
     g.replay()
-    assert g.rng_offset() == 5 and float(one) > 0
+    assert rs._rk_seed == (before + 31) % cgraw.rng.UINT64_MAX and float(one) > 0  # 1 + 3 x 10 elements
 
 
 # ---------------------------------------------------------------- what is not covered
@@ -697,7 +709,8 @@ def _motif_batches():
 def test_gpt2_dropout_training_graphed_vs_eager():
     """The whole step (zero_grad, forward with labels, backward, AdamW) is one graphed function,
     with dropout on embeddings, residuals and attention (SDPA's dropout_p). The graph's dropout
-    masks come from cgraw's generator and eager's from torch's, so losses are compared as curves:
+    masks come from cgraw's kernels (other values than eager's kernels draw from the same torch
+    generator state), so losses are compared as curves:
     both fall from ln 512 to near the floor, and agree within 5% over the last 50 steps (on the
     CPU, two eager runs with different dropout seeds agreed within 0.5%)."""
     transformers = pytest.importorskip("transformers")

@@ -298,6 +298,37 @@ def test_proof_refuted_goes_back_to_the_copies(monkeypatch):
     assert packs[-1] == ("pack", False)  # the saved ranges restored before the last replay
 
 
+@pytest.mark.parametrize("equal", [True, False])
+def test_proof_puts_the_generators_back_with_the_ranges(monkeypatch, equal):
+    """A graph that draws random numbers: the host's side of its generators is saved before the
+    first replay and put back whenever the device ranges (its generator records among them) are,
+    so every replay of the proof draws what the first drew and the generators move once."""
+    rig, rec, _, _, _, backend, _ = _rig_rec(monkeypatch, equal=equal)
+    replay = rec.replay
+
+    class Generators:
+        def save(self):
+            rig.events.append("save")
+            return "host state"
+
+        def restore(self, saved):
+            rig.events.append(("restore", saved))
+
+    def replay_logged(call):
+        rig.events.append("replay")
+        return replay(call)
+
+    rec.replay = replay_logged
+    rec.rng_sync = lambda ptr: None
+    rec.graph = SimpleNamespace(rng=Generators())
+    rebindexec.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
+    seq = [e for e in rig.events if e in ("save", "replay") or isinstance(e, tuple) and e[0] in ("pack", "restore")]
+    want = ["save", "replay", ("pack", True), ("pack", False), ("restore", "host state"), "replay", ("pack", True)]
+    if not equal:  # refuted: ranges and generators put back once more before the call's one run
+        want += [("pack", False), ("restore", "host state"), "replay"]
+    assert seq[seq.index("save"):] == want
+
+
 def test_proof_too_much_memory_keeps_copies(monkeypatch):
     rig, rec, k, modes, dropped, backend, _ = _rig_rec(monkeypatch, equal=True)
     monkeypatch.setattr(_cuda, "mem_get_info", lambda: (1 << 20, 1 << 35))  # 1 MiB free: limit 256 KiB
@@ -354,10 +385,11 @@ def test_plan_copies_small_inputs_read_by_many_nodes(fake_graph):
 
 
 
-def test_blocks_give_one_offset_slot_in_an_arena(monkeypatch):
-    monkeypatch.setattr(rebindmem.rngexec, "arenas", lambda: [(0x9000, 4096 * 8)])
+def test_blocks_give_one_generator_record_among_a_devices_records(monkeypatch):
+    monkeypatch.setattr(rebindmem.rngexec, "arenas", lambda: [(0x9000, 64)])  # two 32-byte records
     b = rebindmem.Blocks(SimpleNamespace(closed=True))
-    assert b.around(0x9000 + 21) == (0x9000 + 16, 8) and b.around(0x9000 + 4096 * 8) is None
+    assert b.around(0x9000) == (0x9000, 32) and b.around(0x9000 + 8) == (0x9000, 32)
+    assert b.around(0x9000 + 40) == (0x9020, 32) and b.around(0x9000 + 64) is None
 
 
 def test_dropped_placeholders_lose_their_torch_owner():

@@ -50,33 +50,66 @@ def test_splitmix64_known_first_output():
     assert rng.splitmix64(0) == 0xE220A8397B1DCDAF
 
 
-def test_manual_seed_restarts_the_sequence_of_graph_keys():
-    rng.manual_seed(7)
-    first = [rng.next_key() for _ in range(3)]
-    rng.manual_seed(7)
-    assert [rng.next_key() for _ in range(3)] == first
-    assert len(set(first)) == 3
-    rng.manual_seed(8)
-    assert rng.next_key() != first[0]
-    assert rng.initial_seed() == 8
-    rng.manual_seed(-1)
-    assert rng.initial_seed() == (1 << 64) - 1
-    with pytest.raises(ValueError):
-        rng.manual_seed(1 << 64)
-    rng.manual_seed(rng.DEFAULT_SEED)
+def test_replay_keys_depend_on_seed_and_position_alone():
+    base = rng.torch_base(7)
+    assert rng.replay_key(base, 12) == rng.replay_key(rng.torch_base(7), 12)  # a pure function
+    keys = {rng.replay_key(rng.torch_base(s), p) for s in (0, 1, 7, (1 << 64) - 1) for p in (0, 4, 8, 1 << 40)}
+    assert len(keys) == 16  # another seed or another position: another key
+    assert rng.torch_base(-1) == rng.torch_base((1 << 64) - 1)  # torch's seeds are 64-bit words
+    assert rng.replay_key(rng.CUPY_BASE, 5) not in keys
+    # torch's eager kernels key Philox with the seed itself: a replay's key is never that
+    assert all(rng.replay_key(rng.torch_base(s), 0) != s for s in range(100))
 
 
-def test_stream_takes_its_key_on_first_draw_and_counts_offsets():
-    rng.manual_seed(3)
+def test_increments_and_positions_follow_each_framework():
+    assert rng.increment(rng.TORCH, 3, 1000) == 12  # torch keeps its offsets multiples of 4
+    assert rng.increment(rng.CUPY, 3, 1000) == 1000  # CuPy: the elements drawn, as its kernels
+    assert rng.increment(rng.CUPY, 1, 0) == 1
+    assert rng.advance(rng.TORCH, (1 << 64) - 4, 8) == 4
+    top = rng.UINT64_MAX  # CuPy's _update_seed: modulo 2**64 - 1
+    assert rng.advance(rng.CUPY, top - 1, 1) == 0 and rng.advance(rng.CUPY, top, 5) == 5
+    assert rng.advance(rng.CUPY, 10, 5) == 15
+
+
+def _device_advance(pos: int, inc: int, mod1: bool) -> int:
+    """``cgraw_rng_advance``'s arithmetic on 64-bit words, as written in ``rng_kernels.ADVANCE``."""
+    s = (pos + inc) & ((1 << 64) - 1)
+    if mod1:
+        if s < pos:
+            s += 1
+        if s == (1 << 64) - 1:
+            s = 0
+    return s
+
+
+@pytest.mark.parametrize("pos,inc", [(0, 1), (10, 7), ((1 << 64) - 2, 1), ((1 << 64) - 1, 3),
+                                     ((1 << 64) - 5, 9), ((1 << 64) - 2, (1 << 63))])
+def test_the_device_advance_matches_the_host(pos, inc):
+    assert _device_advance(pos, inc, True) == rng.advance(rng.CUPY, pos, inc)
+    assert _device_advance(pos, inc, False) == rng.advance(rng.TORCH, pos, inc)
+    assert "if (s < p) s += 1;" in K.ADVANCE and "if (s == ~0ull) s = 0;" in K.ADVANCE
+    assert "cgraw_splitmix64(slot[2] ^ cgraw_splitmix64(s))" in K.ADVANCE
+    assert "cgraw_splitmix64(base ^ cgraw_splitmix64(pos))" in K.SET
+
+
+def test_cgraw_has_no_seed_of_its_own():
+    import cgraw
+
+    assert not hasattr(cgraw, "manual_seed") and not hasattr(cgraw, "initial_seed")
+    with pytest.raises(AttributeError, match=r"torch.manual_seed\(s\).*cupy.random.seed\(s\)"):
+        cgraw.manual_seed(0)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        cgraw.nope  # noqa: B018
+
+
+def test_stream_hands_out_offsets_and_counts_elements():
     s = rng.RngStream(slot=0x1000, device=0, thread=threading.get_ident())
-    assert s.key is None and s.calls == 0
-    k, off = s.take()
-    assert off == 0 and s.take() == (k, 1) and s.take(2) == (k, 2) and s.calls == 4
-    quiet = rng.RngStream(0x1008, 0, 0)  # a capture that draws nothing takes no serial number
-    rng.manual_seed(3)
-    assert rng.next_key() == k
-    assert quiet.key is None
-    rng.manual_seed(rng.DEFAULT_SEED)
+    assert s.calls == 0 and s.kind == rng.TORCH
+    assert s.take() == 0 and s.take(1, 10) == 1 and s.take(2, 5) == 2 and s.calls == 4 and s.elements == 15
+    assert s.increment == 16
+    c = rng.RngStream(0x1020, 0, 0, rng.CUPY)
+    c.take(1, 300)
+    assert c.increment == 300
 
 
 @pytest.mark.parametrize("dtype,args,want", [
@@ -106,7 +139,7 @@ def test_grid_is_bounded_and_covers():
 
 
 def test_every_kernel_name_has_a_source_defining_it():
-    names = [K.ADVANCE_NAME] + [K.dropout_name(d) for d in K.FLOATS]
+    names = [K.ADVANCE_NAME, K.SET_NAME] + [K.dropout_name(d) for d in K.FLOATS]
     names += [K.fill_name(d, t, w) for d in K.DISTS for t in K.CTYPES for w in (False, True)]
     assert len(set(names)) == len(names)
     for n in names:
@@ -274,14 +307,31 @@ def test_sampler_calls_reserve_their_offset_steps(fake_kernels):
     assert s.calls == 4  # gamma 1, beta 2, poisson 1
     names = [f for f, *_ in fake_kernels.launches]
     assert names == ["cgraw_fill_gamma_f32_n", "cgraw_fill_beta_f64_w", "cgraw_fill_poisson_i64_w"]
-    calls = [args[4] for *_, args in fake_kernels.launches]
+    calls = [args[3] for *_, args in fake_kernels.launches]
     assert calls == [0, 1, 3]
+    assert s.elements == 1011
     func, grid, block, args = fake_kernels.launches[0]
     assert grid == rng.grid(1000, 1, 132) == 4 and block == rng.BLOCK  # one thread per element
-    assert args[:4] == (0x100, 1000, 0x2000, s.key) and args[5:7] == (2.0, 1.0)
+    assert args[:3] == (0x100, 1000, 0x2000) and args[4:6] == (2.0, 1.0)  # the key is the record's
     with pytest.raises(ValueError, match="at most"):
         rngexec.sample(s, "gamma", "f32", 0x100, K.SAMPLE_MAX, None, 2.0, 1.0)
     assert s.calls == 4
+
+
+def test_the_last_node_advances_by_the_replays_increment(fake_kernels):
+    from cgraw import rngexec
+
+    t = rng.RngStream(slot=0x2000, device=0, thread=0)
+    rngexec.fill(t, "uniform", "f32", 0x100, 10, None)
+    rngexec.dropout(t, "f32", 0x100, 0x200, 0x300, 20, 0.9, 1 / 0.9, None)
+    c = rng.RngStream(0x2020, 0, 0, rng.CUPY)
+    rngexec.fill(c, "normal", "f64", 0x100, 1000, None, wide=True)
+    rngexec.advance(t, None)
+    rngexec.advance(c, None)
+    (_, _, _, dargs), adv_t, adv_c = (fake_kernels.launches[i] for i in (1, 3, 4))
+    assert dargs[4:6] == (0x2000, 1)  # the record, then the draw's offset within the graph
+    assert adv_t == ("cgraw_rng_advance", 1, 1, (0x2000, 8, 0))  # torch: 4 per offset, modulo 2**64
+    assert adv_c == ("cgraw_rng_advance", 1, 1, (0x2020, 1000, 1))  # CuPy: the elements, modulo 2**64 - 1
 
 
 class _FakeArray:

@@ -1,0 +1,464 @@
+"""CPU tier: graphed random numbers follow the frameworks' generators. The host's side (the
+mirror of each generator record, when a replay writes the record, how it advances the generator)
+runs here on stand-in generators and a model of the device record that applies each write and
+each graph's advance in stream order, as the kernels do (``rng_kernels.SET``, ``ADVANCE``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import pytest
+
+from cgraw import rng
+
+# ----------------------------------------------------------------------------- stand-ins
+
+
+class TorchGen:
+    """torch's CUDA generator as the replays see it: seed, offset (a multiple of 4), state."""
+
+    def __init__(self, seed: int = 67280421310721):
+        self.seed, self.offset = seed, 0
+
+    def initial_seed(self) -> int:
+        return self.seed
+
+    def get_offset(self) -> int:
+        return self.offset
+
+    def set_offset(self, offset: int) -> None:
+        if offset % 4:
+            raise RuntimeError("offset must be a multiple of 4")
+        self.offset = offset
+
+    def manual_seed(self, seed: int) -> None:  # torch: set_current_seed resets the offset
+        self.seed, self.offset = seed, 0
+
+    def get_state(self) -> tuple:
+        return self.seed, self.offset
+
+    def set_state(self, state: tuple) -> None:
+        self.seed, self.offset = state
+
+    def eager(self, n: int = 1) -> tuple:
+        """An eager draw: the numbers come from (seed, offset); the offset moves on by 4 per call."""
+        drawn = (self.seed, self.offset)
+        self.offset += 4 * n
+        return drawn
+
+
+class Record:
+    """The device's 32-byte generator record; ``write`` is ``rngexec``'s, applied in stream order."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.key = self.pos = self.base = 0
+        self.streams = []
+
+    def write(self, stream, base: int, pos: int) -> None:
+        self.streams.append(stream)
+        self.base, self.pos, self.key = base, pos, rng.replay_key(base, pos)
+
+    def advance(self, inc: int) -> None:  # cgraw_rng_advance
+        self.pos = rng.advance(self.kind, self.pos, inc)
+        self.key = rng.replay_key(self.base, self.pos)
+
+
+class FakeGraph:
+    """A captured graph: ``draws`` offsets per replay read the record's key; its last node advances
+    the record. ``replay`` runs the host's step, then the device's work in order."""
+
+    def __init__(self, use, record: Record, draws: int):
+        self.use, self.record, self.draws = use, record, draws
+
+    def replay(self, stream: int = 7, fail: bool = False) -> list:
+        self.use.sync(stream)
+        if fail:  # the launch failed: nothing ran on the device
+            rng.GraphRng([self.use]).forget()
+            return []
+        out = [(self.record.key, call) for call in range(self.draws)]
+        self.record.advance(self.use.inc)
+        return out
+
+
+def torch_graph(gen, record=None, draws: int = 3, src=None):
+    record = record or Record(rng.TORCH)
+    src = src or rng.Source(rng.TORCH, 0, 0x1000, record.write)
+    return FakeGraph(rng.TorchUse(gen, src, draws), record, draws), src
+
+
+def in_sync(src: rng.Source, rec: Record, gen=None) -> bool:
+    """The mirror's invariant: what the host believes the record holds, it holds."""
+    if src.pos != rec.pos or (src.kind == rng.TORCH and rng.torch_base(src.seed) != rec.base):
+        return False
+    return gen is None or gen.get_offset() == src.pos
+
+
+# ----------------------------------------------------------------------------- torch
+
+
+def test_first_replay_writes_then_back_to_back_replays_only_advance_the_generator():
+    gen = TorchGen(seed=5)
+    g, src = torch_graph(gen, draws=3)
+    first = g.replay()
+    assert src.writes == 1 and g.record.streams == [7]  # on the replay's stream
+    assert first == [(rng.replay_key(rng.torch_base(5), 0), c) for c in range(3)]
+    assert gen.offset == 12 and in_sync(src, g.record, gen)
+    keys = {first[0][0]}
+    for r in range(1, 6):
+        out = g.replay()
+        assert out[0][0] == rng.replay_key(rng.torch_base(5), 12 * r)  # the generator's state alone
+        keys.add(out[0][0])
+    assert src.writes == 1 and gen.offset == 72 and len(keys) == 6 and in_sync(src, g.record, gen)
+
+
+def test_manual_seed_reproduces_and_another_seed_differs():
+    gen = TorchGen()
+    g, src = torch_graph(gen)
+
+    def run(seed):
+        gen.manual_seed(seed)
+        return [g.replay() for _ in range(3)]
+
+    a = run(0)
+    writes = src.writes
+    assert run(0) == a and src.writes == writes + 1  # one write, at the re-seed
+    b = run(1)
+    assert all(x != y for x, y in zip(a, b))
+    assert run(0) == a and in_sync(src, g.record, gen)
+
+
+def test_eager_draws_see_the_offset_replays_consume_and_replays_see_eager_draws():
+    gen = TorchGen()
+    g, src = torch_graph(gen, draws=2)
+    gen.manual_seed(3)
+    without = gen.eager()
+    gen.manual_seed(3)
+    g.replay()
+    after = gen.eager()
+    assert after != without and after == (3, 8)  # the eager draw starts past the replay's offsets
+
+    def sequence():
+        gen.manual_seed(3)
+        out = [g.replay(), gen.eager(), g.replay(), g.replay(), gen.eager(2), g.replay()]
+        return out, src.writes
+
+    s1, w1 = sequence()
+    s2, w2 = sequence()
+    assert s1 == s2
+    assert w2 - w1 == 3  # the re-seed and the two eager draws moved the generator: three writes
+    replays = [s1[i] for i in (0, 2, 3, 5)]
+    assert len({r[0][0] for r in replays}) == 4 and in_sync(src, g.record, gen)
+
+
+def test_set_rng_state_and_fork_rng_restore_the_numbers():
+    gen = TorchGen()
+    g, _ = torch_graph(gen)
+    gen.manual_seed(11)
+    g.replay()
+    saved = gen.get_state()  # fork_rng: get_rng_state on entry ...
+    inside = [g.replay(), gen.eager(), g.replay()]
+    gen.set_state(saved)  # ... set_rng_state on exit
+    assert [g.replay(), gen.eager(), g.replay()] == inside
+
+
+def test_same_offset_under_another_seed_is_seen():
+    """The seed is read too: a state whose offset equals the mirror's is not enough."""
+    gen = TorchGen()
+    g, src = torch_graph(gen, draws=1)
+    gen.manual_seed(0)
+    g.replay()  # offset 4, mirror (0, 4)
+    gen.manual_seed(1)
+    gen.eager()  # offset 4 again, seed 1
+    out = g.replay()
+    assert out[0][0] == rng.replay_key(rng.torch_base(1), 4) and src.writes == 2
+    gen.set_state((0, 8))
+    gen_state_before = src.writes
+    g.replay()  # mirror (1, 8), generator (0, 8)
+    assert src.writes == gen_state_before + 1
+
+
+def test_graphs_sharing_a_generator_take_turns_without_writes():
+    gen = TorchGen(seed=9)
+    record = Record(rng.TORCH)
+    g1, src = torch_graph(gen, record, draws=2)
+    g2, _ = torch_graph(gen, record, draws=5, src=src)
+    outs = [g1.replay(), g2.replay(), g2.replay(), g1.replay()]
+    assert src.writes == 1 and gen.offset == 2 * 8 + 2 * 20
+    assert len({o[0][0] for o in outs}) == 4 and in_sync(src, record, gen)
+
+
+def test_a_launch_that_fails_makes_the_next_replay_write():
+    gen = TorchGen(seed=2)
+    g, src = torch_graph(gen)
+    g.replay()
+    g.replay(fail=True)
+    assert src.pos == -1
+    out = g.replay()
+    assert src.writes == 2 and out[0][0] == rng.replay_key(rng.torch_base(2), gen.offset - 12)
+    assert in_sync(src, g.record, gen)
+
+
+def test_a_replay_undone_with_its_record_draws_again_what_it_drew():
+    """The proof of rebinding: the device ranges (the record among them) and the host's side are
+    put back, the graph replays again; the generator moves once."""
+    gen = TorchGen(seed=4)
+    g, src = torch_graph(gen)
+    g.replay()
+    gen.eager()  # the next replay writes
+    graph_rng = rng.GraphRng([g.use])
+    host = graph_rng.save()
+    device = (g.record.key, g.record.pos, g.record.base)
+    a = g.replay()
+    g.record.key, g.record.pos, g.record.base = device
+    graph_rng.restore(host)
+    b = g.replay()
+    assert a == b and gen.offset == 4 + 12 + 12 and in_sync(src, g.record, gen)
+
+
+def test_graph_rng_runs_every_use_and_describes_them():
+    gen = TorchGen(seed=1)
+    t_rec, c_rec = Record(rng.TORCH), Record(rng.CUPY)
+    tsrc = rng.Source(rng.TORCH, 1, 0x1000, t_rec.write)
+    states, rs = _cupy_states(device=1, seed=6)
+    csrc = rng.Source(rng.CUPY, 1, 0x1020, c_rec.write)
+    both = rng.GraphRng([rng.TorchUse(gen, tsrc, 2), rng.RkUse(states, 1, csrc, 3, 700, _no_state)])
+    assert both.draws == 5 and both.sources == [tsrc, csrc]
+    both.sync(3)
+    assert gen.offset == 8 and rs._rk_seed == 706 and t_rec.streams == c_rec.streams == [3]
+    assert "torch on device 1: 2 draw(s), +8" in repr(both) and "cupy on device 1: 3 draw(s), +700" in repr(both)
+    both.forget()
+    assert tsrc.pos == csrc.pos == -1
+    one = rng.GraphRng([rng.TorchUse(gen, tsrc, 1)])
+    assert one.sync is one.uses[0].sync  # one generator: its step itself, no loop
+
+
+# ----------------------------------------------------------------------------- CuPy
+
+
+class RandomState:
+    """CuPy's RandomState as the replays see it: ``_rk_seed`` (set by seed, advanced by draws)."""
+
+    def __init__(self, seed: int):
+        self.seed(seed)
+
+    def seed(self, seed: int) -> None:
+        self._rk_seed = seed
+
+    def _update_seed(self, size: int) -> None:  # CuPy's own kernels (gamma, beta, ...)
+        self._rk_seed = (self._rk_seed + size) % rng.UINT64_MAX
+
+
+def _cupy_states(device: int = 0, seed: int = 0):
+    rs = RandomState(seed)
+    return types.SimpleNamespace(_random_states={device: rs}), rs
+
+
+def _no_state(device):
+    raise AssertionError("the state exists")
+
+
+def cupy_graph(states, elements: int = 100, draws: int = 2, make_state=_no_state):
+    record = Record(rng.CUPY)
+    src = rng.Source(rng.CUPY, 0, 0x1020, record.write)
+    return FakeGraph(rng.RkUse(states, 0, src, draws, elements, make_state), record, draws), src
+
+
+def test_cupy_seed_governs_replays_and_its_kernels_see_what_they_consumed():
+    states, rs = _cupy_states(seed=42)
+    g, src = cupy_graph(states, elements=100)
+
+    def run(seed):
+        states._random_states[0].seed(seed)
+        return [g.replay() for _ in range(3)]
+
+    a = run(42)
+    assert rs._rk_seed == 342 and src.writes == 1  # advanced by the elements drawn, as CuPy's kernels
+    assert a[0][0][0] == rng.replay_key(rng.CUPY_BASE, 42)
+    assert run(42) == a and src.writes == 2
+    b = run(43)
+    assert all(x != y for x, y in zip(a, b))
+    rs.seed(42)
+    g.replay()
+    rs._update_seed(10)  # an eager gamma draw: the next replay starts past it
+    assert g.replay()[0][0] == rng.replay_key(rng.CUPY_BASE, 152) and in_sync(src, g.record)
+
+
+def test_cupy_state_made_on_first_use_and_after_reset_states():
+    made = []
+
+    def make_state(device):
+        rs = RandomState(1000 + len(made))
+        states._random_states[device] = rs
+        made.append(rs)
+        return rs
+
+    states = types.SimpleNamespace(_random_states={})
+    g, src = cupy_graph(states, elements=5, make_state=make_state)
+    g.replay()
+    assert len(made) == 1 and made[0]._rk_seed == 1005
+    states._random_states = {}  # cupy.random.reset_states() replaces the table
+    out = g.replay()
+    assert len(made) == 2 and out[0][0] == rng.replay_key(rng.CUPY_BASE, 1001) and src.writes == 2
+
+
+def test_cupy_position_wraps_as_cupy_does():
+    states, rs = _cupy_states(seed=rng.UINT64_MAX - 2)
+    g, src = cupy_graph(states, elements=5)
+    g.replay()
+    g.replay()
+    assert rs._rk_seed == 8 and g.record.pos == 8 and src.writes == 1 and in_sync(src, g.record)
+
+
+def test_cupy_save_and_restore():
+    states, rs = _cupy_states(seed=3)
+    g, src = cupy_graph(states)
+    use = g.use
+    saved = use.save()
+    g.replay()
+    use.restore(saved)
+    assert rs._rk_seed == 3 and src.pos == -1
+    empty = rng.RkUse(types.SimpleNamespace(_random_states={}), 0, src, 1, 1, _no_state)
+    empty.restore(empty.save())  # no state yet: nothing to put back
+
+
+# ----------------------------------------------------------------------------- the replays' hooks
+
+
+def test_graph_replay_runs_the_generators_step_before_its_launch(monkeypatch):
+    import cgraw
+    from cgraw import graph as graph_mod
+
+    events = []
+    monkeypatch.setattr(graph_mod, "_launch", lambda exec_, ptr: events.append(("launch", ptr)) or (0,))
+    monkeypatch.setattr(graph_mod._streams, "_current", lambda ordinal: 0x77)
+    g = graph_mod.Graph._pending(cgraw.Device(0), None, None)
+    g._exec = "exec"
+    g.replay()
+    g._set_rng(types.SimpleNamespace(sync=lambda ptr: events.append(("sync", ptr))))
+    g.replay()
+    assert events == [("launch", 0x77), ("sync", 0x77), ("launch", 0x77)]
+    g._exec = None
+    g.close()
+    assert g.rng is None and g._rng_sync is None
+
+
+def test_a_failed_launch_forgets_the_records(monkeypatch):
+    import cgraw
+    from cgraw import _cuda
+    from cgraw import graph as graph_mod
+    from cgraw.errors import CudaError
+
+    monkeypatch.setattr(graph_mod, "_launch", lambda exec_, ptr: (_cuda.CUresult.CUDA_ERROR_INVALID_VALUE,))
+    monkeypatch.setattr(graph_mod._streams, "_current", lambda ordinal: 0x77)
+    gen = TorchGen(seed=3)
+    rec = Record(rng.TORCH)
+    src = rng.Source(rng.TORCH, 0, 0x1000, rec.write)
+    g = graph_mod.Graph._pending(cgraw.Device(0), None, None)
+    g._exec = "exec"
+    g._set_rng(rng.GraphRng([rng.TorchUse(gen, src, 1)]))
+    with pytest.raises(CudaError):
+        g.replay()
+    assert src.writes == 1 and src.pos == -1  # written, then unknown: the next replay writes again
+    g._exec = None
+
+
+def test_recording_replay_runs_the_step_on_its_launch_stream(monkeypatch):
+    from cgraw import recording
+    from cgraw import stream as _streams
+    from cgraw.recording import Recording
+
+    events = []
+    monkeypatch.setattr(recording, "_launch", lambda exec_, ptr: events.append(("launch", ptr)) or (0,))
+    monkeypatch.setattr(_streams, "_current", lambda ordinal: 0x5000 + ordinal)
+    rec = Recording("f")
+    rec.exec_, rec.ordinal, rec.out_spec, rec.out_leaves = "exec", 2, None, []
+    rec.out_kinds, rec.out_alias = [], []
+    rec.alias0 = lambda: "out"
+    rec.rng_sync = lambda ptr: events.append(("sync", ptr))
+    call = types.SimpleNamespace(rows=None, ptrs=[], leaves=[])
+    assert rec.replay(call)[0] == "out"
+    rec.bucket, rec.out_rows = 8, []
+    rec.out_spec = ("seq", tuple, [])
+    rec.replay(types.SimpleNamespace(rows=3, ptrs=[], leaves=[]))
+    assert events == [("sync", 0x5002), ("launch", 0x5002)] * 2
+
+
+def test_a_write_that_fails_leaves_the_mirror_and_the_generator_as_they_were():
+    gen = TorchGen(seed=1)
+
+    def refuse(stream, base, pos):
+        raise RuntimeError("launch refused")
+
+    src = rng.Source(rng.TORCH, 0, 0x1000, refuse)
+    use = rng.TorchUse(gen, src, 1)
+    with pytest.raises(RuntimeError):
+        use.sync(0)
+    assert src.pos == -1 and src.seed is None and src.writes == 0 and gen.offset == 0
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+def test_each_thread_gets_its_own_record_on_each_device(monkeypatch):
+    from cgraw import rngexec
+
+    allocs, zeroed = [], []
+    monkeypatch.setattr(rngexec, "_sources", {})
+    monkeypatch.setattr(rngexec, "_arenas", {})
+    monkeypatch.setattr(rngexec, "_taken", {})
+    monkeypatch.setattr(rngexec._cuda, "mem_alloc", lambda n: allocs.append(n) or 0x10000 * len(allocs))
+    monkeypatch.setattr(rngexec._cuda, "stream_synchronize", lambda s: None)
+    monkeypatch.setattr(rngexec._k, "memset_d32_async", lambda p, v, n, s: zeroed.append((p, n * 4)))
+    monkeypatch.setattr(rngexec, "_writer", lambda device, slot: None)
+    a = rngexec.source(0, rng.TORCH, 0, thread=1)
+    assert rngexec.source(0, rng.TORCH, 0, thread=1) is a  # the same thread: the same record
+    b = rngexec.source(0, rng.TORCH, 0, thread=2)
+    c = rngexec.source(0, rng.CUPY, 0, thread=1)
+    d = rngexec.source(1, rng.TORCH, 0, thread=1)
+    assert a.slot == 0x10000 and b.slot == 0x10020 and c.slot == 0x10040 and d.slot == 0x20000
+    assert allocs == [32 * rngexec.RECORDS] * 2 and zeroed == [(0x10000, 1024), (0x20000, 1024)]
+    for t in range(3, rngexec.RECORDS):  # with a, b and c: the first arena full
+        rngexec.source(0, rng.TORCH, 0, thread=t)
+    assert len(allocs) == 2
+    e = rngexec.source(0, rng.TORCH, 0, thread=1000)
+    assert e.slot == 0x30000 and len(allocs) == 3
+    assert sorted(rngexec.arenas()) == [(0x10000, 1024), (0x20000, 1024), (0x30000, 1024)]
+    slots = [s.slot for s in rngexec._sources.values()]
+    assert len(set(slots)) == len(slots)
+
+
+class SlowGen(TorchGen):
+    """A generator whose reads let other threads run (as a thread switch between torch's calls)."""
+
+    def get_offset(self) -> int:
+        time.sleep(0)
+        off = self.offset
+        time.sleep(0.0002)
+        return off
+
+
+def test_replays_of_several_threads_never_start_from_one_generator_state():
+    gen = SlowGen(seed=1)
+    starts, errors = [], []
+
+    def worker():
+        try:
+            rec = Record(rng.TORCH)  # the thread's own record
+            src = rng.Source(rng.TORCH, 0, 0x1000, rec.write)
+            g = FakeGraph(rng.TorchUse(gen, src, 1), rec, 1)
+            for _ in range(40):
+                starts.append(g.replay()[0][0])
+        except BaseException as e:  # noqa: BLE001 -- reported by the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(starts) == 120 and len(set(starts)) == 120  # 120 replays, 120 keys
+    assert gen.offset == 120 * 4
