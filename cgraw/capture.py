@@ -88,6 +88,7 @@ class capture:
         self.random = random
         self._rng: list = []  # the random-number routers (torch_rng.TorchRng, cupy_rng.CupyRng)
         self._tree = self._empty_cache = False  # a graph-tree recording (for_tree), torch's cache emptied first
+        self._keep_sdpa = False  # leave F.scaled_dot_product_attention unpatched (for_tree of compiled code)
         self._route = "thread"
         self.graph: Graph | None = None
         self._adapters: list = []
@@ -98,16 +99,20 @@ class capture:
 
     @classmethod
     def for_tree(cls, pool: DevicePool, device, *, warm_cublas: bool, route: str,
-                 empty_cache: bool = False) -> "capture":
+                 empty_cache: bool = False, compiled: bool = False) -> "capture":
         """A graph-tree recording (``treeexec``): cuBLAS workspaces are scratch inside the
         recording, and memory handed out is managed by the tree's checkpoints, not by the arrays'
         lifetimes. ``route``: ``"thread"`` routes this thread's allocations to the pool,
         ``"stream"`` those on the capture stream (a backward pass allocates on autograd's thread).
-        ``empty_cache``: release torch's cached free memory first, as ``torch.cuda.graph`` does."""
+        ``empty_cache``: release torch's cached free memory first, as ``torch.cuda.graph`` does.
+        ``compiled``: the function is torch.compile's, whose frames dynamo guards on the globals
+        they call: ``F.scaled_dot_product_attention`` is left as it is (replacing it for the
+        capture would make dynamo compile again inside it)."""
         if route not in ("thread", "stream"):
             raise ValueError(f"{route=} must be 'thread' or 'stream'")
         self = cls(pool=pool, device=device, warm_cublas=warm_cublas)
         self._tree, self._route, self._empty_cache = True, route, empty_cache
+        self._keep_sdpa = compiled
         return self
 
     def __enter__(self) -> Graph:
@@ -309,7 +314,10 @@ class capture:
                 if isinstance(a, cls):
                     thread = threading.get_ident()
                     src = rngexec.source(device, kind, stream.handle, thread)
-                    out.append(mod.router(rng.RngStream(src.slot, device, thread, kind), src))
+                    r = mod.router(rng.RngStream(src.slot, device, thread, kind), src)
+                    if kind == rng.TORCH:
+                        r.patch_sdpa = not self._keep_sdpa
+                    out.append(r)
         return out
 
     def _restore_context(self) -> None:

@@ -104,7 +104,7 @@ class CudaBackend(TorchAutograd):
         rec = Recording(fn.name)
         cap = capture.for_tree(self.pool, self.device, warm_cublas=config.warm_cublas,
                                route="stream" if warm.runs_backward else "thread",
-                               empty_cache=config.empty_cache_on_record)
+                               empty_cache=config.empty_cache_on_record, compiled=_observe.is_compiled(fn.fn))
         placeholders, saved = {}, []  # saved: what autograd saves, when the capture records a backward
         grad, subs, reason = call.grad and not warm.runs_backward, placeholders, None
         try:

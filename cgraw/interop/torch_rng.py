@@ -82,6 +82,7 @@ class TorchRng:
         self.stream = stream
         self.source = source
         self._mode = None
+        self.patch_sdpa = True  # F.scaled_dot_product_attention with dropout on the math backend (torch_rng_patch)
 
     def use(self) -> rng.TorchUse:
         """What replays of the captured graph do with torch's default CUDA generator of its
@@ -94,11 +95,11 @@ class TorchRng:
         if cls is None:
             cls = _mode_cls[0] = _make_mode_class()
         self._mode = cls(self.stream)
-        torch_rng_patch.install(self.stream)
+        torch_rng_patch.install(self.stream, sdpa=self.patch_sdpa)
         try:
             self._mode.__enter__()
         except BaseException:
-            torch_rng_patch.remove()
+            torch_rng_patch.remove(sdpa=self.patch_sdpa)
             raise
 
     def exit(self) -> None:
@@ -107,7 +108,7 @@ class TorchRng:
                 mode, self._mode = self._mode, None
                 mode.__exit__(None, None, None)
         finally:
-            torch_rng_patch.remove()
+            torch_rng_patch.remove(sdpa=self.patch_sdpa)
 
 
 # ----------------------------------------------------------------------------- the mode

@@ -27,31 +27,34 @@ import threading
 
 _tls = threading.local()  # .active: the RngStream of this thread's routing capture, else None
 _patch_lock = threading.Lock()
-_patch = {"count": 0, "orig": None, "wrapper": None, "get": None, "set": None}  # guarded by _patch_lock
+# routings under way, and those with the SDPA wrapper (guarded by _patch_lock)
+_patch = {"count": 0, "sdpa": 0, "orig": None, "wrapper": None, "get": None, "set": None}
 _held: dict = {}  # device -> torch's generator state when the first routing on it began (under _patch_lock)
 
 
-def install(stream) -> None:
-    """Patch (first routing) and note this thread's routing ``stream`` (an ``rng.RngStream``)."""
+def install(stream, *, sdpa: bool = True) -> None:
+    """Patch (first routing) and note this thread's routing ``stream`` (an ``rng.RngStream``).
+    ``sdpa``: this routing needs ``F.scaled_dot_product_attention``'s wrapper (not for a
+    recording of torch.compile'd code: dynamo guards on that global and would compile again)."""
     _tls.active = stream
     try:
-        _install(stream.device)
+        _install(stream.device, sdpa)
     except BaseException:
         _tls.active = None
         raise
 
 
-def remove() -> None:
+def remove(*, sdpa: bool = True) -> None:
     """End this thread's routing; unpatch after the last one."""
     _tls.active = None
-    _remove()
+    _remove(sdpa)
 
 
-def _install(device: int) -> None:
+def _install(device: int, sdpa: bool) -> None:
     torch = sys.modules["torch"]
     F = torch.nn.functional
     with _patch_lock:
-        if _patch["count"] == 0:
+        if sdpa and _patch["sdpa"] == 0:
             orig = F.scaled_dot_product_attention
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -65,6 +68,8 @@ def _install(device: int) -> None:
             scaled_dot_product_attention.__wrapped__ = orig
             _patch["orig"], _patch["wrapper"] = orig, scaled_dot_product_attention
             F.scaled_dot_product_attention = scaled_dot_product_attention
+        _patch["sdpa"] += bool(sdpa)
+        if _patch["count"] == 0:
             _patch["get"], _patch["set"] = _patch_generator_state(torch.cuda)
         if device not in _held:
             try:
@@ -74,21 +79,25 @@ def _install(device: int) -> None:
         _patch["count"] += 1
 
 
-def _remove() -> None:
+def _remove(sdpa: bool) -> None:
     torch = sys.modules.get("torch")
     with _patch_lock:
         if _patch["count"] <= 0:
             return
         _patch["count"] -= 1
+        if sdpa and _patch["sdpa"] > 0:
+            _patch["sdpa"] -= 1
+            if _patch["sdpa"] == 0:
+                F = torch.nn.functional
+                if F.scaled_dot_product_attention is _patch["wrapper"]:
+                    F.scaled_dot_product_attention = _patch["orig"]
+                _patch["orig"] = _patch["wrapper"] = None
         if _patch["count"] == 0:
-            F = torch.nn.functional
-            if F.scaled_dot_product_attention is _patch["wrapper"]:
-                F.scaled_dot_product_attention = _patch["orig"]
             for name, key in (("get_rng_state", "get"), ("set_rng_state", "set")):
                 orig, wrapper = _patch[key] or (None, None)
                 if getattr(torch.cuda, name, None) is wrapper and orig is not None:
                     setattr(torch.cuda, name, orig)
-            _patch["orig"] = _patch["wrapper"] = _patch["get"] = _patch["set"] = None
+            _patch["get"] = _patch["set"] = None
             _held.clear()
 
 
