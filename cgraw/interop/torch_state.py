@@ -18,7 +18,8 @@ that check fails (a few recent guards are kept, so a loop alternating two states
 the settings outside it (inference mode, fp16 accumulation, the deterministic fill) are read on
 every call, the cuDNN and attention groups only for functions whose warm-up ran such ops
 (``groups_of``; a function not yet warmed up reads them all). A guard is used only if it is seen
-to notice autocast, TF32 and default-dtype changes; otherwise every value is read on every call.
+to notice a change of autocast (the newest of its fields); otherwise every value is read on
+every call.
 """
 
 from __future__ import annotations
@@ -124,27 +125,21 @@ def _autocast_readable(torch, device: str) -> bool:
 
 
 def _guard_sees_changes(torch, guard_cls) -> bool:
-    """Whether a fresh guard fails after autocast, cuBLAS TF32 or the default dtype change (each
-    is changed and put back at once); a torch whose guard misses one is read in full instead."""
-    matmul = torch.backends.cuda.matmul
-    flips = [
-        (lambda: torch.is_autocast_enabled("cuda"), lambda v: torch.set_autocast_enabled("cuda", v), None),
-        (lambda: matmul.allow_tf32, lambda v: setattr(matmul, "allow_tf32", v), None),
-        (torch.get_default_dtype, torch.set_default_dtype, torch.float64),
-    ]
+    """Whether a fresh guard fails after this thread's autocast state changes (changed and put
+    back at once). Only thread-local state is flipped: a process-wide one (TF32, the default
+    dtype) would change what other threads' eager code runs meanwhile. Guards that check autocast
+    also check TF32 and the default dtype (dynamo added autocast to a guard that had both); a torch
+    whose guard misses autocast is read in full instead."""
     try:
-        for get, put, other in flips:
-            before = get()
-            g = guard_cls()
-            put((not before) if other is None else (other if before != other else torch.float32))
-            try:
-                if g.check():
-                    return False
-            finally:
-                put(before)
+        before = torch.is_autocast_enabled("cuda")
+        g = guard_cls()
+        torch.set_autocast_enabled("cuda", not before)
+        try:
+            return not g.check()
+        finally:
+            torch.set_autocast_enabled("cuda", before)
     except Exception:  # noqa: BLE001 - any surprise: do without the guard
         return False
-    return True
 
 
 _call = operator.call
