@@ -8,7 +8,9 @@ the whole device, so two children at once would see each other's memory. Program
   f3(y); out = f4(z)``, on float32 tensors of ``--mib`` MiB (64). The input's sign alternates by
   step, so the host condition takes both branches and the tree grows ``1 -> 2 -> 4`` and
   ``1 -> 3 -> 4``. Each function is elementwise with temporaries. The seed's ``f4`` multiplies by
-  ``rand_like``; here it is deterministic (cgraw runs torch random numbers eagerly).
+  ``rand_like``; here it is deterministic, so results compare with eager's bitwise.
+- ``two_branch_eager``: the same, as a test loop runs it: the input alternates between two tensors
+  made once, and each step's eager reference is computed right after its graphed calls.
 - ``gpt2``: a transformers GPT-2 forward under ``no_grad`` (4 layers, width 256, batch 8, 32 tokens,
   random weights).
 - ``resnet_train``: a whole torchvision ResNet-18 training step (forward, cross-entropy,
@@ -53,11 +55,12 @@ import traceback
 
 from benchmarks._harness import REPO_ROOT, Report
 
-PROGRAMS = ("two_branch", "gpt2", "resnet_train")
+PROGRAMS = ("two_branch", "two_branch_eager", "gpt2", "resnet_train")
 SYSTEMS = ("eager", "cgraw", "cgraw_warm_outside", "torch_trees", "torch_trees_aten")
 COMPILED = ("torch_trees", "torch_trees_aten")
-DEFAULT_SYSTEMS = {"two_branch": SYSTEMS, "gpt2": SYSTEMS[:4], "resnet_train": SYSTEMS[:4]}
-DEFAULT_STEPS = {"two_branch": 12, "gpt2": 10, "resnet_train": 10}
+DEFAULT_SYSTEMS = {"two_branch": SYSTEMS, "two_branch_eager": SYSTEMS[:4], "gpt2": SYSTEMS[:4],
+                   "resnet_train": SYSTEMS[:4]}
+DEFAULT_STEPS = {"two_branch": 12, "two_branch_eager": 12, "gpt2": 10, "resnet_train": 10}
 PLAIN_TIMEOUT_S = 90.0  # eager and cgraw children; torch.compile children get --timeout
 RESULT_TAG = "CGRAW_MEMORY_RESULT "
 MIB = 1 << 20
@@ -267,7 +270,41 @@ class _ResNetTrain:
                 None if self.saved is None else sum(b is not None for b in self.saved[1])}
 
 
-PROGRAM_CLASSES = {"two_branch": _TwoBranch, "gpt2": _GPT2, "resnet_train": _ResNetTrain}
+class _TwoBranchEager(_TwoBranch):
+    """``two_branch`` as a test loop runs it: the input alternates between two tensors made once,
+    and the eager reference of each step is computed right after the graphed one (its temporaries
+    come from torch's cache between graphed calls)."""
+
+    def __init__(self, system: str, dev, args):
+        super().__init__(system, dev, args)
+        torch = self.torch
+        self.inputs = [torch.randn(self.n, device=dev).add_(1.0), torch.randn(self.n, device=dev).sub_(1.0)]
+
+    def step(self, i: int):
+        g1, g2, g3, g4 = self.fns
+        x = self.inputs[i % 2]
+        y = g1(x)
+        if y.sum() > 0:
+            self.branches["f2"] += 1
+            z = g2(y)
+        else:
+            self.branches["f3"] += 1
+            z = g3(y)
+        out = g4(z)
+        f1, f2, f3, f4 = self.eager
+        ref_y = f1(x)
+        ref = f4(f2(ref_y) if ref_y.sum() > 0 else f3(ref_y))
+        self.equal_steps += bool(self.torch.equal(out, ref))
+        return x, out
+
+    equal_steps = 0
+
+    def extra(self) -> dict:
+        return {**super().extra(), "steps_bitwise_equal_to_eager": self.equal_steps}
+
+
+PROGRAM_CLASSES = {"two_branch": _TwoBranch, "two_branch_eager": _TwoBranchEager, "gpt2": _GPT2,
+                   "resnet_train": _ResNetTrain}
 
 
 # ---------------------------------------------------------------- child: readings

@@ -218,7 +218,8 @@ _PLAIN: dict[int, tuple] = {}  # n -> (ops, arg spans, arg specs) of n plain ten
 
 def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
     """``inspect`` of a call whose arguments are all exact ``torch.Tensor``s, of a function
-    without ``static_argnums``, ``pad_buckets`` or keyword arguments: the same result, faster."""
+    without ``static_argnums``, ``pad_buckets`` or keyword arguments: the same result, faster
+    (the key is built once, with its grad and settings entries)."""
     n = len(args)
     shared = _PLAIN.get(n)
     if shared is None:
@@ -228,35 +229,57 @@ def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
             a = args[0]
             p = a.data_ptr()
             ptrs = [p]
-            key = ((a.shape, a.stride(), a.dtype),)
+            parts = [(a.shape, a.stride(), a.dtype)]
+            if a.get_device() != device:
+                _wrong_device(args, device)
+            if _static_ids and id(a) in _static_ids:
+                kinds = [STATIC]
+            else:
+                kinds = [TREE if p in tree_outputs else EAGER]
         else:
             ptrs = [a.data_ptr() for a in args]
-            key = tuple([(a.shape, a.stride(), a.dtype) for a in args])
+            parts = [(a.shape, a.stride(), a.dtype) for a in args]
+            for a in args:
+                if a.get_device() != device:
+                    _wrong_device(args, device)
+            if _static_ids:
+                kinds = [STATIC if id(a) in _static_ids else (TREE if p in tree_outputs else EAGER)
+                         for a, p in zip(args, ptrs)]
+            elif tree_outputs:
+                kinds = [TREE if p in tree_outputs else EAGER for p in ptrs]
+            else:
+                kinds = [EAGER] * n
     except RuntimeError as exc:  # sparse, meta, ...: no storage to copy or read in place
         raise SkipCall(f"a tensor input has no data pointer ({exc})") from None
-    for a in args:
-        d = a.get_device()
-        if d != device:
-            if d < 0:
-                raise SkipCall("CPU tensors or ops: an input lives on the CPU")
-            if len({a.get_device() for a in args}) > 1:
-                raise SkipCall("tensors on several devices")
-            raise SkipCall(f"inputs on device {d}, but this tree is on device {device}")
-    if _static_ids:
-        kinds = [STATIC if id(a) in _static_ids else (TREE if p in tree_outputs else EAGER)
-                 for a, p in zip(args, ptrs)]
-    elif tree_outputs:
-        kinds = [TREE if p in tree_outputs else EAGER for p in ptrs]
-    else:
-        kinds = [EAGER] * n
-    call = Call(key, list(args), kinds, ptrs, *shared)
-    p = _grad_mode[0]
-    if p is not None and p():
-        _with_grad(call)
+    probe = _grad_mode[0]
+    grad = probe is not None and probe()
+    if grad:
+        parts.append(_grad_entry(args, kinds))
     ks = _kernel[0]
     if ks is not None:
-        call.key = call.key + (ks.state(getattr(fn, "kernel_getters", None) or _kernel[1]),)
+        parts.append(ks.state(getattr(fn, "kernel_getters", None) or _kernel[1]))
+    call = Call(tuple(parts), list(args), kinds, ptrs, *shared)
+    call.grad = grad
     return call
+
+
+def _grad_entry(leaves, kinds) -> tuple:
+    """The key entry of a call made with grad enabled (``_with_grad``), for tensor leaves."""
+    req = [j for j, t in enumerate(leaves) if t.requires_grad]
+    if not req:
+        return _NO_LEAF_GRAD[0]
+    held = tuple(j for j in req if kinds[j] == EAGER and leaves[j].is_leaf and leaves[j].grad is not None)
+    return (GRAD, tuple(req), held)
+
+
+def _wrong_device(args, device: int):
+    """Raise the ``SkipCall`` of tensor arguments not all on ``device``."""
+    d = next(d for d in (a.get_device() for a in args) if d != device)
+    if d < 0:
+        raise SkipCall("CPU tensors or ops: an input lives on the CPU")
+    if len({a.get_device() for a in args}) > 1:
+        raise SkipCall("tensors on several devices")
+    raise SkipCall(f"inputs on device {d}, but this tree is on device {device}")
 
 
 class InputPlan:

@@ -131,6 +131,8 @@ class GraphedFunction:
 
     kernel_groups = None  # groups of kernel-choosing settings its warm-ups showed it reads (calls.learn_kernel_groups)
     kernel_getters = None  # the getters of those settings read on each call; None: every group
+    copies_out = False  # a graphed backward's outputs are copied out (interop.torch_autograd); never a user's
+    is_backward = False
 
     def __init__(self, fn, *, static_argnums=(), mutates=(), pad_buckets=None):
         if not callable(fn):

@@ -183,7 +183,8 @@ class TreeManager(TreeAutograd, TreePool):
                     name, handed = fn.name, self.outs.handed
                     for t in owned:  # a loop, no comprehension: one output is the common case
                         handed.append((name, _ref(t)))
-                return self._with_backward(fn, node, out, call) if call.grad else out
+                # a recording without a backward hands out outputs that need no ticket
+                return self._with_backward(fn, node, out, call) if call.grad and rec.grad is not None else out
         elif node is not None and node.state is NodeState.SKIPPED:  # eager, without the lock
             out = self._eager_node(node, call, args, kwargs)
             return self._with_backward(fn, node, out, call) if call.grad else out

@@ -244,6 +244,7 @@ class Replayable(Protocol):
     users: list  # (users, baseline) of that memory: more than the baseline while an alias holds it
     capture_ms: float
     instantiate_ms: float
+    grad: Any  # what a backward through its replays needs; None: its outputs need no backward ticket
 
     def replay(self, call) -> tuple[Any, Any]:
         """Launch for ``call``: the outputs, and those in the tree's memory (watched while alive,

@@ -165,6 +165,7 @@ class FakeRecording:
     """One captured node: placeholders, the capture's allocations, what stays live, the outputs."""
 
     _ids = itertools.count(1)
+    grad = None  # the fake backend records no backward
 
     def __init__(self, fn, call, mutated: tuple):
         self.id = next(self._ids)
@@ -406,6 +407,8 @@ class FakeTreeBackend:
         self.log.append(("record", fn.name))
         rec = FakeRecording(fn, call, warm.mutated)
         rec.backend = self
+        if call.grad and (fn.params_require_grad or any(t.requires_grad for t in call.leaves)):
+            rec.grad = "backward through the replays"  # as grad_info: its outputs require grad
         for j, t in enumerate(call.leaves):  # an eager input in the pool (a warm-up's output, h = f(h))
             if call.kinds[j] == EAGER and t.ptr < EAGER_BASE:  # may lie in blocks the restore freed: copy it out
                 clone = self.tensor(t.value)
