@@ -227,12 +227,13 @@ class AutogradBook:
         """Begin the next generation. Every ticket whose graph is alive is orphaned; returned are
         those whose backward has not run (a recompute may need their inputs kept)."""
         orphans = []
-        for t in self.tickets:
-            if not t.released:
-                t.orphaned = True
-                if not t.ran:
-                    orphans.append(t)
-        self.tickets = []
+        if self.tickets:
+            for t in self.tickets:
+                if not t.released:
+                    t.orphaned = True
+                    if not t.ran:
+                        orphans.append(t)
+            self.tickets = []
         self.generation += 1
         self.last_backward = self.seq
         return orphans

@@ -367,7 +367,11 @@ class CudaBackend(TorchAutograd):
         tts = self._tts
         if tts is None:
             return
-        handed = list(handed) + self.grad_views()  # the autograd outputs that alias them
+        views = self.grad_views()  # the autograd outputs that alias them
+        if views:
+            handed = list(handed) + views
+        elif not handed:  # a root function called in a loop, its last output dropped
+            return
         poison, messages = tts.poison, self._messages
         for name, t in handed:
             if not ops_of(t).poisonable:
