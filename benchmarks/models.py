@@ -14,7 +14,10 @@ Models, built from configs (never loaded from a hub):
 Systems: ``eager``; ``cgraw_graphed`` (``@cgraw.graphed``); ``cgraw_capture`` (``cgraw.capture()``
 and ``replay`` with static inputs); ``torch_cudagraph`` (a hand-made ``torch.cuda.CUDAGraph``);
 ``reduce_overhead`` (``torch.compile(mode="reduce-overhead")``); ``cgraw_over_compile``
-(``@cgraw.graphed`` over ``torch.compile`` in its default mode). The last two run in child
+(``@cgraw.graphed`` over ``torch.compile`` in its default mode); ``cgraw_backend``
+(``torch.compile(backend="cgraw")``: Inductor's partitions as graphed functions of cgraw's tree;
+its rows also give ``host_over_device``, the host time per call over the replayed graphs' device
+time). The last three run in child
 processes (``--child WORKLOAD SYSTEM``) whose compile is capped in wall-clock time
 (``--compile-cap``). Every system is checked against eager before it is timed (``Report.check``);
 one that differs or fails is recorded under ``failed_checks``, with the reason in its row, and is
@@ -54,9 +57,10 @@ WORKLOADS = {  # name -> (package, kind)
     "vit_tiny_b8": ("timm", "forward"),
 }
 IN_PROCESS = ("eager", "cgraw_graphed", "cgraw_capture", "torch_cudagraph")
-COMPILED = ("reduce_overhead", "cgraw_over_compile")
+COMPILED = ("reduce_overhead", "cgraw_over_compile", "cgraw_backend")
 SYSTEMS = IN_PROCESS + COMPILED
-CGRAW_TREE_SYSTEMS = ("cgraw_graphed", "cgraw_over_compile")
+CGRAW_TREE_SYSTEMS = ("cgraw_graphed", "cgraw_over_compile", "cgraw_backend")
+BACKEND_NAME = "bench"  # the name cgraw_backend's compiled code has in cgraw.report()
 
 GPT2_VOCAB, GPT2_SEQ = 1000, 32
 LLAMA_VOCAB, LLAMA_PROMPT, LLAMA_NEW = 1000, 8, 64
@@ -306,6 +310,9 @@ def _make_call(system: str, fn, extra=(), *, backward: bool = False):
             return compiled(*xs, *extra)
 
         return call, None
+    if system == "cgraw_backend":
+        compiled = torch.compile(fn, backend="cgraw", dynamic=False, options={"name": BACKEND_NAME})
+        return ((lambda *xs: compiled(*xs, *extra)) if extra else compiled), Partitions(BACKEND_NAME)
     import cgraw
 
     if system == "cgraw_graphed":
@@ -556,6 +563,27 @@ def _text(exc: BaseException, limit: int = 1500) -> str:
     return f"{type(exc).__name__}: {exc}"[:limit]
 
 
+class Partitions:
+    """The graphed partitions of ``torch.compile(backend="cgraw")`` code named ``name``: their
+    stats, summed (replays: the fewest of any partition, so one per call that replayed them all)."""
+
+    def __init__(self, name: str):
+        self.prefix = f"{name} ["
+
+    def stats(self, mgr) -> dict | None:
+        parts = [s for s in list(mgr.stats.values()) if s.name.startswith(self.prefix) and "/partition " in s.name]
+        if not parts:
+            return None
+        skips: dict = {}
+        for s in parts:
+            for r, n in s.skip_reasons.items():
+                skips[f"{s.name}: {r}"] = n
+        return {"partitions": len(parts), "warmups": sum(s.warmups for s in parts),
+                "recordings": sum(s.recordings for s in parts), "rerecords": sum(s.rerecords for s in parts),
+                "replays": min(s.replays for s in parts), "eager_calls": sum(s.eager_calls for s in parts),
+                "skip_reasons": skips, "rerecord_reasons": [r for s in parts for r in s.rerecord_reasons[-3:]]}
+
+
 def _graph_stats(g):
     if g is None:
         return None
@@ -564,6 +592,8 @@ def _graph_stats(g):
     from cgraw.graphed import _managers
 
     mgr = _managers.get(torch.cuda.current_device())
+    if isinstance(g, Partitions):
+        return g.stats(mgr) if mgr is not None else None
     st = mgr.stats.get(g.fn_id) if mgr is not None else None
     if st is None:
         return None
@@ -583,7 +613,7 @@ def _measure(wl: Workload, system: str, *, quick: bool, ready=None) -> dict:
         if wl.kind == "decode":
             cache = wl.new_cache()
             call, g = _make_call(system, wl.step, (cache,))
-            if system == "reduce_overhead":
+            if system in ("reduce_overhead", "cgraw_backend"):
                 # the next step's input is this step's output, and cudagraph trees free a previous
                 # generation's outputs when a recording ends: clone it out (one copy kernel, like
                 # the static-input systems' copy_ of the token)
@@ -616,6 +646,18 @@ def _measure(wl: Workload, system: str, *, quick: bool, ready=None) -> dict:
             # 0.0076 absolute at near-zero elements, models_resnet18_train.json), so the graphs are
             # checked against the same model compiled without them (torch.compile's default mode);
             # how far that reference is from eager is reported beside it
+            ref = wl.new_step(lambda m: torch.compile(m, dynamic=False), set_to_none=True)
+            row["check_reference"] = "the same model under torch.compile's default mode (no graphs)"
+            setup_s, detail = _check_train(wl, call, step, TRAIN_GRAPH_TOL, ref=ref)
+        elif wl.kind == "train" and system == "cgraw_backend":
+            # compiled as reduce_overhead is (the model; its forward and AOT backward partitions
+            # in cgraw's tree; loss, backward() and SGD eager), checked against the same reference
+            import torch
+
+            step = wl.new_step(lambda m: torch.compile(m, backend="cgraw", dynamic=False,
+                                                       options={"name": BACKEND_NAME}), set_to_none=True)
+            call, g = step, Partitions(BACKEND_NAME)
+            row["compiled_part"] = "model forward (and its AOT backward); loss, backward() and SGD eager"
             ref = wl.new_step(lambda m: torch.compile(m, dynamic=False), set_to_none=True)
             row["check_reference"] = "the same model under torch.compile's default mode (no graphs)"
             setup_s, detail = _check_train(wl, call, step, TRAIN_GRAPH_TOL, ref=ref)
@@ -668,6 +710,8 @@ def _measure(wl: Workload, system: str, *, quick: bool, ready=None) -> dict:
     except Exception as exc:  # noqa: BLE001 -- reported in the row; the other systems still run
         row["error"] = f"while timing: {_text(exc)}"
     after = _graph_stats(g)
+    if system == "cgraw_backend" and row.get("host_us") and row.get("device_us"):
+        row["host_over_device"] = row["host_us"] / row["device_us"]  # target: within 1.05
     if after is not None:
         row["cgraw"] = after
         timed = row.get("timed_calls", 0)
@@ -930,6 +974,8 @@ def _summary(by_system: dict) -> dict:
         out[f"cgraw_capture_over_torch_cudagraph_{tag}"] = ratio(fig("cgraw_capture", key),
                                                                  fig("torch_cudagraph", key))
         out[f"cgraw_over_compile_speedup_{tag}"] = ratio(eager, fig("cgraw_over_compile", key))
+        out[f"cgraw_backend_over_reduce_overhead_{tag}"] = ratio(fig("cgraw_backend", key),
+                                                                 fig("reduce_overhead", key))
     ro = by_system.get("reduce_overhead") or {}
     skips = (ro.get("dynamo") or {}).get("cudagraph_skips")
     if skips:

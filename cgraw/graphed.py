@@ -211,12 +211,47 @@ def mark_step_begin() -> None:
 
 def report(*, file=None) -> str:
     """Per function: recordings, re-records and why, replays, skips and why, capture and
-    instantiate time; per tree (every thread's): pool bytes and the tree itself. Printed and
-    returned."""
+    instantiate time; per tree (every thread's): pool bytes and the tree itself; then the compiled
+    functions that run without cgraw, and why (``note_without_graphs``). Printed and returned."""
     with _tree.SERIAL:  # other threads' trees do not grow meanwhile
         text = _report_lines(_every_tree())
+    with _lock:
+        ungraphed = list(_without_graphs.items())
+    if ungraphed:
+        lines = [] if text.startswith("cgraw: no graphed") else [text]
+        lines.append("compiled code that runs without cgraw's graphs:")
+        lines += [f"  {name}: {why}" for name, why in ungraphed]
+        text = "\n".join(lines)
     print(text, file=file or sys.stdout)
     return text
+
+
+_without_graphs: dict[str, str] = {}  # name -> why it runs without graphs; guarded by _lock
+
+
+def note_without_graphs(name: str, reason: str) -> None:
+    """Record that the compiled code ``name`` runs without cgraw's graphs, and why (the
+    ``torch.compile`` backend: a partition it does not graph, a compile that fell back to Inductor);
+    ``report()`` lists it until ``forget_without_graphs()``."""
+    with _lock:
+        _without_graphs[name] = reason
+
+
+def without_graphs() -> dict[str, str]:
+    """``{name: reason}`` of the compiled code ``note_without_graphs`` recorded."""
+    with _lock:
+        return dict(_without_graphs)
+
+
+def forget_without_graphs() -> None:
+    """Clear what ``note_without_graphs`` recorded."""
+    with _lock:
+        _without_graphs.clear()
+
+
+def tree_here(ordinal: int) -> TreeManager | None:
+    """The calling thread's tree on device ``ordinal``, or None before its first graphed call there."""
+    return _here.trees.get(ordinal)
 
 
 def _report_lines(trees) -> str:

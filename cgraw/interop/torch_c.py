@@ -1,4 +1,5 @@
-"""The one module that reaches into torch's private API (``torch._C``, ``torch._ops``, ``torch.utils._pytree``).
+"""The one module that reaches into torch's private API (``torch._C``, ``torch._ops``, ``torch.utils._pytree``,
+``torch._inductor``'s partition hook and config keys).
 
 Layer L1: imports only ``errors``; torch is found in ``sys.modules`` (cgraw never imports it).
 Every private name cgraw uses is listed in ``NEEDED`` with what it is for. Names are looked up on
@@ -199,13 +200,79 @@ def memory_segments() -> list:
         return snapshot()["segments"]
 
 
+# private names outside torch._C, by dotted path -> what cgraw uses them for (looked up by
+# ``private``; the torch.compile backend, ``interop.torch_compile``)
+NEEDED_ELSEWHERE = {
+    "torch._inductor.utils.set_customized_partition_wrappers":
+        "wrapping each of Inductor's graph partitions in a graphed function (backend='cgraw')",
+    "torch._inductor.compile_fx.compile_fx": "compiling a dynamo graph with Inductor (backend='cgraw')",
+    "torch._inductor.compile_fx.compile_fx_inner": "Inductor's per-graph compile, run with the partition wrapper",
+}
+# torch._inductor.config keys the backend sets (``inductor_config_keys``)
+INDUCTOR_CONFIG = {
+    "graph_partition": "cutting Inductor's code into partitions around what cannot be graphed",
+    "triton.cudagraphs": "keeping Inductor's own CUDA graphs off under backend='cgraw'",
+}
+
+
+def private(dotted: str):
+    """The object at ``dotted`` (a key of ``NEEDED_ELSEWHERE``), its module imported; raises
+    ``TorchApiError`` naming it when the installed torch lacks it."""
+    import importlib
+
+    if dotted not in NEEDED_ELSEWHERE:
+        raise KeyError(f"{dotted} is not listed in torch_c.NEEDED_ELSEWHERE")
+    a = api()
+    module, _, name = dotted.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise TorchApiError(
+            f"cgraw needs {dotted} ({NEEDED_ELSEWHERE[dotted]}), which torch {a.version} does not have "
+            f"({exc}); cgraw supports torch {SUPPORTED}") from exc
+    return obj
+
+
+def partition_wrapper_slot():
+    """The object holding Inductor's current partition wrapper (its ``wrapper`` attribute), or None
+    where torch keeps it elsewhere: read only to put back what another user installed."""
+    import importlib
+
+    utils = importlib.import_module("torch._inductor.utils")
+    slot = getattr(utils, "_unstable_customized_partition_wrapper", None)
+    return slot if hasattr(slot, "wrapper") else None
+
+
+def inductor_config_keys() -> None:
+    """Raise ``TorchApiError`` naming every key of ``INDUCTOR_CONFIG`` that the installed torch's
+    ``torch._inductor.config`` lacks."""
+    import importlib
+
+    cfg = importlib.import_module("torch._inductor.config")
+    missing = []
+    for key in INDUCTOR_CONFIG:
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part, _MISSING)
+        if obj is _MISSING:
+            missing.append(key)
+    if missing:
+        raise TorchApiError(
+            f"cgraw needs torch._inductor.config.{', torch._inductor.config.'.join(missing)}, which torch "
+            f"{api().version} does not have; cgraw supports torch {SUPPORTED}")
+
+
+_MISSING = object()
+
+
 def _reset() -> None:
     """Forget the cached table (tests swap the torch module)."""
     global _api
     _api = None
 
 
-__all__ = ["KERNEL_STATE", "NEEDED", "SUPPORTED", "TorchApiError", "api", "check", "cudagraph_unsafe_tag",
-           "global_state_guard", "graph_task_id", "higher_order_operator_class", "kernel_state_getters",
-           "memory_segments", "nondeterministic_seeded_tag", "operator_classes", "pytree", "storage_users",
+__all__ = ["INDUCTOR_CONFIG", "KERNEL_STATE", "NEEDED", "NEEDED_ELSEWHERE", "SUPPORTED", "TorchApiError", "api", "check", "cudagraph_unsafe_tag",
+           "global_state_guard", "graph_task_id", "higher_order_operator_class", "inductor_config_keys", "kernel_state_getters",
+           "memory_segments", "nondeterministic_seeded_tag", "operator_classes", "partition_wrapper_slot",
+           "private", "pytree", "storage_users",
            "top_saved_tensors_hooks"]

@@ -96,9 +96,9 @@ LAYER = {
     "cgraw.memory": 4, "cgraw.rebindmem": 4, "cgraw.tensor": 5,
     "cgraw.graph": 6, "cgraw.frameworks": 6, "cgraw.arrays": 6, "cgraw.buckets": 6, "cgraw.calls": 6, "cgraw.recording": 6,
     "cgraw.treetypes": 6, "cgraw.treeoutputs": 6, "cgraw.treepool": 6, "cgraw.tree": 6, "cgraw.autograd_plan": 6,
-    "cgraw.interop": 7, "cgraw.interop.cupy_blas": 7,
+    "cgraw.interop": 7, "cgraw.interop.cupy_blas": 7, "cgraw.interop.torch_compile": 7,
     "cgraw.capture": 8, "cgraw.treeexec": 8, "cgraw.rebindexec": 8, "cgraw.warmexec": 8,
-    "cgraw.graphed": 9, "cgraw.graphed_callables": 9,
+    "cgraw.graphed": 9, "cgraw.graphed_callables": 9, "cgraw.compile_backend": 9,
     "cgraw": 99,
 }
 

@@ -1,0 +1,239 @@
+"""GPU tier: ``torch.compile(model, backend="cgraw")``. Inductor's partitions are graphed functions of
+cgraw's tree (warmed up, recorded, replayed; named in ``cgraw.report()``), their recordings hold
+Triton kernels, what Inductor cuts out (a ``cudagraph_unsafe`` custom op, ``.item()``, ``nonzero``)
+runs between graphed pieces, training graphs forward and backward, dynamic shapes record per
+shape, results equal eager on fresh random inputs, the backend is found without ``import cgraw``,
+and a default ``torch.compile`` in the same process is untouched."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from gpu_data import full_fp32, trand
+
+import cgraw
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_trees", "fresh_dynamo")]
+torch = pytest.importorskip("torch")
+graphed_mod = importlib.import_module("cgraw.graphed")
+
+CALLS = 6
+TOL = {"rtol": 1e-4, "atol": 1e-4}  # Inductor's fused kernels against eager's, float32, TF32 off
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    graphed_mod.forget_without_graphs()
+    with full_fp32():
+        yield
+    torch._dynamo.reset()
+    graphed_mod.forget_without_graphs()
+
+
+def _partitions(prefix: str) -> dict:
+    """``{name: FunctionStats}`` of the partitions of compiled code named ``prefix``."""
+    mgr = graphed_mod._managers[0]
+    return {s.name: s for s in mgr.stats.values() if s.name.startswith(prefix) and "/partition " in s.name}
+
+
+def _assert_replayed(parts: dict, calls: int = CALLS):
+    assert parts, "no partition ran as a graphed function"
+    for name, s in parts.items():
+        assert s.eager_calls == 0 and not s.skip_reasons, (name, s.skip_reasons)
+        assert s.recordings >= 1 and s.replays >= calls - 2, (name, s)
+
+
+def _mlp(d_in=64, d_hidden=128, d_out=32):
+    return torch.nn.Sequential(torch.nn.Linear(d_in, d_hidden), torch.nn.ReLU(),
+                               torch.nn.Linear(d_hidden, d_hidden), torch.nn.GELU(),
+                               torch.nn.Linear(d_hidden, d_out)).cuda()
+
+
+def test_mlp_inference_partitions_replay_and_equal_eager():
+    m = _mlp()
+    c = torch.compile(m, backend="cgraw", options={"name": "mlp"})
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = trand(16, 64)
+            torch.testing.assert_close(c(x), m(x), **TOL)
+    parts = _partitions("mlp [")
+    _assert_replayed(parts)
+    assert all(re.fullmatch(r"mlp \[\d+/\d+\] (inference|forward)/partition \d+ of \d+", n) for n in parts), parts
+    text = cgraw.report()
+    for n in parts:
+        assert n in text
+
+
+def _kernels(names) -> list[str]:
+    mgr = graphed_mod._managers[0]
+    return [k.kernel for n in mgr.nodes() if n.fn.name in names and n.recording is not None
+            for k in n.recording.graph.nodes() if k.kernel is not None]
+
+
+def test_recorded_partitions_hold_triton_kernels():
+    m = _mlp()
+    c = torch.compile(m, backend="cgraw", options={"name": "kern"})
+    with torch.no_grad():
+        for _ in range(3):
+            x = trand(16, 64)
+            torch.testing.assert_close(c(x), m(x), **TOL)
+    names = _kernels(set(_partitions("kern [")))
+    assert any("triton" in k for k in names), names  # Inductor's fused bias + activation kernels
+    assert not any("at6native" in k or "at::native" in k for k in names), names  # no eager ATen elementwise
+
+
+@torch.library.custom_op("cgrawtest::host_scale", mutates_args=(), tags=(torch._C.Tag.cudagraph_unsafe,))
+def host_scale(x: torch.Tensor) -> torch.Tensor:
+    return (x.cpu() * 2.0).to(x.device)  # a host round trip: no graph can hold it
+
+
+@host_scale.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class CutModel(torch.nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.a = torch.nn.Linear(64, 128)
+        self.b = torch.nn.Linear(128, 32)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if self.kind == "unsafe_op":
+            h = host_scale(h) + 1.0
+        elif self.kind == "item":
+            if h.sum().item() < 0:  # never: a sum of relu outputs; dynamo breaks the graph at .item()
+                h = -h
+        elif self.kind == "nonzero":
+            n = (h >= 0).nonzero().shape[0]  # every element: the count is the same on every call
+            h = h * (n / h.numel())
+        return torch.tanh(self.b(h))
+
+
+@pytest.mark.parametrize("kind", ["unsafe_op", "item", "nonzero"])
+def test_a_cut_in_the_middle_leaves_both_sides_graphed(kind):
+    m = CutModel(kind).cuda()
+    c = torch.compile(m, backend="cgraw", options={"name": f"cut_{kind}"})
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = trand(16, 64)
+            torch.testing.assert_close(c(x), m(x), **TOL)
+    parts = _partitions(f"cut_{kind} [")
+    _assert_replayed(parts)
+    if kind == "unsafe_op":  # one dynamo graph, cut by Inductor around the op: two pieces
+        assert len(parts) == 2 and all(n.endswith(("partition 0 of 2", "partition 1 of 2")) for n in parts), parts
+    else:  # dynamo breaks the graph (or Inductor cuts it): a piece before and a piece after
+        assert len(parts) >= 2, parts
+    text = cgraw.report()
+    for n in parts:
+        assert n in text
+
+
+def test_training_step_graphs_forward_and_backward():
+    torch.manual_seed(0)
+    m = _mlp()
+    ref = _mlp()
+    ref.load_state_dict(m.state_dict())
+    c = torch.compile(m, backend="cgraw", options={"name": "train"})
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(CALLS):
+        x, y = trand(16, 64), trand(16, 32)
+        losses = []
+        for o, run in ((opt, c), (ref_opt, ref)):
+            o.zero_grad(set_to_none=True)  # the SGD step runs eagerly
+            loss = torch.nn.functional.mse_loss(run(x), y)
+            loss.backward()
+            o.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-3, atol=1e-5)
+        for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-3, atol=1e-4)
+    parts = _partitions("train [")
+    _assert_replayed(parts)
+    assert any(" forward/partition" in n for n in parts), parts
+    assert any(" backward/partition" in n for n in parts), parts
+
+
+def test_dynamic_batch_records_per_shape():
+    m = _mlp()
+    c = torch.compile(m, backend="cgraw", options={"name": "dyn"})
+    with torch.no_grad():
+        for i in range(2 * CALLS):
+            x = trand(8 if i % 2 else 16, 64)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(c(x), m(x), **TOL)
+    parts = _partitions("dyn [")
+    assert parts
+    for name, s in parts.items():
+        assert s.eager_calls == 0 and not s.skip_reasons, (name, s.skip_reasons)
+        assert s.recordings >= 2 and s.replays >= 1, (name, s)  # one recording per batch size
+
+
+def test_cupy_through_dlpack_inside_the_compiled_model():
+    cp = pytest.importorskip("cupy")
+
+    class WithCupy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(64, 64)
+            self.b = torch.nn.Linear(64, 16)
+
+        def forward(self, x):
+            h = self.a(x)
+            h = torch.from_dlpack(cp.tanh(cp.from_dlpack(h.contiguous())) * 3.0)  # dynamo breaks the graph here
+            return self.b(h)
+
+    m = WithCupy().cuda()
+    c = torch.compile(m, backend="cgraw", options={"name": "cupy"})
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = trand(16, 64)
+            torch.testing.assert_close(c(x), m(x), **TOL)
+    _assert_replayed(_partitions("cupy ["))
+
+
+def test_default_compile_in_the_same_process_is_untouched():
+    from cgraw.interop import torch_c
+
+    m = _mlp()
+    c = torch.compile(m, backend="cgraw", options={"name": "first"})
+    with torch.no_grad():
+        for _ in range(3):
+            x = trand(16, 64)
+            torch.testing.assert_close(c(x), m(x), **TOL)
+        assert torch_c.partition_wrapper_slot().wrapper is None
+        n_before = len(graphed_mod._managers[0].stats)
+        d = torch.compile(_mlp())
+        for _ in range(3):
+            x = trand(16, 64)
+            torch.testing.assert_close(d(x), d._orig_mod(x), **TOL)
+        assert len(graphed_mod._managers[0].stats) == n_before  # no graphed function made for it
+
+
+def test_backend_found_without_importing_cgraw():
+    code = textwrap.dedent("""
+        import sys, torch
+        m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()
+        assert "cgraw" not in sys.modules
+        c = torch.compile(m, backend="cgraw", options={"name": "fresh"})  # found through the entry point
+        with torch.no_grad():
+            for _ in range(5):
+                x = torch.randn(4, 32, device="cuda")
+                torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-4)
+        import cgraw
+        text = cgraw.report()
+        assert "fresh [" in text and "/partition 0 of" in text, text
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip().endswith("ok")

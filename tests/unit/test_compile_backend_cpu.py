@@ -1,0 +1,320 @@
+"""CPU tier: the decisions of ``torch.compile(m, backend="cgraw")``: options, names, what runs
+without graphs and why, the entry point, and the partition wrapper's list-argument adaptation
+(with a fake graphed function). The torch part runs on torch's CPU build, where Inductor cuts no
+partition: the hook's installation and the fallback are checked there, the graphs on the GPU
+(tests/gpu/test_compile_backend.py)."""
+
+from __future__ import annotations
+
+import importlib
+import pathlib
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from cgraw import compile_backend as cb
+from cgraw.interop import torch_compile as tcomp
+
+graphed_mod = importlib.import_module("cgraw.graphed")  # the module (cgraw.graphed is also the decorator)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def no_notes():
+    graphed_mod.forget_without_graphs()
+    yield
+    graphed_mod.forget_without_graphs()
+
+
+# ---------------------------------------------------------------- options and names
+
+
+def test_options_default_and_checked():
+    o = cb.Options.parse(None)
+    assert (o.name, o.partitions, o.fallback, o.inductor) == (None, "all", "inductor", None)
+    assert o.select(0) is None and o.select(7) is None
+    o = cb.Options.parse({"name": "mlp", "partitions": [0, 2], "fallback": "raise",
+                          "inductor": {"max_autotune": False}})
+    assert (o.name, o.partitions, o.fallback, o.inductor) == ("mlp", frozenset({0, 2}), "raise",
+                                                              {"max_autotune": False})
+    assert o.select(0) is None and o.select(2) is None
+    assert "left out by options['partitions'] ([0, 2])" == o.select(1)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"nme": "x"}, r"no option\(s\) \['nme'\]"),
+    ({"name": ""}, "non-empty str"),
+    ({"partitions": "0"}, "'all' or partition indices"),
+    ({"partitions": [0, -1]}, "non-negative ints"),
+    ({"partitions": [True]}, "non-negative ints"),
+    ({"fallback": "eager"}, "must be one of"),
+    ({"inductor": [("a", 1)]}, "dict of torch._inductor.config"),
+    (["name"], "options as a dict"),
+])
+def test_options_refused_with_the_reason(bad, match):
+    with pytest.raises(ValueError, match=match):
+        cb.Options.parse(bad)
+
+
+def test_labels_name_the_frame():
+    assert cb.label(cb.Options.parse({"name": "mlp"}), "0/1") == "mlp [0/1]"
+    assert cb.label(cb.Options(), "2/0") == "compiled [2/0]"
+    a, b = cb.label(cb.Options(), None), cb.label(cb.Options(), None)
+    assert a != b and a.startswith("compiled [") and b.startswith("compiled [")
+
+
+def test_entry_point_is_declared_and_resolves():
+    import tomllib
+
+    eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["torch_dynamo_backends"]
+    assert eps == {"cgraw": "cgraw.compile_backend:cgraw_backend"}
+    module, _, attr = eps["cgraw"].partition(":")
+    assert getattr(importlib.import_module(module), attr) is cb.cgraw_backend
+
+
+def test_backend_module_imports_no_framework():
+    code = ("import sys\nimport cgraw.compile_backend, cgraw.interop.torch_compile\n"
+            "assert 'torch' not in sys.modules and 'cupy' not in sys.modules, sorted(sys.modules)\nprint('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_report_lists_code_without_graphs(capsys):
+    graphed_mod.note_without_graphs("mlp [0/0] forward/partition 1 of 3", "left out")
+    text = graphed_mod.report()
+    assert "compiled code that runs without cgraw's graphs:" in text
+    assert "  mlp [0/0] forward/partition 1 of 3: left out" in text
+    assert graphed_mod.without_graphs() == {"mlp [0/0] forward/partition 1 of 3": "left out"}
+
+
+# ---------------------------------------------------------------- the wrapper, with fakes
+
+
+class FakeGraphed:
+    def __init__(self, fn):
+        self.fn = fn
+        self.name = fn.__qualname__
+        self.calls = []
+
+    def __call__(self, *xs):
+        self.calls.append(xs)
+        return self.fn(*xs)
+
+
+class FakeTree:
+    def __init__(self, owner):
+        self.owner_thread = owner
+        self.calls = []
+
+    def call_here(self, fn, args, kwargs):
+        self.calls.append((fn, args, kwargs))
+        return fn(*args, **kwargs)
+
+
+class Meta:
+    def __init__(self, n, i):
+        self.num_partitions, self.partition_index = n, i
+
+
+def _runtime(made, notes, tree=None):
+    def graphed(fn):
+        g = FakeGraphed(fn)
+        made.append(g)
+        return g
+
+    return tcomp.Runtime(graphed, lambda ordinal: tree, lambda name, why: notes.append((name, why)))
+
+
+def _partition(seen):
+    def partition_0(args):
+        a, b, n = args
+        args.clear()  # Inductor's partitions unpack and clear their list
+        seen.append((a, b, n))
+        return (a + b * n,)
+
+    return partition_0
+
+
+def test_wrapper_graphs_a_partition_and_adapts_its_list_argument():
+    made, notes, seen = [], [], []
+    w = tcomp.Wrapping("mlp [0/0]", _runtime(made, notes), cb.Options().select)
+    w.phase.value = "forward"
+    wrapped = w(_partition(seen), Meta(3, 1))
+    assert len(made) == 1 and made[0].name == "mlp [0/0] forward/partition 1 of 3"
+    assert wrapped.cgraw_graphed is made[0] and w.wrapped == [made[0].name] and w.seen == 1
+    args = [2.0, 5.0, 3]
+    assert wrapped(args) == (17.0,)
+    assert args == []  # cleared, as the partition itself clears it
+    assert made[0].calls == [(2.0, 5.0, 3)] and seen == [(2.0, 5.0, 3)]  # positional, in order
+    assert notes == []
+
+
+def test_partitions_left_out_run_as_compiled_with_the_reason():
+    made, notes, seen = [], [], []
+    w = tcomp.Wrapping("m [1/0]", _runtime(made, notes), cb.Options.parse({"partitions": [0]}).select)
+    fn = _partition(seen)
+    assert w(fn, Meta(2, 1)) is fn and made == []
+    assert notes == [("m [1/0]/partition 1 of 2", "left out by options['partitions'] ([0])")]
+    assert w(fn, Meta(2, 0)) is not fn and len(made) == 1
+
+
+def test_a_wrapper_failure_leaves_the_partition_as_compiled():
+    notes, seen = [], []
+
+    def broken(fn):
+        raise RuntimeError("no tree today")
+
+    rt = tcomp.Runtime(broken, lambda o: None, lambda name, why: notes.append((name, why)))
+    w = tcomp.Wrapping("m [0/0]", rt, cb.Options().select)
+    fn = _partition(seen)
+    assert w(fn, Meta(1, 0)) is fn
+    assert notes == [("m [0/0]/partition 0 of 1", "not graphed: RuntimeError: no tree today")]
+    notes.clear()
+    assert w(fn, object()) is fn  # metadata without the fields
+    assert notes and "metadata is unreadable" in notes[0][1]
+
+
+def test_backward_partitions_run_in_the_tree_of_their_forward():
+    made, notes, seen = [], [], []
+    tree = FakeTree(owner=-1)  # owned by another thread
+    home = tcomp.Home()
+    rt = _runtime(made, notes, tree)
+
+    class Arg(float):
+        def get_device(self):
+            return 0
+
+    in_backward = [False]
+    fwd = tcomp.adapt(_partition(seen), FakeGraphed(tcomp.graph_body(_partition(seen), "f")), home, rt,
+                      lambda: in_backward[0])
+    assert fwd([Arg(1.0), Arg(2.0), 1]) == (3.0,)
+    assert home.tree is tree and tree.calls == []  # the forward ran on its own thread's tree
+    in_backward[0] = True
+    gb = FakeGraphed(tcomp.graph_body(_partition(seen), "b"))
+    bwd = tcomp.adapt(_partition(seen), gb, home, rt, lambda: in_backward[0])
+    assert bwd([Arg(1.0), Arg(1.0), 2]) == (3.0,)
+    assert [(c[0], c[1]) for c in tree.calls] == [(gb, (1.0, 1.0, 2))]
+    tree.owner_thread = threading.get_ident()  # the same thread: the ordinary call
+    assert bwd([Arg(1.0), Arg(1.0), 2]) == (3.0,) and len(tree.calls) == 1
+
+
+def test_graph_body_is_named_for_the_report():
+    body = tcomp.graph_body(lambda args: tuple(args), "m [0/0] backward/partition 0 of 1")
+    assert body.__qualname__ == "m [0/0] backward/partition 0 of 1"
+    assert body(1, 2) == (1, 2)
+    assert graphed_mod._name_of(body) == "m [0/0] backward/partition 0 of 1"
+
+
+# ---------------------------------------------------------------- with torch's CPU build
+
+
+def test_hook_installed_only_inside_and_previous_put_back():
+    pytest.importorskip("torch")
+    from cgraw.interop import torch_c
+
+    slot = torch_c.partition_wrapper_slot()
+    assert slot is not None
+
+    def theirs(fn, meta):
+        return fn
+
+    setter = torch_c.private("torch._inductor.utils.set_customized_partition_wrappers")
+    setter(theirs)
+    try:
+        mine = tcomp.Wrapping("x", _runtime([], []), cb.Options().select)
+        with tcomp.installed(mine):
+            assert slot.wrapper is mine
+            with tcomp.installed(mine):
+                assert slot.wrapper is mine
+            assert slot.wrapper is mine
+        assert slot.wrapper is theirs
+        with pytest.raises(KeyError), tcomp.installed(mine):
+            raise KeyError("body")
+        assert slot.wrapper is theirs
+    finally:
+        setter(None)
+
+
+def test_config_patches_keep_graphs_cgraws():
+    pytest.importorskip("torch")
+    import torch._inductor.config as cfg
+
+    p = tcomp.config_patches({"max_autotune": False, "triton.cudagraphs": True}, "reduce-overhead")
+    assert p["triton.cudagraphs"] is False and p["graph_partition"] is True and p["max_autotune"] is False
+    if hasattr(cfg, "custom_should_partition_ops"):
+        assert p["custom_should_partition_ops"][-1] == tcomp.CACHE_MARKER
+        assert cfg.custom_should_partition_ops == []  # the process's config is untouched
+    else:
+        assert p["fx_graph_cache"] is False
+
+
+def _mlp():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def test_compile_runs_inductor_with_the_wrapper_installed(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from torch._inductor.scheduler import Scheduler
+
+    from cgraw.interop import torch_c
+
+    slot = torch_c.partition_wrapper_slot()
+    real = Scheduler.codegen
+    during = []  # the wrapper installed while Inductor generates each graph's code
+
+    def spy(self):
+        during.append(slot.wrapper)
+        return real(self)
+
+    monkeypatch.setattr(Scheduler, "codegen", spy)
+    with torch._inductor.config.patch(force_disable_caches=True):  # a cache hit generates nothing
+        _compile_with_and_without(torch, during, slot)
+
+
+def _compile_with_and_without(torch, during, slot):
+    torch._dynamo.reset()
+    m = _mlp()
+    c = torch.compile(m, backend="cgraw", options={"name": "mlp"})
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(c(x), m(x))
+    assert during and all(isinstance(w, tcomp.Wrapping) and w.label.startswith("mlp [") for w in during)
+    assert slot.wrapper is None  # put back once the compile ended
+    notes = graphed_mod.without_graphs()
+    assert any(k.startswith("mlp [") and "no partition" in v for k, v in notes.items()), notes
+    # a default compile afterwards runs without the hook
+    during.clear()
+    torch._dynamo.reset()
+    c2 = torch.compile(m)
+    torch.testing.assert_close(c2(x), m(x))
+    assert during and all(w is None for w in during)
+    torch._dynamo.reset()
+
+
+def test_unsupported_torch_falls_back_to_inductor_with_the_reason(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from cgraw.interop import torch_c
+
+    def missing():
+        raise torch_c.TorchApiError("cgraw needs torch._inductor.utils.set_customized_partition_wrappers")
+
+    monkeypatch.setattr(tcomp, "check", missing)
+    torch._dynamo.reset()
+    m = _mlp()
+    x = torch.randn(3, 8)
+    c = torch.compile(m, backend="cgraw", options={"name": "old"})
+    torch.testing.assert_close(c(x), m(x))
+    notes = graphed_mod.without_graphs()
+    key = next(k for k in notes if k.startswith("old ["))
+    assert notes[key].startswith("compiled by Inductor without graphs: TorchApiError: cgraw needs")
+    torch._dynamo.reset()
+    c = torch.compile(m, backend="cgraw", options={"fallback": "raise"})
+    with pytest.raises(Exception, match="set_customized_partition_wrappers"):
+        c(x)
+    torch._dynamo.reset()
