@@ -35,7 +35,7 @@ __all__ = ["EAGER", "GRAD", "STATIC", "TREE", "Call", "InputPlan", "declared_mut
            "learn_kernel_groups", "mark_static", "moved", "use_grad_mode", "use_kernel_state"]
 
 _static_ids: dict[int, object] = {}  # id(array) -> weakref, filled by mark_static
-_tensor = [_NoType]  # [torch.Tensor] once torch is loaded: the exact-type fast path
+_tensor = [_NoType, _NoType]  # [torch.Tensor, torch.nn.Parameter] once torch is loaded: the exact-type fast path
 _grad_mode: list = [None]  # [a probe: does autograd record now?] (torch.is_grad_enabled), or [None]
 _kernel: list = [None, ()]  # [interop.torch_state.KernelState, its getters of every group], or [None, ()]
 
@@ -57,9 +57,11 @@ def mark_static(x):
     return x
 
 
-def use_torch(tensor_type) -> None:
-    """Enable the exact-type fast path for ``torch.Tensor`` arguments (a tree does, once torch is loaded)."""
+def use_torch(tensor_type, parameter_type=_NoType) -> None:
+    """Enable the exact-type fast path for ``torch.Tensor`` and ``torch.nn.Parameter`` arguments (a
+    tree does, once torch is loaded): a parameter is a static input."""
     _tensor[0] = tensor_type
+    _tensor[1] = parameter_type
 
 
 def use_grad_mode(probe) -> None:
@@ -146,10 +148,10 @@ def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
     """Classify a call of graphed function ``fn`` (``static_argnums``, ``pad_buckets``) on the
     tree of ``device``; ``tree_outputs`` maps the data pointers of this generation's outputs.
     Raises ``SkipCall`` for arguments a graph cannot take."""
-    T = _tensor[0]
+    T, P = _tensor
     if not kwargs and fn.plain:
         for a in args:
-            if type(a) is not T:
+            if type(a) is not T and type(a) is not P:
                 break
         else:  # the hot path: plain tensors only, no options (one pass per property, no generic dispatch)
             return _inspect_tensors(fn, args, tree_outputs, device)
@@ -157,14 +159,14 @@ def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
     static_pos = fn.static_argnums
     for i, a in enumerate(args):
         first = len(leaves)
-        if type(a) is T and i not in static_pos:  # the common case, without generic dispatch
+        if (type(a) is T or type(a) is P) and i not in static_pos:  # the common case, without generic dispatch
             try:
                 p = a.data_ptr()
             except RuntimeError as exc:  # sparse, meta, ...: no storage to copy or read in place
                 raise SkipCall(f"a tensor input has no data pointer ({exc})") from None
             leaves.append(a)
             key_parts.append((a.shape, a.stride(), a.dtype))
-            kinds.append(STATIC if id(a) in _static_ids else (TREE if p in tree_outputs else EAGER))
+            kinds.append(STATIC if type(a) is P or id(a) in _static_ids else (TREE if p in tree_outputs else EAGER))
             ptrs.append(p)
             ops.append(TORCH)
             spans.append((first, 1))
@@ -217,7 +219,8 @@ _PLAIN: dict[int, tuple] = {}  # n -> (ops, arg spans, arg specs) of n plain ten
 
 
 def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
-    """``inspect`` of a call whose arguments are all exact ``torch.Tensor``s, of a function
+    """``inspect`` of a call whose arguments are all exact ``torch.Tensor``s or ``nn.Parameter``s
+    (static), of a function
     without ``static_argnums``, ``pad_buckets`` or keyword arguments: the same result, faster
     (the key is built once, with its grad and settings entries)."""
     n = len(args)
@@ -232,7 +235,7 @@ def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
             parts = [(a.shape, a.stride(), a.dtype)]
             if a.get_device() != device:
                 _wrong_device(args, device)
-            if _static_ids and id(a) in _static_ids:
+            if type(a) is _tensor[1] or (_static_ids and id(a) in _static_ids):
                 kinds = [STATIC]
             else:
                 kinds = [TREE if p in tree_outputs else EAGER]
@@ -242,8 +245,9 @@ def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
             for a in args:
                 if a.get_device() != device:
                     _wrong_device(args, device)
-            if _static_ids:
-                kinds = [STATIC if id(a) in _static_ids else (TREE if p in tree_outputs else EAGER)
+            P = _tensor[1]
+            if _static_ids or any(type(a) is P for a in args):
+                kinds = [STATIC if type(a) is P or id(a) in _static_ids else (TREE if p in tree_outputs else EAGER)
                          for a, p in zip(args, ptrs)]
             elif tree_outputs:
                 kinds = [TREE if p in tree_outputs else EAGER for p in ptrs]

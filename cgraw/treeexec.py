@@ -60,7 +60,7 @@ class CudaBackend(TorchAutograd):
         if "torch" in sys.modules:
             torch_c.check()
             self._torch = sys.modules["torch"]
-            use_torch(self._torch.Tensor)
+            use_torch(self._torch.Tensor, self._torch.nn.Parameter)
             self._tts = TorchTreeState.for_pool(self.pool)
             _observe.install_module_hooks()
             grad_probe(self._torch.is_grad_enabled)  # grad mode joins the key while config.autograd

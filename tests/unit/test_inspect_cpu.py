@@ -261,8 +261,9 @@ def test_generation_end_poisons_the_torch_outputs_and_skips_cupy_ones(monkeypatc
 
 
 def test_the_plain_tensor_fast_path_classifies_as_the_generic_path(torch_mod, monkeypatch):
-    """``calls.inspect`` takes a shortcut when every argument is an exact ``torch.Tensor`` (no
-    options): its Call must equal the generic path's, for tree outputs and marked tensors alike.
+    """``calls.inspect`` takes a shortcut when every argument is an exact ``torch.Tensor`` or
+    ``nn.Parameter`` (no options): its Call must equal the generic path's, for tree outputs, marked
+    tensors and parameters (static) alike.
     CPU tensors of a subclass that reports device 0 stand in for CUDA ones."""
     import random
 
@@ -272,11 +273,19 @@ def test_the_plain_tensor_fast_path_classifies_as_the_generic_path(torch_mod, mo
         def get_device(self):
             return 0
 
-    monkeypatch.setattr(calls, "_tensor", [OnDevice0])  # the exact type of the fast path
+    class ParamOnDevice0(torch.nn.Parameter):
+        def get_device(self):
+            return 0
+
+    def arg():
+        t = torch.randn(rng.choice([(4,), (2, 3), (3, 2)]))
+        return ParamOnDevice0(t, requires_grad=False) if rng.random() < 0.25 else t.as_subclass(OnDevice0)
+
+    monkeypatch.setattr(calls, "_tensor", [OnDevice0, ParamOnDevice0])  # the exact types of the fast path
     rng = random.Random(7)
     for trial in range(200):
         n = rng.randint(1, 4)
-        args = tuple(torch.randn(rng.choice([(4,), (2, 3), (3, 2)])).as_subclass(OnDevice0) for _ in range(n))
+        args = tuple(arg() for _ in range(n))
         if rng.random() < 0.3:
             args = args + (args[0],)  # the same tensor twice
         tree_outputs = {a.data_ptr(): object() for a in args if rng.random() < 0.4}
@@ -289,7 +298,11 @@ def test_the_plain_tensor_fast_path_classifies_as_the_generic_path(torch_mod, mo
             assert list(getattr(fast, field) or []) == list(getattr(generic, field) or []), (trial, field)
         assert list(fast.ops) == list(generic.ops) and all(o is calls.TORCH for o in fast.ops)
         assert fast.leaves == list(args) and generic.leaves == list(args)
-        assert (STATIC in fast.kinds) == bool(marked)
+        params = [a for a in args if type(a) is ParamOnDevice0]
+        assert (STATIC in fast.kinds) == bool(marked or params)
+        for a, kind in zip(args, fast.kinds):  # a parameter is static, as the framework says
+            if type(a) is ParamOnDevice0:
+                assert kind == STATIC and calls.TORCH.static(a)
         del marked
     with pytest.raises(SkipCall, match="inputs on device 0, but this tree is on device 1"):
         calls.inspect(_fn(), (torch.randn(3).as_subclass(OnDevice0),), {}, {}, 1)
