@@ -8,10 +8,9 @@ objects from the device inputs before the capture (sparse matrices, generators);
 the capture today (None: expected to record and replay equal); the run reports where it was wrong.
 The cuBLAS expectations follow ``cgraw.interop.cupy_blas`` (CuPy's matrix products routed to a
 cgraw handle). The cuSOLVER ones follow ``cgraw.interop.cupy_solver`` (CuPy's dense cuSOLVER calls
-routed to a cgraw handle), first run on the H200 in session 9; the single-matrix svd/eigh family (gesvd and
-Xsyevd run as the batched Jacobi routines) is new in session 10. The cuSPARSE ones follow
-``cgraw.interop.cupy_sparse`` (sparse @ dense products routed, csrgeam2 refused by name), first run on
-the H200 in session 10.
+routed to a cgraw handle), the single-matrix svd/eigh family included (gesvd and Xsyevd run as the
+batched Jacobi routines). The cuSPARSE ones follow ``cgraw.interop.cupy_sparse`` (sparse @ dense
+products routed, csrgeam2 refused by name). Notes marked "H200" say what a run there showed.
 """
 
 from __future__ import annotations
@@ -363,7 +362,7 @@ def _manipulation() -> list[Case]:
         Case("cupy.choose", s, (Arr((N,), "int32", 0, 3), V, W, POS), lambda f, i, a, b, c: f(i, [a, b, c])),
         Case("cupy.partition", s, (V,), lambda f, x: f(x, 10)),
         Case("cupy.argpartition", s, (V,), lambda f, x: f(x, 10), expect=SYNC,
-             note="unravel_index tests (indices < 0).any() on the host (H200 probe, session 10)"),
+             note="unravel_index tests (indices < 0).any() on the host (H200 probe)"),
         Case("cupy.lexsort", s, (Arr((2, N), "int32", 0, 8),)),
         Case("cupy.searchsorted", s, (_sorted(64), V)),
         Case("cupy.broadcast_to", s, (V,), lambda f, x: f(x, (4, N))),
@@ -372,7 +371,7 @@ def _manipulation() -> list[Case]:
         Case("cupy.ascontiguousarray", s, (M,), lambda f, x: f(x.T)),
         Case("cupy.append", s, (V, W)),
         Case("cupy.delete", s, (V,), lambda f, x: f(x, 3), expect=SYNC,
-             note="compress with a mask: nonzero counts on the host (H200 probe, session 10)"),
+             note="compress with a mask: nonzero counts on the host (H200 probe)"),
         Case("cupy.packbits", s, (B,)),
         Case("cupy.unpackbits", s, (Arr((64,), "uint8", 0, 256),)),
         Case("cupy.full_like", s, (V,), lambda f, x: f(x, 3.0)),
@@ -394,7 +393,7 @@ def _linalg() -> list[Case]:
     sq2 = (SQ, Arr((16, 16)))
     blas = "cuBLAS through cgraw's handle (interop.cupy_blas)"
     solver = "cuSOLVER through cgraw's handle (interop.cupy_solver)"
-    jacobi = ("single matrix up to 32x32: gesvd/Xsyevd (they synchronise inside cuSOLVER, H200 session 9) run as "
+    jacobi = ("single matrix up to 32x32: gesvd/Xsyevd (they synchronise inside cuSOLVER on the H200) run as "
               "gesvdjBatched/syevjBatched with a batch of one (interop.cupy_solver); rounding differs from eager")
     vectors = ("; vectors differ from eager's by sign/phase (another algorithm), so the factorisation is "
                "checked against the input")
@@ -448,13 +447,13 @@ def _linalg() -> list[Case]:
              note="over 32x32: refused by name (up to 32x32 is routed through the Jacobi routine)"),
         Case("cupy.linalg.lstsq", s, (Arr((16, 8)), Arr((16,))), compare="algorithm", expect=SYNC,
              note="svd through Jacobi and s1[s <= cutoff] = 0 through cgraw's mask assignment; then, with m > n, "
-                  "CuPy tests rank != n on the host for the residuals (H200, session 10)"),
+                  "CuPy tests rank != n on the host for the residuals (H200)"),
         Case("cupy.linalg.pinv", s, (Arr((16, 8)),), compare="algorithm",
              note=jacobi + "; s[leq] = 0 through cgraw's mask assignment (interop.cupy_mask)"),
         Case("cupy.linalg.matrix_power", s, (Arr((16, 16), lo=-0.3, hi=0.3),), lambda f, x: f(x, 3), note=blas),
         Case("cupy.linalg.matrix_rank", s, (SQ,), note=jacobi),
         Case("cupy.linalg.cond", s, (_well_conditioned(16),), compare="algorithm", expect=SYNC,
-             note="svd through Jacobi; then CuPy tests isnan(r).any() on the host (H200, session 10)"),
+             note="svd through Jacobi; then CuPy tests isnan(r).any() on the host (H200)"),
         Case("cupy.linalg.eigh [batch of one]", s, (_symmetric(16, (1,)),),
              note="stacked input: syevjBatched, routed (the hint of the single-matrix refusal)"),
         Case("cupy.linalg.svd [batch of one]", s, (Arr((1, 16, 16)),), lambda f, x: f(x, compute_uv=False),
@@ -527,7 +526,7 @@ def _random() -> list[Case]:
         r("choice [array a]", lambda f, a: f(a, RSIZE), Law(support=0), (Arr((16,), "int32", -100, 100),)),
         r("standard_exponential", lambda f: f(RSIZE), Law(lo=0.0, mean=1.0, std=1.0)),
         r("exponential", lambda f: f(2.0, RSIZE), Law(lo=0.0, mean=2.0, std=2.0)),
-        # rejection samplers with per-element counter streams (rng_kernels.SAMPLERS; H200, session 10)
+        # rejection samplers with per-element counter streams (rng_kernels.SAMPLERS)
         r("gamma", lambda f: f(2.0, 1.5, RSIZE), Law(lo=0.0, mean=3.0, std=1.5 * 2 ** 0.5)),
         r("standard_gamma", lambda f: f(2.0, RSIZE), Law(lo=0.0, mean=2.0, std=2 ** 0.5)),
         r("standard_gamma [shape < 1]", lambda f: f(0.5, RSIZE, dtype=np.float32),
@@ -565,7 +564,7 @@ def _ndimage() -> list[Case]:
         "gaussian_filter", "gaussian_filter1d", "gaussian_laplace")]
     cases += [Case(p + f, s, (IMG,), note="weights staged") for f in ("sobel", "prewitt", "laplace")]
     cases += [Case(p + f, s, (Arr((32, 32), "bool"),), expect=SYNC,
-                   note="int(count_nonzero(structure)) on the host (H200 probe, session 10)") for f in (
+                   note="int(count_nonzero(structure)) on the host (H200 probe)") for f in (
         "binary_erosion", "binary_closing")]
     cases += [
         Case(p + "correlate1d", s, (IMG, TAPS), lambda f, x, w: f(x, w, axis=0)),
@@ -578,7 +577,7 @@ def _ndimage() -> list[Case]:
         Case(p + "zoom", s, (IMG,), lambda f, x: f(x, 1.5, order=1), note="staged"),
         Case(p + "shift", s, (IMG,), lambda f, x: f(x, (1.5, -0.5), order=1), note="staged"),
         Case(p + "rotate", s, (IMG,), lambda f, x: f(x, 30.0, reshape=False, order=1), expect=SYNC,
-             note="its upload is staged; then affine_transform reads the offset with float() (H200 probe, session 10)"),
+             note="its upload is staged; then affine_transform reads the offset with float() (H200 probe)"),
         Case(p + "affine_transform", s, (IMG, Arr((2, 2), lo=0.8, hi=1.2)), lambda f, x, m: f(x, m, order=1),
              note="the default offset=0.0 is uploaded with cupy.asarray (staged)"),
         Case(p + "map_coordinates", s, (IMG, Arr((2, N), lo=0.0, hi=31.0)), lambda f, x, c: f(x, c, order=1)),
@@ -587,7 +586,7 @@ def _ndimage() -> list[Case]:
         Case(p + "fourier_shift", s, (CIMG,), lambda f, x: f(x, 1.5)),
         Case(p + "label", s, (Arr((32, 32), "bool"),), expect=SYNC, note="returns the number of labels as an int"),
         Case(p + "sum_labels", s, (IMG, Arr((32, 32), "int32", 0, 4)), expect=SYNC,
-             note="input[labels != 0]: boolean-mask indexing counts on the host (H200 probe, session 10)"),
+             note="input[labels != 0]: boolean-mask indexing counts on the host (H200 probe)"),
         Case(p + "center_of_mass", s, (Arr((32, 32), lo=0.0, hi=1.0),)),
         Case(p + "distance_transform_edt", s, (Arr((32, 32), "bool"),)),
     ]
@@ -608,25 +607,25 @@ def _signal() -> list[Case]:
         Case(p + "lfilter", s, (Arr((3,)), DEN, V)),
         Case(p + "sosfilt", s, (SOS, V)),
         Case(p + "filtfilt", s, (Arr((3,)), DEN, V), expect=SYNC,
-             note="lfilter_zi: cupy.where(a == 0) (nonzero) on the host (H200 probe, session 10)"),
+             note="lfilter_zi: cupy.where(a == 0) (nonzero) on the host (H200 probe)"),
         Case(p + "medfilt", s, (V,), lambda f, x: f(x, 5)),
         Case(p + "medfilt2d", s, (IMG,), lambda f, x: f(x, 3)),
         Case(p + "order_filter", s, (IMG, Maker(lambda rng: np.ones((3, 3), np.float32), "ones(3,3)")),
              lambda f, x, d: f(x, d, 4), expect=SYNC,
-             note="rank_filter tests footprint.any() on the host (H200 probe, session 10)"),
+             note="rank_filter tests footprint.any() on the host (H200 probe)"),
         Case(p + "wiener", s, (IMG,)),
         Case(p + "detrend", s, (V,), expect=SYNC,
-             note="cupy.unique of the breakpoints (boolean mask) on the host (H200 probe, session 10)"),
+             note="cupy.unique of the breakpoints (boolean mask) on the host (H200 probe)"),
         Case(p + "hilbert", s, (V,)),
         Case(p + "resample", s, (V,), lambda f, x: f(x, 128)),
         Case(p + "resample_poly", s, (V,), lambda f, x: f(x, 2, 3), expect=SYNC,
-             note="firwin checks its cutoff range on the host (H200 probe, session 10)"),
+             note="firwin checks its cutoff range on the host (H200 probe)"),
         Case(p + "upfirdn", s, (h9, V), lambda f, h, x: f(h, x, 2, 3)),
         Case(p + "decimate", s, (V,), lambda f, x: f(x, 4), expect=SYNC,
-             note="iirfilter checks Wn on the host with cupy.any (H200 probe, session 10)"),
+             note="iirfilter checks Wn on the host with cupy.any (H200 probe)"),
         Case(p + "savgol_filter", s, (V,), lambda f, x: f(x, 7, 2), compare="algorithm", expect=SYNC,
              note="coefficients: lstsq of a 3x7 matrix through gesvdjBatched; then mode='interp' fits the edges "
-                  "with polyfit, a tall lstsq whose rank CuPy compares on the host (H200, session 10)"),
+                  "with polyfit, a tall lstsq whose rank CuPy compares on the host (H200)"),
         Case(p + "periodogram", s, (V,)),
         Case(p + "chirp", s, (t,), lambda f, x: f(x, 1.0, 1.0, 10.0)),
         Case(p + "gausspulse", s, (t,), lambda f, x: f(x - 0.5, fc=5.0)),
@@ -680,25 +679,25 @@ def _sparse() -> list[Case]:
     x, xs, dense = Arr((SPARSE_SHAPE[1],)), Arr((SPARSE_SHAPE[1], 8)), Arr(SPARSE_SHAPE)
     return [
         Case(p + "csr_matrix.dot", s, SP_INPUTS + (x,), setup=_csr_setup,
-             note="matrix @ vector; spMV routed (H200, session 10)"),
+             note="matrix @ vector; spMV routed (H200)"),
         Case(p + "csr_matrix.__matmul__", s, SP_INPUTS + (xs,), setup=_csr_setup,
-             note="matrix @ dense matrix; spMM routed (H200, session 10)"),
+             note="matrix @ dense matrix; spMM routed (H200)"),
         Case(p + "csr_matrix.multiply", s, SP_INPUTS + (dense,), setup=_csr_setup, note="by a dense matrix"),
         Case(p + "csr_matrix.__mul__", s, SP_INPUTS, lambda f, a: f(a, 2.0), setup=_csr_setup, note="by a scalar"),
         Case(p + "csr_matrix.power", s, SP_INPUTS, lambda f, a: f(a, 2), setup=_csr_setup),
         Case(p + "csr_matrix.toarray", s, SP_INPUTS, setup=_csr_setup, expect=SYNC,
-             note="xcsr2coo routed (H200, session 10), then coo_matrix.sum_duplicates tests "
+             note="xcsr2coo routed (H200), then coo_matrix.sum_duplicates tests "
                   "diff[1:].all() on the host"),
         Case(p + "csr_matrix.sum", s, SP_INPUTS, lambda f, a: f(a, axis=1), setup=_csr_setup,
-             note="spMV routed (H200, session 10)"),
+             note="spMV routed (H200)"),
         Case(p + "csr_matrix.diagonal", s, SP_INPUTS, setup=_csr_setup),
         Case(p + "csr_matrix.__add__", s, SP_INPUTS, lambda f, a: f(a, a), setup=_csr_setup, expect=CUSPARSE,
              note="csrgeam2 sizes its result on the host: refused by name"),
         Case(p + "csc_matrix.dot", s, (Arr((SPARSE_SHAPE[0],)),) + SP_INPUTS,
              setup=lambda ns, v, *parts: (_csr(ns, *parts).T.tocsc(), v),
-             note="the CSR's transpose as CSC @ vector; spMV routed (H200, session 10)"),
+             note="the CSR's transpose as CSC @ vector; spMV routed (H200)"),
         Case(p + "coo_matrix.dot", s, SP_INPUTS + (x,), setup=lambda ns, *a: (_csr(ns, *a[:3]).tocoo(), a[3]),
-             expect=SYNC, note="tocsr's sum_duplicates tests diff[1:].all() on the host (H200 probe, session 10)"),
+             expect=SYNC, note="tocsr's sum_duplicates tests diff[1:].all() on the host (H200 probe)"),
     ]
 
 

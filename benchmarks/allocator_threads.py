@@ -5,7 +5,7 @@
 thread calls torch's memory APIs and allocates in a tight loop:
 
 - ``python_callbacks``: the MemPool's segments come from Python through ctypes callbacks
-  (``torch._C._cuda_customAllocator``), the design cgraw used until issue 8. torch calls them
+  (``torch._C._cuda_customAllocator``), an earlier design of cgraw's. torch calls them
   while it holds its allocator mutex; a callback needs the GIL. The other thread holds the GIL
   and waits for the same mutex (``torch.cuda.memory_allocated``), so both can wait forever.
 - ``torch_allocator``: a plain ``torch.cuda.MemPool()``; torch ``cudaMalloc``s the segments

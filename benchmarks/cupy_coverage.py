@@ -1,4 +1,4 @@
-"""Which CuPy functions a ``cgraw.capture()`` records and replays correctly (issue 17's coverage table).
+"""Which CuPy functions a ``cgraw.capture()`` records and replays correctly (a coverage table).
 
 Each case of ``benchmarks._cupy_cases`` (cupy, cupy.linalg, cupy.fft, cupy.random and
 cupyx.scipy's ndimage, signal, special and sparse products) runs in one process:
@@ -42,7 +42,7 @@ from benchmarks._harness import RESULTS_DIR, Report, no_gpu
 CAPTURED_EQUAL, CAPTURE_ERROR, OTHER_ERROR = "captured_equal", "capture_error", "other_error"
 SILENTLY_WRONG, NOT_APPLICABLE = "silently_wrong", "not_applicable"
 OUTCOMES = (CAPTURED_EQUAL, CAPTURE_ERROR, OTHER_ERROR, SILENTLY_WRONG, NOT_APPLICABLE)
-GOAL_PCT = 90.0  # issue 17: captured and equal, of the applicable cases
+GOAL_PCT = 90.0  # the goal: captured and equal, of the applicable cases
 ROUNDS = 2
 MESSAGE_CHARS = 200
 # (rtol, atol): atol is scaled by max(1, max |eager|); integer and bool outputs compare exactly
@@ -77,7 +77,7 @@ METHOD = {
                 "cgraw bug, exit status 1); not_applicable (function missing, or its eager call fails here)",
     "values_changed": "false when the eager output did not change with the new input values (the replay "
                       "check is then weak: constants, shapes only)",
-    "goal": f"issue 17: at least {GOAL_PCT:g}% of the applicable cases captured_equal, the rest capture_error, "
+    "goal": f"at least {GOAL_PCT:g}% of the applicable cases captured_equal, the rest capture_error, "
             "none silently_wrong",
 }
 

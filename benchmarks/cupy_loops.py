@@ -1,5 +1,5 @@
-"""CuPy-only programs, eager against captured (issue 17's performance part): what a CuPy user who
-does not import torch gains now that CuPy's matrix products run inside ``cgraw.capture()``.
+"""CuPy-only programs, eager against captured: what a CuPy user who
+does not import torch gains with CuPy's matrix products running inside ``cgraw.capture()``.
 
 Programs (float32, one GPU, one process):
   ``mlp``  three layers ``tanh(x @ W1)``, ``tanh(. @ W2)``, ``. @ W3`` (256 wide), batch 1 and 64;

@@ -336,7 +336,7 @@ def extra_inputs(rep: Report, ks=(1, 4, 16)) -> dict | None:
 
         # each function a root: its first call on an empty path (called while another function's
         # path is under way, it would be recorded as that path's next node, and each call as a
-        # deeper one: run 20261201T120154Z-ebbb19a timed that by mistake)
+        # deeper one, which is not what this row times)
         cgraw.mark_step_begin()
         if not rep.check(f"extra inputs k={k}: cgraw.graphed", check):
             return None

@@ -18,11 +18,9 @@ the whole device, so two children at once would see each other's memory. Program
 
 Systems: ``eager``; ``cgraw`` (each function ``@cgraw.graphed``, ``cgraw.mark_step_begin()`` every
 step; cgraw's defaults: a warm-up autograd records nothing in runs inside the tree's pool,
-``cgraw.warmexec``, issue 15); ``cgraw_warm_outside`` (the same with
-``cgraw.config.warmup_in_pool = False``: every warm-up outside the pool, in torch's global cache;
-until session 12 that was the default, and ``cgraw_warm_in_pool`` named an opt-in for calls made
-with grad mode off (run ``5a7b611``, ``memory_run_5a7b611.json``); run ``20261201T205518Z-8c17662``,
-``memory_warmup_8c17662.json``, used today's names and a rule close to today's); ``torch_trees``
+``cgraw.warmexec``); ``cgraw_warm_outside`` (the same with
+``cgraw.config.warmup_in_pool = False``: every warm-up outside the pool, in torch's global cache);
+``torch_trees``
 (each function ``torch.compile(mode="reduce-overhead")``,
 ``torch.compiler.cudagraph_mark_step_begin()`` every step; for the ResNet step the model is
 compiled and loss, ``backward()`` and SGD run eagerly, torch's documented way: a whole step
@@ -82,7 +80,7 @@ def _wrap(system: str, fn):
     if system in ("cgraw", "cgraw_warm_outside"):
         import cgraw
 
-        cgraw.config.warmup_in_pool = system == "cgraw"  # issue 15 (cgraw.warmexec), on by default
+        cgraw.config.warmup_in_pool = system == "cgraw"  # cgraw.warmexec; True by default
         return cgraw.graphed(fn)
     import torch
 

@@ -644,7 +644,7 @@ def _measure(wl: Workload, system: str, *, quick: bool, ready=None) -> dict:
 
             row["compiled_part"] = "model forward (and its AOT backward); loss, backward() and SGD eager"
             # inductor's training numerics differ from eager's beyond COMPILED_TOL (conv1's gradient:
-            # 0.0076 absolute at near-zero elements, models_resnet18_train.json), so the graphs are
+            # 0.0076 absolute at near-zero elements on the H200), so the graphs are
             # checked against the same model compiled without them (torch.compile's default mode);
             # how far that reference is from eager is reported beside it
             ref = wl.new_step(lambda m: torch.compile(m, dynamic=False), set_to_none=True)
@@ -665,8 +665,8 @@ def _measure(wl: Workload, system: str, *, quick: bool, ready=None) -> dict:
         elif wl.kind == "train" and system == "cgraw_over_compile":
             # the whole step compiled, under cgraw's tree; checked, like reduce_overhead, against
             # the same step compiled without cgraw: inductor's numerics differ from eager's beyond
-            # COMPILED_TOL on this model (0.0105 absolute in run 20261201T112739Z-534f9b2, where
-            # cgraw ran the compiled step eagerly), which says nothing about cgraw
+            # COMPILED_TOL on this model (0.0105 absolute on the H200 with cgraw running the compiled
+            # step eagerly), which says nothing about cgraw
             import torch
 
             step = wl.new_step()

@@ -35,7 +35,7 @@ import time
 from benchmarks._harness import Report, bootstrap_ci, no_gpu, percentile, verdict
 from benchmarks.graphed_call import _fn, _hand_graph, _repoint
 
-REPLAY_TARGET = 1.10  # Graph.replay() host cost / raw cuGraphLaunch (issue 8)
+REPLAY_TARGET = 1.10  # Graph.replay() host cost / raw cuGraphLaunch
 NUMEL = 1024
 
 

@@ -1,4 +1,4 @@
-"""Zero-copy inputs by rebinding kernel arguments (issue 12): what an eager input costs a graphed
+"""Zero-copy inputs by rebinding kernel arguments: what an eager input costs a graphed
 call when its recording reads the caller's tensor in place (``cgraw.config.rebind_inputs = True``,
 system ``rebind``) against the copy into a placeholder (``False``, system ``copy``); one GPU, one
 process, every figure and ratio from the same run.
@@ -8,9 +8,9 @@ process, every figure and ratio from the same run.
     ``+ x.cos()``, ``+ x.exp()``: the K - 1 additions read temporaries; one output). Address
     patterns: ``same`` (x0 on every call) and ``moving`` (x0 and x1 alternately, so the address
     changes on every call). The cost of a changed input is moving - same, taken per round (both
-    patterns are timed in the same rounds). Issue 12's target: at most 1.0 us for rebind at every
-    K (a re-point costs one driver call per kernel node reading the input; the probe measured
-    1.48 us per node, so it is not expected to be met at any K). ``per_node_us``: the slope
+    patterns are timed in the same rounds). The target: at most 1.0 us for rebind at every
+    K (a re-point costs one driver call per kernel node reading the input; ``tools/probes/rebind_probe``
+    measured 1.48 us per node, so it is not expected to be met at any K). ``per_node_us``: the slope
     (delta at K=4 - delta at K=1) / 3.
 (2) ``large``: f = ``x * 2`` (one kernel), address moving on every call, at 4 KB and at 256 MiB
     (64M float32). Host us per call for rebind and copy, both sizes in the same rounds (target:
@@ -59,9 +59,9 @@ PATTERNS = ("same", "moving")
 SAME_ORDER = (0, 0, 0, 0)  # warm-up, record (+ replay), two replays
 MOVING_ORDER = (0, 1, 0, 1, 0)  # the same, the input moving on every call
 
-PER_INPUT_TARGET_US = 1.0  # issue 12: rebind's moving - same, for K <= 4
-LARGE_HOST_TARGET = 1.10  # issue 12: rebind's host time at 256 MiB / at 4 KB
-LARGE_DEVICE_TARGET = 1.02  # issue 12: rebind's device time / static's
+PER_INPUT_TARGET_US = 1.0  # target: rebind's moving - same, for K <= 4
+LARGE_HOST_TARGET = 1.10  # target: rebind's host time at 256 MiB / at 4 KB
+LARGE_DEVICE_TARGET = 1.02  # target: rebind's device time / static's
 
 LOOPS = 100  # calls per timed burst (4 KB)
 LARGE_LOOPS = 20  # calls per burst in the large section: its device work stays far below the launch queue
@@ -119,7 +119,7 @@ METHOD = {
 ASSUMED_API = {
     "cgraw.config.rebind_inputs": "bool, default True; read when a graphed function records: True "
                                   "rebinds kernel arguments to the caller's tensor, False copies "
-                                  "into a placeholder (the path before issue 12)",
+                                  "into a placeholder (every input copied)",
     "cgraw.report(file=...)": "each recorded node's line reads 'node NAME depth D: N graph nodes"
                               "..., R input(s) rebound, C copied'",
     "GraphedFunction.name, .fn_id": "as in cgraw.graphed; per-function counters in "

@@ -1,4 +1,4 @@
-"""Graph-safe random numbers (issue #11): cgraw's Philox kernels against torch's, a GPT-2 training
+"""Graph-safe random numbers: cgraw's Philox kernels against torch's, a GPT-2 training
 step with dropout, and the one-time NVRTC cost; every figure and ratio from the same run.
 
 (1) ``kernels``: device microseconds per random-number kernel at 10^3..10^8 elements for
@@ -7,7 +7,7 @@ step with dropout, and the one-time NVRTC cost; every figure and ratio from the 
     ``cgraw`` (K copies of the op captured with ``cgraw.capture()`` and replayed; the graph's
     offset-advance kernel is part of each replay and is counted), ``torch_graph`` (the same K ops
     in a hand-made ``torch.cuda.CUDAGraph``, torch's own graph-safe generator) and ``eager``
-    (K eager calls). The ratio is cgraw / torch_graph, kernel against kernel; issue #11's target
+    (K eager calls). The ratio is cgraw / torch_graph, kernel against kernel; the target
     is at most 1.5 at every size.
 (2) ``train``: a transformers GPT-2 (4 layers, n_embd 256, 4 heads) training step (zero_grad,
     forward with labels, backward, AdamW(capturable=True)) at batch 8 x 64 as one
@@ -47,7 +47,7 @@ OPS = {  # name -> what is timed (one kernel per call in torch and in cgraw)
 DROPOUT_P = 0.1
 SIZE_EXPONENTS = (3, 4, 5, 6, 7, 8)
 QUICK_SIZE_EXPONENTS = (3, 5, 7)
-TARGET_RATIO = 1.5  # issue #11: cgraw / torch per kernel, at every size
+TARGET_RATIO = 1.5  # target: cgraw / torch per kernel, at every size
 ROUNDS, QUICK_ROUNDS = 7, 5
 TARGET_MS, QUICK_TARGET_MS = 50.0, 20.0  # device time of one measurement (N graph replays)
 MAX_UNITS = 20000

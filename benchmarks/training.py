@@ -1,4 +1,4 @@
-"""Training steps, eager against graphed ways of training (issue 16's performance part): what
+"""Training steps, eager against graphed ways of training: what
 autograd through graphed functions (``cgraw.config.autograd = True``) costs per step beside
 graphing the whole step, torch's ``make_graphed_callables`` and ``torch.compile``'s trees.
 
@@ -84,7 +84,7 @@ CHECK_STEPS = 5
 # (cuDNN's weight gradients may accumulate in another order); Inductor fuses and reorders
 # reductions, and BatchNorm at batch 8 amplifies it (models.py saw 0.0076 absolute in conv1's
 # gradient after one step), hence the looser bound for the compiled system, and in L2 norm: the
-# elementwise form failed one element of 1.2 million on the H200 (session 9, training.json).
+# elementwise form failed one element of 1.2 million on the H200 (training.json).
 GRAPH_RTOL, COMPILED_RTOL = 1e-3, 1e-1
 LOSS_TOL = {False: {"rtol": 1e-4, "atol": 1e-5}, True: {"rtol": 2e-3, "atol": 2e-3}}  # by compiled
 # One round: one burst of every system; ResNet-18's eager step is ~8 ms on the H200 (models.json),
@@ -92,7 +92,7 @@ LOSS_TOL = {False: {"rtol": 1e-4, "atol": 1e-5}, True: {"rtol": 2e-3, "atol": 2e
 # workload, besides the builds (torch.compile: ~30 s for ResNet-18, less for GPT-2).
 ROUNDS, LOOPS, WARMUP = 31, 10, 2
 QUICK_ROUNDS, QUICK_LOOPS, QUICK_WARMUP = 5, 3, 1
-FORWARD_VS_WHOLE_GOAL = 1.2  # issue 16: cgraw_forward within 1.2x of the whole-step graph
+FORWARD_VS_WHOLE_GOAL = 1.2  # the goal: cgraw_forward within 1.2x of the whole-step graph
 FORWARD_VS_COMPILE_GOAL = 1.0  # and faster than reduce-overhead
 
 METHOD = {
@@ -116,12 +116,12 @@ METHOD = {
              f"assert_close with rtol {GRAPH_RTOL} and atol {GRAPH_RTOL} x max|eager's change|; "
              f"reduce_overhead: |change - eager's| <= {COMPILED_RTOL} x |eager's change| in L2 norm, "
              "since Inductor reorders reductions and one element of 1.2 million in ResNet-18 failed "
-             "the elementwise form on the H200, session 9); integer "
+             "the elementwise form on the H200); integer "
              "buffers equal. max_rel_dev: the largest max|change - eager's| / max|eager's change| "
              "seen",
     "precision": "float32; torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32 False for "
                  "the check and the timing; cudnn.deterministic True (eager against eager differed "
-                 "otherwise, H200 session 9); cuDNN benchmark mode off (torch's default)",
+                 "otherwise on the H200); cuDNN benchmark mode off (torch's default)",
     "valid": "cgraw systems: every timed step replayed the forward recording (and, for "
              "cgraw_forward and cgraw_make_graphed_callables, the backward recording), with no "
              "eager call, re-record or new skip reason during the timing",
@@ -653,7 +653,7 @@ def _parse(argv):
                     help=f"comma-separated, of: {', '.join(SYSTEMS)} (eager is always run: the reference)")
     ap.add_argument("--whole-step-autograd", choices=("off", "on"), default="off",
                     help="cgraw.config.autograd around cgraw_whole_step's calls (default off: the whole-step "
-                         "graph as it was before issue 16; the other cgraw systems always run with it on)")
+                         "graph without autograd through graphed functions; the other cgraw systems always run with it on)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": the logic, no figures
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -674,7 +674,7 @@ def main(argv=None) -> int:
     cgraw.config.autograd = True  # before the first graphed call: grad mode joins the recording key
     torch.backends.cuda.matmul.allow_tf32 = False
     cudnn.allow_tf32 = False
-    # session 9 on the H200: with cuDNN's default (nondeterministic) convolution backward, eager
+    # on the H200, with cuDNN's default (nondeterministic) convolution backward, eager
     # against eager differed after 3 ResNet-18 steps beyond the check's tolerance
     cudnn.deterministic = True
     try:

@@ -1,13 +1,14 @@
-"""Autograd through graphed functions (issue 16): the design, and its pure bookkeeping.
+"""Autograd through graphed functions: the design, and its pure bookkeeping.
 
-Layer L6: pure Python; no torch at module level, no CUDA. Implemented here and in ``tree`` so far:
-the pending-backward bookkeeping (``AutogradBook``, ``BackwardTicket``), the generation rule that
+Layer L6: pure Python; no torch at module level, no CUDA. Here and in ``tree``: the
+pending-backward bookkeeping (``AutogradBook``, ``BackwardTicket``), the generation rule that
 uses it (``TreeManager.call``), the choice of how one backward runs (``plan_backward``), the
 backward as a node of the path (``TreeManager.call_backward``) and grad mode in the key
 (``calls.use_grad_mode``). All of it is driven by backend-neutral events and tested on the CPU
 with a fake backend. The torch side (section 8) is ``interop.torch_autograd`` and the grad parts
-of ``treeexec.CudaBackend.record``, enabled by ``cgraw.config.autograd`` (default False: no
-grad-mode probe, keys and generations as before). None of it has run on the H200 yet.
+of ``treeexec.CudaBackend.record``, on while ``cgraw.config.autograd`` is True (the default; False:
+no grad-mode probe, and outputs are detached from the second call on). The GPU tier runs it on the
+H200 (``tests/gpu/test_autograd.py``).
 
 1. Outputs that require grad. A call made with grad enabled whose tensor inputs, or closure
    tensors (parameters found at warm-up), require grad returns outputs that require grad. The
@@ -33,7 +34,7 @@ grad-mode probe, keys and generations as before). None of it has run on the H200
    outputs of the generation; autograd must copy them into ``.grad`` rather than steal them
    (the recording holds them, so AccumulateGrad cannot). Saved activations stay allocated
    until the generation ends (eager frees them as its backward goes), so peak memory can
-   exceed eager's: to be measured.
+   exceed eager's.
 
 3. Saved activations stay valid. Within a generation each node runs once, so the saved tensors
    of every forward on the path are distinct memory that no later node of the path reuses (the
@@ -94,7 +95,7 @@ grad-mode probe, keys and generations as before). None of it has run on the H200
    ``torch.autograd.grad``; ``pool`` other than None is refused with a ValueError (the tree owns
    its pool).
 
-8. What the GPU session implements and verifies. The Function of 1 (and an identity Function
+8. The torch side (``interop.torch_autograd``). The Function of 1 (and an identity Function
    tapping eager outputs, so every backward reports); the backward function of 2 and its
    warm-up, record and replay through ``call_backward``, called from autograd's device thread
    while the owning thread waits in ``backward()`` (torch copies its tree state into autograd
@@ -104,11 +105,11 @@ grad-mode probe, keys and generations as before). None of it has run on the H200
    graph; a live graph keeps the path under way, ``AutogradBook.graphs_alive``),
    ``never_needed`` when no output requires grad; ``Backend.orphan`` (clone the tree-output
    inputs of orphaned tickets out of the pool); ``calls.use_grad_mode(torch.is_grad_enabled)``;
-   ``requires_grad`` of closure tensors in the per-call check; ``module.training`` is not in
-   the key (``model.eval()`` with grad enabled would replay the training recording): add it;
-   AccumulateGrad never aliases pool memory (``p.grad`` outside the pool after a replayed
-   backward); the issue's H200 tests (gradients bitwise equal to eager, the scenarios of torch's
-   backward tests) and benchmarks.
+   ``requires_grad`` of closure tensors in the per-call check; a switch between ``model.train()``
+   and ``model.eval()`` makes a recording stale (``interop.observe``); AccumulateGrad never
+   aliases pool memory (``p.grad`` outside the pool after a replayed backward). The GPU tier
+   (``tests/gpu/test_autograd.py``) checks gradients and parameters against eager (bitwise for an
+   MLP) through the scenarios of torch's backward tests; ``benchmarks.training`` times a step.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``cgraw.make_graphed_callables``: torch's ``make_graphed_callables`` on graph trees.
 
 Layer L9 (public API, beside ``graphed``): torch only through ``sys.modules`` (the user has
-imported it). Needs ``cgraw.config.autograd = True`` (``cgraw.autograd_plan``, section 7); not
-yet run on the H200.
+imported it). Needs ``cgraw.config.autograd = True``, the default (``cgraw.autograd_plan``,
+section 7); the GPU tier runs it on the H200 (``tests/gpu/test_autograd.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def make_graphed_callables(callables, sample_args, num_warmup_iters: int = 3, al
                          "its memory pool, shared by every graphed callable)")
     if not config.autograd:
         raise CgrawError("cgraw.make_graphed_callables needs cgraw.config.autograd = True (autograd through "
-                         "graphed functions, on by default since session 9)")
+                         "graphed functions; True by default)")
     torch = sys.modules["torch"]
     just_one = not isinstance(callables, tuple)
     if just_one:

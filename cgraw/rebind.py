@@ -1,6 +1,6 @@
 """Zero-copy inputs: which argument words of a recording point into an eager input (pure).
 
-Layer L1 (pure): no CUDA, no framework. Issue 12's mechanism, planning half; the backend reads
+Layer L1 (pure): no CUDA, no framework. Zero-copy eager inputs, planning half; the backend reads
 kernel nodes' argument buffers (``cuGraphKernelNodeGetParams`` + ``cuFuncGetParamInfo``) and
 writes patched ones (``cuGraphExecKernelNodeSetParams``).
 

@@ -1,4 +1,4 @@
-"""Zero-copy eager inputs of graph trees: plan at record time, prove at the first replay (issue 12).
+"""Zero-copy eager inputs of graph trees: plan at record time, prove at the first replay.
 
 Layer L8 (beside ``treeexec``, which calls it): uses ``_cuda``, ``rebind`` (the pure scan),
 ``rebindmem`` (the device ranges a graph reaches) and ``recording``; no framework import.

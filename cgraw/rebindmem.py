@@ -1,4 +1,4 @@
-"""The device memory a recorded graph reaches, for ``rebindexec``'s proof (issue 12).
+"""The device memory a recorded graph reaches, for ``rebindexec``'s proof.
 
 Layer L4: ``_cuda``, ``rngexec`` and ``interop.torch_c`` (L1); torch only when the user imported
 it. ``Blocks`` knows allocations by address (torch's caching-allocator blocks of every pool, the

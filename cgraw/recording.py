@@ -9,7 +9,7 @@ generators' step of a recording that draws random numbers) and through the memcp
   graph's work, or a mutated one back after it. Its caller-side pointer (and, for a padded input,
   its byte count) is re-pointed before a launch only when it changed: one ``patch`` for plain
   and padded replays.
-- ``InputRebind``: an eager input read in place (issue 12): the kernel-argument words and memcpy
+- ``InputRebind``: an eager input read in place (``cgraw.rebindexec``): the kernel-argument words and memcpy
   addresses that pointed into its placeholder, rewritten to the caller's address before a launch
   only when it changed (``rebindexec`` proves it at record time).
 - ``InputAlias``: an output that is an input or a view of one, rebuilt from the caller's input

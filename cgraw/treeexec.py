@@ -219,7 +219,7 @@ class CudaBackend(TorchAutograd):
         # only storages in torch's MemPool take part in its checkpoints: a torch view of CuPy
         # memory (torch.from_dlpack) has a DLPack deleter and lives in cgraw's own pool
         rec.spans = [] if self._tts is None else self._tts.spans(list(placeholders.values()) + owned)
-        # which eager inputs may be read in place (issue 12): proven on the first replay
+        # which eager inputs may be read in place: proven on the first replay
         rec.in_pool = self._pool_owner()  # segments of now: later ones hold nothing this graph writes
         rec.stage = self._stage
         try:
@@ -261,8 +261,8 @@ class CudaBackend(TorchAutograd):
 
     def drop_placeholders(self, rec: Recording, placeholders: list) -> None:
         """Let placeholders no graph node reads any more go back to the pool: nothing keeps them
-        then, torch's owner of their block included (H200 ``pool_probe.json``: it kept a 64 MiB
-        placeholder of a rebound input allocated for the life of the recording)."""
+        then, torch's owner of their block included (otherwise it keeps a 64 MiB placeholder of a
+        rebound input allocated for the life of the recording; ``tools/probes/pool_probe.py``)."""
         gone = {id(p) for p in placeholders}
         kept, out = rec.keep
         kept = [p for p in kept if id(p) not in gone]

@@ -36,18 +36,18 @@ class Config:
     # generation) instead of deepening the path by one node per call; 0 turns the bound off
     path_repeat_limit: int = 64
     # eager inputs read in place (their kernels' arguments rewritten) where a proof replay shows
-    # it safe, instead of copied into a placeholder on every call (issue 12)
+    # it safe, instead of copied into a placeholder on every call (cgraw.rebindexec)
     rebind_inputs: bool = True
-    # autograd through graphed functions (issue 16, cgraw.autograd_plan): outputs require grad and
+    # autograd through graphed functions (cgraw.autograd_plan): outputs require grad and
     # backward() replays a recorded backward; False: outputs are detached from the second call on
     autograd: bool = True
     # a warm-up autograd records nothing in runs inside the tree's pool on its capture stream, as
-    # torch's trees do (issue 15, cgraw.warmexec): what it frees is what the recordings reuse, not
+    # torch's trees do (cgraw.warmexec): what it frees is what the recordings reuse, not
     # torch's global cache; its outputs there follow the generation rule
     warmup_in_pool: bool = True
     # torch's cached free memory is released before each recording, as torch.cuda.graph (and so
     # torch's trees) do before every capture: warm-up memory and dropped cuBLAS workspaces are not
-    # kept cached beside the tree's pool (issue 15); False keeps torch's cache warm for eager code
+    # kept cached beside the tree's pool; False keeps torch's cache warm for eager code
     empty_cache_on_record: bool = True
 
     def __setattr__(self, name, value):

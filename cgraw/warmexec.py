@@ -1,4 +1,4 @@
-"""A graph-tree node's warm-up inside the tree's pool (issue 15), the way torch's trees warm up.
+"""A graph-tree node's warm-up inside the tree's pool, the way torch's trees warm up.
 
 Layer L8, beside ``treeexec`` (which calls it). The function runs eagerly on the pool's capture
 stream, with this thread's torch allocations routed to the tree's torch MemPool; torch's and
@@ -287,7 +287,7 @@ def _grads_left(call, before: list) -> str | None:
 def _copies(call) -> list:
     """Host copies of the eager inputs, to tell afterwards which ones the function wrote. In host
     memory: device copies the size of every eager input stayed cached by torch (or, made in the
-    pool, raised its high-water mark) after the warm-up (issue 15, ``benchmarks/memory.py``)."""
+    pool, raised its high-water mark) after the warm-up (``benchmarks/memory.py``)."""
     return [(j, call.ops[j].snapshot(t)) for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER]
 
 

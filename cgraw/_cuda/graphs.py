@@ -169,7 +169,7 @@ class KernelArgs:
     gives a writable view of an 8-byte argument word, and calling the object hands the buffers to
     the executable (``cuGraphExecKernelNodeSetParams``; the driver copies them). Built once at
     record time; the call is the hot path of a graphed call whose rebound input moved (1.48 us
-    per node measured on the H200, ``benchmarks/results/rebind_probe.json``)."""
+    per node measured on the H200 by ``tools/probes/rebind_probe.py``)."""
 
     __slots__ = ("exec_", "node", "q", "bufs", "table")
 

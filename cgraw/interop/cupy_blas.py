@@ -1,4 +1,4 @@
-"""CuPy's cuBLAS calls inside captures, on a cgraw-owned handle (issue 17); run on the H200 in session 7.
+"""CuPy's cuBLAS calls inside captures, on a cgraw-owned handle; the GPU tier runs it on the H200.
 
 Layer L7: CuPy is reached through ``sys.modules``, cuBLAS through ``ctypes``.
 

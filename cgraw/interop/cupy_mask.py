@@ -1,10 +1,10 @@
-"""``a[mask] = scalar`` on CuPy arrays inside a capture, without the host read (issue 17).
+"""``a[mask] = scalar`` on CuPy arrays inside a capture, without the host read.
 
 Layer L7: CuPy is reached through ``sys.modules``.
 
 CuPy assigns through a boolean mask by counting the mask's true elements on the host first
 (``_scatter_op_mask_single`` -> ``_prepare_mask_indexing_single`` -> ``int(...)``, seen on the H200
-in session 10 under ``cupyx.scipy.special.logsumexp``/``log_softmax`` and ``cupy.linalg.lstsq``/
+under ``cupyx.scipy.special.logsumexp``/``log_softmax`` and ``cupy.linalg.lstsq``/
 ``pinv``: ``x_max[~isfinite(x_max)] = 0``, ``s1[s <= cutoff] = 0``), which no graph can do. With a
 scalar value the count is not needed: the assignment is ``cupy.copyto(a, value, casting="unsafe",
 where=mask)`` (the mask broadcast over the trailing axes it does not cover), one elementwise kernel.

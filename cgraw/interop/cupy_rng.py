@@ -1,4 +1,4 @@
-"""``cupy.random`` inside captures, drawn by cgraw's Philox kernels (issue 11).
+"""``cupy.random`` inside captures, drawn by cgraw's Philox kernels.
 
 Layer L7: CuPy is imported lazily; kernels are reached through ``rngexec``.
 

@@ -1,6 +1,6 @@
-"""CuPy's dense cuSOLVER calls inside captures, on a cgraw-owned handle (issue 17, part 2).
-Written without a GPU; first run on the H200 in session 9 (see REFUSED for what that changed). The Jacobi
-substitution of gesvd and Xsyevd (SUBSTITUTED) first ran on the H200 in session 10 (test_cupy_libs.py).
+"""CuPy's dense cuSOLVER calls inside captures, on a cgraw-owned handle.
+The GPU tier runs it on the H200 (``tests/gpu/test_cupy_libs.py``), the Jacobi substitution of gesvd
+and Xsyevd (SUBSTITUTED) included; REFUSED names what it showed unsafe.
 
 Layer L7: CuPy is reached through ``sys.modules``, cuSOLVER through ``ctypes``; the shared machinery
 is ``cupy_route``.
@@ -17,7 +17,7 @@ called through ctypes on a handle cgraw owns, bound to the capture stream, with 
 unchanged (a ``_bufferSize`` query returns what CuPy's wrapper returns). CuPy's handle is never
 touched; cgraw's handles go back to an idle pool per device, unbound (stream 0), when the capture ends.
 
-Substituted (``SUBSTITUTED``): gesvd and Xsyevd synchronise inside cuSOLVER (on the H200, session 9, they
+Substituted (``SUBSTITUTED``): gesvd and Xsyevd synchronise inside cuSOLVER (on the H200 they
 returned INTERNAL_ERROR in a capture and failed the thread's next cuSOLVER call), so they never reach it.
 Up to 32x32 the router runs gesvdjBatched / syevjBatched (heevjBatched) with a batch of one instead:
 ``?gesvd_bufferSize`` adds room for the full U and V to the Jacobi workspace (CuPy allocates it in the
@@ -75,7 +75,7 @@ for _names, _kinds in (
     SPECS.update(dict.fromkeys(_names.split(), _kinds))
 _JACOBI = ("iterates until it converges and reads its sweeps and residual back to the host "
            "(cusolverDnXsyevjGetSweeps/GetResidual report them), which a capture cannot")
-# Measured on the H200 (CUDA 13 cuSOLVER, session 9): gesvd and syevd/Xsyevd inside a capture returned
+# Measured on the H200 (CUDA 13 cuSOLVER): gesvd and syevd/Xsyevd inside a capture returned
 # CUSOLVER_STATUS_INTERNAL_ERROR and invalidated it, and the next cuSOLVER call of that thread, eager,
 # in CuPy or in torch, then failed once with EXECUTION_FAILED (a CUDA error left inside libcusolver).
 # So they are refused before cuSOLVER is called at all.

@@ -1,5 +1,5 @@
-"""CuPy's cuSPARSE calls inside captures, on a cgraw-owned handle (issue 17, part 3).
-Written without a GPU; first run on the H200 in session 10 (see REFUSED for what that changed).
+"""CuPy's cuSPARSE calls inside captures, on a cgraw-owned handle.
+The GPU tier runs it on the H200 (``tests/gpu/test_cupy_sparse.py``); REFUSED names what it showed unsafe.
 
 Layer L7: CuPy is reached through ``sys.modules``, cuSPARSE through ``ctypes``; the shared machinery
 is ``cupy_route``, and this module follows ``cupy_solver`` (same handle pool, thread and stream rules).
@@ -61,7 +61,7 @@ _SPGEMM = ("SpGEMM (sparse @ sparse) sizes its result on the host: CuPy reads th
 _DENSE2SPARSE = ("dense-to-sparse conversion counts the nonzeros on the GPU and CuPy reads the count back "
                  "(cusparseSpMatGetSize) to allocate the result, which waits for the GPU")
 _NNZ = "it writes a count of nonzeros to host memory, from which CuPy sizes the result; that waits for the GPU"
-_CSR2CSC = ("on the H200 (session 10) csr2cscEx2 returned CUSPARSE_STATUS_INTERNAL_ERROR inside a capture and "
+_CSR2CSC = ("on the H200 csr2cscEx2 returned CUSPARSE_STATUS_INTERNAL_ERROR inside a capture and "
             "left an illegal-address error that broke the CUDA context for the rest of the process")
 _UNVERIFIED = ("no GPU test reaches it inside a capture (CuPy's conversions that use it read a value on the host "
                "first), so cgraw does not route it: after csr2cscEx2, an unverified cuSPARSE call is refused")

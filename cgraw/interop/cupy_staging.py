@@ -1,4 +1,4 @@
-"""Host-to-device uploads inside a capture: CuPy's ``cupy._core.array`` staged through a cgraw arena (issue 17).
+"""Host-to-device uploads inside a capture: CuPy's ``cupy._core.array`` staged through a cgraw arena.
 
 Layer L7. CuPy 14.2 refuses every host-to-device copy on a capturing stream, whatever memory it
 comes from: ``cupy.asarray(numpy_array)`` inside a capture ends in ``cupy._core.core._array_default``

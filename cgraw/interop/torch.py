@@ -9,8 +9,8 @@ cgraw enters ``torch.cuda.use_mem_pool`` before ``cuStreamBeginCapture`` and lea
 ``cuStreamEndCapture``, and makes the capture stream torch's current stream, so torch allocates
 with its relaxed-capture guard. Outside captures torch's allocator is untouched.
 
-Why not segments from cgraw's pool through ctypes callbacks (``_cuda_customAllocator``, the
-design before issue 8): torch calls a custom allocator while it holds its allocator mutex, a
+Why not segments from cgraw's pool through ctypes callbacks (``_cuda_customAllocator``, an
+earlier design): torch calls a custom allocator while it holds its allocator mutex, a
 Python callback needs the GIL, and another thread holding the GIL while it waits for that mutex
 (``torch.cuda.memory_allocated()``) deadlocks both. ``python -m benchmarks.allocator_threads``
 measures it: with callbacks, 0 of 500 captures completed before the 40 s timeout; with torch's
@@ -109,7 +109,7 @@ class TorchPool:
         handle, stream) in a map that outlives every pool, and the one a capture's warm-up made
         for this pool's capture stream is a block of this MemPool: it would keep the MemPool's
         private pool, and a segment of device memory, allocated for the life of the process
-        (session 8 counted 79 such pools in one test file). torch makes workspaces again when
+        (79 such pools were counted in one GPU test file). torch makes workspaces again when
         next needed, and graph trees clear them at every recording too. A live graph of another
         pool whose workspace this frees keeps it as one of its temporaries (README: graphs that
         share a pool replay in capture order). Never raises."""
@@ -160,8 +160,8 @@ class TorchRouting:
         """Before the capture begins, while nothing is routed. For a graph tree's recording
         (``clear_workspaces``): this thread's cuBLAS handle, made outside the pool, and every
         cuBLAS workspace dropped, so that the workspace a captured matmul needs is made in the
-        pool then, and only then (H200 ``pool_probe.json``: a warm-up inside the routing left a
-        32 MiB segment in every tree); then, with ``empty_cache``, torch's cached free memory
+        pool then, and only then (a warm-up inside the routing would leave a 32 MiB segment in every
+        tree on the H200; ``tools/probes/pool_probe.py`` shows a tree's segments); then, with ``empty_cache``, torch's cached free memory
         released, as ``torch.cuda.graph`` does before every capture (torch's trees record through
         it): what warm-ups and dropped workspaces left cached is not kept beside the tree's pool.
         Not while another capture or in-pool warm-up routes allocations (``cgraw._defer``): torch

@@ -3,8 +3,9 @@
 Layer L7: torch is only used once the user has imported it. ``TorchAutograd`` is a mixin of
 ``treeexec.CudaBackend`` (the ``with_backward`` and ``orphan`` of the ``tree.Backend``
 protocol); the pieces a recording needs (``capture_inputs``, ``run_saving``, ``grad_info``)
-are called from its ``record`` while ``cgraw.config.autograd`` is True. None of it has run on
-the H200 yet; the CPU tier drives it with CPU tensors (``tests/unit/test_torch_autograd_cpu.py``).
+are called from its ``record`` while ``cgraw.config.autograd`` is True (the default). The GPU tier
+runs it on the H200 (``tests/gpu/test_autograd.py``); the CPU tier drives it with CPU tensors
+(``tests/unit/test_torch_autograd_cpu.py``).
 
 - A replayed forward's outputs that require grad come out of ``_Graphed`` (a
   ``torch.autograd.Function``) whose inputs are the call's leaves that require grad and the
@@ -137,7 +138,7 @@ def run_saving(fn, args, kwargs, saved: list, subs: dict, external=()):
     capture. torch (2.11) fixes an AccumulateGrad node's stream when the node is made; the one of
     a parameter made by an eager step on the default stream stays alive while that step's graph
     does (the previous ``loss``), and the captured backward's engine then makes the default stream
-    wait on the capture: ``cudaErrorStreamCaptureImplicit`` (seen on the H200, session 9). The
+    wait on the capture: ``cudaErrorStreamCaptureImplicit`` (seen on the H200). The
     aliases' gradients go to the parameters through ``_Graphed``, outside any capture."""
     aliases = subs[ALIASES] = {id(t): t.detach().requires_grad_() for t in external
                                if getattr(t, "requires_grad", False)}
@@ -285,7 +286,7 @@ def copied_out(grads) -> tuple:
     them) into fresh tensors that AccumulateGrad then takes as they are (handing it the tree's
     tensors made it clone each one: a launch per parameter). One ``torch._foreach_mul(srcs, 1.0)``
     allocates them in C++ and copies them in one multi-tensor kernel: ``x * 1.0`` is ``x`` bit for
-    bit for every value but NaN's payload (a NaN stays a NaN); H200 profile, session 10: a Python
+    bit for every value but NaN's payload (a NaN stays a NaN); H200 profile: a Python
     ``empty_like`` per gradient and ``_foreach_copy_`` cost more host time than the clones saved."""
     torch = sys.modules["torch"]
     srcs = [g for g in grads if g is not None]

@@ -190,8 +190,8 @@ def memory_segments() -> list:
     it never took. So ``MemPool.snapshot()`` and ``torch.cuda.memory_snapshot(pool_id)`` free the
     id's int while its tuple still holds it, once the process has made more than 256 MemPools
     (Python 3.12's ints up to 256 are immortal; on 3.11 even ``memory_snapshot()`` drains the
-    refcounts of 0 and True): a later allocation then crashes. That was the abort of the
-    one-process GPU tier (sessions 7 and 8, README Reliability). With None torch parses nothing.
+    refcounts of 0 and True): a later allocation then crashes, as the one-process GPU tier, which
+    makes far more MemPools than that, would. With None torch parses nothing.
     """
     snapshot = api()._cuda_memorySnapshot
     try:

@@ -1,4 +1,4 @@
-"""torch random numbers inside captures, drawn by cgraw's Philox kernels (issue 11).
+"""torch random numbers inside captures, drawn by cgraw's Philox kernels.
 
 Layer L7: torch is imported lazily; kernels are reached through ``rngexec``.
 

@@ -11,7 +11,7 @@ def pytest_collection_finish(session):
     """torch's, CuPy's and the test modules' import-time objects never become garbage: freeze them
     out of the collector's reach once collected, so that the full collections around every test
     (the leak checks below, the pool fixture) walk only what the tests made. One full collection
-    of torch's objects alone took 88 ms on the 2-core development machine (session 8); the tier
+    of torch's objects alone took 88 ms on a 2-core development machine; the tier
     runs about four per test."""
     gc.collect()
     gc.freeze()

@@ -1,7 +1,7 @@
-"""GPU tier for autograd through graphed functions (issue 16, ``cgraw.autograd_plan``), with
-``cgraw.config.autograd = True`` (the default since session 9). First run on the H200 in session 9:
-every backward capture failed (a parameter's AccumulateGrad node on the default stream, fixed by
-reading closure tensors through aliases), then 14 of 17 passed; the ``.sum()`` cases are below.
+"""GPU tier for autograd through graphed functions (``cgraw.autograd_plan``), with
+``cgraw.config.autograd = True`` (the default). A backward capture needs the closure tensors read
+through aliases (a parameter's AccumulateGrad node would otherwise run on the default stream); the
+``.sum()`` cases are below.
 
 Each training test runs the forward graphed and ``loss.backward()`` + ``optimizer.step()``
 outside, beside an eager deep copy of the model on the same fresh random inputs, and compares
@@ -27,7 +27,7 @@ TOL = dict(rtol=2e-4, atol=2e-5)
 
 @pytest.fixture
 def autograd_on():
-    prev, cgraw.config.autograd = cgraw.config.autograd, True  # the default since session 9
+    prev, cgraw.config.autograd = cgraw.config.autograd, True  # the default
     with full_fp32():
         yield
     cgraw.config.autograd = prev
@@ -143,7 +143,7 @@ def test_frozen_sub_module():
 
 
 # ``loss(out, r)``: "weighted" sums out * r (r fresh and random: a dense incoming gradient), compared
-# bitwise; "sum" is out.sum(), compared within SUM_TOL. On the H200 (session 9, a probe of 6 steps)
+# bitwise; "sum" is out.sum(), compared within SUM_TOL. On the H200 (a probe of 6 steps)
 # graphed .sum() gradients differed from eager by one or two ulps (relative 5e-8 to 1e-7) in the
 # weight gradient of the last layer only, and were bitwise equal with the incoming gradient
 # materialised (out.backward(ones)) on both sides or with a mean-of-squares loss: sum's gradient is

@@ -398,7 +398,7 @@ def test_tensor_consumer_stream_waits(pool):
 def test_closed_pools_leave_no_torch_private_pool_behind(device):
     """Each capture's warm-up matmul makes torch's cuBLAS workspace for the pool's capture stream
     inside the pool's torch MemPool, and torch's (handle, stream) map holds it after the pool is
-    closed: before session 8's fix every closed pool kept one torch private pool and its segment
+    closed: unless cgraw frees it first, every closed pool keeps one torch private pool and its segment
     (79 of them during test_cupy_libs.py). Read from torch's own segment table, not device-wide."""
     ids = []
     for i in range(4):
@@ -425,7 +425,7 @@ def test_closed_pools_leave_no_torch_private_pool_behind(device):
 
 def test_private_pool_memory_returns_when_graph_and_outputs_die(device):
     """Read in this process, not from the device's free memory: with other processes on the GPU
-    (gpu_session.sh parallel) the device-wide figure moved under this test (sessions 6 and 7)."""
+    (tools/gpu_session.sh parallel) the device-wide figure moves under this test."""
     import weakref
 
     from cgraw import _cuda

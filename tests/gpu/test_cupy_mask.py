@@ -1,5 +1,5 @@
 """GPU tier of ``cgraw.interop.cupy_mask``: ``a[mask] = scalar`` on CuPy arrays inside
-``cgraw.capture()`` without CuPy's host count of the mask (session 10). Every replay gets new
+``cgraw.capture()`` without CuPy's host count of the mask. Every replay gets new
 values written in place and is compared with eager CuPy on the same values."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""GPU tier of issue 17, part 3: CuPy's cuSPARSE calls inside ``cgraw.capture()``, routed to a
-cgraw-owned cuSPARSE handle (``cgraw/interop/cupy_sparse.py``). First run on the H200 in session 10,
-which made tocsc a refusal. Every replay is compared with eager CuPy after new values are written in place into the
+"""GPU tier of CuPy's cuSPARSE calls inside ``cgraw.capture()``, routed to a
+cgraw-owned cuSPARSE handle (``cgraw/interop/cupy_sparse.py``); tocsc is refused (it breaks the
+context on the H200). Every replay is compared with eager CuPy after new values are written in place into the
 sparse matrix's data and the dense operand (the sparsity structure stays fixed)."""
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def test_csr_to_coo_rows_are_recomputed_on_replay(pool):
 
 def test_tocsc_is_refused_before_cusparse_runs_and_the_context_stays_usable(pool, originals):
     """csr2cscEx2 returned INTERNAL_ERROR inside a capture on the H200 and left an illegal-address error
-    behind (session 10): refused by name; the hint's way (convert outside, new values into .data) captures."""
+    behind: refused by name; the hint's way (convert outside, new values into .data) captures."""
     m = make("csr", "float64")
     want = m.tocsc()
     with pytest.raises(cgraw.CaptureError, match="csr2cscEx2") as ei:
@@ -157,7 +157,7 @@ def test_toarray_stops_at_a_host_read_after_csr2coo_is_routed(pool, originals):
 
 def test_csr_sum_over_rows_stops_at_a_host_read(pool, originals):
     """``csr.sum(axis=0)`` multiplies ``self.T`` (a new CSC each call) whose canonical-format flag CuPy
-    reads on the host: a clear host-synchronisation error (H200, session 10), eager CuPy unharmed."""
+    reads on the host: a clear host-synchronisation error, eager CuPy unharmed."""
     m = make("csr", "float32")
     want = m.sum(axis=0)
     with pytest.raises(cgraw.CaptureError, match="host synchronisation"):

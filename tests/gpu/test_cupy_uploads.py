@@ -1,9 +1,9 @@
-"""GPU tier of issue 17's upload staging (``cgraw/interop/cupy_staging.py``): host data that
+"""GPU tier of upload staging (``cgraw/interop/cupy_staging.py``): host data that
 ``cupy._core.array`` receives inside a capture (``cupy.asarray``/``cupy.array`` of NumPy arrays,
 scalars, lists) becomes a copy node from a pinned block the graph owns. Each case is compared with
 eager CuPy (values, dtype, shape, memory order) and replayed after the host data and the output
-were overwritten: the replays show the recording's values. Written without a GPU after the first
-H200 run refused CuPy 14.2's own copies; passed on the H200 from session 9's final run on."""
+were overwritten: the replays show the recording's values. CuPy 14.2 refuses its own copies
+inside a capture, hence the staging."""
 
 from __future__ import annotations
 

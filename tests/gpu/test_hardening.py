@@ -1,4 +1,4 @@
-"""GPU tier, issue 8 (hardening against real programs): one regression test per item, written
+"""GPU tier of hardening against real programs: one regression test per failure mode, written
 from the scenario that aborted, hung or gave a wrong result, on fresh random data, compared with
 eager. Scenarios that could abort or hang the process run in a child process
 (``tests/helpers/scenarios.py``), so a regression fails one test instead of the whole run."""
@@ -53,23 +53,23 @@ def _run_scenarios(*names, timeout=240):
     assert passed == set(names)
 
 
-# ---------------------------------------------------------------- 1, 2, 3: aborts and hangs
+# ---------------------------------------------------------------- aborts and hangs
 
 
-def test_item1_graphs_and_pools_dying_during_a_capture_never_abort():
+def test_graphs_and_pools_dying_during_a_capture_never_abort():
     _run_scenarios("capture_loop_rebinding_g", "graph_collected_by_gc_inside_a_capture",
                    "capturable_optimizer_step_captured_per_round", "capture_while_another_thread_allocates")
 
 
-def test_item2_other_thread_in_torch_memory_apis_during_500_captures_no_hang():
+def test_other_thread_in_torch_memory_apis_during_500_captures_no_hang():
     _run_scenarios("other_thread_calls_torch_memory_apis_during_500_captures", timeout=300)
 
 
-def test_item3_refused_restore_and_model_output_never_abort():
+def test_refused_restore_and_model_output_never_abort():
     _run_scenarios("refused_restore_falls_back_to_a_fresh_pool", "model_output_at_two_batch_sizes")
 
 
-def test_item1_release_inside_a_capture_waits_in_process(pool):
+def test_release_inside_a_capture_waits_in_process(pool):
     """The same rule in this process: a graph closed inside a capture is destroyed after it."""
     x = trand(100)
     with cgraw.capture() as g1:
@@ -86,10 +86,10 @@ def test_item1_release_inside_a_capture_waits_in_process(pool):
     g2.close()
 
 
-# ---------------------------------------------------------------- 4: streams
+# ---------------------------------------------------------------- streams
 
 
-def test_item4_replay_runs_on_torchs_current_stream():
+def test_replay_runs_on_torchs_current_stream():
     n = 1 << 22
     x = trand(n)
     with cgraw.capture() as g:
@@ -105,7 +105,7 @@ def test_item4_replay_runs_on_torchs_current_stream():
         torch.testing.assert_close(y, ref)
 
 
-def test_item4_replay_runs_on_cupys_current_stream():
+def test_replay_runs_on_cupys_current_stream():
     n = 1 << 22
     x = crand(n)
     with cgraw.capture() as g:
@@ -121,7 +121,7 @@ def test_item4_replay_runs_on_cupys_current_stream():
         assert cp.array_equal(y, ref)
 
 
-def test_item4_explicit_stream_wins_and_torch_wins_over_cupy():
+def test_explicit_stream_wins_and_torch_wins_over_cupy():
     from cgraw import stream as streams
 
     x = trand(1 << 20)
@@ -145,7 +145,7 @@ def test_item4_explicit_stream_wins_and_torch_wins_over_cupy():
     cs.synchronize()
 
 
-def test_item4_graphed_calls_on_a_side_stream_with_noncontiguous_inputs():
+def test_graphed_calls_on_a_side_stream_with_noncontiguous_inputs():
     def body(a, b):
         return torch.relu(a) * b + 1.0
 
@@ -163,7 +163,7 @@ def test_item4_graphed_calls_on_a_side_stream_with_noncontiguous_inputs():
     assert st.recordings == 1 and st.replays >= 17
 
 
-# ---------------------------------------------------------------- 5: static inputs that move
+# ---------------------------------------------------------------- static inputs that move
 
 
 class Shifted(torch.nn.Module):
@@ -177,7 +177,7 @@ class Shifted(torch.nn.Module):
 
 
 @pytest.mark.parametrize("how", ["module_argument", "sequential_argument", "closure", "closure_data_swap"])
-def test_item5_swapping_parameters_and_buffers_rerecords_correctly(how):
+def test_swapping_parameters_and_buffers_rerecords_correctly(how):
     torch.manual_seed(1)
     if how == "sequential_argument":
         m = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32)).cuda().eval()
@@ -205,10 +205,10 @@ def test_item5_swapping_parameters_and_buffers_rerecords_correctly(how):
     assert st.rerecords >= 1 and st.recordings >= 2, cgraw.report(file=open(os.devnull, "w"))
 
 
-# ---------------------------------------------------------------- 6: CPU results
+# ---------------------------------------------------------------- CPU results
 
 
-def test_item6_cpu_outputs_and_cpu_random_numbers_run_eagerly():
+def test_cpu_outputs_and_cpu_random_numbers_run_eagerly():
     def rand_out(x):
         return x * 2.0, torch.rand(3)
 
@@ -238,10 +238,10 @@ def test_item6_cpu_outputs_and_cpu_random_numbers_run_eagerly():
         assert st.recordings == 0 and any("CPU" in r for r in st.skip_reasons), st.skip_reasons
 
 
-# ---------------------------------------------------------------- 7, 8: memory stays valid
+# ---------------------------------------------------------------- memory stays valid
 
 
-def test_item7_eager_arrays_from_a_pool_never_get_graph_memory():
+def test_eager_arrays_from_a_pool_never_get_graph_memory():
     pool = cgraw.DevicePool(name="shared")
     x = crand(1 << 16)
     with cgraw.capture(pool=pool) as g:
@@ -265,7 +265,7 @@ def test_item7_eager_arrays_from_a_pool_never_get_graph_memory():
     pool.close()
 
 
-def test_item8_reset_keeps_live_cupy_outputs_valid():
+def test_reset_keeps_live_cupy_outputs_valid():
     def body(a):
         return cp.tanh(a) * 3.0 + a
 
@@ -287,7 +287,7 @@ def test_item8_reset_keeps_live_cupy_outputs_valid():
     del junk, kept
 
 
-def test_item8_fresh_pool_fallback_keeps_live_outputs_valid():
+def test_fresh_pool_fallback_keeps_live_outputs_valid():
     def body(a):
         return cp.exp(cp.clip(a, -2, 2))
 
@@ -304,10 +304,10 @@ def test_item8_fresh_pool_fallback_keeps_live_outputs_valid():
     del junk
 
 
-# ---------------------------------------------------------------- 9, 10: persistent outputs
+# ---------------------------------------------------------------- persistent outputs
 
 
-def test_item9_parameters_closures_and_inputs_returned_are_never_poisoned():
+def test_parameters_closures_and_inputs_returned_are_never_poisoned():
     lin = torch.nn.Linear(16, 16).cuda()
     cache = torch.zeros(16, device="cuda")
 
@@ -359,7 +359,7 @@ def test_item9_parameters_closures_and_inputs_returned_are_never_poisoned():
         cgraw.mark_step_begin()
 
 
-def test_item10_recurrent_state_in_tuples():
+def test_recurrent_state_in_tuples():
     cell = torch.nn.LSTMCell(24, 32).cuda()
 
     def step(x, h, c):
@@ -379,7 +379,7 @@ def test_item10_recurrent_state_in_tuples():
     assert st.recordings >= 1 and st.replays >= 6, (st.recordings, st.replays, st.skip_reasons)
 
 
-# ---------------------------------------------------------------- 11: containers
+# ---------------------------------------------------------------- containers
 
 
 Pair = collections.namedtuple("Pair", "a b")
@@ -395,7 +395,7 @@ class Outputs(collections.OrderedDict):
     pass
 
 
-def test_item11_namedtuples_dataclasses_and_dict_subclasses_are_flattened():
+def test_namedtuples_dataclasses_and_dict_subclasses_are_flattened():
     def body(p, batch):
         s = p.a * batch.x + p.b
         out = Outputs()
@@ -421,7 +421,7 @@ def test_item11_namedtuples_dataclasses_and_dict_subclasses_are_flattened():
         print(got["pair"].a)  # outputs inside containers are tracked (poisoned) like any other
 
 
-def test_item11_packed_sequence_runs_eagerly_with_a_reason_and_no_growth():
+def test_packed_sequence_runs_eagerly_with_a_reason_and_no_growth():
     lstm = torch.nn.LSTM(8, 16).cuda()
 
     def body(seq):
@@ -439,10 +439,10 @@ def test_item11_packed_sequence_runs_eagerly_with_a_reason_and_no_growth():
     assert st.warmups == 0 and st.recordings == 0 and any("CPU" in r for r in st.skip_reasons)
 
 
-# ---------------------------------------------------------------- 12: failures named
+# ---------------------------------------------------------------- failures named
 
 
-def test_item12_host_to_device_copy_is_named():
+def test_host_to_device_copy_is_named():
     for body in (lambda: torch.tensor([1.0, 2.0], device="cuda") * 2.0, lambda: torch.randn(3).cuda() + 1.0):
         with pytest.raises(cgraw.CaptureError, match="host-to-device copy from pageable memory"):
             with cgraw.capture():
@@ -453,12 +453,12 @@ def test_item12_host_to_device_copy_is_named():
             (x * 2).sum().item()
 
 
-def test_item12_cupy_upload_random_cublas_and_sparse_are_named():
+def test_cupy_upload_random_cublas_and_sparse_are_named():
     import cupyx.scipy.ndimage as nd
 
     a = cp.asarray(rng.standard_normal((32, 32)).astype(np.float32))
     nd.gaussian_filter(a, 1.5)
-    with cgraw.capture() as g:  # its weights' upload is staged by cgraw (session 9)
+    with cgraw.capture() as g:  # its weights' upload is staged by cgraw
         nd.gaussian_filter(a, 1.5)
     g.close()
     with pytest.raises(cgraw.CaptureError, match="host-to-device upload"):
@@ -487,7 +487,7 @@ def test_item12_cupy_upload_random_cublas_and_sparse_are_named():
             cupy.cublas.iamax(v)
     assert isinstance(ei.value.__cause__, NotImplementedError), repr(ei.value.__cause__)
     m = cp.asarray(rng.standard_normal((8, 8)).astype(np.float32))
-    with cgraw.capture() as g:  # a matrix product is (issue 17, tests/gpu/test_cupy_libs.py)
+    with cgraw.capture() as g:  # a matrix product is (tests/gpu/test_cupy_libs.py)
         mm = m @ m
     g.replay()
     cp.testing.assert_allclose(mm, m @ m, rtol=1e-5, atol=1e-5)
@@ -503,7 +503,7 @@ def test_item12_cupy_upload_random_cublas_and_sparse_are_named():
     assert any("sparse" in r for r in _stats(f).skip_reasons)
 
 
-def test_item12_host_functions_become_host_nodes():
+def test_host_functions_become_host_nodes():
     calls = {"cupy": 0, "cgraw": 0}
 
     def bump(key):
@@ -526,7 +526,7 @@ def test_item12_host_functions_become_host_nodes():
     assert calls["cgraw"] == 4
 
 
-# ---------------------------------------------------------------- 13: CuPy's own graph tests
+# ---------------------------------------------------------------- CuPy's own graph tests
 
 
 def _h1(a):
@@ -547,7 +547,7 @@ def _h3(a):
 
 @pytest.mark.parametrize("mode", ["thread_local", "relaxed", "global"])
 @pytest.mark.parametrize("helper", [_h1, _h2, _h3], ids=["arith", "math", "fft"])
-def test_item13_cupy_graph_test_helpers_capture(helper, mode):
+def test_cupy_graph_test_helpers_capture(helper, mode):
     a = cp.asarray(rng.random(100))
     with cgraw.capture(mode=mode) as g:
         out = helper(a)
@@ -559,7 +559,7 @@ def test_item13_cupy_graph_test_helpers_capture(helper, mode):
     g.close()
 
 
-def test_item13_cupy_stream_is_capturing_fork_join_and_failures():
+def test_cupy_stream_is_capturing_fork_join_and_failures():
     a = cp.asarray(rng.random(100))
     e1, e2 = cp.cuda.Event(), cp.cuda.Event()
     s2 = cp.cuda.Stream(non_blocking=True)
@@ -588,7 +588,7 @@ def test_item13_cupy_stream_is_capturing_fork_join_and_failures():
     with pytest.raises(cgraw.CaptureError, match="host synchronisation"):
         with cgraw.capture():
             needs_sync(a)
-    m = cp.asarray(rng.random((33, 33)))  # up to 32x32 svd captures (the Jacobi routine, session 10)
+    m = cp.asarray(rng.random((33, 33)))  # up to 32x32 svd captures (the Jacobi routine)
     with pytest.raises(cgraw.CaptureError, match="cuSOLVER"):
         with cgraw.capture():
             cp.linalg.svd(m + m.T)
@@ -608,10 +608,10 @@ def test_item13_cupy_stream_is_capturing_fork_join_and_failures():
     g.close()
 
 
-# ---------------------------------------------------------------- 15: interrupts, threads, devices
+# ---------------------------------------------------------------- interrupts, threads, devices
 
 
-def test_item15_interrupt_right_after_the_capture_began(monkeypatch, pool):
+def test_interrupt_right_after_the_capture_began(monkeypatch, pool):
     calls = {"n": 0}
     real = _defer.gc_stress
 
@@ -635,7 +635,7 @@ def test_item15_interrupt_right_after_the_capture_began(monkeypatch, pool):
     g.close()
 
 
-def test_item15_capture_restores_the_current_device_and_context(pool):
+def test_capture_restores_the_current_device_and_context(pool):
     torch.cuda.set_device(0)
     before = _cuda.native(_cuda.ctx_get_current())
     x = trand(16)
@@ -648,10 +648,10 @@ def test_item15_capture_restores_the_current_device_and_context(pool):
     g.close()
 
 
-# ---------------------------------------------------------------- 16, 17
+# ---------------------------------------------------------------- reports and custom ops
 
 
-def test_item16_report_names_modules_by_class():
+def test_report_names_modules_by_class():
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(8)]).cuda()
     f1, f2 = cgraw.graphed(model), cgraw.graphed(torch.nn.Sequential(torch.nn.ReLU()).cuda())
     with torch.no_grad():
@@ -662,7 +662,7 @@ def test_item16_report_names_modules_by_class():
     assert "Linear(in_features" not in text and len(text.splitlines()) < 20, text
 
 
-def test_item17_custom_ops_tagged_cudagraph_unsafe_run_eagerly():
+def test_custom_ops_tagged_cudagraph_unsafe_run_eagerly():
     @torch.library.custom_op("cgrawtest::modify", mutates_args=(), tags=(torch._C.Tag.cudagraph_unsafe,))
     def modify(pic: torch.Tensor) -> torch.Tensor:
         pic1 = pic + 1

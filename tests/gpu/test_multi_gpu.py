@@ -1,4 +1,4 @@
-"""Data-parallel steps over NCCL, one process per GPU (issue 7; worker in benchmarks/dp_step.py).
+"""Data-parallel steps over NCCL, one process per GPU (worker in benchmarks/dp_step.py).
 
 world_size=1 runs on any GPU machine (a one-rank NCCL group); world_size=2 needs two GPUs of one
 host and skips, saying so, where fewer are present. For each rank and each variant (torch

@@ -1,4 +1,4 @@
-"""GPU tier of the differential random walk (issue 6, item 1).
+"""GPU tier of the differential random walk.
 
 For each seed, a random program (tests/helpers/programs.py: 3 to 6 elementwise torch, CuPy and
 mixed torch/CuPy functions, host-side data-dependent branches, explicit and inferred

@@ -1,4 +1,4 @@
-"""GPU tier for zero-copy eager inputs in graph trees (issue 12, "rebinding").
+"""GPU tier for zero-copy eager inputs in graph trees ("rebinding").
 
 With ``cgraw.config.rebind_inputs`` (on by default) a recording's kernels read the caller's
 tensors where they are: the words of kernel arguments that point into an eager input's

@@ -1,4 +1,4 @@
-"""GPU tier for graph-safe random numbers (issue 11): torch and CuPy random ops captured by
+"""GPU tier for graph-safe random numbers: torch and CuPy random ops captured by
 ``cgraw.capture()`` or ``@cgraw.graphed`` draw fresh numbers on every replay.
 
 Checked against exact references: torch.rand bitwise against ``cgraw.rng``'s NumPy Philox at the

@@ -309,7 +309,7 @@ def test_cupyx_scipy_ndimage_graphed_device_weights():
 
 def test_cupyx_scipy_gaussian_filter_uploads_from_host():
     """gaussian_filter builds its weights with NumPy and uploads them (cupy.asarray) on every call:
-    cgraw stages the upload through pinned memory the graph owns (session 9; CuPy 14.2 refuses it
+    cgraw stages the upload through pinned memory the graph owns (CuPy 14.2 refuses it
     otherwise), so a capture replays equal to eager and a graphed function records. An upload
     outside ``cupy.asarray`` (``ndarray.set``) is still refused by name, leaves CuPy usable, and
     the next capture records and replays."""

@@ -464,10 +464,10 @@ def test_model_switched_between_train_and_eval_is_never_replayed_in_the_other_mo
 
 
 def test_more_than_256_mempools_and_no_pool_id_handed_to_torchs_snapshot(device, monkeypatch):
-    """Sessions 7 and 8: the one-process GPU tier aborted in this file once the process had made
+    """The one-process GPU tier would abort in this file once the process had made
     more than 256 torch MemPools. torch 2.11's _cuda_memorySnapshot releases a reference it never
-    took to each item of a (pool id, include_traces) tuple, so MemPool.snapshot() freed its id's
-    int (mortal above 256 on Python 3.12) while the id still held it. cgraw now asks with None.
+    took to each item of a (pool id, include_traces) tuple, so MemPool.snapshot() frees its id's
+    int (mortal above 256 on Python 3.12) while the id still holds it. cgraw asks with None.
     This test makes the ids mortal first, then runs a plain capture and a tree (checkpoints,
     spans, the in-pool check) and checks torch was never handed a tuple."""
     import ctypes

@@ -1,4 +1,4 @@
-"""GPU tier of the warm-up inside the tree's pool (issue 15, ``cgraw.warmexec``,
+"""GPU tier of the warm-up inside the tree's pool (``cgraw.warmexec``,
 ``cgraw.config.warmup_in_pool``, on by default, for calls autograd records nothing in): results
 equal eager, warm-up outputs handed out as a replay's are, state a warm-up keeps stays valid, mixed
 torch and CuPy on the caller's streams, eager inputs mutated in place; calls autograd records warm
@@ -208,8 +208,8 @@ def test_grad_mode_on_without_trainable_state_warms_up_in_the_pool():
 
 
 def test_module_out_of_sight_records_a_graph_and_moves_the_pool():
-    """The module is reached through an object the pre-check does not open (H200 ``8c17662``
-    segfaulted here): the warm-up runs in the pool, records an autograd graph, the tree moves to
+    """The module is reached through an object the pre-check does not open (this once
+    segfaulted on the H200): the warm-up runs in the pool, records an autograd graph, the tree moves to
     a fresh pool, and the backwards of the warm-up and of the replays give eager gradients."""
     import copy
 

@@ -1,6 +1,6 @@
 """Random programs of graphed functions, and an interpreter that runs them graphed or eagerly.
 
-Issue 6, item 1 (the differential random walk). ``generate(seed)`` draws a *program*: 3 to 6
+The differential random walk. ``generate(seed)`` draws a *program*: 3 to 6
 small functions over arrays of one shape, each tagged "torch", "cupy" or "mixed" (a mixed one
 moves its value to the other framework with ``from_dlpack``, zero-copy, in the middle of its
 body; every program has at least one function that takes one framework and returns the other),

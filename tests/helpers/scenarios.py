@@ -1,4 +1,4 @@
-"""Scenarios that used to abort the process or hang it (issue 8, items 1-3), run in a child process.
+"""Scenarios that could abort the process or hang it, run in a child process.
 
 ``python tests/helpers/scenarios.py NAME [NAME...]`` runs each named scenario in this one process,
 in order, and prints ``PASS name`` or ``FAIL name: reason`` for each, then ``DONE``. A scenario
@@ -40,7 +40,7 @@ def close(a, b, tol=1e-4):
 
 @scenario
 def capture_loop_rebinding_g():
-    """Item 1: ``for b in ...: with cgraw.capture() as g:`` drops the previous graph (and its
+    """``for b in ...: with cgraw.capture() as g:`` drops the previous graph (and its
     torch MemPool) while the next capture routes allocations."""
     w = torch.randn(64, 64, device="cuda")
     for rounds in range(3):
@@ -59,7 +59,7 @@ def capture_loop_rebinding_g():
 
 @scenario
 def graph_collected_by_gc_inside_a_capture():
-    """Item 1: a graph in a reference cycle is collected by gc in the middle of another capture."""
+    """A graph in a reference cycle is collected by gc in the middle of another capture."""
     from cgraw import _defer
 
     x = torch.randn(1000, device="cuda")
@@ -82,7 +82,7 @@ def graph_collected_by_gc_inside_a_capture():
 
 @scenario
 def capturable_optimizer_step_captured_per_round():
-    """Item 1: a capturable Adam step captured again each round (graph rebound)."""
+    """A capturable Adam step captured again each round (graph rebound)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(32, 8).cuda()
     ref = torch.nn.Linear(32, 8).cuda()
@@ -148,7 +148,7 @@ class _Background:
 
 @scenario
 def capture_while_another_thread_allocates():
-    """Item 1/2: captures rebinding ``g`` while another thread allocates and frees torch memory."""
+    """Captures rebinding ``g`` while another thread allocates and frees torch memory."""
 
     def allocate(errors):
         a = torch.randn(1 << 14, device="cuda")
@@ -170,7 +170,7 @@ def capture_while_another_thread_allocates():
 
 @scenario
 def other_thread_calls_torch_memory_apis_during_500_captures():
-    """Item 2: another thread calls torch's memory APIs and allocates in a tight loop while this
+    """Another thread calls torch's memory APIs and allocates in a tight loop while this
     one runs 500 captures (and a graphed function): no hang, both threads correct."""
     f = cgraw.graphed(lambda v: v * 3.0 + 1.0)
     v = torch.randn(256, device="cuda")
@@ -214,7 +214,7 @@ def other_thread_calls_torch_memory_apis_during_500_captures():
 
 @scenario
 def refused_restore_falls_back_to_a_fresh_pool():
-    """Item 3: a function that stashes a tensor while it records, then a new sibling branch:
+    """A function that stashes a tensor while it records, then a new sibling branch:
     torch's checkpoint restore would fail after freeing blocks (a process abort when the stale
     owners die); cgraw refuses it first, renews the tree's pool, and stays correct."""
     import logging
@@ -267,7 +267,7 @@ def refused_restore_falls_back_to_a_fresh_pool():
 
 @scenario
 def model_output_at_two_batch_sizes():
-    """Item 3/11: a graphed function returning a ModelOutput-like pytree (transformers registers
+    """A graphed function returning a ModelOutput-like pytree (transformers registers
     its ModelOutput with torch's pytree) at two batch sizes."""
     import collections
 

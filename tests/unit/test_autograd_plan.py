@@ -562,7 +562,7 @@ def test_plan_of_each_case():
 
 
 def test_config_autograd_installs_the_grad_probe_only_while_on():
-    """``cgraw.config.autograd`` (default True since session 9) decides whether grad mode joins the key."""
+    """``cgraw.config.autograd`` (True by default) decides whether grad mode joins the key."""
     from cgraw import treetypes
 
     assert config.autograd is True

@@ -81,16 +81,16 @@ def test_expected_failures_cover_the_known_refusals():
     expect = collections.Counter(c.expect for c in CASES)
     for kind in (C.CUBLAS, C.CUSOLVER, C.CUSPARSE, C.SYNC, C.RNG):
         assert expect[kind] >= 1, kind
-    assert expect[C.UPLOAD] == 0  # every upload of the table goes through cupy.asarray: staged (session 9)
+    assert expect[C.UPLOAD] == 0  # every upload of the table goes through cupy.asarray: staged
     by_name = {c.name: c for c in CASES}
     assert by_name["cupy.matmul"].expect is None  # routed to cgraw's cuBLAS handle (interop.cupy_blas)
     assert by_name["cupy.cublas.iamax"].expect == C.CUBLAS
     assert by_name["cupy.linalg.solve"].expect is None  # routed to cgraw's cuSOLVER handle (interop.cupy_solver)
     assert by_name["cupy.linalg.svd [batch of one]"].expect is None  # gesvdjBatched: routed
     for name in ("svd", "svd [24x16, reduced]", "eigh", "eigvalsh", "pinv", "matrix_rank", "norm [ord=2]"):
-        # single matrices up to 32x32: gesvd/Xsyevd run as the batched Jacobi routines (H200, session 10)
+        # single matrices up to 32x32: gesvd/Xsyevd run as the batched Jacobi routines
         assert by_name["cupy.linalg." + name].expect is None, name
-    for name in ("lstsq", "cond"):  # past the svd, CuPy reads a value on the host (H200, session 10)
+    for name in ("lstsq", "cond"):  # past the svd, CuPy reads a value on the host
         assert by_name["cupy.linalg." + name].expect == C.SYNC, name
     for name in ("logsumexp", "log_softmax"):  # a scalar through a mask: interop.cupy_mask
         assert by_name["cupyx.scipy.special." + name].expect is None, name
@@ -104,7 +104,7 @@ def test_expected_failures_cover_the_known_refusals():
     for name in ("gamma", "standard_gamma", "beta", "poisson", "binomial"):  # rng_kernels.SAMPLERS
         case = by_name["cupy.random." + name]
         assert case.expect is None and case.law.mean is not None and case.law.std is not None, name
-    sp = "cupyx.scipy.sparse."  # cuSPARSE (interop.cupy_sparse, run on the H200 in session 10)
+    sp = "cupyx.scipy.sparse."  # cuSPARSE (interop.cupy_sparse)
     for name in ("csr_matrix.dot", "csr_matrix.__matmul__", "csr_matrix.sum", "csc_matrix.dot"):
         assert by_name[sp + name].expect is None, name
     assert by_name[sp + "csr_matrix.__add__"].expect == C.CUSPARSE  # csrgeam2: refused by name

@@ -3,7 +3,7 @@ a GPU: fakes shaped like CuPy 14's ``cupy_backends.cuda.libs.cusolver`` (Python 
 wrappers' signatures, its refusal on a capturing stream), ``cupy`` (devices, streams, handles),
 ``cupy.linalg._util``'s info check, and a ctypes library that records its calls. The table is also
 checked against the signatures embedded in CuPy 14.2's wheel when it is unpacked here. What these
-cannot show (cuSOLVER in a real capture, replayed) is tests/gpu/test_cupy_libs.py: not yet run on the H200."""
+cannot show (cuSOLVER in a real capture, replayed) is tests/gpu/test_cupy_libs.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""CPU tests of issue 17's pinned staging (``cgraw.interop.cupy_staging``): the arena's bookkeeping
+"""CPU tests of pinned staging (``cgraw.interop.cupy_staging``): the arena's bookkeeping
 over fake host addresses, per-graph ownership, release on close and on collection, the quarantine
 until the devices are synchronised, the exhaustion error, and the environment setting. The
 wrapped ``cupy._core.array`` is tested in ``test_cupy_uploads_cpu.py``."""

@@ -1,4 +1,4 @@
-"""CPU tests of issue 17's upload staging through a wrapped ``cupy._core.array``
+"""CPU tests of upload staging through a wrapped ``cupy._core.array``
 (``cgraw.interop.cupy_staging``), with a fake CuPy over real host memory: install and restore,
 the thread and capture rules, what goes to CuPy unchanged, the order, dtype, ndmin and byte order
 of the staged bytes and their copy on the capture stream, a live graph's block kept, and the

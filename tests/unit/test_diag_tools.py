@@ -1,6 +1,6 @@
-"""CPU tier: the abort-diagnosis tools of ``benchmarks/diag`` (``gpu_session.sh segv``) work where
-session 8's first attempts printed nothing: pytest captures file descriptor 2 during a test, so the
-native backtrace must go to its own file, and it must still reach Python's faulthandler after."""
+"""CPU tier: the abort-diagnosis tools of ``tools/diag`` (``tools/gpu_session.sh segv``) print what
+they must: pytest captures file descriptor 2 during a test, so the native backtrace must go to its
+own file, and it must still reach Python's faulthandler after."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.diag import pytest_diag
+from tools.diag import pytest_diag
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,7 +34,7 @@ def test_falling_reference_counts_are_found_and_steady_ones_are_not():
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="building the native handler needs gcc")
 def test_a_segfault_in_a_test_leaves_the_test_name_and_a_native_backtrace(tmp_path):
     so = tmp_path / "segv_handler.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(so), str(ROOT / "benchmarks/diag/segv_handler.c"),
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(so), str(ROOT / "tools/diag/segv_handler.c"),
                     "-ldl"], check=True)
     (tmp_path / "test_crash.py").write_text(textwrap.dedent("""
         import ctypes, sys
@@ -49,7 +49,7 @@ def test_a_segfault_in_a_test_leaves_the_test_name_and_a_native_backtrace(tmp_pa
     env = dict(os.environ, PYTHONPATH=str(ROOT), CGRAW_DIAG_SEGV=str(so),
                CGRAW_DIAG_NATIVE_OUT=str(tmp_path / "native.txt"), CGRAW_DIAG_LOG=str(tmp_path / "tests.txt"))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                        "benchmarks.diag.pytest_diag", str(tmp_path / "test_crash.py")],
+                        "tools.diag.pytest_diag", str(tmp_path / "test_crash.py")],
                        env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode != 0
     log = (tmp_path / "tests.txt").read_text().splitlines()
@@ -74,11 +74,11 @@ def test_autograd_switch_turns_autograd_on_before_every_test(tmp_path):
     """))
     env = dict(os.environ, PYTHONPATH=str(ROOT), CGRAW_DIAG_AUTOGRAD="1")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                        "benchmarks.diag.pytest_diag", str(tmp_path / "test_on.py")],
+                        "tools.diag.pytest_diag", str(tmp_path / "test_on.py")],
                        env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     env["CGRAW_DIAG_AUTOGRAD"] = "0"
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                        "benchmarks.diag.pytest_diag", str(tmp_path / "test_on.py")],
+                        "tools.diag.pytest_diag", str(tmp_path / "test_on.py")],
                        env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode != 0  # off unless asked

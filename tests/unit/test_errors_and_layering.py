@@ -182,5 +182,5 @@ def test_module_docstrings_quote_the_layer_table():
 def test_modules_stay_small():
     for name, path in _modules():
         n = len(path.read_text().splitlines())
-        limit = 450 if name.startswith("cgraw") else 650  # issue 10: no module of cgraw/ over ~450 lines
+        limit = 450 if name.startswith("cgraw") else 650  # modules of cgraw/ stay short: ~450 lines at most
         assert n <= limit, f"{name} has {n} lines; split it"

@@ -1,4 +1,4 @@
-"""CPU tier for issue 8 (hardening): the decisions behind the GPU fixes, without a device.
+"""CPU tier of hardening against real programs: the decisions behind the GPU fixes, without a device.
 
 - private torch API detection (``interop.torch_c``), with a fake torch that hides a function;
 - releases deferred while a capture routes allocations (``cgraw._defer``);
@@ -89,7 +89,7 @@ def _torch_pool(torch, mempool, pool_id):
 
 
 def test_dropping_torchs_side_of_a_pool_frees_torchs_cublas_workspaces_first(fake_torch):
-    """Session 8: the workspace torch's warm-up matmul made for a pool's capture stream is a block
+    """The workspace torch's warm-up matmul made for a pool's capture stream is a block
     of the pool's MemPool, held by torch's (handle, stream) map; unless it is freed before the
     MemPool goes, the MemPool's private pool keeps a segment for good. Deferred while a capture
     routes allocations, like every release."""
@@ -131,7 +131,7 @@ def test_a_failing_workspace_clear_still_drops_the_pool(fake_torch):
 def test_torch_segments_are_read_without_handing_torch_a_pool_id(fake_torch):
     """torch 2.11's _cuda_memorySnapshot releases a reference it never took to each item of a
     tuple argument: MemPool.snapshot() frees its pool id's int (a mortal int after 256 MemPools),
-    which corrupted the heap and aborted the one-process GPU tier (sessions 7 and 8). cgraw asks
+    which corrupts the heap and aborts the one-process GPU tier. cgraw asks
     with None and filters the segments itself."""
 
     asked = []
@@ -545,7 +545,7 @@ def test_cupy_uploads_are_named_whatever_the_failing_frame(qualname, filename):
 
 
 def test_the_legacy_stream_made_to_wait_on_the_capture_is_named_not_called_a_host_sync():
-    """torch's message on the H200 (session 9) when autograd's engine made the default stream wait on
+    """torch's message on the H200 when autograd's engine makes the default stream wait on
     a capture: it is not a host synchronisation, and the message must say what it is."""
     from cgraw.interop.torch import HOST_SYNC, LEGACY_WAIT, TorchRouting
 

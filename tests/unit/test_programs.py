@@ -1,4 +1,4 @@
-"""CPU tier of the differential random walk (issue 6, item 1): tests/helpers/programs.py.
+"""CPU tier of the differential random walk: tests/helpers/programs.py.
 
 The generator must be deterministic and its programs valid; the interpreter must be
 deterministic on a numpy namespace; and a program walked through the real

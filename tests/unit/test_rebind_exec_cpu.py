@@ -394,7 +394,7 @@ def test_blocks_give_one_generator_record_among_a_devices_records(monkeypatch):
 
 def test_dropped_placeholders_lose_their_torch_owner():
     """A placeholder read in place no more has an owner in torch's pool bookkeeping, so its block
-    is freed (H200 pool_probe.json: the owner kept a 64 MiB placeholder for the recording's life)."""
+    is freed (the owner would keep a 64 MiB placeholder for the recording's life)."""
     torch = pytest.importorskip("torch")
     import weakref
 

@@ -1,4 +1,4 @@
-"""CPU tier of zero-copy input planning (issue 12): the scan of argument words and the patch."""
+"""CPU tier of zero-copy input planning: the scan of argument words and the patch."""
 
 from __future__ import annotations
 

@@ -306,8 +306,8 @@ def test_autograd_off_keeps_keys_as_on_main(tree, caplog):
 
 
 def test_an_output_a_graph_cannot_hand_out_runs_eagerly_with_grad_enabled(tree):
-    """A function returning a sparse tensor with grad enabled (session 9, H200: the tap of the
-    eager forward flattened the output and raised SkipCall out of the user's call): it runs
+    """A function returning a sparse tensor with grad enabled (the tap of the eager forward
+    must not flatten the output and raise SkipCall out of the user's call, as it did on the H200): it runs
     eagerly, returns eager's result every call, and the reason is kept."""
     def sparse_out(x):
         return (x * 2.0).to_sparse()

@@ -1,4 +1,4 @@
-"""CPU tier of the warm-up inside the tree's pool (issue 15, ``cgraw.warmexec``).
+"""CPU tier of the warm-up inside the tree's pool (``cgraw.warmexec``).
 
 The tree's side (``TreeManager._warm``) runs on the fake backend of
 tests/helpers/fake_tree_backend.py made with ``warm_in_pool=True``: a warm-up allocates pool

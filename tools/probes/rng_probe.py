@@ -1,12 +1,13 @@
-"""``python -m benchmarks.rng_probe``: one-process probe of graph-safe random numbers (issue 11).
+"""``python3 -m tools.probes.rng_probe`` (from the repository root): one-process probe of graph-safe
+random numbers.
 
-Not a timing benchmark: fourteen checks that ran on the H200 before the GPU tests existed, kept
-because two of them are the evidence the README quotes: ``graphsafe_state_experiment`` (torch's
+Not a timing benchmark: fourteen checks beside the GPU tests, kept because two of them show what
+no GPU test does: ``graphsafe_state_experiment`` (torch's
 generator with ``graphsafe_set_state`` and no ``torch.cuda.CUDAGraph`` still refuses to draw in
 a cgraw capture) and ``compiled_inside_capture`` (a ``torch.compile``d function with dropout
 called inside a capture: no recompilation, and Inductor's seeds come from cgraw, so the mask is
-fresh per replay). Writes ``$OUT/smoke.json`` (``benchmarks/results/rng_probe.json`` holds the
-run on the H200). Needs torch, CuPy and transformers.
+fresh per replay). Writes ``smoke.json`` to ``$OUT`` (or ``/tmp``). Needs torch, CuPy and
+transformers.
 """
 # ruff: noqa: F841  (arrays made inside captures are bound to names to keep them alive)
 import json

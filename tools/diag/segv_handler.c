@@ -1,6 +1,6 @@
-/* Native backtrace on SIGSEGV/SIGBUS/SIGABRT, for the one-process GPU tier's abort (cgraw issue
- * of session 7). Build: gcc -shared -fPIC -O1 -o /tmp/segv_handler.so segv_handler.c -ldl
- * Loaded by benchmarks/diag/pytest_diag.py (CGRAW_DIAG_SEGV=path), which calls segv_install() at
+/* Native backtrace on SIGSEGV/SIGBUS/SIGABRT, for an abort of the one-process GPU tier.
+ * Build: gcc -shared -fPIC -O1 -o /tmp/segv_handler.so segv_handler.c -ldl
+ * Loaded by tools/diag/pytest_diag.py (CGRAW_DIAG_SEGV=path), which calls segv_install() at
  * the start of every test: something in the process replaces a handler installed once, and
  * pytest captures file descriptor 2 during a test, so the trace goes to CGRAW_DIAG_NATIVE_OUT.
  * After printing, the previous handler (Python's faulthandler) runs, then the default action

@@ -1,14 +1,14 @@
-"""``python -m benchmarks.rebind_resnet_probe``: why does a ResNet-18 training step keep its input
-copies? (issue 12)
+"""``python3 -m tools.probes.rebind_resnet_probe`` (from the repository root; it imports
+``benchmarks._harness``): why does a ResNet-18 training step keep its input copies?
 
-A probe, not a benchmark. The memory run on 13a3336 reported that the whole torchvision ResNet-18
-training step (forward, cross-entropy, backward, SGD with momentum; batch 8 at 224 px, TF32 off)
-keeps both eager inputs' copies because the proof's two runs differed. If cuDNN's
+A probe, not a benchmark. A whole torchvision ResNet-18 training step (forward, cross-entropy,
+backward, SGD with momentum; batch 8 at 224 px, TF32 off) can keep both eager inputs' copies
+because the proof's two runs differ (``benchmarks.memory``'s ``resnet_train``). If cuDNN's
 non-deterministic backward kernels are the cause, the same step with
 ``torch.backends.cudnn.deterministic = True`` (and ``benchmark = False``) should read its inputs in
 place. Each setting runs in a fresh tree (``cgraw.reset()``), three steps (warm-up, recording with
 its proof, one replay), and the report's lines for the node are kept. Writes
-``$OUT/rebind_resnet_probe.json`` (or ``benchmarks/results/``).
+``rebind_resnet_probe.json`` to ``$OUT`` (or the current directory).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         lines = [ln.strip() for ln in text.splitlines() if "rebound" in ln or "copied:" in ln]
         rows.append({"cudnn_deterministic": deterministic, "report_lines": lines})
         print(json.dumps(rows[-1]), flush=True)
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    out_dir = os.environ.get("OUT") or "."
     path = os.path.join(out_dir, "rebind_resnet_probe.json")
     with open(path, "w") as fh:
         json.dump({"benchmark": "rebind_resnet_probe", "environment": environment(), "rows": rows}, fh, indent=1)

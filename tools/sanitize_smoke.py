@@ -1,7 +1,9 @@
 """A short end-to-end workload to run under ``compute-sanitizer --tool memcheck``: capture and
 replay of torch, CuPy and mixed code, a graph tree with two branches, input copies, poisoning.
 
-``compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m benchmarks.sanitize_smoke``
+From the repository root:
+``compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m tools.sanitize_smoke``
+(``bash tools/gpu_session.sh smoke`` runs it so).
 """
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 (64 MiB tensors, 12 steps, grad mode on) through ``@cgraw.graphed``, with torch's allocation
 history on. For every segment of the tree's MemPool (and of torch's global pool) it prints the
 size and the Python frames that made the allocation that created it (``segment_alloc`` in
-``torch.cuda.memory._snapshot()``'s device trace), and writes
-``benchmarks/results/pool_probe.json`` (issue 15: the tree pool is 354 MiB where torch's trees
-hold 252-256 MiB).
+``torch.cuda.memory._snapshot()``'s device trace), and writes ``pool_probe.json`` to ``$OUT`` (or
+the current directory; ``--out`` names another file): what to read when a tree's pool is larger
+than torch's trees' on the same program (``benchmarks.memory``).
 
-``python3 -m benchmarks.pool_probe [--warm-outside]``; needs a GPU.
+A diagnostic, not a benchmark. From the repository root (it imports ``benchmarks.memory``):
+``python3 -m tools.probes.pool_probe [--warm-outside]``; needs a GPU.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ MIB = 1 << 20
 
 
 def _frames(entry, limit: int = 4) -> list[str]:
-    """The innermost frames of ``entry`` in this repository (cgraw, benchmarks), as file:line name."""
+    """The innermost frames of ``entry`` in this repository (cgraw, benchmarks, tools), as file:line name."""
     out = []
     for f in entry.get("frames") or ():
         name = f.get("filename", "")
-        if REPO_ROOT in name or "/cgraw/" in name or "/benchmarks/" in name:
+        if REPO_ROOT in name or "/cgraw/" in name or "/benchmarks/" in name or "/tools/" in name:
             out.append(f"{os.path.relpath(name, REPO_ROOT)}:{f.get('line')} {f.get('name')}")
         if len(out) >= limit:
             break
@@ -35,9 +36,9 @@ def _frames(entry, limit: int = 4) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.pool_probe", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python3 -m tools.probes.pool_probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--warm-outside", action="store_true", help="cgraw.config.warmup_in_pool = False")
-    ap.add_argument("--out", default=os.path.join(REPO_ROOT, "benchmarks", "results", "pool_probe.json"))
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT") or ".", "pool_probe.json"))
     args = ap.parse_args(argv)
     import torch
 

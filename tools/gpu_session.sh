@@ -1,25 +1,25 @@
 #!/usr/bin/env bash
 # One device call: any of the GPU test tier, the slow tier, the sanitizer runs and the benchmarks.
 # Logs and JSON go to $OUT; a short table is printed last. From the repository root on the GPU machine:
-#   bash benchmarks/gpu_session.sh [STAGE[,STAGE...]|all] [extra pytest args...]
+#   bash tools/gpu_session.sh [STAGE[,STAGE...]|all] [extra pytest args...]
 # Stages: tests  -m "gpu and not slow", the third-party tier included (about 3 min)
 #         slow   the random walk, the soak and the quick benchmark run end to end (about 6 min)
 #         stress the "gpu and not slow" tier with CGRAW_GC_STRESS=1 (gc at capture boundaries and
 #                in allocations made while a capture routes)
-#         smoke  benchmarks.sanitize_smoke under compute-sanitizer memcheck (about 1 min)
+#         smoke  tools.sanitize_smoke under compute-sanitizer memcheck (about 1 min)
 #         memcheck  the whole "gpu and not slow" tier under compute-sanitizer memcheck
 #         threads  python -m benchmarks.allocator_threads (about 1 min)
 #         bench  python -m benchmarks --full, all parts, then the plots (CGRAW_BENCH_ARGS replaces --full: e.g.
 #                "--only models,graphed", or "" for the quick run)
-#         parallel  every non-slow tier at once, as one H200 ran them in session 6 (about 6 min; each tier stops
+#         parallel  every non-slow tier at once on one GPU (about 6 min on the H200; each tier stops
 #                at CGRAW_PARALLEL_TIMEOUT seconds, default 540): the GPU
 #                tier in four shards, the random walk, the gc-stress tier without third-party tests,
 #                the tier with cuda-bindings 12.9.10 (when build/cb12/*.whl was carried; CGRAW_CB12_FILES
 #                picks test files, default all) and memcheck of CGRAW_MEMCHECK_FILES (default
 #                tests/gpu/test_rebind.py); the soak reads device-wide memory, so run "slow" alone after it
-#         segv   the one-process abort of session 7 (README, Reliability): the tier without third-party
+#         segv   diagnose an abort of the one-process tier: the tier without third-party
 #                tests in one process, five ways at once (all files, and four runs each without some
-#                files, to bisect), each with benchmarks/diag's native backtrace handler and per-test
+#                files, to bisect), each with tools/diag's native backtrace handler and per-test
 #                log; the full run may leave a core file, which cuda-gdb then reads (about 9 min)
 # all = tests,slow,smoke,bench
 set -u
@@ -78,7 +78,7 @@ parallel tiers: in $(( $(date +%s) - t ))s"
 fi
 if has segv; then
   t=$(date +%s); L="$OUT/segv"; mkdir -p "$L"
-  gcc -shared -fPIC -O1 -o /tmp/segv_handler.so benchmarks/diag/segv_handler.c -ldl > "$L/gcc.log" 2>&1
+  gcc -shared -fPIC -O1 -o /tmp/segv_handler.so tools/diag/segv_handler.c -ldl > "$L/gcc.log" 2>&1
   # torch's allocator settings: with expandable segments a MemPool can be erased under a live block
   python3 -c "import os, torch; torch.zeros(1, device='cuda'); print('PYTORCH_CUDA_ALLOC_CONF =', \
 os.environ.get('PYTORCH_CUDA_ALLOC_CONF')); print(torch.cuda.memory._snapshot().get('allocator_settings'))" \
@@ -86,7 +86,7 @@ os.environ.get('PYTORCH_CUDA_ALLOC_CONF')); print(torch.cuda.memory._snapshot().
   diag_run() {  # name, then pytest arguments
     local name=$1; shift
     CGRAW_DIAG_SEGV=/tmp/segv_handler.so CGRAW_DIAG_NATIVE_OUT="$L/$name.native" CGRAW_DIAG_LOG="$L/$name.tests" \
-      timeout ${CGRAW_SEGV_TIMEOUT:-540} $PYTEST --timeout=280 -p benchmarks.diag.pytest_diag \
+      timeout ${CGRAW_SEGV_TIMEOUT:-540} $PYTEST --timeout=280 -p tools.diag.pytest_diag \
       -m "gpu and not slow and not third_party" "$@" > "$L/$name.log" 2>&1
   }
   G=tests/gpu
@@ -121,7 +121,7 @@ if has slow; then
 $(stamp "slow tier" $? $t "$(tail -n 1 "$OUT/gpu_slow.log" | cut -c1-200)")"
 fi
 if has smoke; then
-  t=$(date +%s); timeout 150 $SANITIZE python3 -m benchmarks.sanitize_smoke > "$OUT/sanitizer.log" 2>&1
+  t=$(date +%s); timeout 150 $SANITIZE python3 -m tools.sanitize_smoke > "$OUT/sanitizer.log" 2>&1
   summary="$summary
 $(stamp "sanitizer smoke" $? $t "$(grep 'ERROR SUMMARY' "$OUT/sanitizer.log")")"
 fi

@@ -1,4 +1,5 @@
-"""A pytest plugin for diagnosing a process abort of a GPU tier: ``-p benchmarks.diag.pytest_diag``.
+"""A pytest plugin for diagnosing a process abort of a GPU tier: ``-p tools.diag.pytest_diag`` (from
+the repository root, as ``bash tools/gpu_session.sh segv`` runs it).
 
 Every feature is off unless its environment variable is set:
 
@@ -16,8 +17,6 @@ Every feature is off unless its environment variable is set:
   cgraw never destroys a stream (a library handle left bound to a destroyed stream is then harmless).
 - ``CGRAW_DIAG_AUTOGRAD=1``: ``cgraw.config.autograd = True`` before every test (a test's own
   fixture may still turn it off): the whole tier with autograd through graphed functions on.
-
-Session 8 ran the GPU tier in one process with each of these; see the README's Reliability section.
 """
 
 from __future__ import annotations

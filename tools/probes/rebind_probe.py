@@ -1,6 +1,7 @@
-"""``python -m benchmarks.rebind_probe``: can a recording read an input in place? (issue 12)
+"""``python3 -m tools.probes.rebind_probe`` (from the repository root): can a recording read an input
+in place?
 
-A feasibility probe for the next GPU session, not a benchmark. For a few kernels that read a
+A feasibility probe of zero-copy inputs (``cgraw.rebind``), not a benchmark. For a few kernels that read a
 tensor captured at one address ("the placeholder"), it reads the kernel nodes' argument bytes,
 finds the words that point into the placeholder (``cgraw.rebind.scan``), rewrites them to another
 tensor's address on the executable graph (``cuGraphExecKernelNodeSetParams``), replays, and
@@ -8,7 +9,7 @@ compares with eager on that other tensor. Cases: torch elementwise (contiguous a
 a torch reduction, a torch matmul (cuBLAS), a CuPy ElementwiseKernel, and a CuPy RawKernel that
 reads its input through a pointer table in device memory (the scan cannot see it: the probe
 expects zero words there, and a wrong result if the table is not rewritten). Writes
-``$OUT/rebind_probe.json`` (or ``benchmarks/results/rebind_probe.json``).
+``rebind_probe.json`` to ``$OUT`` (or the current directory).
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001
         rows.append({"case": "timing", "error": traceback.format_exc()[-1500:]})
     print(json.dumps(rows[-1])[:600], flush=True)
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    out_dir = os.environ.get("OUT") or "."
     path = os.path.join(out_dir, "rebind_probe.json")
     with open(path, "w") as f:
         json.dump({"benchmark": "rebind_probe", "rows": rows}, f, indent=1)
