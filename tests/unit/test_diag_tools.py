@@ -67,7 +67,7 @@ def test_autograd_switch_turns_autograd_on_before_every_test(tmp_path):
 
         def test_first():
             assert cgraw.config.autograd is True
-            cgraw.config.autograd = False  # as test_autograd.py's fixture does at teardown
+            cgraw.config.autograd = False  # a test that turns it off and does not restore it
 
         def test_second():
             assert cgraw.config.autograd is True
