@@ -1,30 +1,32 @@
-"""The README's Python examples run as written (GPU tier)."""
+"""The Python examples of README.md and docs/ run as written (GPU tier).
+
+Blocks are found by ``tests/helpers/doc_blocks.py``; those that need no GPU run in the CPU tier
+(``tests/unit/test_docs.py``) instead.
+"""
 
 from __future__ import annotations
 
-import pathlib
-import re
-
+import doc_blocks
 import pytest
 
 pytestmark = pytest.mark.gpu
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+BLOCKS = [(label, src) for label, src in doc_blocks.blocks() if doc_blocks.needs_gpu(src)]
+README_BLOCKS = doc_blocks.FENCE.findall(doc_blocks.README.read_text())
 
 
 def test_readme_has_examples():
-    assert len(BLOCKS) >= 4
+    assert len(README_BLOCKS) >= 4
 
 
-@pytest.mark.parametrize("i", range(len(BLOCKS)))
-def test_readme_example_runs(i):
+@pytest.mark.parametrize("label, src", BLOCKS, ids=[label for label, _ in BLOCKS])
+def test_doc_example_runs(label, src):
     pytest.importorskip("torch")
     pytest.importorskip("cupy")
     import cgraw
 
     try:
-        exec(compile(BLOCKS[i], f"README.md[python block {i}]", "exec"), {"__name__": f"readme_{i}"})
+        exec(compile(src, label, "exec"), {"__name__": "doc_example"})
     finally:
         cgraw.mark_step_begin()
         cgraw.reset()
