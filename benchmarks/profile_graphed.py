@@ -139,7 +139,7 @@ def _pieces(g, xs, xs2, ts):
         return _calls(lambda: None)
 
     def stream_lookup():
-        return _calls(_streams._current, 0)
+        return _calls(_streams.current_getter, 0)
 
     def inspect():
         return _calls(lambda: calls.inspect(g, args, {}, mgr.tree_outputs, mgr.device_index))
@@ -250,7 +250,7 @@ def _pieces(g, xs, xs2, ts):
     pieces["raw cuGraphLaunch (explicit torch stream)"] = (raw_explicit, "launch", CHECKS["raw_stream"])
     pieces["Graph.replay() inside torch.cuda.stream(s)"] = (replay_in_stream_ctx, "launch", CHECKS["replay_ctx"])
     pieces["(baseline) an empty Python call in the loop"] = (empty_call, "baseline", None)
-    pieces["current-stream lookup (stream._current)"] = (stream_lookup, "piece", None)
+    pieces["current-stream lookup (stream.current_getter)"] = (stream_lookup, "piece", None)
     pieces["input inspection (calls.inspect)"] = (inspect, "piece", None)
     pieces["recording check (calls.moved + Recording.stale)"] = (moved, "piece", None)
     pieces["input-copy patch (cudaGraphExecMemcpyNodeSetParams1D)"] = (patch, "piece", None)

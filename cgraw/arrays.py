@@ -221,7 +221,7 @@ def unflatten(spec, it):
     return rebuild(spec, it)
 
 
-class _NoType:
+class NoType:
     """Stands for torch.Tensor when torch is not loaded: no object has this exact type."""
 
 

@@ -28,14 +28,14 @@ from __future__ import annotations
 import weakref
 
 from cgraw import buckets
-from cgraw.arrays import EAGER, LEAF, STATIC, TORCH, TREE, _NoType, flatten
+from cgraw.arrays import EAGER, LEAF, STATIC, TORCH, TREE, NoType, flatten
 from cgraw.errors import SkipCall
 
 __all__ = ["EAGER", "GRAD", "STATIC", "TREE", "Call", "InputPlan", "declared_mutations", "grad_enabled", "inspect",
            "learn_kernel_groups", "mark_static", "moved", "use_grad_mode", "use_kernel_state"]
 
 _static_ids: dict[int, object] = {}  # id(array) -> weakref, filled by mark_static
-_tensor = [_NoType, _NoType]  # [torch.Tensor, torch.nn.Parameter] once torch is loaded: the exact-type fast path
+_tensor = [NoType, NoType]  # [torch.Tensor, torch.nn.Parameter] once torch is loaded: the exact-type fast path
 _grad_mode: list = [None]  # [a probe: does autograd record now?] (torch.is_grad_enabled), or [None]
 _kernel: list = [None, ()]  # [interop.torch_state.KernelState, its getters of every group], or [None, ()]
 
@@ -57,7 +57,7 @@ def mark_static(x):
     return x
 
 
-def use_torch(tensor_type, parameter_type=_NoType) -> None:
+def use_torch(tensor_type, parameter_type=NoType) -> None:
     """Enable the exact-type fast path for ``torch.Tensor`` and ``torch.nn.Parameter`` arguments (a
     tree does, once torch is loaded): a parameter is a static input."""
     _tensor[0] = tensor_type

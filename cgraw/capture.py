@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 
-from cgraw import _cuda, _defer, rng, rngexec
+from cgraw import _cuda, defer, rng, rngexec
 from cgraw import stream as _stream_mod
 from cgraw.device import Device
 from cgraw.errors import CaptureError, UnsafeCallError
@@ -138,14 +138,14 @@ class capture:
         # first node: the capture stream waits on the legacy stream and the frameworks' current streams.
         for ptr in {0, *(p for a in self._adapters for p in a.producer_streams())}:
             if ptr != stream.ptr:
-                stream.wait(_event_on(dev, ptr))
+                stream.wait(event_on(dev, ptr))
         prepared = self._prepare_adapters()
         self._snapshot = pool.snapshot()
         entered = []
-        # from here until __exit__ has left the routing, nothing is freed (cgraw._defer)
-        _defer.capture_begins()
+        # from here until __exit__ has left the routing, nothing is freed (cgraw.defer)
+        defer.capture_begins()
         try:
-            _defer.gc_stress()
+            defer.gc_stress()
             for a in self._adapters:
                 a.enter()
                 entered.append(a)
@@ -156,7 +156,7 @@ class capture:
                 _cuda.stream_begin_capture(stream.handle, _cuda.CAPTURE_MODES[self.mode])
                 _tls.active = self
                 self._t0 = time.perf_counter()
-                _defer.gc_stress()
+                defer.gc_stress()
             except BaseException:
                 # an interrupt may land after the capture began: never leave the stream capturing
                 _tls.active = None
@@ -172,7 +172,7 @@ class capture:
                         a.unprepare()
                 self._restore_pool()
             finally:
-                _defer.capture_ends()
+                defer.capture_ends()
                 self._restore_context()
             raise
         return self.graph
@@ -182,7 +182,7 @@ class capture:
         stream = graph.capture_stream
         _tls.active = None
         try:
-            _defer.gc_stress()
+            defer.gc_stress()
         except BaseException:  # a finalizer run by the stress collection must not skip the end
             pass
         status, capture_id = 0, 0
@@ -217,7 +217,7 @@ class capture:
                     exit_error = exit_error or e
         finally:
             self._adapters = []
-            _defer.capture_ends()
+            defer.capture_ends()
             self._restore_context()
         host_funcs.extend(stream.take_host_funcs())
 
@@ -360,7 +360,7 @@ class capture:
                     return msg
         if isinstance(exc, UnsafeCallError):
             return str(exc)
-        if isinstance(exc, CaptureError) or (isinstance(exc, _cuda.CudaError) and exc.code in _cuda._CAPTURE_CODES):
+        if isinstance(exc, CaptureError) or (isinstance(exc, _cuda.CudaError) and exc.code in _cuda.CAPTURE_CODES):
             return f"the capture failed: {exc}"
         if status == 2 or err == _cuda.CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -434,7 +434,8 @@ def _end_quietly(stream) -> None:
         pass
 
 
-def _event_on(dev: Device, stream_ptr: int):
+def event_on(dev: Device, stream_ptr: int):
+    """A new event on ``dev``, recorded on the stream ``stream_ptr``."""
     from cgraw.stream import Event
 
     ev = Event.create(dev)

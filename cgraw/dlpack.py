@@ -108,13 +108,13 @@ for _t in (np.complex64, np.complex128):
     _DL_TO_NP[(kDLComplex, np.dtype(_t).itemsize * 8, 1)] = np.dtype(_t)
 _DL_TO_NP[(kDLBfloat, 16, 1)] = "bfloat16"
 
-# Fast-path lookup: canonical dtypes, scalar types and names all hit one dict.
-_NP_TO_DL: dict[object, tuple[int, int, int]] = {}
+# Fast-path lookup (numpy dtype -> DLPack key): canonical dtypes, scalar types and names all hit one dict.
+NP_TO_DL: dict[object, tuple[int, int, int]] = {}
 for _key, _dt in _DL_TO_NP.items():
-    _NP_TO_DL[_dt] = _key
+    NP_TO_DL[_dt] = _key
     if _dt != "bfloat16":
-        _NP_TO_DL[_dt.type] = _key
-        _NP_TO_DL[_dt.name] = _key
+        NP_TO_DL[_dt.type] = _key
+        NP_TO_DL[_dt.name] = _key
 del _t, _key, _dt
 
 _SUPPORTED = "bool, int8-64, uint8-64, float16/32/64, complex64/128, bfloat16"
@@ -130,12 +130,13 @@ def to_dl_dtype(dtype) -> tuple[int, int, int]:
             order, longdouble, datetime, ...).
     """
     try:
-        return _NP_TO_DL[dtype]
+        return NP_TO_DL[dtype]
     except (KeyError, TypeError):
-        return _to_dl_dtype_slow(dtype)
+        return to_dl_dtype_slow(dtype)
 
 
-def _to_dl_dtype_slow(dtype) -> tuple[int, int, int]:
+def to_dl_dtype_slow(dtype) -> tuple[int, int, int]:
+    """``to_dl_dtype`` for what ``NP_TO_DL`` does not hold as it is (raises ``TypeError``)."""
     if dtype is None:  # np.dtype(None) would silently mean float64
         raise TypeError(f"unsupported dtype for DLPack: None (supported: {_SUPPORTED})")
     try:
@@ -144,7 +145,7 @@ def _to_dl_dtype_slow(dtype) -> tuple[int, int, int]:
         raise TypeError(f"unsupported dtype for DLPack: {dtype!r} (supported: {_SUPPORTED})") from e
     if dt.name == "bfloat16" and dt.itemsize == 2:  # e.g. ml_dtypes.bfloat16
         return (kDLBfloat, 16, 1)
-    key = _NP_TO_DL.get(dt) if dt.isnative else None
+    key = NP_TO_DL.get(dt) if dt.isnative else None
     if key is None:
         why = " (non-native byte order)" if not dt.isnative else ""
         raise TypeError(f"unsupported dtype for DLPack: {dt!r}{why} (supported: {_SUPPORTED})")
@@ -168,29 +169,31 @@ def from_dl_dtype(code: int, bits: int, lanes: int = 1):
 
 
 # ---------------------------------------------------------------------------------------------
-# Python C-API through private prototypes (never mutate the shared ctypes.pythonapi attributes).
+# Python C-API through cgraw's own prototypes (never mutate the shared ctypes.pythonapi attributes):
+# ``capsule_*`` are PyCapsule_New, _IsValid, _GetPointer (by address, or ``_obj`` by object), _GetName, _SetName.
 
-_capsule_new = PYFUNCTYPE(py_object, c_void_p, c_char_p, c_void_p)(("PyCapsule_New", ctypes.pythonapi))
-_capsule_is_valid = PYFUNCTYPE(ctypes.c_int, c_void_p, c_char_p)(("PyCapsule_IsValid", ctypes.pythonapi))
-_capsule_get_pointer = PYFUNCTYPE(c_void_p, c_void_p, c_char_p)(("PyCapsule_GetPointer", ctypes.pythonapi))
-_capsule_get_pointer_obj = PYFUNCTYPE(c_void_p, py_object, c_char_p)(("PyCapsule_GetPointer", ctypes.pythonapi))
-_capsule_get_name = PYFUNCTYPE(c_char_p, py_object)(("PyCapsule_GetName", ctypes.pythonapi))
-_capsule_set_name = PYFUNCTYPE(ctypes.c_int, py_object, c_char_p)(("PyCapsule_SetName", ctypes.pythonapi))
+capsule_new = PYFUNCTYPE(py_object, c_void_p, c_char_p, c_void_p)(("PyCapsule_New", ctypes.pythonapi))
+capsule_is_valid = PYFUNCTYPE(ctypes.c_int, c_void_p, c_char_p)(("PyCapsule_IsValid", ctypes.pythonapi))
+capsule_get_pointer = PYFUNCTYPE(c_void_p, c_void_p, c_char_p)(("PyCapsule_GetPointer", ctypes.pythonapi))
+capsule_get_pointer_obj = PYFUNCTYPE(c_void_p, py_object, c_char_p)(("PyCapsule_GetPointer", ctypes.pythonapi))
+capsule_get_name = PYFUNCTYPE(c_char_p, py_object)(("PyCapsule_GetName", ctypes.pythonapi))
+capsule_set_name = PYFUNCTYPE(ctypes.c_int, py_object, c_char_p)(("PyCapsule_SetName", ctypes.pythonapi))
 
 
-def _immortal(obj):
+def immortal(obj):
     """Leak one reference so ``obj`` outlives module teardown (capsules may die after it)."""
     ctypes.pythonapi.Py_IncRef(py_object(obj))
     return obj
 
 
 # Capsule names must stay allocated for the life of the process (C keeps the char*).
-_NAME_V = _immortal(b"dltensor_versioned")
-_NAME = _immortal(b"dltensor")
-_USED_V = _immortal(b"used_dltensor_versioned")
-_USED = _immortal(b"used_dltensor")
+CAPSULE_NAME_VERSIONED = immortal(b"dltensor_versioned")
+CAPSULE_NAME = immortal(b"dltensor")
+USED_NAME_VERSIONED = immortal(b"used_dltensor_versioned")
+USED_NAME = immortal(b"used_dltensor")
 
-_CapsuleType = type(_capsule_new(id(_NAME), b"cgraw.dlpack.probe", None))
+# The type of a PyCapsule (``parse_capsule`` checks it exactly).
+CapsuleType = type(capsule_new(id(CAPSULE_NAME), b"cgraw.dlpack.probe", None))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,25 +19,25 @@ from ctypes import CFUNCTYPE, c_int64, c_void_p
 from typing import Callable
 
 from cgraw.dlpack import (
-    _NAME,
-    _NAME_V,
-    _NP_TO_DL,
-    _USED,
-    _USED_V,
+    CAPSULE_NAME,
+    CAPSULE_NAME_VERSIONED,
+    NP_TO_DL,
+    USED_NAME,
+    USED_NAME_VERSIONED,
     DLPACK_VERSION,
     READ_ONLY,
     DLDeleter,
     DLManagedTensor,
     DLManagedTensorVersioned,
-    _capsule_get_name,
-    _capsule_get_pointer,
-    _capsule_get_pointer_obj,
-    _capsule_is_valid,
-    _capsule_new,
-    _capsule_set_name,
-    _CapsuleType,
-    _immortal,
-    _to_dl_dtype_slow,
+    capsule_get_name,
+    capsule_get_pointer,
+    capsule_get_pointer_obj,
+    capsule_is_valid,
+    capsule_new,
+    capsule_set_name,
+    CapsuleType,
+    immortal,
+    to_dl_dtype_slow,
     from_dl_dtype,
 )
 
@@ -78,24 +78,24 @@ def _release(addr: int) -> None:
 def _destroy_versioned(cap) -> None:
     # Only an unconsumed capsule still carries the unused name; a consumer renamed it otherwise.
     try:
-        if cap and _capsule_is_valid(cap, _NAME_V):
-            _release(_capsule_get_pointer(cap, _NAME_V))
+        if cap and capsule_is_valid(cap, CAPSULE_NAME_VERSIONED):
+            _release(capsule_get_pointer(cap, CAPSULE_NAME_VERSIONED))
     except BaseException:
         pass
 
 
 def _destroy_legacy(cap) -> None:
     try:
-        if cap and _capsule_is_valid(cap, _NAME):
-            _release(_capsule_get_pointer(cap, _NAME))
+        if cap and capsule_is_valid(cap, CAPSULE_NAME):
+            _release(capsule_get_pointer(cap, CAPSULE_NAME))
     except BaseException:
         pass
 
 
 _CapsuleDestructor = CFUNCTYPE(None, c_void_p)
-_DELETER = _immortal(DLDeleter(_release))
-_DESTRUCTOR_V = _immortal(_CapsuleDestructor(_destroy_versioned))
-_DESTRUCTOR = _immortal(_CapsuleDestructor(_destroy_legacy))
+_DELETER = immortal(DLDeleter(_release))
+_DESTRUCTOR_V = immortal(_CapsuleDestructor(_destroy_versioned))
+_DESTRUCTOR = immortal(_CapsuleDestructor(_destroy_legacy))
 _DELETER_ADDR = ctypes.cast(_DELETER, c_void_p).value
 _DESTRUCTOR_V_ADDR = ctypes.cast(_DESTRUCTOR_V, c_void_p).value
 _DESTRUCTOR_ADDR = ctypes.cast(_DESTRUCTOR, c_void_p).value
@@ -160,9 +160,9 @@ def make_capsule(
     if len(strides) != ndim:
         raise ValueError(f"len(shape)={ndim} != len(strides)={len(strides)}")
     try:
-        code, bits, lanes = _NP_TO_DL[dtype]
+        code, bits, lanes = NP_TO_DL[dtype]
     except (KeyError, TypeError):
-        code, bits, lanes = _to_dl_dtype_slow(dtype)
+        code, bits, lanes = to_dl_dtype_slow(dtype)
     try:
         buf_type, packer, shape_off = (_layouts_v if versioned else _layouts)[ndim]
     except KeyError:
@@ -196,8 +196,8 @@ def make_capsule(
     _live[addr] = (buf, owner, on_release)
     try:
         if versioned:
-            return _capsule_new(addr, _NAME_V, _DESTRUCTOR_V_ADDR)
-        return _capsule_new(addr, _NAME, _DESTRUCTOR_ADDR)
+            return capsule_new(addr, CAPSULE_NAME_VERSIONED, _DESTRUCTOR_V_ADDR)
+        return capsule_new(addr, CAPSULE_NAME, _DESTRUCTOR_ADDR)
     except BaseException:
         del _live[addr]
         raise
@@ -264,20 +264,20 @@ def parse_capsule(capsule) -> DLPackView:
         ValueError: the capsule was already consumed.
         BufferError: unsupported major version (the deleter has been called).
     """
-    if type(capsule) is not _CapsuleType:
+    if type(capsule) is not CapsuleType:
         raise TypeError(f"expected a DLPack PyCapsule, got {type(capsule).__name__}")
-    name = _capsule_get_name(capsule)
-    if name == _NAME_V:
+    name = capsule_get_name(capsule)
+    if name == CAPSULE_NAME_VERSIONED:
         versioned = True
-    elif name == _NAME:
+    elif name == CAPSULE_NAME:
         versioned = False
-    elif name in (_USED_V, _USED):
+    elif name in (USED_NAME_VERSIONED, USED_NAME):
         raise ValueError(f"DLPack capsule {name.decode()!r} was already consumed; "
                          "call __dlpack__() again for a fresh one")
     else:
         raise TypeError(f"not a DLPack capsule: name {name!r}")
-    addr = _capsule_get_pointer_obj(capsule, name)
-    _capsule_set_name(capsule, _USED_V if versioned else _USED)  # ownership is ours from here
+    addr = capsule_get_pointer_obj(capsule, name)
+    capsule_set_name(capsule, USED_NAME_VERSIONED if versioned else USED_NAME)  # ownership is ours from here
     if versioned:
         deleter_addr = c_void_p.from_address(addr + _OFF_DELETER_V).value
         managed = DLManagedTensorVersioned.from_address(addr)

@@ -124,7 +124,7 @@ class Graph:
         if exec_ is None:
             raise CgrawError("replay of a closed cgraw.Graph; capture it again")
         if stream is None:
-            ptr = _streams._current(self._ordinal)
+            ptr = _streams.current_getter(self._ordinal)
         elif stream.__class__ is Stream:
             if stream.device is not self.device:
                 raise CgrawError(
@@ -195,7 +195,7 @@ class Graph:
 
     def close(self) -> None:
         """Destroy the executable and the graph (idempotent). The pool stays with its other users.
-        Inside a capture the destroy waits until no capture routes allocations (``cgraw._defer``)."""
+        Inside a capture the destroy waits until no capture routes allocations (``cgraw.defer``)."""
         self._exec = None
         self._graph = None
         self._keepalive = []

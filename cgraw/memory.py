@@ -1,6 +1,6 @@
 """Device memory: a segment source over cuMemAlloc, and ``DevicePool``.
 
-Layer L4: imports ``_cuda``, ``_defer``, ``device``, ``stream`` and the ``allocator`` package. A
+Layer L4: imports ``_cuda``, ``defer``, ``device``, ``stream`` and the ``allocator`` package. A
 ``DevicePool`` is an ``allocator.Pool`` whose segments come from the driver; stream ids are
 raw stream handles (ints). It can serve CuPy through ``cupy.cuda.using_allocator``.
 
@@ -8,7 +8,7 @@ Memory a live graph uses is never handed to anything but a later capture into th
 blocks freed on the pool's capture stream (a graph's temporaries, its outputs once they die)
 stay there while any graph captured into the pool is alive, instead of migrating to eager
 allocations on other streams, and ``trim()`` keeps their segments. Segments are returned to the
-driver only once no capture routes allocations (``cgraw._defer``).
+driver only once no capture routes allocations (``cgraw.defer``).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import threading
 import weakref
 
 import allocator
-from cgraw import _cuda, _defer
+from cgraw import _cuda, defer
 from cgraw.device import Device
 from cgraw.stream import Stream
 
-_tls = threading.local()
+thread_state = threading.local()  # .capturing: this thread's captures that route allocations now
 
 
 class CudaSource:
@@ -53,7 +53,7 @@ class CudaSource:
         self.reserved_bytes -= nbytes
         del self.segments[addr]
         # cuMemFree on a capturing thread would invalidate its capture: wait for captures to end
-        _defer.release(_free_segment, self.device, addr)
+        defer.release(_free_segment, self.device, addr)
 
     def release_all_quietly(self) -> None:
         """Finalizer of a pool that was never closed: give every segment back. Never raises."""
@@ -80,14 +80,14 @@ class CudaStreamEvents:
         self.device = device
 
     def record(self, stream_id: int):
-        if getattr(_tls, "capturing", 0):
+        if getattr(thread_state, "capturing", 0):
             return None
         ev = _cuda.event_create()
         _cuda.event_record(ev, _cuda.stream_handle(stream_id))
         return _EventToken(ev)
 
     def query(self, token) -> bool:
-        if token is None or getattr(_tls, "capturing", 0):
+        if token is None or getattr(thread_state, "capturing", 0):
             return False
         return _cuda.event_query(token.event)
 
@@ -104,11 +104,11 @@ class _EventToken:
 
 def capture_guard_enter() -> None:
     """Mark this thread as capturing (the pool then avoids event queries)."""
-    _tls.capturing = getattr(_tls, "capturing", 0) + 1
+    thread_state.capturing = getattr(thread_state, "capturing", 0) + 1
 
 
 def capture_guard_exit() -> None:
-    _tls.capturing = getattr(_tls, "capturing", 1) - 1
+    thread_state.capturing = getattr(thread_state, "capturing", 1) - 1
 
 
 class DevicePool(allocator.Pool):
@@ -189,7 +189,7 @@ class DevicePool(allocator.Pool):
         super().close()
         holder = self._torch_holder
         if holder:
-            _defer.release(_drop_torch, holder[:])
+            defer.release(_drop_torch, holder[:])
             holder.clear()
 
     def cupy_allocator(self, owners: list | None = None):
@@ -207,14 +207,14 @@ class DevicePool(allocator.Pool):
         UnownedMemory = cupy.cuda.UnownedMemory
         MemoryPointer = cupy.cuda.MemoryPointer
         ref = weakref.ref
-        stress = _defer.gc_stress if _defer.CGRAW_GC_STRESS else None
+        stress = defer.gc_stress if defer.CGRAW_GC_STRESS else None
 
         graph_streams = self._graph_streams
-        defer = _defer
+        deferred = defer
 
         def malloc(nbytes: int):
             sid = get_stream().ptr
-            if defer._active:  # a capture routes allocations (this thread's, or another's)
+            if deferred.active_count:  # a capture routes allocations (this thread's, or another's)
                 if stress is not None:
                     stress()
                 if sid not in graph_streams:
@@ -231,7 +231,7 @@ class DevicePool(allocator.Pool):
 def _release_pool(source: CudaSource, torch_holder: list) -> None:
     """Finalizer of a ``DevicePool``: drop torch's MemPool and give every segment back, once no
     capture routes allocations. Never raises."""
-    _defer.release(_release_pool_now, source, torch_holder)
+    defer.release(_release_pool_now, source, torch_holder)
 
 
 def _release_pool_now(source: CudaSource, torch_holder: list) -> None:

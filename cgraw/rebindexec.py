@@ -38,7 +38,7 @@ from __future__ import annotations
 import ctypes
 import logging
 
-from cgraw import _cuda, _defer
+from cgraw import _cuda, defer
 from cgraw import rebindmem as _mem
 from cgraw import stream as _streams
 from cgraw._cuda import kernels as _k
@@ -218,7 +218,7 @@ def prove(backend, rec, call):
     rewritten node) keep the copies with the reason; a failure of the graph itself is raised."""
     pend, rec.proof = rec.proof, None
     notes = rec.input_notes
-    stream = _cuda.stream_handle(_streams._current(rec.ordinal))
+    stream = _cuda.stream_handle(_streams.current_getter(rec.ordinal))
     phs = {leaf: (base, n) for leaf, (_, base, n) in pend.placeholders.items()}
     try:
         _cuda.ctx_synchronize()  # every caller's work is done: the ranges hold what the call sees
@@ -300,7 +300,7 @@ def prove(backend, rec, call):
             _cuda.stream_synchronize(stream)
         finally:
             for b in bufs:
-                _defer.release(_cuda.mem_free, b)
+                defer.release(_cuda.mem_free, b)
 
 
 def _note(notes: dict, rebinds, why) -> None:

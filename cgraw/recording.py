@@ -138,9 +138,9 @@ class Recording:
         "ext_ptrs",  # their addresses at record time
         "same_external",  # ptrs -> bool: whether they are still there (interop.observe)
         "epoch",  # module-assignment count at record time, or -1
-        "epoch_now",  # [the module-assignment count now] (interop.observe._epoch)
+        "epoch_now",  # [the module-assignment count now] (interop.observe.epoch_now)
         "mode_epoch",  # training/evaluation switch count at the warm-up, or -1
-        "mode_now",  # [that count now] (interop.observe._mode_epoch)
+        "mode_now",  # [that count now] (interop.observe.mode_epoch_now)
         "capture_ms",
         "instantiate_ms",
         "grad",  # interop.torch_autograd.GradInfo of a recording made with grad enabled, or None
@@ -210,7 +210,7 @@ class Recording:
                     r.patch(self.setter, p)
         if self.slow_in:
             self.copy_slow(self, call, None)
-        ptr = _streams._current(self.ordinal)  # Graph.replay(), inlined
+        ptr = _streams.current_getter(self.ordinal)  # Graph.replay(), inlined
         sync = self.rng_sync
         if sync is not None:
             sync(ptr)
@@ -236,7 +236,7 @@ class Recording:
                 c.patch(self.setter, p, count)
         if self.slow_in:
             self.copy_slow(self, call, n)
-        ptr = _streams._current(self.ordinal)
+        ptr = _streams.current_getter(self.ordinal)
         sync = self.rng_sync
         if sync is not None:
             sync(ptr)

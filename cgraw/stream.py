@@ -227,12 +227,14 @@ def _no_framework(ordinal: int) -> int:
     return 0
 
 
-_current = _no_framework  # rebound by refresh() once a framework is imported
+# The caller's current stream handle for a device ordinal. Rebound by refresh() once a framework is
+# imported: read it as ``stream.current_getter`` at each call, never ``from cgraw.stream import``.
+current_getter = _no_framework
 
 
 def refresh():
-    """Bind ``current_ptr`` to the frameworks imported now (captures and trees call this)."""
-    global _current
+    """Bind ``current_getter`` to the frameworks imported now (captures and trees call this)."""
+    global current_getter
     tget = torch_c.api()._cuda_getCurrentRawStream if "torch" in sys.modules else None
     cget = None
     if "cupy" in sys.modules:
@@ -254,13 +256,13 @@ def refresh():
             return cget()
     else:
         cur = _no_framework
-    _current = cur
+    current_getter = cur
     return cur
 
 
 def current_ptr(ordinal: int) -> int:
     """The raw handle of the caller's current stream for device ``ordinal`` (0: legacy)."""
-    return _current(ordinal)
+    return current_getter(ordinal)
 
 
 _getters: dict = {}  # type -> how to read a raw handle from a stream object of that type

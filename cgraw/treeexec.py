@@ -158,9 +158,9 @@ class CudaBackend(TorchAutograd):
         rec.same_external = _observe.ptrs_check(rec.external) if rec.external else None
         # a module assignment between the warm-up and now: the closure tensors found at warm-up
         # may not be the ones this recording reads, so the next call warms up again
-        rec.epoch_now = _observe._epoch
-        rec.epoch = _observe._epoch[0] if warm.epoch == _observe._epoch[0] else -1
-        rec.mode_now = _observe._mode_epoch
+        rec.epoch_now = _observe.epoch_now
+        rec.epoch = _observe.epoch_now[0] if warm.epoch == _observe.epoch_now[0] else -1
+        rec.mode_now = _observe.mode_epoch_now
         rec.mode_epoch = warm.mode_epoch
         if grad and self._tts is not None:  # the saved tensors are the recording's blocks too
             rec.grad = grad_info(rec, call, subs, saved)
@@ -235,7 +235,7 @@ class CudaBackend(TorchAutograd):
         """``rebind`` given: copy its input into fresh memory on the replay's stream, keep the copy
         until the next launch (``rec.staged``) and return its address. None: after the launch,
         copy the staged inputs the function writes back into the caller's arrays."""
-        target = _streams._current(self.device.ordinal)
+        target = _streams.current_getter(self.device.ordinal)
         if rebind is None:
             for r, copy in rec.staged:
                 if r.back:
@@ -309,7 +309,7 @@ class CudaBackend(TorchAutograd):
     def _slow_copies(self, rec: Recording, call: Call, rows) -> None:  # a Recording's ``copy_slow``
         """Copy non-contiguous eager inputs into their placeholders, on the stream the replay
         will run on (``stream.current_ptr``), whichever framework's current stream that is."""
-        target = _streams._current(self.device.ordinal)
+        target = _streams.current_getter(self.device.ordinal)
         for j, ph in rec.slow_in:
             dst = ph[:rows] if rows is not None and j in rec.padded else ph
             _copy_on(dst, call.leaves[j], call.ops[j], target)
@@ -390,9 +390,9 @@ class CudaBackend(TorchAutograd):
         self.pool = None
         self._tts = None
         if self._torch is not None:
-            from cgraw import _defer
+            from cgraw import defer
 
-            _defer.release(self._torch.cuda.empty_cache)
+            defer.release(self._torch.cuda.empty_cache)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -412,10 +412,10 @@ def _copy_on(dst, src, ops, target: int) -> None:
     if cupy.cuda.get_current_stream().ptr == target:
         ops.copy_into(dst, src)
         return
-    from cgraw.interop.cupy import _external_stream
+    from cgraw.interop.cupy import external_stream
     from cgraw.stream import Stream
 
-    with _external_stream(cupy, Stream.from_handle(target, dst.device.id), dst.device.id):
+    with external_stream(cupy, Stream.from_handle(target, dst.device.id), dst.device.id):
         ops.copy_into(dst, src)
 
 

@@ -14,7 +14,7 @@ made on its first step, a buffer built lazily and kept on a module, the outputs 
 that will run eagerly from now on) would be freed by the next restore under whoever holds them.
 The warm-up reports them, and an autograd graph recorded in it (``Warm.stash``): the tree moves
 to a fresh pool, which leaves them valid, and this backend warms up outside the pool from then on.
-While it routes, the warm-up counts as a capture for ``cgraw._defer``; its check for mutated
+While it routes, the warm-up counts as a capture for ``cgraw.defer``; its check for mutated
 inputs compares host copies, so it takes no device memory.
 """
 
@@ -26,9 +26,9 @@ import gc
 import logging
 import sys
 
-from cgraw import _defer
+from cgraw import defer
 from cgraw.arrays import EAGER, TORCH, is_torch, ops_of, out_spec
-from cgraw.capture import _event_on
+from cgraw.capture import event_on
 from cgraw.errors import SkipCall
 from cgraw.interop import observe as _observe
 from cgraw.interop import torch_autograd, torch_c
@@ -102,7 +102,7 @@ class PoolWarmup:
         self.saved: set = set()  # storages autograd saved (the pack hook adds them): a backward frees them
         self._ctxs: list = []
         self._callers: list[int] = []
-        self._counted = False  # in cgraw._defer's count of routings
+        self._counted = False  # in cgraw.defer's count of routings
 
     def pack(self, x):
         """A ``saved_tensors_hooks`` pack hook: note ``x``'s storage, keep ``x``."""
@@ -120,21 +120,21 @@ class PoolWarmup:
             callers.add(int(cupy.cuda.get_current_stream().ptr))
         self._callers = sorted(callers - {stream.ptr})
         for ptr in {0, *self._callers}:
-            stream.wait(_event_on(self.pool.device, ptr))
+            stream.wait(event_on(self.pool.device, ptr))
         try:
             self._push(torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=torch.device("cuda", dev))))
             if cupy is not None:
-                from cgraw.interop.cupy import _external_stream
+                from cgraw.interop.cupy import external_stream
 
-                self._push(_external_stream(cupy, stream, dev))
+                self._push(external_stream(cupy, stream, dev))
             if config.warm_cublas:
                 # the capture stream's cuBLAS and cuBLASLt workspaces (a matmul, an addmm with a
                 # bias), made outside the pool: they outlive the call
                 a = torch.ones((2, 2), device=torch.device("cuda", dev))
                 torch.addmm(a[0], a, a @ a)
             # routed like a capture: nothing is freed meanwhile (torch asserts when a MemPool is
-            # released or its cache emptied while any routing is underway; cgraw._defer)
-            _defer.capture_begins()
+            # released or its cache emptied while any routing is underway; cgraw.defer)
+            defer.capture_begins()
             self._counted = True
             self._push(torch.cuda.use_mem_pool(self.tts.pool.mempool, device=dev))
         except BaseException:
@@ -153,7 +153,7 @@ class PoolWarmup:
         finally:
             if self._counted:
                 self._counted = False
-                _defer.capture_ends()
+                defer.capture_ends()
             done = self.pool.capture_stream.record()
             for ptr in self._callers:
                 Stream.from_handle(ptr, self.pool.device).wait(done)
@@ -194,7 +194,7 @@ def run(backend, fn, call, args, kwargs) -> Warm:
     ops = call.ops
     torch = backend._torch
     obs = pw = None
-    epoch, mode = _observe._epoch[0], _observe._mode_epoch[0]
+    epoch, mode = _observe.epoch_now[0], _observe.mode_epoch_now[0]
     backward = [False]
     if torch is not None:
         # a backward pass unpacks saved tensors: then the recording must route allocations
@@ -243,8 +243,8 @@ def run(backend, fn, call, args, kwargs) -> Warm:
                       "replay")
         w.external = obs.external(list(call.leaves) + out_leaves)
         w.groups = groups_of(obs.ops)
-    w.epoch = _observe._epoch[0] if _observe._epoch[0] == epoch else -1
-    w.mode_epoch = mode if _observe._mode_epoch[0] == mode else -1
+    w.epoch = _observe.epoch_now[0] if _observe.epoch_now[0] == epoch else -1
+    w.mode_epoch = mode if _observe.mode_epoch_now[0] == mode else -1
     if pw is not None:
         w.in_pool, w.handed, w.stash = pw.settle(out_leaves, w.skip)
         backend.warm_in_pool = w.stash is None or w.skip is not None  # state kept beyond the call: never again

@@ -4,7 +4,7 @@ Layer L1. Every driver call cgraw makes goes through ``check`` (or, on the hot p
 bound function whose result is compared with 0 inline). Wrappers are the driver call with ``cu``
 dropped and the rest in snake_case (``cuStreamBeginCapture`` -> ``stream_begin_capture``). Nothing
 here runs at import: the driver is loaded by the first call, and a machine with no driver or no
-device gets one ``CudaUnavailableError``. Imports only ``errors`` and ``_defer`` from cgraw, besides
+device gets one ``CudaUnavailableError``. Imports only ``errors`` and ``defer`` from cgraw, besides
 its own modules: ``compat`` (which picks, once, the calls that differ between cuda-bindings 12.8+
 and 13.x) and ``graphs`` (capture, instantiate, launch and node queries, re-exported at the bottom
 so that callers write ``_cuda.graph_instantiate`` like every other call). This module holds the
@@ -27,7 +27,7 @@ try:
 except ImportError:  # cuda-bindings 12.8 has no utils module
     _utils = None
 
-from cgraw import _defer
+from cgraw import defer
 from cgraw._cuda import compat as _cuda_compat
 from cgraw.errors import (
     CaptureError,
@@ -83,7 +83,8 @@ _HINTS: dict[int, str] = {
     _R.CUDA_ERROR_NOT_INITIALIZED: "the CUDA driver was not initialised; cgraw calls cuInit on first use",
 }
 
-_CAPTURE_CODES = frozenset(
+# The codes that mean a stream capture failed (they raise ``CaptureError``).
+CAPTURE_CODES = frozenset(
     int(c)
     for c in (
         _R.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
@@ -118,7 +119,7 @@ def make_error(err, call: str) -> CudaError:
     hint = _HINTS.get(code, "")
     if code == _R.CUDA_ERROR_OUT_OF_MEMORY:
         return OutOfMemoryError(call, code, name, description, hint)
-    cls = CaptureError if code in _CAPTURE_CODES else CudaError
+    cls = CaptureError if code in CAPTURE_CODES else CudaError
     return cls(call, code, name, description, hint)
 
 
@@ -197,11 +198,11 @@ def destroy_quietly(kind: str, handle) -> None:
     """Destroy a handle of ``kind`` (stream, event, mem, host, graph, graph_exec) from a finalizer:
     never raises.
 
-    While any cgraw capture routes allocations the destroy waits for it to end (``_defer``).
+    While any cgraw capture routes allocations the destroy waits for it to end (``defer``).
     During interpreter shutdown every error is ignored. Otherwise a failure becomes a
     ``ResourceLeakWarning`` (the test suite turns it into an error).
     """
-    _defer.release(_destroy_now, getattr(drv, _DESTROY[kind]), handle, kind)
+    defer.release(_destroy_now, getattr(drv, _DESTROY[kind]), handle, kind)
 
 
 def stream_handle(ptr: int):

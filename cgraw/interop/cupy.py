@@ -71,7 +71,7 @@ UPLOAD = (
 )
 
 
-def _external_stream(cupy, stream, dev: int):
+def external_stream(cupy, stream, dev: int):
     """CuPy's view of a cgraw stream: ``Stream.from_external`` (CuPy 14, via ``__cuda_stream__``),
     else the older ``ExternalStream``."""
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
@@ -90,7 +90,7 @@ def cupy_module():
 
 
 def _capturing() -> bool:
-    return getattr(_memory._tls, "capturing", 0) > 0
+    return getattr(_memory.thread_state, "capturing", 0) > 0
 
 
 @contextlib.contextmanager
@@ -247,7 +247,7 @@ class CupyRouting:
         self._alloc_ctx = cupy.cuda.using_allocator(self.pool.cupy_allocator(self.owners))
         self._alloc_ctx.__enter__()
         try:
-            self._stream_ctx = _external_stream(cupy, self.stream, dev)
+            self._stream_ctx = external_stream(cupy, self.stream, dev)
             _give_host_func_list(self._stream_ctx)
             self._stream_ctx.__enter__()
             if self._staging is not None:

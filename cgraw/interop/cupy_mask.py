@@ -65,7 +65,7 @@ def _wrap(original):
 def _capturing() -> bool:
     from cgraw import memory
 
-    return getattr(memory._tls, "capturing", 0) > 0
+    return getattr(memory.thread_state, "capturing", 0) > 0
 
 
 _install_lock = threading.Lock()

@@ -58,7 +58,7 @@ import weakref
 import numpy
 
 import allocator
-from cgraw import _cuda, _defer
+from cgraw import _cuda, defer
 from cgraw.errors import CaptureError
 
 DEFAULT_BYTES = 16 << 20
@@ -91,7 +91,7 @@ class HostSource:
         self.segments: dict[int, int] = {}
 
     def reserve(self, nbytes: int) -> int:
-        if _defer.active():
+        if defer.active():
             raise MemoryError("the pinned staging arena grows only while no capture routes allocations")
         ptr = self._alloc(nbytes)
         self.segments[ptr] = nbytes
@@ -99,7 +99,7 @@ class HostSource:
 
     def release(self, addr: int, nbytes: int) -> None:
         del self.segments[addr]
-        _defer.release(self._free, addr)
+        defer.release(self._free, addr)
 
 
 class PinnedArena:
@@ -282,8 +282,8 @@ def prepare(device: int, stream=None) -> CaptureStaging:
     a = arena()
     if a is None:
         return CaptureStaging(None, device, "CGRAW_PINNED_STAGING_BYTES is 0 (staging is off)", stream)
-    with _defer._lock:  # no capture can begin while the arena is reserved or drained
-        if not _defer.active():
+    with defer.lock:  # no capture can begin while the arena is reserved or drained
+        if not defer.active():
             a.drain(_sync_devices)
             a.grow()
     if not a.ready:
@@ -357,7 +357,7 @@ def _wrap(original):
 def _capturing() -> bool:
     from cgraw import memory
 
-    return getattr(memory._tls, "capturing", 0) > 0
+    return getattr(memory.thread_state, "capturing", 0) > 0
 
 
 def _cupy_call() -> str:

@@ -25,7 +25,7 @@ compiled code the Observer sees only what goes through the dispatcher (extern ke
 Triton kernels read: closure tensors read only there are not in ``external``. A function that is
 itself ``torch.compile``d (``cgraw.graphed(torch.compile(f))``) is not observed.
 
-``_mode_epoch`` counts switches of any module between training and evaluation (``model.train()``,
+``mode_epoch_now`` counts switches of any module between training and evaluation (``model.train()``,
 ``model.eval()``): a recording made in the other mode warms up again (``Recording.stale``).
 
 ``epoch()`` counts assignments that replace a tensor some recording reads through its closure:
@@ -44,15 +44,15 @@ import weakref
 
 from cgraw.interop import torch_c, torch_modes
 
-_epoch = [0]
-_mode_epoch = [0]  # switches of any module between training and evaluation (Module.train) so far
+epoch_now = [0]  # assignments that replaced a watched tensor so far; one list, so holders see it change
+mode_epoch_now = [0]  # switches of any module between training and evaluation (Module.train) so far
 _hooks_installed = [False]
 _observer_cls: list = [None]
 _watched: dict[int, int] = {}  # id(tensor) -> recordings reading it through their closure
 
 
 def epoch() -> int:
-    return _epoch[0]
+    return epoch_now[0]
 
 
 def watch(tensors) -> None:
@@ -85,17 +85,17 @@ def _replaces_watched(old) -> bool:
 
 def _param_hook(module, name, value):
     if _replaces_watched(getattr(module, "_parameters", {}).get(name)):
-        _epoch[0] += 1
+        epoch_now[0] += 1
 
 
 def _buffer_hook(module, name, value):
     if _replaces_watched(getattr(module, "_buffers", {}).get(name)):
-        _epoch[0] += 1
+        epoch_now[0] += 1
 
 
 def _module_hook(module, name, value):
     if _replaces_watched(getattr(module, "_modules", {}).get(name)):
-        _epoch[0] += 1
+        epoch_now[0] += 1
 
 
 def install_module_hooks() -> None:
@@ -116,7 +116,7 @@ def install_module_hooks() -> None:
 
 def _patch_train(module_cls) -> None:
     """Count switches between training and evaluation: ``Module.train(mode)`` (``eval()`` calls it)
-    wrapped so that a call that changes any module's ``training`` flag adds one to ``_mode_epoch``.
+    wrapped so that a call that changes any module's ``training`` flag adds one to ``mode_epoch_now``.
     A recording made in one mode is stale in the other (dropout, batch norm run differently);
     a flag assigned directly (``m.training = False``) is not seen."""
     original = module_cls.train
@@ -136,7 +136,7 @@ def _patch_train(module_cls) -> None:
         finally:
             nested.depth = 0
         if changed:
-            _mode_epoch[0] += 1
+            mode_epoch_now[0] += 1
         return out
 
     train._cgraw_counts_modes = True

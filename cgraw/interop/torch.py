@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 from bisect import bisect_right
 
-from cgraw import _defer
+from cgraw import defer
 from cgraw.interop import torch_c
 
 HOST_SYNC = (
@@ -164,7 +164,7 @@ class TorchRouting:
         tree on the H200; ``tools/probes/pool_probe.py`` shows a tree's segments); then, with ``empty_cache``, torch's cached free memory
         released, as ``torch.cuda.graph`` does before every capture (torch's trees record through
         it): what warm-ups and dropped workspaces left cached is not kept beside the tree's pool.
-        Not while another capture or in-pool warm-up routes allocations (``cgraw._defer``): torch
+        Not while another capture or in-pool warm-up routes allocations (``cgraw.defer``): torch
         asserts then."""
         if not self.clear_workspaces:
             return
@@ -174,8 +174,8 @@ class TorchRouting:
             (a @ a).sum()
         torch_c.api()._cuda_clearCublasWorkspaces()
         if self.empty_cache:
-            with _defer._lock:
-                if not _defer.active():
+            with defer.lock:
+                if not defer.active():
                     torch.cuda.empty_cache()
 
     def unprepare(self, failed: bool = True) -> None:

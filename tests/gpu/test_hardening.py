@@ -19,7 +19,7 @@ import pytest
 from gpu_data import crand, rng, trand
 
 import cgraw
-from cgraw import _cuda, _defer
+from cgraw import _cuda, defer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_trees")]
 torch = pytest.importorskip("torch")
@@ -78,8 +78,8 @@ def test_release_inside_a_capture_waits_in_process(pool):
         y2 = x * 3.0
         g1.close()
         del y1
-        assert _defer.pending() >= 1
-    assert _defer.pending() == 0
+        assert defer.pending() >= 1
+    assert defer.pending() == 0
     x.copy_(trand(100))
     g2.replay()
     torch.testing.assert_close(y2, x * 3.0)
@@ -613,7 +613,7 @@ def test_cupy_stream_is_capturing_fork_join_and_failures():
 
 def test_interrupt_right_after_the_capture_began(monkeypatch, pool):
     calls = {"n": 0}
-    real = _defer.gc_stress
+    real = defer.gc_stress
 
     def stress():
         calls["n"] += 1
@@ -621,13 +621,13 @@ def test_interrupt_right_after_the_capture_began(monkeypatch, pool):
             raise KeyboardInterrupt
         real()
 
-    monkeypatch.setattr(_defer, "gc_stress", stress)
+    monkeypatch.setattr(defer, "gc_stress", stress)
     x = trand(64)
     with pytest.raises(KeyboardInterrupt):
         with cgraw.capture(pool=pool):
             pass
     monkeypatch.undo()
-    assert pool.capture_stream.capture_status == 0 and not _defer.active()
+    assert pool.capture_stream.capture_status == 0 and not defer.active()
     with cgraw.capture(pool=pool) as g:
         y = x + 2.0
     g.replay()
@@ -686,9 +686,9 @@ def test_custom_ops_tagged_cudagraph_unsafe_run_eagerly():
 
 
 def test_gc_stress_flag_is_read_from_the_environment():
-    from cgraw import _defer
+    from cgraw import defer
 
-    assert _defer.CGRAW_GC_STRESS == (os.environ.get("CGRAW_GC_STRESS", "") in ("1", "true", "yes", "on"))
+    assert defer.CGRAW_GC_STRESS == (os.environ.get("CGRAW_GC_STRESS", "") in ("1", "true", "yes", "on"))
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,7 @@ import pytest
 from gpu_data import full_fp32
 
 import cgraw
-from cgraw import _defer
+from cgraw import defer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_trees", "fp32")]
 torch = pytest.importorskip("torch")
@@ -90,7 +90,7 @@ def test_a_graphed_mlp_from_many_threads_equals_eager(threads):
     for stats in results:
         assert stats == (1, 1, calls - 2, 0, {}), stats
     assert not _worker_trees_left(names)  # each thread's tree went when the pool shut down
-    assert _defer.pending() == 0
+    assert defer.pending() == 0
 
 
 def test_a_thread_records_while_another_replays():

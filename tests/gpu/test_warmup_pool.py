@@ -297,19 +297,19 @@ def test_recording_releases_torch_cached_memory_first(saved_config, empty):
 
 
 def test_in_pool_warm_up_counts_as_routing():
-    """While a warm-up routes allocations to the tree's pool, releases wait (``cgraw._defer``),
+    """While a warm-up routes allocations to the tree's pool, releases wait (``cgraw.defer``),
     as during a capture: torch asserts when a MemPool is released or its cache emptied then."""
-    from cgraw import _defer
+    from cgraw import defer
 
     seen = []
 
     def body(x):
-        seen.append(_defer.active())
+        seen.append(defer.active())
         return x * 3.0
 
     f = cgraw.graphed(body)
     x = trand(4096)
     y = f(x)
     assert seen == [True] and _in_tree_pool(y)
-    assert not _defer.active()
+    assert not defer.active()
     torch.testing.assert_close(y, x * 3.0)

@@ -60,7 +60,7 @@ def capture_loop_rebinding_g():
 @scenario
 def graph_collected_by_gc_inside_a_capture():
     """A graph in a reference cycle is collected by gc in the middle of another capture."""
-    from cgraw import _defer
+    from cgraw import defer
 
     x = torch.randn(1000, device="cuda")
     for _ in range(5):
@@ -72,8 +72,8 @@ def graph_collected_by_gc_inside_a_capture():
         with cgraw.capture() as g2:
             y2 = torch.sin(x)
             gc.collect()  # the cycle (graph, its pool, its MemPool) dies here, inside the capture
-            assert _defer.pending() > 0, "nothing was deferred"
-        assert _defer.pending() == 0
+            assert defer.pending() > 0, "nothing was deferred"
+        assert defer.pending() == 0
         x.copy_(torch.randn(1000, device="cuda"))
         g2.replay()
         close(y2, torch.sin(x))

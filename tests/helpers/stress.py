@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import gc
 
-from cgraw import _defer
+from cgraw import defer
 
 
 def settle() -> None:
     """Collect, then freeze what survived; a no-op unless ``CGRAW_GC_STRESS`` is set."""
-    if not _defer.CGRAW_GC_STRESS:
+    if not defer.CGRAW_GC_STRESS:
         return
     gc.unfreeze()
     gc.collect()

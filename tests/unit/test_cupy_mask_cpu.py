@@ -46,7 +46,7 @@ def fake(monkeypatch):
                                cuda=types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(
                                    ptr=state["current"])))
     monkeypatch.setitem(sys.modules, "cupy", cp)
-    monkeypatch.setattr(memory._tls, "capturing", 1, raising=False)
+    monkeypatch.setattr(memory.thread_state, "capturing", 1, raising=False)
     yield cp, state, copies
     while cm._installs:
         cm.uninstall()
@@ -96,7 +96,7 @@ def test_outside_the_capture_proper_cupy_keeps_it(fake, monkeypatch):
     cp, state, copies = fake
     cm.install(cp)
     cm.enter(CAPTURE)
-    monkeypatch.setattr(memory._tls, "capturing", 0)
+    monkeypatch.setattr(memory.thread_state, "capturing", 0)
     x = FakeArray(np.ones(3))
     x[FakeArray(np.array([True, False, True]))] = 0.0
     assert copies == [] and len(x.log) == 1

@@ -9,7 +9,7 @@ import gc
 
 import pytest
 
-from cgraw import _defer
+from cgraw import defer
 from cgraw.errors import CaptureError
 from cgraw.interop import cupy_staging as st
 
@@ -60,13 +60,13 @@ def capture_into(arena, sizes, device=0):
 def test_the_arena_is_one_segment_reserved_only_outside_captures():
     arena, host = make_arena()
     assert not arena.ready
-    _defer.capture_begins()
+    defer.capture_begins()
     try:
         arena.grow()  # a capture routes allocations: the source refuses, nothing is reserved
     except Exception:
         pass
     finally:
-        _defer.capture_ends()
+        defer.capture_ends()
     assert not arena.ready and host.allocs == 0
     arena.grow()
     arena.grow()

@@ -278,7 +278,7 @@ def test_parse_rejects_unsupported_major_version_and_releases():
     rel = Counter()
     src = random_array(3, "int32")
     cap = HostExporter(src, on_release=rel).__dlpack__(max_version=(1, 0))
-    addr = dlpack._capsule_get_pointer_obj(cap, b"dltensor_versioned")
+    addr = dlpack.capsule_get_pointer_obj(cap, b"dltensor_versioned")
     dlpack.DLManagedTensorVersioned.from_address(addr).version.major = 2
     with pytest.raises(BufferError, match="major version 2"):
         parse_capsule(cap)
@@ -291,7 +291,7 @@ def test_parse_rejects_unsupported_major_version_and_releases():
 def test_parse_rejects_non_dlpack_objects():
     with pytest.raises(TypeError, match="PyCapsule"):
         parse_capsule(object())
-    probe = dlpack._capsule_new(id(dlpack), b"cgraw.test.other", None)
+    probe = dlpack.capsule_new(id(dlpack), b"cgraw.test.other", None)
     with pytest.raises(TypeError, match="not a DLPack capsule"):
         parse_capsule(probe)
 
@@ -301,7 +301,7 @@ def test_parse_unsupported_dtype_releases():
     src = random_array(4, "uint8")
     cap = make_capsule(data_ptr(src), (4,), (1,), src.dtype, (kDLCPU, 0), owner=src,
                        versioned=True, on_release=rel)
-    addr = dlpack._capsule_get_pointer_obj(cap, b"dltensor_versioned")
+    addr = dlpack.capsule_get_pointer_obj(cap, b"dltensor_versioned")
     dlpack.DLManagedTensorVersioned.from_address(addr).dl_tensor.dtype.code = 10  # an fp8 code
     with pytest.raises(TypeError, match="code=10"):
         parse_capsule(cap)

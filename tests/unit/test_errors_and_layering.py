@@ -88,7 +88,7 @@ def test_allocator_imports_alone():
 # The one-way stack: a module may import only from its own or lower layers.
 LAYER = {
     "allocator": 0,
-    "cgraw.errors": 1, "cgraw._defer": 1, "cgraw._cuda": 1, "cgraw._cuda.compat": 1, "cgraw._cuda.graphs": 1,
+    "cgraw.errors": 1, "cgraw.defer": 1, "cgraw._cuda": 1, "cgraw._cuda.compat": 1, "cgraw._cuda.graphs": 1,
     "cgraw.dlpack": 1, "cgraw.dlpack_capsules": 1, "cgraw._cuda.kernels": 1,
     "cgraw.interop.torch_c": 1, "cgraw.rng": 1, "cgraw.rng_kernels": 1, "cgraw.rng_samplers": 1,
     "cgraw.rebind": 1,

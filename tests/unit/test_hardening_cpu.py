@@ -1,7 +1,7 @@
 """CPU tier of hardening against real programs: the decisions behind the GPU fixes, without a device.
 
 - private torch API detection (``interop.torch_c``), with a fake torch that hides a function;
-- releases deferred while a capture routes allocations (``cgraw._defer``);
+- releases deferred while a capture routes allocations (``cgraw.defer``);
 - names of graphed functions (``graphed._name_of``);
 - container flattening of arguments and outputs (``arrays._flatten``/``rebuild``/``out_spec``);
 - pinned streams in the allocator (graph memory never migrates to eager allocations);
@@ -25,7 +25,7 @@ from fake_tree_backend import FakeFn, FakeTreeBackend, Overwritten, new
 from pool_helpers import FakeEvents
 
 from allocator import IntRangeSource, Pool, check_invariants
-from cgraw import _defer
+from cgraw import defer
 from cgraw.arrays import EAGER, STATIC, flatten, out_spec, rebuild, replace_leaves, unflatten
 from cgraw.errors import ResourceLeakWarning
 from cgraw.graphed import _name_of
@@ -105,13 +105,13 @@ def test_dropping_torchs_side_of_a_pool_frees_torchs_cublas_workspaces_first(fak
     tp = _torch_pool(fake_torch, MemPool(), (0, 7))
     holder = [tp]
     del tp
-    _defer.capture_begins()
+    defer.capture_begins()
     try:
-        _defer.release(_drop_torch, holder[:])
+        defer.release(_drop_torch, holder[:])
         holder.clear()
         assert events == []  # a capture routes allocations: nothing yet
     finally:
-        _defer.capture_ends()
+        defer.capture_ends()
     assert events == ["clear workspaces", "MemPool destroyed"]
 
 
@@ -164,17 +164,17 @@ def test_torch_segments_are_read_without_handing_torch_a_pool_id(fake_torch):
 
 def test_releases_wait_for_the_last_capture_and_keep_their_order():
     ran = []
-    _defer.release(ran.append, "now")
+    defer.release(ran.append, "now")
     assert ran == ["now"]
-    _defer.capture_begins()
-    _defer.capture_begins()  # two captures (threads) at once
-    _defer.release(ran.append, "a")
-    _defer.release(ran.append, "b")
-    assert ran == ["now"] and _defer.pending() == 2 and _defer.active()
-    _defer.capture_ends()
+    defer.capture_begins()
+    defer.capture_begins()  # two captures (threads) at once
+    defer.release(ran.append, "a")
+    defer.release(ran.append, "b")
+    assert ran == ["now"] and defer.pending() == 2 and defer.active()
+    defer.capture_ends()
     assert ran == ["now"]  # one capture still routes
-    _defer.capture_ends()
-    assert ran == ["now", "a", "b"] and _defer.pending() == 0 and not _defer.active()
+    defer.capture_ends()
+    assert ran == ["now", "a", "b"] and defer.pending() == 0 and not defer.active()
 
 
 def test_a_failing_release_warns_and_the_others_still_run():
@@ -183,11 +183,11 @@ def test_a_failing_release_warns_and_the_others_still_run():
     def boom():
         raise RuntimeError("driver said no")
 
-    _defer.capture_begins()
-    _defer.release(boom)
-    _defer.release(ran.append, 1)
+    defer.capture_begins()
+    defer.release(boom)
+    defer.release(ran.append, 1)
     with pytest.warns(ResourceLeakWarning, match="driver said no"):
-        _defer.capture_ends()
+        defer.capture_ends()
     assert ran == [1]
 
 
@@ -195,12 +195,12 @@ def test_a_release_that_releases_more_runs_them_too():
     ran = []
 
     def outer():
-        _defer.release(ran.append, "inner")
+        defer.release(ran.append, "inner")
         ran.append("outer")
 
-    _defer.capture_begins()
-    _defer.release(outer)
-    _defer.capture_ends()
+    defer.capture_begins()
+    defer.release(outer)
+    defer.capture_ends()
     assert ran == ["inner", "outer"]
 
 

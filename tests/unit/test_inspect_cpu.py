@@ -159,7 +159,7 @@ def _fake_launch(monkeypatch) -> list:
 
     launches = []
     monkeypatch.setattr(recording, "_launch", lambda exec_, ptr: launches.append((exec_, ptr)) or (0,))
-    monkeypatch.setattr(stream, "_current", lambda ordinal: 0x5000 + ordinal)
+    monkeypatch.setattr(stream, "current_getter", lambda ordinal: 0x5000 + ordinal)
     return launches
 
 

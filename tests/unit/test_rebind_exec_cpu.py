@@ -162,7 +162,7 @@ def test_input_rebind_patch_points_words_kernels_and_copies():
 def test_replay_repoints_only_moved_inputs(monkeypatch):
     launches = []
     monkeypatch.setattr(recording, "_launch", lambda exec_, stream: launches.append(exec_) or (0,))
-    monkeypatch.setattr(recording._streams, "_current", lambda ordinal: 0)
+    monkeypatch.setattr(recording._streams, "current_getter", lambda ordinal: 0)
     rec = Recording("f")
     rec.exec_, rec.setter = "exec", None
     moved = []
@@ -228,7 +228,7 @@ class ProofRig:
         self.events = []
         self.enabled = {}
         monkeypatch.setattr(_cuda, "stream_handle", lambda p: "stream")
-        monkeypatch.setattr(rebindexec._streams, "_current", lambda o: 0)
+        monkeypatch.setattr(rebindexec._streams, "current_getter", lambda o: 0)
         monkeypatch.setattr(_cuda, "ctx_synchronize", lambda: None)
         monkeypatch.setattr(_cuda, "stream_synchronize", lambda s: None)
         monkeypatch.setattr(_cuda, "mem_get_info", lambda: (1 << 34, 1 << 35))

@@ -333,7 +333,7 @@ def test_graph_replay_runs_the_generators_step_before_its_launch(monkeypatch):
 
     events = []
     monkeypatch.setattr(graph_mod, "_launch", lambda exec_, ptr: events.append(("launch", ptr)) or (0,))
-    monkeypatch.setattr(graph_mod._streams, "_current", lambda ordinal: 0x77)
+    monkeypatch.setattr(graph_mod._streams, "current_getter", lambda ordinal: 0x77)
     g = graph_mod.Graph._pending(cgraw.Device(0), None, None)
     g._exec = "exec"
     g.replay()
@@ -352,7 +352,7 @@ def test_a_failed_launch_forgets_the_records(monkeypatch):
     from cgraw.errors import CudaError
 
     monkeypatch.setattr(graph_mod, "_launch", lambda exec_, ptr: (_cuda.CUresult.CUDA_ERROR_INVALID_VALUE,))
-    monkeypatch.setattr(graph_mod._streams, "_current", lambda ordinal: 0x77)
+    monkeypatch.setattr(graph_mod._streams, "current_getter", lambda ordinal: 0x77)
     gen = TorchGen(seed=3)
     rec = Record(rng.TORCH)
     src = rng.Source(rng.TORCH, 0, 0x1000, rec.write)
@@ -372,7 +372,7 @@ def test_recording_replay_runs_the_step_on_its_launch_stream(monkeypatch):
 
     events = []
     monkeypatch.setattr(recording, "_launch", lambda exec_, ptr: events.append(("launch", ptr)) or (0,))
-    monkeypatch.setattr(_streams, "_current", lambda ordinal: 0x5000 + ordinal)
+    monkeypatch.setattr(_streams, "current_getter", lambda ordinal: 0x5000 + ordinal)
     rec = Recording("f")
     rec.exec_, rec.ordinal, rec.out_spec, rec.out_leaves = "exec", 2, None, []
     rec.out_kinds, rec.out_alias = [], []

@@ -1,5 +1,5 @@
 """A recording made in training mode is not replayed in evaluation mode (and back): switches of
-``nn.Module.train``/``eval`` are counted (``interop.observe._mode_epoch``), a recording from
+``nn.Module.train``/``eval`` are counted (``interop.observe.mode_epoch_now``), a recording from
 another mode warms up again (``ModeRewarm``), and a loop that trains and evaluates in turn is
 not pushed to eager by ``config.rewarm_limit``, while a function that switches modes inside
 itself on every call is."""
@@ -22,20 +22,20 @@ def test_train_and_eval_count_only_real_switches():
     observe._patch_train(torch.nn.Module)  # once only: the wrapper is not wrapped again
     assert getattr(torch.nn.Module.train, "_cgraw_counts_modes", False)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.BatchNorm1d(4))
-    e = observe._mode_epoch[0]
+    e = observe.mode_epoch_now[0]
     model.train()  # already training: no switch
-    assert observe._mode_epoch[0] == e
+    assert observe.mode_epoch_now[0] == e
     model.eval()
-    assert observe._mode_epoch[0] == e + 1 and not model[1].training
+    assert observe.mode_epoch_now[0] == e + 1 and not model[1].training
     model.eval()
-    assert observe._mode_epoch[0] == e + 1
+    assert observe.mode_epoch_now[0] == e + 1
     model[1].train()  # one submodule alone
-    assert observe._mode_epoch[0] == e + 2 and model[1].training and not model[0].training
+    assert observe.mode_epoch_now[0] == e + 2 and model[1].training and not model[0].training
     model.train()
-    assert observe._mode_epoch[0] == e + 3 and all(m.training for m in model.modules())
+    assert observe.mode_epoch_now[0] == e + 3 and all(m.training for m in model.modules())
     with pytest.raises(ValueError):
         model.train("yes")  # torch's own check still runs
-    assert observe._mode_epoch[0] == e + 3
+    assert observe.mode_epoch_now[0] == e + 3
 
 
 def _setup():

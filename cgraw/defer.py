@@ -9,7 +9,7 @@ torch aborts the process when a ``MemPool`` is destroyed while any capture route
 or a synchronising destroy on a capturing thread invalidates its capture.
 
 The count is process-wide, not per thread, because torch's assertion is. Queued work runs under
-``_lock`` (re-entrant: a release may drop the last reference to another deferred object), so a
+``lock`` (re-entrant: a release may drop the last reference to another deferred object), so a
 capture that begins on another thread waits until the queue is empty.
 """
 
@@ -27,21 +27,21 @@ from cgraw.errors import ResourceLeakWarning
 # routes allocations, so finalizers (graphs, pools, torch MemPools) fire at the worst moments.
 CGRAW_GC_STRESS = os.environ.get("CGRAW_GC_STRESS", "").strip().lower() in ("1", "true", "yes", "on")
 
-_lock = threading.RLock()
-_active = 0  # captures routing allocations now, all threads; guarded by _lock
-_queue: list = []  # (fn, args) waiting for _active == 0; guarded by _lock
+lock = threading.RLock()  # guards active_count and the queue; held to keep captures from beginning
+active_count = 0  # captures routing allocations now, all threads; guarded by lock
+_queue: list = []  # (fn, args) waiting for active_count == 0; guarded by lock
 
 
 def active() -> bool:
     """Whether any cgraw capture routes allocations now (on any thread)."""
-    return _active > 0
+    return active_count > 0
 
 
 def release(fn, *args) -> None:
     """Run ``fn(*args)`` now, or once no capture routes allocations. Never raises."""
-    if _active:
-        with _lock:
-            if _active:
+    if active_count:
+        with lock:
+            if active_count:
                 _queue.append((fn, args))
                 return
     _run(fn, args)
@@ -49,19 +49,19 @@ def release(fn, *args) -> None:
 
 def capture_begins() -> None:
     """Count a capture in (before it routes any allocation)."""
-    global _active
-    with _lock:
-        _active += 1
+    global active_count
+    with lock:
+        active_count += 1
 
 
 def capture_ends() -> None:
     """Count a capture out (after its routing ended); the last one runs the queued releases."""
-    global _active
-    with _lock:
-        _active -= 1
-        if _active < 0:
-            _active = 0
-        while _active == 0 and _queue:
+    global active_count
+    with lock:
+        active_count -= 1
+        if active_count < 0:
+            active_count = 0
+        while active_count == 0 and _queue:
             fn, args = _queue.pop(0)
             _run(fn, args)
 
