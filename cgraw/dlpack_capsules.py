@@ -21,11 +21,12 @@ from typing import Callable
 from cgraw.dlpack import (
     CAPSULE_NAME,
     CAPSULE_NAME_VERSIONED,
+    DLPACK_VERSION,
     NP_TO_DL,
+    READ_ONLY,
     USED_NAME,
     USED_NAME_VERSIONED,
-    DLPACK_VERSION,
-    READ_ONLY,
+    CapsuleType,
     DLDeleter,
     DLManagedTensor,
     DLManagedTensorVersioned,
@@ -35,10 +36,9 @@ from cgraw.dlpack import (
     capsule_is_valid,
     capsule_new,
     capsule_set_name,
-    CapsuleType,
+    from_dl_dtype,
     immortal,
     to_dl_dtype_slow,
-    from_dl_dtype,
 )
 
 # Struct address -> (struct buffer, owner, on_release). The buffer holds the managed tensor
