@@ -1,0 +1,54 @@
+"""Every attribute a cgraw module reads from another cgraw module it imported exists there.
+
+Much of cgraw runs only on a GPU (the replay path, the CUDA backend of the trees), so a renamed
+module-level name that one of those paths still reads would pass the CPU tier and fail on the
+device. This reads every module's source: for each ``import cgraw.x as y`` / ``from cgraw import
+x`` binding a module, each ``y.name`` it loads must be an attribute of that module once imported
+(modules import without torch or CuPy; their framework imports are lazy)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _module_aliases(tree) -> dict:
+    """``{local name: module}`` of the cgraw modules a source file binds to a name."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "cgraw":
+            for a in node.names:
+                try:
+                    out[a.asname or a.name] = importlib.import_module(f"{node.module}.{a.name}")
+                except ImportError:
+                    pass  # a name, not a module
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "cgraw" and a.asname:
+                    out[a.asname] = importlib.import_module(a.name)
+    return out
+
+
+def _missing(source: str, label: str) -> list[str]:
+    tree = ast.parse(source, filename=label)
+    aliases = _module_aliases(tree)
+    return [f"{label}:{node.lineno}: {node.value.id}.{node.attr}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+            and isinstance(node.value, ast.Name) and node.value.id in aliases
+            and not hasattr(aliases[node.value.id], node.attr)]
+
+
+def test_attributes_read_from_imported_cgraw_modules_exist():
+    files = sorted((ROOT / "cgraw").rglob("*.py"))
+    assert len(files) > 40
+    missing = [m for f in files for m in _missing(f.read_text(), str(f.relative_to(ROOT)))]
+    assert not missing, "reads of names the module does not have:\n" + "\n".join(missing)
+
+
+def test_the_check_finds_a_missing_name():
+    source = "from cgraw import stream as _streams\n\ndef f():\n    return _streams.no_such_name(0)\n"
+    assert _missing(source, "probe.py") == ["probe.py:4: _streams.no_such_name"]
