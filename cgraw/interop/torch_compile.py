@@ -52,29 +52,60 @@ class Runtime:
 
 
 class Home:
-    """The tree where the forward partitions of one compiled graph ran last: its backward
-    partitions, run from autograd's thread, replay there too (as the next nodes of the path)."""
+    """What the partitions of one compiled graph share: ``tree``, where its forward partitions ran
+    last (its backward partitions, run from autograd's thread, replay there too, as the next nodes
+    of the path); ``forward_pending``, whether a forward of the training graph ran and no backward
+    of it has run since; ``bypass``, whether the forward under way runs as Inductor compiled it."""
 
-    __slots__ = ("tree",)
+    __slots__ = ("tree", "forward_pending", "bypass", "first_forward")
 
     def __init__(self):
         self.tree = None
+        self.forward_pending = False
+        self.bypass = False
+        self.first_forward = None  # the lowest index of the training forward's graphed partitions
 
 
-def adapt(fn, gf, home: Home, runtime: Runtime, in_backward):
-    """The callable Inductor calls in place of partition ``fn``: it takes Inductor's argument list,
-    clears it as the partition would, and calls graphed function ``gf`` with the items as
-    positional arguments. ``in_backward()`` says whether autograd's backward pass is running."""
+# why a training graph's forward runs without cgraw's graphs while an earlier forward waits for its
+# backward: the partitions are root functions of the tree, so a second forward would begin a new
+# generation and reuse the memory of the first one's outputs, the activations its backward reads
+PENDING = ("a forward ran while the backward of an earlier forward of the same graph had not (gradient "
+           "accumulation over micro-batches): it runs as Inductor compiled it, without graphs, until a backward "
+           "runs")
+
+
+def adapt(fn, gf, home: Home, runtime: Runtime, in_backward, *, phase: str | None = None, index: int = 0,
+          name: str = ""):
+    """The callable Inductor calls in place of partition ``fn`` (``index`` of its graph, compiled as
+    ``phase``): it takes Inductor's argument list, clears it as the partition would, and calls
+    graphed function ``gf`` with the items as positional arguments. ``in_backward()`` says whether
+    autograd's backward pass is running. A forward of a training graph (``phase`` "forward") that
+    begins while an earlier forward's backward has not run runs ``fn`` itself (``PENDING``)."""
+    training = phase == "forward"
+    if training and (home.first_forward is None or index < home.first_forward):
+        home.first_forward = index
 
     def partition(args):
+        if in_backward():
+            home.forward_pending = False
+            tree = home.tree
+            xs = tuple(args)
+            args.clear()  # the generated code deletes its names first: the inputs die with this call
+            if tree is not None and threading.get_ident() != tree.owner_thread:
+                return tree.call_here(gf, xs, {})  # a backward is a node of its forward's path
+            return gf(*xs)
+        if training:
+            if index == home.first_forward:  # a forward begins: Inductor calls its partitions in order
+                home.bypass = home.forward_pending
+                home.forward_pending = True
+            if home.bypass:
+                runtime.note(name, PENDING)
+                return fn(args)
         xs = tuple(args)
-        args.clear()  # the generated code deletes its names first: the inputs die with this call
-        tree = home.tree
-        if tree is not None and in_backward() and threading.get_ident() != tree.owner_thread:
-            return tree.call_here(gf, xs, {})  # a backward is a node of its forward's path
+        args.clear()
         out = gf(*xs)
         ordinal = _device_of(xs)
-        if ordinal >= 0 and not in_backward():
+        if ordinal >= 0:
             home.tree = runtime.tree_here(ordinal)
         return out
 
@@ -133,7 +164,8 @@ class Wrapping:
                 self.runtime.note(name, why)
                 return fn
             gf = self.runtime.graphed(graph_body(fn, name))
-            wrapped = adapt(fn, gf, self.home, self.runtime, _in_backward())
+            wrapped = adapt(fn, gf, self.home, self.runtime, _in_backward(),
+                            phase=getattr(self.phase, "value", None), index=index, name=name)
         except Exception as exc:  # noqa: BLE001 -- never fail the compile: run the partition as compiled
             self.runtime.note(name, f"not graphed: {type(exc).__name__}: {exc}")
             return fn
@@ -231,5 +263,5 @@ def plain_compile(gm, example_inputs, extra: dict | None):
     return compile_fx(gm, example_inputs, config_patches={**(extra or {}), "triton.cudagraphs": False})
 
 
-__all__ = ["CACHE_MARKER", "PATCHES", "Home", "Runtime", "Wrapping", "adapt", "check", "compile_graph", "config_patches",
+__all__ = ["CACHE_MARKER", "PATCHES", "PENDING", "Home", "Runtime", "Wrapping", "adapt", "check", "compile_graph", "config_patches",
            "graph_body", "installed", "plain_compile"]

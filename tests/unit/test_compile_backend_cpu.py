@@ -318,3 +318,55 @@ def test_unsupported_torch_falls_back_to_inductor_with_the_reason(monkeypatch):
     with pytest.raises(Exception, match="set_customized_partition_wrappers"):
         c(x)
     torch._dynamo.reset()
+
+
+def test_a_forward_while_an_earlier_backward_is_pending_runs_as_compiled():
+    """Gradient accumulation: forward, forward, backward. The second forward of a training graph
+    would begin a new generation and reuse the memory of the first one's saved activations, so it
+    runs the partitions as Inductor compiled them (with the reason in the report) until a backward
+    runs; the next forward is graphed again."""
+    made, notes, seen = [], [], []
+    home = tcomp.Home()
+    rt = _runtime(made, notes)
+    in_backward = [False]
+
+    def forward_part(i):
+        fn = _partition(seen)
+        gf = FakeGraphed(tcomp.graph_body(fn, f"f{i}"))
+        return fn, gf, tcomp.adapt(fn, gf, home, rt, lambda: in_backward[0], phase="forward", index=i,
+                                   name=f"t [0/0] forward/partition {i} of 2")
+
+    (_, g0, p0), (_, g1, p1) = forward_part(0), forward_part(1)
+    gb = FakeGraphed(tcomp.graph_body(_partition(seen), "b"))
+    pb = tcomp.adapt(_partition(seen), gb, home, rt, lambda: in_backward[0], phase="backward", index=0)
+
+    def forward():
+        return p1([p0([1.0, 2.0, 1])[0], 1.0, 1])
+
+    def backward():
+        in_backward[0] = True
+        try:
+            return pb([1.0, 1.0, 1])
+        finally:
+            in_backward[0] = False
+
+    assert forward() == (4.0,) and (len(g0.calls), len(g1.calls)) == (1, 1)  # graphed
+    assert forward() == (4.0,) and (len(g0.calls), len(g1.calls)) == (1, 1)  # the first's backward waits
+    assert [n for n, _ in notes] == ["t [0/0] forward/partition 0 of 2", "t [0/0] forward/partition 1 of 2"]
+    assert all(why == tcomp.PENDING for _, why in notes)
+    backward()
+    backward()
+    assert len(gb.calls) == 2  # backwards are graphed either way
+    assert forward() == (4.0,) and (len(g0.calls), len(g1.calls)) == (2, 2)  # graphed again
+    backward()
+    assert forward() == (4.0,) and (len(g0.calls), len(g1.calls)) == (3, 3)  # one backward per forward
+
+
+def test_inference_graphs_never_wait_for_a_backward():
+    made, notes, seen = [], [], []
+    home = tcomp.Home()
+    gf = FakeGraphed(tcomp.graph_body(_partition(seen), "i"))
+    p = tcomp.adapt(_partition(seen), gf, home, _runtime(made, notes), lambda: False, phase="inference", index=0)
+    for _ in range(3):
+        assert p([1.0, 2.0, 1]) == (3.0,)
+    assert len(gf.calls) == 3 and notes == []
