@@ -76,9 +76,11 @@ class Device:
 
     @property
     def name(self) -> str:
+        """The device's name as the driver reports it (``cuDeviceGetName``), e.g. "NVIDIA H200"."""
         return _cuda.device_get_name(self.handle)
 
     def synchronize(self) -> None:
+        """Wait until all work on this device is done (``cuCtxSynchronize`` in its primary context)."""
         self.set_current()
         _cuda.ctx_synchronize()
 

@@ -208,6 +208,7 @@ class Graph:
 
     @property
     def closed(self) -> bool:
+        """True when the graph holds no executable (after ``close()``)."""
         return self._exec is None
 
     def update_from(self, other: "Graph") -> None:

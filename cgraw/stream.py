@@ -91,6 +91,7 @@ class Stream:
         return (0, self.ptr)
 
     def synchronize(self) -> None:
+        """Wait until all work submitted to the stream is done."""
         _cuda.stream_synchronize(self.handle)
 
     def launch_host_func(self, callback, arg) -> None:
@@ -150,6 +151,7 @@ class Stream:
 
     @property
     def is_capturing(self) -> bool:
+        """True while a stream capture is under way on this stream (active or invalidated)."""
         return self.capture_status != 0
 
     def close(self) -> None:
@@ -182,6 +184,8 @@ class Event:
 
     @classmethod
     def create(cls, device: Device | int | None = None, *, timing: bool = False) -> "Event":
+        """Create an event on ``device`` (the current one if None); ``timing=True`` lets it measure
+        ``elapsed_ms`` (timing events cost more to record)."""
         dev = _as_device(device)
         dev.set_current()
         self = object.__new__(cls)
@@ -193,13 +197,16 @@ class Event:
         return self
 
     def record(self, stream: Stream) -> "Event":
+        """Record the event on ``stream`` (it completes once the work queued there so far is done); returns it."""
         _cuda.event_record(self.handle, stream.handle)
         return self
 
     def query(self) -> bool:
+        """True once the work before the event's last record has completed."""
         return _cuda.event_query(self.handle)
 
     def synchronize(self) -> None:
+        """Wait until the event has completed."""
         _cuda.event_synchronize(self.handle)
 
     def elapsed_ms(self, end: "Event") -> float:
@@ -207,6 +214,7 @@ class Event:
         return _cuda.event_elapsed_time(self.handle, end.handle)
 
     def close(self) -> None:
+        """Destroy the event (idempotent)."""
         self._finalizer()
 
 

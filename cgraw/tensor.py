@@ -133,18 +133,22 @@ class Tensor:
 
     @property
     def ndim(self) -> int:
+        """The number of dimensions."""
         return len(self.shape)
 
     @property
     def size(self) -> int:
+        """The number of elements."""
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """The bytes its elements take (``size * itemsize``)."""
         return self.size * self.itemsize
 
     @property
     def is_contiguous(self) -> bool:
+        """True when its strides are C-contiguous (any strides for at most one element)."""
         return self.strides == _contiguous(self.shape) or self.size <= 1
 
     def __repr__(self) -> str:
