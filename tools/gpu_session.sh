@@ -13,7 +13,7 @@
 #                "--only models,graphed", or "" for the quick run)
 #         parallel  every non-slow tier at once on one GPU (about 6 min on the H200; each tier stops
 #                at CGRAW_PARALLEL_TIMEOUT seconds, default 540): the GPU
-#                tier in four shards, the random walk, the gc-stress tier without third-party tests,
+#                tier in four shards, the random walk, the gc-stress tier without third-party tests (in four shards),
 #                the tier with cuda-bindings 12.9.10 (when build/cb12/*.whl was carried; CGRAW_CB12_FILES
 #                picks test files, default all) and memcheck of CGRAW_MEMCHECK_FILES (default
 #                tests/gpu/test_rebind.py); the soak reads device-wide memory, so run "slow" alone after it
@@ -58,7 +58,15 @@ if has parallel; then
   $P -m "gpu and not slow" $third "$@" > "$L/shard3.log" 2>&1 &
   $P -m "gpu and not slow" tests/gpu $rest "$@" > "$L/shard4.log" 2>&1 &
   $P -m "gpu and slow" -s tests/gpu/test_random_walk.py > "$L/walk.log" 2>&1 &
-  CGRAW_GC_STRESS=1 $P -m "gpu and not slow and not third_party" tests/gpu > "$L/stress.log" 2>&1 &
+  # the gc-stress tier in four shards (test files dealt round-robin): in two halves it took 206 and 303 s
+  k=0; sa=""; sb=""; sc=""; sd=""
+  for f in tests/gpu/test_*.py; do
+    case $((k % 4)) in 0) sa="$sa $f";; 1) sb="$sb $f";; 2) sc="$sc $f";; 3) sd="$sd $f";; esac; k=$((k + 1))
+  done
+  for s in a b c d; do
+    eval "files=\$s$s"
+    CGRAW_GC_STRESS=1 $P -m "gpu and not slow and not third_party" $files > "$L/stress_$s.log" 2>&1 &
+  done
   if ls build/cb12/*.whl > /dev/null 2>&1; then
     pip install -q --no-deps --target /tmp/cb12 build/cb12/*.whl > "$L/cb12_pip.log" 2>&1
     PYTHONPATH=/tmp/cb12:. $P -m "gpu and not slow" ${CGRAW_CB12_FILES:-tests/gpu} > "$L/cb12.log" 2>&1 &
