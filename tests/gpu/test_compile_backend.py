@@ -118,6 +118,18 @@ class CutModel(torch.nn.Module):
         return torch.tanh(self.b(h))
 
 
+def _last_compiles(parts: dict) -> list:
+    """``[(pieces of a dynamo frame's last compile, calls it saw at least)]``. dynamo recompiles a
+    frame whose guard fails: the frame resumed after ``.item()`` guards on the value it read (on the
+    CPU, with TORCH_LOGS=recompiles: ``___stack0 == 455.59...``), so its first compile runs once and
+    its second, with the value symbolic, runs from then on; each compile takes at least one call."""
+    frames: dict = {}
+    for n, s in parts.items():
+        frame, compile_ = (int(v) for v in re.search(r"\[(\d+)/(\d+)\]", n).groups())
+        frames.setdefault(frame, {}).setdefault(compile_, {})[n] = s
+    return [(by_compile[max(by_compile)], CALLS - max(by_compile)) for by_compile in frames.values()]
+
+
 @pytest.mark.parametrize("kind", ["unsafe_op", "item", "nonzero"])
 def test_a_cut_in_the_middle_leaves_both_sides_graphed(kind):
     m = CutModel(kind).cuda()
@@ -127,7 +139,8 @@ def test_a_cut_in_the_middle_leaves_both_sides_graphed(kind):
             x = trand(16, 64)
             torch.testing.assert_close(c(x), m(x), **TOL)
     parts = _partitions(f"cut_{kind} [")
-    _assert_replayed(parts)
+    for frame_parts, calls in _last_compiles(parts):
+        _assert_replayed(frame_parts, calls)
     if kind == "unsafe_op":  # one dynamo graph, cut by Inductor around the op: two pieces
         assert len(parts) == 2 and all(n.endswith(("partition 0 of 2", "partition 1 of 2")) for n in parts), parts
     else:  # dynamo breaks the graph (or Inductor cuts it): a piece before and a piece after
