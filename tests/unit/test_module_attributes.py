@@ -52,3 +52,43 @@ def test_attributes_read_from_imported_cgraw_modules_exist():
 def test_the_check_finds_a_missing_name():
     source = "from cgraw import stream as _streams\n\ndef f():\n    return _streams.no_such_name(0)\n"
     assert _missing(source, "probe.py") == ["probe.py:4: _streams.no_such_name"]
+
+
+def _unresolved_imports(source: str, label: str) -> list[str]:
+    """``import cgraw.x`` and ``from cgraw.x import y`` statements (anywhere, function bodies too)
+    whose module does not exist or has no ``y``."""
+    out = []
+    for node in ast.walk(ast.parse(source, filename=label)):
+        if isinstance(node, ast.Import):
+            names = [(a.name, None) for a in node.names if a.name.split(".")[0] == "cgraw"]
+        elif (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+              and node.module.split(".")[0] == "cgraw"):
+            names = [(node.module, a.name) for a in node.names]
+        else:
+            continue
+        for module, name in names:
+            try:
+                mod = importlib.import_module(module)
+            except ImportError:
+                out.append(f"{label}:{node.lineno}: no module {module}")
+                continue
+            if name is not None and name != "*" and not hasattr(mod, name):
+                try:
+                    importlib.import_module(f"{module}.{name}")
+                except ImportError:
+                    out.append(f"{label}:{node.lineno}: {module} has no {name}")
+    return out
+
+
+def test_every_cgraw_import_in_the_repository_resolves():
+    """A module that moved or a name that was renamed fails here, whether it is imported at the
+    top of a file or inside a function that only runs on a GPU."""
+    files = [f for d in ("cgraw", "tests", "benchmarks", "tools") for f in sorted((ROOT / d).rglob("*.py"))]
+    bad = [m for f in files for m in _unresolved_imports(f.read_text(), str(f.relative_to(ROOT)))]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_import_check_finds_a_moved_module_and_a_missing_name():
+    source = "def f():\n    from cgraw.no_such_module import x\n    from cgraw.stream import no_such_name\n"
+    assert _unresolved_imports(source, "p.py") == ["p.py:2: no module cgraw.no_such_module",
+                                                   "p.py:3: cgraw.stream has no no_such_name"]
