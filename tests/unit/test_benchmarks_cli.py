@@ -5,12 +5,16 @@ import argparse
 import importlib
 import json
 import os
+import pathlib
+import subprocess
 import sys
 import types
 
 import pytest
 
 from benchmarks.__main__ import PARTS, QUICK, _parse, _parts, plan
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -386,3 +390,35 @@ def test_threads_summary_takes_medians_and_per_round_ratios_to_eager():
     assert s["graphed x2"]["calls_per_s"] == 400.0 and s["graphed x2"]["used_mib"] == 4.0
     assert s["graphed x2"]["runs"] == 3 and s["eager x2"]["calls_per_s_vs_eager"] == 1.0
     assert "one_tree x2" not in s  # a failed check is never summarised
+
+
+def test_the_backend_is_judged_against_the_device_time_of_the_same_kernels_in_one_graph():
+    """``cgraw_backend_host_over_kernels_device``: the backend's host µs over the device µs of
+    ``cgraw_over_compile``'s bursts (Inductor's kernels replayed by one graph ahead of the host),
+    never over the backend's own bursts, whose device time a host-bound system fills with waits."""
+    from benchmarks import models
+
+    def row(system, host, device, replayed=True):
+        return {"system": system, "check": "ok", "host_us": host, "device_us": device, "graph_replayed": replayed}
+
+    by_system = {"cgraw_backend": row("cgraw_backend", 210.0, 209.5), "reduce_overhead": row("reduce_overhead", 176.0, 175.5),
+                 "cgraw_over_compile": row("cgraw_over_compile", 173.0, 172.5)}
+    out = models._summary(by_system)
+    assert out["cgraw_backend_host_over_kernels_device"] == pytest.approx(210.0 / 172.5)
+    assert out["cgraw_backend_over_reduce_overhead_host"] == pytest.approx(210.0 / 176.0)
+    by_system["cgraw_backend"]["graph_replayed"] = False  # its timed calls did not all replay: no figure
+    assert models._summary(by_system)["cgraw_backend_host_over_kernels_device"] is None
+
+
+def test_the_two_branch_eager_memory_program_runs_and_equals_eager_on_the_cpu(tmp_path):
+    """``two_branch_eager`` (inputs alternating between two tensors, the eager reference between
+    steps): its program logic on the CPU, eager system, every step equal to the reference."""
+    pytest.importorskip("torch")
+    out = tmp_path / "memory.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--device", "cpu", "--programs", "two_branch_eager",
+                           "--systems", "eager", "--mib", "1", "--steps", "4", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    child = json.loads(out.read_text())["children"]["two_branch_eager/eager"]
+    assert child["result_checked"] is True and child["steps_bitwise_equal_to_eager"] == 4
+    assert child["branches_taken"] == {"f2": 2, "f3": 2}
