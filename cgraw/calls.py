@@ -101,25 +101,20 @@ def grad_enabled() -> bool:
     return p is not None and bool(p())
 
 
-_NO_LEAF_GRAD = ((GRAD, ()),)  # the key suffix of the common case: no leaf requires grad
+_NO_LEAF_GRAD = (GRAD, ())  # the key entry of the common case: no leaf requires grad
 
 
-def _with_grad(call: "Call") -> "Call":
-    """Mark ``call`` as made with grad enabled: which leaves require grad joins its key, and which
-    of them are eager autograd leaves already holding a ``.grad`` (a backward inside the function
+def _grad_entry(leaves, kinds) -> tuple:
+    """The key entry of a call made with grad enabled: which leaves require grad, and which of
+    them are eager autograd leaves already holding a ``.grad`` (a backward inside the function
     would add to it; ``treeexec`` runs such calls eagerly). A graphed call's hot path: a list
-    comprehension, and no new suffix when no leaf requires grad."""
-    call.grad = True
-    leaves = call.leaves
+    comprehension, and the shared entry when no leaf requires grad."""
     req = [j for j, t in enumerate(leaves) if getattr(t, "requires_grad", False)]
     if not req:
-        call.key = call.key + _NO_LEAF_GRAD
-        return call
-    kinds = call.kinds
+        return _NO_LEAF_GRAD
     held = tuple(j for j in req if kinds[j] == EAGER and getattr(leaves[j], "is_leaf", False)
                  and getattr(leaves[j], "grad", None) is not None)
-    call.key = call.key + ((GRAD, tuple(req), held),)
-    return call
+    return (GRAD, tuple(req), held)
 
 
 class Call:
@@ -208,7 +203,8 @@ def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
             call.key = buckets.padded_key(key_parts, leaves, call.padded, call.bucket)
     p = _grad_mode[0]
     if p is not None and p():
-        _with_grad(call)
+        call.grad = True
+        call.key = call.key + (_grad_entry(leaves, kinds),)
     ks = _kernel[0]
     if ks is not None:
         call.key = call.key + (ks.state(getattr(fn, "kernel_getters", None) or _kernel[1]),)
@@ -265,15 +261,6 @@ def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
     call = Call(tuple(parts), list(args), kinds, ptrs, *shared)
     call.grad = grad
     return call
-
-
-def _grad_entry(leaves, kinds) -> tuple:
-    """The key entry of a call made with grad enabled (``_with_grad``), for tensor leaves."""
-    req = [j for j, t in enumerate(leaves) if t.requires_grad]
-    if not req:
-        return _NO_LEAF_GRAD[0]
-    held = tuple(j for j in req if kinds[j] == EAGER and leaves[j].is_leaf and leaves[j].grad is not None)
-    return (GRAD, tuple(req), held)
 
 
 def _wrong_device(args, device: int):
