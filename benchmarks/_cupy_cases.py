@@ -6,10 +6,10 @@ function through ``call(f, *args)`` with ``f`` the resolved function. ``setup(ns
 objects from the device inputs before the capture (sparse matrices, generators); ``ns`` has
 ``cp`` (cupy) and ``sparse`` (cupyx.scipy.sparse). ``expect`` says why a case is expected to fail
 the capture today (None: expected to record and replay equal); the run reports where it was wrong.
-The cuBLAS expectations follow ``cgraw.interop.cupy_blas`` (CuPy's matrix products routed to a
-cgraw handle). The cuSOLVER ones follow ``cgraw.interop.cupy_solver`` (CuPy's dense cuSOLVER calls
+The cuBLAS expectations follow ``cgraw.interop.cupy.blas`` (CuPy's matrix products routed to a
+cgraw handle). The cuSOLVER ones follow ``cgraw.interop.cupy.solver`` (CuPy's dense cuSOLVER calls
 routed to a cgraw handle), the single-matrix svd/eigh family included (gesvd and Xsyevd run as the
-batched Jacobi routines). The cuSPARSE ones follow ``cgraw.interop.cupy_sparse`` (sparse @ dense
+batched Jacobi routines). The cuSPARSE ones follow ``cgraw.interop.cupy.sparse`` (sparse @ dense
 products routed, csrgeam2 refused by name). Notes marked "H200" say what a run there showed.
 """
 
@@ -391,10 +391,10 @@ def _manipulation() -> list[Case]:
 def _linalg() -> list[Case]:
     s = "linear algebra"
     sq2 = (SQ, Arr((16, 16)))
-    blas = "cuBLAS through cgraw's handle (interop.cupy_blas)"
-    solver = "cuSOLVER through cgraw's handle (interop.cupy_solver)"
+    blas = "cuBLAS through cgraw's handle (interop.cupy.blas)"
+    solver = "cuSOLVER through cgraw's handle (interop.cupy.solver)"
     jacobi = ("single matrix up to 32x32: gesvd/Xsyevd (they synchronise inside cuSOLVER on the H200) run as "
-              "gesvdjBatched/syevjBatched with a batch of one (interop.cupy_solver); rounding differs from eager")
+              "gesvdjBatched/syevjBatched with a batch of one (interop.cupy.solver); rounding differs from eager")
     vectors = ("; vectors differ from eager's by sign/phase (another algorithm), so the factorisation is "
                "checked against the input")
     cases = [
@@ -449,7 +449,7 @@ def _linalg() -> list[Case]:
              note="svd through Jacobi and s1[s <= cutoff] = 0 through cgraw's mask assignment; then, with m > n, "
                   "CuPy tests rank != n on the host for the residuals (H200)"),
         Case("cupy.linalg.pinv", s, (Arr((16, 8)),), compare="algorithm",
-             note=jacobi + "; s[leq] = 0 through cgraw's mask assignment (interop.cupy_mask)"),
+             note=jacobi + "; s[leq] = 0 through cgraw's mask assignment (interop.cupy.mask)"),
         Case("cupy.linalg.matrix_power", s, (Arr((16, 16), lo=-0.3, hi=0.3),), lambda f, x: f(x, 3), note=blas),
         Case("cupy.linalg.matrix_rank", s, (SQ,), note=jacobi),
         Case("cupy.linalg.cond", s, (_well_conditioned(16),), compare="algorithm", expect=SYNC,
@@ -526,7 +526,7 @@ def _random() -> list[Case]:
         r("choice [array a]", lambda f, a: f(a, RSIZE), Law(support=0), (Arr((16,), "int32", -100, 100),)),
         r("standard_exponential", lambda f: f(RSIZE), Law(lo=0.0, mean=1.0, std=1.0)),
         r("exponential", lambda f: f(2.0, RSIZE), Law(lo=0.0, mean=2.0, std=2.0)),
-        # rejection samplers with per-element counter streams (rng_kernels.SAMPLERS)
+        # rejection samplers with per-element counter streams (rng.kernels.SAMPLERS)
         r("gamma", lambda f: f(2.0, 1.5, RSIZE), Law(lo=0.0, mean=3.0, std=1.5 * 2 ** 0.5)),
         r("standard_gamma", lambda f: f(2.0, RSIZE), Law(lo=0.0, mean=2.0, std=2 ** 0.5)),
         r("standard_gamma [shape < 1]", lambda f: f(0.5, RSIZE, dtype=np.float32),

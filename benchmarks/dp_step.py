@@ -71,7 +71,7 @@ def _torch_variant(rank: int, world: int, steps: int, timed: int) -> dict:
         losses.append(float(lg))
     flat_g = torch.cat([p.detach().flatten() for p in m_g.parameters()])
     flat_e = torch.cat([p.detach().flatten() for p in m_e.parameters()])
-    mgr = sys.modules["cgraw.graphed"]._managers[rank]
+    mgr = sys.modules["cgraw.trees.graphed"]._managers[rank]
     st = mgr.stats[graphed.fn_id]
     out = {
         "loss_max_abs_diff": loss_diff,
@@ -140,7 +140,7 @@ def _cupy_variant(rank: int, world: int, steps: int, timed: int) -> dict:
         le = step(w_e, x, y)
         lg = graphed(x, y)
         loss_diff = max(loss_diff, float(abs(lg - le)))
-    mgr = sys.modules["cgraw.graphed"]._managers[rank]
+    mgr = sys.modules["cgraw.trees.graphed"]._managers[rank]
     st = mgr.stats[graphed.fn_id]
     out = {
         "loss_max_abs_diff": loss_diff,

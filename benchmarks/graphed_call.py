@@ -149,7 +149,7 @@ def _run_k(rep: Report, k: int, rounds: int) -> dict:
     if rep.check(f"graphed_call k={k}: cgraw.graphed", same_as_eager(lambda xs: g(*xs))):
         timed["cgraw_same"] = lambda: g(*sets[0])
         timed["cgraw_alternating"] = alternate(lambda xs: g(*xs))
-    mgr = sys.modules["cgraw.graphed"]._managers[0]
+    mgr = sys.modules["cgraw.trees.graphed"]._managers[0]
     stats = mgr.stats[g.fn_id]
 
     hand = _hand_graph(k)  # hand-made torch.cuda.CUDAGraph with static inputs and copy_
@@ -219,7 +219,7 @@ def _floors(rec, sets) -> tuple[dict, str]:
     the same rounds find it as they left it. Also returns what the re-point does (for the row);
     an input the graph neither copies nor reads in place has no re-point floor."""
     from cgraw import _cuda
-    from cgraw import stream as _streams
+    from cgraw.runtime import stream as _streams
 
     launch, exec_, stream = _cuda.graph_launch_raw, rec.graph._exec, _streams.current_ptr(0)
 

@@ -18,7 +18,7 @@ the whole device, so two children at once would see each other's memory. Program
 
 Systems: ``eager``; ``cgraw`` (each function ``@cgraw.graphed``, ``cgraw.mark_step_begin()`` every
 step; cgraw's defaults: a warm-up autograd records nothing in runs inside the tree's pool,
-``cgraw.warmexec``); ``cgraw_warm_outside`` (the same with
+``cgraw.trees.warmup``); ``cgraw_warm_outside`` (the same with
 ``cgraw.config.warmup_in_pool = False``: every warm-up outside the pool, in torch's global cache);
 ``torch_trees``
 (each function ``torch.compile(mode="reduce-overhead")``,
@@ -80,7 +80,7 @@ def _wrap(system: str, fn):
     if system in ("cgraw", "cgraw_warm_outside"):
         import cgraw
 
-        cgraw.config.warmup_in_pool = system == "cgraw"  # cgraw.warmexec; True by default
+        cgraw.config.warmup_in_pool = system == "cgraw"  # cgraw.trees.warmup; True by default
         return cgraw.graphed(fn)
     import torch
 
@@ -330,7 +330,7 @@ def _private_pool_bytes(torch) -> int:
 
 def _cgraw_details(fns, device_index: int) -> dict:
     import cgraw
-    from cgraw.graphed import _managers  # private: per-function counts and pool bytes, as workloads.py reads
+    from cgraw.trees.graphed import _managers  # private: per-function counts and pool bytes, as workloads.py reads
 
     buf = io.StringIO()
     cgraw.report(file=buf)
@@ -340,7 +340,7 @@ def _cgraw_details(fns, device_index: int) -> dict:
         pool = mgr.backend.pool
         if not pool.closed:
             out["tree_pool_bytes"] = pool.torch_reserved_bytes + pool.stats().reserved_bytes
-        # False when a warm-up kept state in the pool: the tree moved to a fresh pool (cgraw.warmexec)
+        # False when a warm-up kept state in the pool: the tree moved to a fresh pool (cgraw.trees.warmup)
         out["warmups_in_pool_at_end"] = bool(getattr(mgr.backend, "warm_in_pool", False))
         out["functions"] = {}
         for f in fns:

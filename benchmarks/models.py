@@ -590,7 +590,7 @@ def _graph_stats(g):
         return None
     import torch
 
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     mgr = _managers.get(torch.cuda.current_device())
     if isinstance(g, Partitions):

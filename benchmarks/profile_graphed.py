@@ -80,9 +80,10 @@ def _pieces(g, xs, xs2, ts):
     changed) makes its piece unavailable, with the reason, instead of stopping the run."""
     import torch
 
-    from cgraw import _cuda, calls
-    from cgraw import stream as _streams
-    from cgraw.graphed import _managers
+    from cgraw import _cuda
+    from cgraw.trees import calls
+    from cgraw.runtime import stream as _streams
+    from cgraw.trees.graphed import _managers
 
     mgr = _managers[xs[0].get_device()]
     backend = mgr.backend
@@ -283,8 +284,8 @@ def _check_launches(rep: Report, g, xs, ts) -> None:
     import torch
 
     from cgraw import _cuda
-    from cgraw import stream as _streams
-    from cgraw.graphed import _managers
+    from cgraw.runtime import stream as _streams
+    from cgraw.trees.graphed import _managers
 
     mgr = _managers[xs[0].get_device()]
     rec = next(n for n in mgr.nodes() if n.fn is g and n.recording is not None).recording
@@ -367,7 +368,7 @@ def main(argv=None) -> int:
     import torch
 
     import cgraw
-    from cgraw import stream as _streams
+    from cgraw.runtime import stream as _streams
 
     rep = Report("profile_graphed")
     sync = torch.cuda.synchronize
@@ -457,7 +458,7 @@ def main(argv=None) -> int:
                               "verdict": verdict(ci, most)}
             rep.add(piece=f"target: {label}", kind="ratio", ratio=targets[label]["ratio"], ci95_low=ci[0],
                     ci95_high=ci[1], target=most, verdict=targets[label]["verdict"])
-    rec = next(n for n in sys.modules["cgraw.graphed"]._managers[xs[0].get_device()].nodes()
+    rec = next(n for n in sys.modules["cgraw.trees.graphed"]._managers[xs[0].get_device()].nodes()
                if n.fn is g and n.recording is not None).recording
     device_us = _device_us_per_replay(rec.graph.replay)
     extra = {"k": k, "burst": args.burst, "rounds": args.rounds, "ratios": ratios, "targets": targets,

@@ -123,7 +123,7 @@ ASSUMED_API = {
     "cgraw.report(file=...)": "each recorded node's line reads 'node NAME depth D: N graph nodes"
                               "..., R input(s) rebound, C copied'",
     "GraphedFunction.name, .fn_id": "as in cgraw.graphed; per-function counters in "
-                                    "cgraw.graphed._managers[device].stats[fn_id]",
+                                    "cgraw.trees.graphed._managers[device].stats[fn_id]",
 }
 
 _COUNTS = re.compile(r"(\d+) input\(s\) rebound, (\d+) copied")
@@ -262,7 +262,7 @@ def _fresh_tree() -> None:
 def _stats(g) -> dict:
     import torch
 
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     mgr = _managers.get(torch.cuda.current_device())
     st = mgr.stats.get(g.fn_id) if mgr is not None else None

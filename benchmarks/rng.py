@@ -439,7 +439,7 @@ def _graphed_draws(g):
     """Random-number kernels over the recordings of graphed function ``g`` (None: not reported)."""
     import torch
 
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     mgr = _managers.get(torch.cuda.current_device())
     if mgr is None:

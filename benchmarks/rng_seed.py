@@ -79,7 +79,7 @@ def _check_fresh(torch, x, call, name: str) -> None:
 
 
 def _recording(fn):
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     for node in _managers[0].nodes():
         if node.fn is fn and node.recording is not None:
@@ -251,7 +251,7 @@ def _bare(gen, inc: int):
 
 
 def _cpu(args) -> int:
-    from cgraw import rng
+    from cgraw.rng import plan as rng
 
     rep = Report("rng_seed_cpu", gpu=False)
     writes = []

@@ -115,7 +115,7 @@ def run_once(torch, model, system: str, n_threads: int, seconds: float) -> dict:
     fields, with ``error`` set (and nothing timed) when a thread's check failed."""
     import cgraw
 
-    graphed_mod = sys.modules["cgraw.graphed"]
+    graphed_mod = sys.modules["cgraw.trees.graphed"]
     cgraw.reset()
     gc.collect()
     torch.cuda.synchronize()

@@ -349,7 +349,7 @@ def _stats(torch, cgraw, g) -> dict | None:
     recordings' backward functions, named ``<name>.backward``)."""
     if g is None:
         return None
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     try:
         mgr = _managers.get(torch.cuda.current_device())

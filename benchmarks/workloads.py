@@ -110,7 +110,7 @@ def _jacobi(u, f):
 
 def _graph_node_counts(fn) -> dict:
     """Node counts of the recordings of graphed function ``fn`` on device 0: total and by type."""
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     mgr = _managers.get(0)
     by_type: dict[str, int] = {}
@@ -202,7 +202,7 @@ def _tree_memory(rep: Report) -> None:
     import torch
 
     import cgraw
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     n = 4 << 20  # 16 MiB tensors
 

@@ -4,8 +4,8 @@ Importing cgraw makes no CUDA call: the driver is loaded on first use, and a mac
 one gets a single ``cgraw.CudaUnavailableError``.
 """
 
-from cgraw.capture import capture
-from cgraw.device import Device
+from cgraw.runtime.capture import capture
+from cgraw.runtime.device import Device
 from cgraw.errors import (
     AllocatorError,
     CaptureError,
@@ -20,8 +20,8 @@ from cgraw.errors import (
     SnapshotMismatch,
     TreeError,
 )
-from cgraw.graph import Graph, NodeInfo
-from cgraw.graphed import (
+from cgraw.runtime.graph import Graph, NodeInfo
+from cgraw.trees.graphed import (
     GraphedFunction,
     graphed,
     mark_static,
@@ -31,11 +31,11 @@ from cgraw.graphed import (
     tree_text,
     unsafe,
 )
-from cgraw.graphed_callables import make_graphed_callables
-from cgraw.memory import DevicePool
-from cgraw.stream import Event, Stream
-from cgraw.tensor import Tensor, from_dlpack
-from cgraw.tree import config
+from cgraw.trees.callables import make_graphed_callables
+from cgraw.runtime.memory import DevicePool
+from cgraw.runtime.stream import Event, Stream
+from cgraw.dlpack.tensor import Tensor, from_dlpack
+from cgraw.trees.manager import config
 
 __version__ = "0.1.0"
 

@@ -27,8 +27,7 @@ try:
 except ImportError:  # cuda-bindings 12.8 has no utils module
     _utils = None
 
-from cgraw import defer
-from cgraw._cuda import compat as _cuda_compat
+from cgraw._cuda import defer, compat as _cuda_compat
 from cgraw.errors import (
     CaptureError,
     CudaError,

@@ -1,1 +1,2 @@
-"""Framework adapters (layer L5): torch and CuPy are imported lazily, only when the user has."""
+"""Framework adapters: ``interop.torch`` and ``interop.cupy``, each imported only once the user has
+imported that framework. Nothing here is imported by ``import cgraw``."""

@@ -36,7 +36,7 @@ def _holders(depth: int = 4) -> str:
     """Who keeps unclosed ``cgraw.Graph`` objects alive (for the leak message)."""
     import types
 
-    from cgraw.graph import Graph
+    from cgraw.runtime.graph import Graph
 
     lines = []
     graphs = [o for o in gc.get_objects() if type(o) is Graph and not o.closed]

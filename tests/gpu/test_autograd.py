@@ -1,4 +1,4 @@
-"""GPU tier for autograd through graphed functions (``cgraw.autograd_plan``), with
+"""GPU tier for autograd through graphed functions (``cgraw.trees.autograd``), with
 ``cgraw.config.autograd = True`` (the default). A backward capture needs the closure tensors read
 through aliases (a parameter's AccumulateGrad node would otherwise run on the default stream); the
 ``.sum()`` cases are below.
@@ -34,7 +34,7 @@ def autograd_on():
 
 
 def _mgr():
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     return _managers[0]
 

@@ -14,7 +14,7 @@ cp = pytest.importorskip("cupy")
 
 
 def _stats(f):
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     return _managers[0].stats[f.fn_id]
 

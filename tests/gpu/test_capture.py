@@ -415,9 +415,9 @@ def test_closed_pools_leave_no_torch_private_pool_behind(device):
         assert g.closed
     gc.collect()
     torch.cuda.synchronize()
-    from cgraw.interop import torch_c
+    from cgraw.interop.torch import private_api
 
-    left = {tuple(s["segment_pool_id"]) for s in torch_c.memory_segments()} & set(ids)
+    left = {tuple(s["segment_pool_id"]) for s in private_api.memory_segments()} & set(ids)
     assert not left, f"torch private pools of closed cgraw pools still hold segments: {sorted(left)}"
     x = trand(64, 64)
     torch.testing.assert_close(x @ x, (x.cpu() @ x.cpu()).cuda(), rtol=1e-2, atol=1e-2)  # eager cuBLAS still works

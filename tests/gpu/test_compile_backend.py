@@ -20,7 +20,7 @@ import cgraw
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_trees", "fresh_dynamo")]
 torch = pytest.importorskip("torch")
-graphed_mod = importlib.import_module("cgraw.graphed")
+graphed_mod = importlib.import_module("cgraw.trees.graphed")
 
 CALLS = 6
 TOL = {"rtol": 1e-4, "atol": 1e-4}  # Inductor's fused kernels against eager's, float32, TF32 off
@@ -239,7 +239,7 @@ def test_cupy_through_dlpack_inside_the_compiled_model():
 
 
 def test_default_compile_in_the_same_process_is_untouched():
-    from cgraw.interop import torch_c
+    from cgraw.interop.torch import private_api
 
     m = _mlp()
     c = torch.compile(m, backend="cgraw", options={"name": "first"})
@@ -247,7 +247,7 @@ def test_default_compile_in_the_same_process_is_untouched():
         for _ in range(3):
             x = trand(16, 64)
             torch.testing.assert_close(c(x), m(x), **TOL)
-        assert torch_c.partition_wrapper_slot().wrapper is None
+        assert private_api.partition_wrapper_slot().wrapper is None
         n_before = len(graphed_mod._managers[0].stats)
         d = torch.compile(_mlp())
         for _ in range(3):

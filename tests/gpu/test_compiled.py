@@ -24,7 +24,7 @@ N = 1 << 16
 
 
 def _mgr():
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     return _managers[0]
 

@@ -1,7 +1,7 @@
 """GPU tier of CuPy's cuBLAS calls inside ``cgraw.capture()``, routed to a cgraw-owned cuBLAS
-handle (``cgraw/interop/cupy_blas.py``), also run with cuda-bindings 12.9.10 and under memcheck.
+handle (``cgraw/interop/cupy/blas.py``), also run with cuda-bindings 12.9.10 and under memcheck.
 Every replay is compared with eager CuPy on new input values written in place. Then the cuSOLVER
-calls (``cupy_solver.py``), the single-matrix svd/eigh family through the Jacobi routines
+calls (``cgraw/interop/cupy/solver.py``), the single-matrix svd/eigh family through the Jacobi routines
 (JACOBI_OPS, the 33x33 refusals) among them."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import cgraw
-from cgraw.interop import cupy_blas, cupy_solver
+from cgraw.interop.cupy import blas as cupy_blas, solver as cupy_solver
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -657,12 +657,12 @@ def test_the_table_and_constants_match_the_installed_cupy():
 
 
 # ---------------------------------------------------------------- host uploads staged through the graph's pinned blocks
-# (interop.cupy_staging: CuPy 14.2 refuses every host-to-device copy on a capturing stream, so cgraw
+# (interop.cupy.staging: CuPy 14.2 refuses every host-to-device copy on a capturing stream, so cgraw
 # wraps cupy._core.array and copies from the graph's pinned block itself; more cases in test_cupy_uploads.py)
 
 
 def _staged_spans(g):
-    from cgraw.interop.cupy_staging import StagedUploads
+    from cgraw.interop.cupy.staging import StagedUploads
 
     holders = [h for h in g._keepalive if isinstance(h, StagedUploads)]
     return [p for h in holders for p in h.ptrs]
@@ -733,7 +733,7 @@ def test_two_graphs_staged_blocks_never_overlap(pool):
 
 
 def test_a_closed_graphs_blocks_are_reused(pool):
-    from cgraw.interop import cupy_staging
+    from cgraw.interop.cupy import staging as cupy_staging
 
     host = np.arange(256, dtype=np.float32)
     arena = cupy_staging.arena()
@@ -753,7 +753,7 @@ def test_a_closed_graphs_blocks_are_reused(pool):
 
 
 def test_an_upload_the_arena_cannot_hold_is_refused_by_name(pool, monkeypatch):
-    from cgraw.interop import cupy_staging
+    from cgraw.interop.cupy import staging as cupy_staging
 
     monkeypatch.setattr(cupy_staging, "_arena", cupy_staging.PinnedArena(4096))
     with pytest.raises(cgraw.CaptureError, match="CGRAW_PINNED_STAGING_BYTES") as ei:

@@ -1,4 +1,4 @@
-"""GPU tier of ``cgraw.interop.cupy_mask``: ``a[mask] = scalar`` on CuPy arrays inside
+"""GPU tier of ``cgraw.interop.cupy.mask``: ``a[mask] = scalar`` on CuPy arrays inside
 ``cgraw.capture()`` without CuPy's host count of the mask. Every replay gets new
 values written in place and is compared with eager CuPy on the same values."""
 

@@ -1,5 +1,5 @@
 """GPU tier of CuPy's cuSPARSE calls inside ``cgraw.capture()``, routed to a
-cgraw-owned cuSPARSE handle (``cgraw/interop/cupy_sparse.py``); tocsc is refused (it breaks the
+cgraw-owned cuSPARSE handle (``cgraw/interop/cupy/sparse.py``); tocsc is refused (it breaks the
 context on the H200). Every replay is compared with eager CuPy after new values are written in place into the
 sparse matrix's data and the dense operand (the sparsity structure stays fixed)."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cgraw
-from cgraw.interop import cupy_sparse
+from cgraw.interop.cupy import sparse as cupy_sparse
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")

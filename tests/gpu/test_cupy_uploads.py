@@ -1,4 +1,4 @@
-"""GPU tier of upload staging (``cgraw/interop/cupy_staging.py``): host data that
+"""GPU tier of upload staging (``cgraw/interop/cupy/staging.py``): host data that
 ``cupy._core.array`` receives inside a capture (``cupy.asarray``/``cupy.array`` of NumPy arrays,
 scalars, lists) becomes a copy node from a pinned block the graph owns. Each case is compared with
 eager CuPy (values, dtype, shape, memory order) and replayed after the host data and the output
@@ -64,7 +64,7 @@ def test_host_data_uploads_like_eager_and_replays_the_recording(pool, name):
 
 
 def test_a_zero_size_upload_takes_no_block(pool):
-    from cgraw.interop.cupy_staging import StagedUploads
+    from cgraw.interop.cupy.staging import StagedUploads
 
     host = rng.standard_normal(3).astype(np.float32)
     recorded = host.copy()

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 
 def _counts(f) -> tuple:
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     s = _managers[0].stats[f.fn_id]
     return s.warmups, s.recordings, s.replays, s.eager_calls
@@ -81,7 +81,7 @@ def test_a_function_returning_item_after_one_calling_nonzero():
     item = cgraw.graphed(lambda x: (x * 2.0).sum().item())
     after, first = _after_and_first([(nz, (trand(1024),))], item, lambda: (trand(1024),))
     assert after == first == (1, 0, 0, 9)  # its second call cannot be captured: eager from then on
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     assert any("host synchronisation" in r for r in _managers[0].stats[item.fn_id].skip_reasons)
 
@@ -103,7 +103,7 @@ def test_a_function_of_a_marked_static_unaligned_view_after_another():
 def test_outputs_kept_alive_or_a_view_of_one_keep_the_path():
     """A replayed output kept, or only a view of it, keeps the path: the next function extends it.
     With nothing of it alive, the next new function starts from a root."""
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     f = cgraw.graphed(lambda x: x * 2.0 + 1.0)
     g = cgraw.graphed(lambda x: x.sin())

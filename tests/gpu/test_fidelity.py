@@ -19,7 +19,7 @@ F = torch.nn.functional
 
 
 def _stats(f):
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     return _managers[0].stats[f.fn_id]
 

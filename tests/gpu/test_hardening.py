@@ -19,7 +19,8 @@ import pytest
 from gpu_data import crand, rng, trand
 
 import cgraw
-from cgraw import _cuda, defer
+from cgraw import _cuda
+from cgraw._cuda import defer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_trees")]
 torch = pytest.importorskip("torch")
@@ -29,7 +30,7 @@ SCENARIOS = pathlib.Path(__file__).resolve().parents[1] / "helpers" / "scenarios
 
 
 def _mgr():
-    return sys.modules["cgraw.graphed"]._managers[0]
+    return sys.modules["cgraw.trees.graphed"]._managers[0]
 
 
 def _stats(f):
@@ -122,7 +123,7 @@ def test_replay_runs_on_cupys_current_stream():
 
 
 def test_explicit_stream_wins_and_torch_wins_over_cupy():
-    from cgraw import stream as streams
+    from cgraw.runtime import stream as streams
 
     x = trand(1 << 20)
     with cgraw.capture() as g:
@@ -686,7 +687,7 @@ def test_custom_ops_tagged_cudagraph_unsafe_run_eagerly():
 
 
 def test_gc_stress_flag_is_read_from_the_environment():
-    from cgraw import defer
+    from cgraw._cuda import defer
 
     assert defer.CGRAW_GC_STRESS == (os.environ.get("CGRAW_GC_STRESS", "") in ("1", "true", "yes", "on"))
 

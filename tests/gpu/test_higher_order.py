@@ -24,7 +24,7 @@ TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
 def _mgr():
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     return _managers[0]
 

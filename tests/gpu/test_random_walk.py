@@ -33,7 +33,7 @@ SETTLE = 500  # the pool must not grow after this many calls
 
 
 def _mgr():
-    return sys.modules["cgraw.graphed"]._managers[0]
+    return sys.modules["cgraw.trees.graphed"]._managers[0]
 
 
 def _owned_by_tree(x) -> bool:

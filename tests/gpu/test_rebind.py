@@ -58,7 +58,7 @@ def rebind_off():
 
 
 def _stats(f):
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     return _managers[0].stats[f.fn_id]
 

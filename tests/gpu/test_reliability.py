@@ -87,7 +87,7 @@ def test_keyboard_interrupt_while_recording_a_graphed_function(pool):
         f(trand(64))
     import sys
 
-    tree_pool = sys.modules["cgraw.graphed"]._managers[0].backend.pool
+    tree_pool = sys.modules["cgraw.trees.graphed"]._managers[0].backend.pool
     assert tree_pool.capture_stream.capture_status == 0
     for _ in range(4):
         x = trand(64)
@@ -239,7 +239,7 @@ def test_soak_replays_and_rerecords(device):
         f(x, w1)
     torch.cuda.synchronize()
     gc.collect()
-    mgr = sys.modules["cgraw.graphed"]._managers[0]
+    mgr = sys.modules["cgraw.trees.graphed"]._managers[0]
     pool = mgr.backend.pool
 
     def probe():

@@ -1,7 +1,7 @@
 """GPU tier for graph-safe random numbers: torch and CuPy random ops captured by
 ``cgraw.capture()`` or ``@cgraw.graphed`` draw fresh numbers on every replay.
 
-Checked against exact references: torch.rand bitwise against ``cgraw.rng``'s NumPy Philox at the
+Checked against exact references: torch.rand bitwise against ``cgraw.rng.plan``'s NumPy Philox at the
 key torch's generator state gives; every distribution against its exact law (Kolmogorov-Smirnov,
 discretised for 16-bit dtypes; chi-square; z-tests of frequencies, means and variances;
 tests/helpers/rng_stats.py, which the CPU tier shows can fail); seeding and the frameworks' own
@@ -22,7 +22,7 @@ import rng_stats as S
 from gpu_data import trand
 
 import cgraw
-import cgraw.rng
+import cgraw.rng.plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_trees")]
 torch = pytest.importorskip("torch")
@@ -59,7 +59,7 @@ def _last_replay(make):
 
 
 def _stats(f):
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     return _managers[0].stats[f.fn_id]
 
@@ -118,10 +118,10 @@ def test_rand_bitwise_against_reference_and_offsets():
         offset = gen.get_offset()
         assert offset == 8 * r  # each replay moves torch's offset by 4 per draw
         g.replay()
-        key = cgraw.rng.replay_key(cgraw.rng.torch_base(77), offset)
+        key = cgraw.rng.plan.replay_key(cgraw.rng.plan.torch_base(77), offset)
         got_y, got_z = _host(y), _host(z)
         for k, got in enumerate((got_y, got_z)):
-            ref = cgraw.rng.reference_uniform_f32(key, k, n)
+            ref = cgraw.rng.plan.reference_uniform_f32(key, k, n)
             mism = np.flatnonzero(got.view(np.uint32) != ref.view(np.uint32))
             assert mism.size == 0, (f"replay {r}, draw {k}: {mism.size} of {n} differ from the reference, first "
                                     f"at {mism[:5].tolist()}: {got[mism[:5]]} vs {ref[mism[:5]]}")
@@ -129,7 +129,7 @@ def test_rand_bitwise_against_reference_and_offsets():
         if prev is not None:
             assert not np.array_equal(prev, got_y), f"replay {r} repeated replay {r - 1}"
         prev = got_y
-    words = cgraw.rng.reference_words(key, 0, 4)
+    words = cgraw.rng.plan.reference_words(key, 0, 4)
     assert words.shape == (4, 4) and words.dtype == np.uint32
 
 
@@ -545,7 +545,7 @@ def test_cupy_permutation_and_shuffle(cupy_mod):
 
 # ---------------------------------------------------------------- CuPy rejection samplers
 # gamma, beta, poisson and binomial draw a variable number of uniforms per element, each element on
-# its own counter stream (rng_kernels.SAMPLERS). Two replays of one capture: they differ, and each
+# its own counter stream (rng.kernels.SAMPLERS). Two replays of one capture: they differ, and each
 # follows the law (KS and moments for gamma and beta; moments and chi-square on the pmf for the
 # integer laws). A NaN or -1 (an iteration cap hit) fails the checks.
 
@@ -643,7 +643,7 @@ def test_cupy_samplers_take_their_offsets_and_size_none(cupy_mod):
     rs = cp.random.get_random_state()
     before = rs._rk_seed
     g.replay()
-    assert rs._rk_seed == (before + 31) % cgraw.rng.UINT64_MAX and float(one) > 0  # 1 + 3 x 10 elements
+    assert rs._rk_seed == (before + 31) % cgraw.rng.plan.UINT64_MAX and float(one) > 0  # 1 + 3 x 10 elements
 
 
 # ---------------------------------------------------------------- what is not covered

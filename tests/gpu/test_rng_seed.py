@@ -5,7 +5,7 @@ the same sequence of calls give the same numbers; another seed gives others; eag
 graphed call start past the offsets the graph consumed; ``torch.random.fork_rng`` and
 ``torch.cuda.set_rng_state`` put the numbers back. Every test seeds explicitly, draws on fresh
 inputs, and checks that the graphed function really replayed (a silent eager run would follow the
-generator too). Bitwise checks compare a replay with ``cgraw.rng``'s NumPy Philox at the key the
+generator too). Bitwise checks compare a replay with ``cgraw.rng.plan``'s NumPy Philox at the key the
 generator's state gives (``rng.replay_key``).
 """
 
@@ -21,7 +21,7 @@ import pytest
 from gpu_data import trand
 
 import cgraw
-from cgraw import rng, rngexec
+from cgraw.rng import plan as rng, device as rng_device
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_trees")]
 torch = pytest.importorskip("torch")
@@ -34,13 +34,13 @@ N = 4099  # not a multiple of 4: the last Philox group is partial
 
 
 def _stats(f, device: int = 0):
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     return _managers[device].stats[f.fn_id]
 
 
 def _stats_all(device: int = 0):
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     return list(_managers[device].stats.values())
 
@@ -58,7 +58,7 @@ def _gen(device: int = 0):
 
 def _source(kind: str = rng.TORCH, device: int = 0) -> rng.Source:
     """The generator record the graphs this thread captures on ``device`` read."""
-    return rngexec.source(device, kind, 0, threading.get_ident())
+    return rng_device.source(device, kind, 0, threading.get_ident())
 
 
 def _reference(seed: int, offset: int, call: int, n: int) -> np.ndarray:
@@ -309,7 +309,7 @@ def test_captured_graphs_follow_the_seed_and_write_only_when_it_moved():
     torch.manual_seed(0)
     g.replay()
     assert _gen().get_offset() == 4 * g.rng.draws
-    key, pos, base = rngexec.read_record(0, _source().slot)  # the record after the replay's last node
+    key, pos, base = rng_device.read_record(0, _source().slot)  # the record after the replay's last node
     assert (pos, base) == (4 * g.rng.draws, rng.torch_base(0)) and key == rng.replay_key(base, pos)
 
 

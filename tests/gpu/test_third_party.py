@@ -33,7 +33,7 @@ TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 
 def _stats(f):
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     return _managers[0].stats[f.fn_id]
 

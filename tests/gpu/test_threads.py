@@ -19,7 +19,7 @@ import pytest
 from gpu_data import full_fp32
 
 import cgraw
-from cgraw import defer
+from cgraw._cuda import defer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_trees", "fp32")]
 torch = pytest.importorskip("torch")
@@ -36,7 +36,7 @@ def fp32():
 
 
 def _registry():
-    return sys.modules["cgraw.graphed"]
+    return sys.modules["cgraw.trees.graphed"]
 
 
 def _my_stats(f):

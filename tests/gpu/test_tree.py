@@ -18,7 +18,7 @@ cp = pytest.importorskip("cupy")
 
 
 def _mgr():
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     return _managers[0]
 
@@ -317,7 +317,7 @@ def test_other_thread_runs_in_a_tree_of_its_own():
             for _ in range(4):
                 x = trand(4)
                 torch.testing.assert_close(f(x), x + 1.0)
-            from cgraw.graphed import _managers
+            from cgraw.trees.graphed import _managers
 
             s = _managers[0].stats[f.fn_id]
             seen["counts"] = (s.warmups, s.recordings, s.replays)
@@ -473,7 +473,7 @@ def test_more_than_256_mempools_and_no_pool_id_handed_to_torchs_snapshot(device,
     import ctypes
     import sys
 
-    from cgraw.interop import torch_c
+    from cgraw.interop.torch import private_api
 
     while torch.cuda.MemPool().id[1] <= 300:  # each MemPool takes the next id; these die at once
         pass
@@ -495,7 +495,7 @@ def test_more_than_256_mempools_and_no_pool_id_handed_to_torchs_snapshot(device,
         return real(arg)
 
     monkeypatch.setattr(torch._C, "_cuda_memorySnapshot", spy)
-    torch_c._reset()  # the private-API table caches functions
+    private_api._reset()  # the private-API table caches functions
     try:
         pool = cgraw.DevicePool(device, name="mortal ids")
         a, b = trand(64, 64), trand(64, 32)
@@ -520,4 +520,4 @@ def test_more_than_256_mempools_and_no_pool_id_handed_to_torchs_snapshot(device,
         assert args and all(arg is None for arg in args), f"torch was handed {[a for a in args if a is not None][:3]}"
     finally:
         monkeypatch.undo()
-        torch_c._reset()
+        private_api._reset()

@@ -1,4 +1,4 @@
-"""GPU tier of the warm-up inside the tree's pool (``cgraw.warmexec``,
+"""GPU tier of the warm-up inside the tree's pool (``cgraw.trees.warmup``,
 ``cgraw.config.warmup_in_pool``, on by default, for calls autograd records nothing in): results
 equal eager, warm-up outputs handed out as a replay's are, state a warm-up keeps stays valid, mixed
 torch and CuPy on the caller's streams, eager inputs mutated in place; calls autograd records warm
@@ -13,7 +13,7 @@ import pytest
 from gpu_data import trand
 
 import cgraw
-from cgraw.treetypes import config
+from cgraw.trees.nodes import config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_trees")]
 torch = pytest.importorskip("torch")
@@ -28,7 +28,7 @@ def _warm_in_pool():
 
 
 def _backend():
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     return _managers[0].backend
 
@@ -95,7 +95,7 @@ def test_seed_two_branch_program_equals_eager():
         torch.testing.assert_close(out, ref)
         cgraw.mark_step_begin()
     assert _backend().warm_in_pool
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     assert all(st.eager_calls == 0 and st.recordings == st.warmups for st in _managers[0].stats.values())
 
@@ -297,9 +297,9 @@ def test_recording_releases_torch_cached_memory_first(saved_config, empty):
 
 
 def test_in_pool_warm_up_counts_as_routing():
-    """While a warm-up routes allocations to the tree's pool, releases wait (``cgraw.defer``),
+    """While a warm-up routes allocations to the tree's pool, releases wait (``cgraw._cuda.defer``),
     as during a capture: torch asserts when a MemPool is released or its cache emptied then."""
-    from cgraw import defer
+    from cgraw._cuda import defer
 
     seen = []
 

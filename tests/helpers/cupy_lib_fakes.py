@@ -7,7 +7,7 @@ Imported by those tests; tests/conftest.py puts tests/helpers on ``sys.path``.
 
 from __future__ import annotations
 
-from cgraw.interop import cupy_route as R
+from cgraw.interop.cupy import route as R
 
 
 class FakeFn:
@@ -65,7 +65,7 @@ class FakeDevice:
 
 
 def fresh_routing(monkeypatch, module) -> None:
-    """``module`` (cupy_blas, cupy_solver, cupy_sparse) gets a fresh ``Routing`` and library cache."""
+    """``module`` (interop.cupy.blas, interop.cupy.solver, interop.cupy.sparse) gets a fresh ``Routing`` and library cache."""
     routing = R.Routing()
     for name, value in (("_routing", routing), ("_routers", routing.routers), ("_patches", routing.patches),
                         ("_idle", routing.idle), ("_library_cache", [])):

@@ -1,4 +1,4 @@
-"""A CPU stand-in for ``cgraw.treeexec.CudaBackend``, driving ``cgraw.tree.TreeManager`` in tests.
+"""A CPU stand-in for ``cgraw.trees.cuda_backend.CudaBackend``, driving ``cgraw.trees.manager.TreeManager`` in tests.
 
 Device memory is simulated: a ``FakeT`` ("tensor") is an address range whose contents (a float64
 numpy array) live in ``Memory``. Writing a range wipes every *other* range it overlaps, so a graph
@@ -10,7 +10,7 @@ What those do depends on the backend's mode:
 
 - eager (warm-up, ``TreeManager._eager``, reference runs): a fresh address outside the pool;
 - warm (a warm-up of a backend made with ``warm_in_pool=True``, as the CUDA backend's
-  ``cgraw.warmexec``): a block of the tree's pool, computed at once; ``release`` frees it. The
+  ``cgraw.trees.warmup``): a block of the tree's pool, computed at once; ``release`` frees it. The
   warm-up hands out its outputs there and reports blocks held beyond them (``warm_stash``: names
   of functions that keep one) as ``Warm.stash``;
 - capture (``record``): a block of the tree's ``allocator.Pool``; nothing is computed (outputs
@@ -23,7 +23,7 @@ tree-output inputs in place and copies mutated eager inputs back after a replay.
 hands out new ``FakeT`` objects and the fake keeps none of them (nor a warm-up's outputs): an
 output dies when the caller drops it, as a torch tensor does, so the tree's weak references see
 what a test keeps (``TreeManager._path_is_dead``). Calls are classified by the real
-``cgraw.calls`` (``FakeT`` is registered as an array type with ``arrays.register``);
+``cgraw.trees.calls`` (``FakeT`` is registered as an array type with ``arrays.register``);
 ``spy_inspect`` wraps it to log and to inject skips.
 
 Threads: ``new()``, ``release()``, ``assign()``, ``save()`` and the inspect spy talk to the backend
@@ -31,7 +31,7 @@ warming up, capturing or replaying on the calling thread, else to the one made l
 thread, else to the one made last (``_ACTIVE``); an allocation that no backend of the thread
 makes is eager. So trees of several threads, each on its own backend, run side by side.
 
-Autograd (``cgraw.autograd_plan``), simulated: ``GRAD`` is the grad mode (install its probe with
+Autograd (``cgraw.trees.autograd``), simulated: ``GRAD`` is the grad mode (install its probe with
 ``calls.use_grad_mode(GRAD.probe)``; ``GRAD.off()`` is ``torch.no_grad()``). A ``FakeFn`` made
 with ``backward`` (the gradient of its first input, from the grad and the inputs) and
 ``backward_saved`` (the same from the grad and what the function ``save()``d) trains: after a
@@ -52,11 +52,11 @@ import weakref
 import numpy as np
 
 from allocator import IntRangeSource, Pool
-from cgraw import arrays, calls
-from cgraw.arrays import EAGER, replace_leaves
-from cgraw.autograd_plan import BackwardPlan
+from cgraw.trees import arrays, calls
+from cgraw.trees.arrays import EAGER, replace_leaves
+from cgraw.trees.autograd import BackwardPlan
 from cgraw.errors import CgrawError, SkipCall
-from cgraw.tree import Warm
+from cgraw.trees.manager import Warm
 
 EAGER_BASE = 1 << 56  # eager addresses: far above anything the pool's IntRangeSource hands out
 _ACTIVE: list = []  # the backend created last (new() and the others talk to it when the thread has none)
@@ -133,7 +133,7 @@ class FakeT:
 
 
 class FakeFn:
-    """Stands in for ``cgraw.graphed.GraphedFunction``; calling it goes through ``mgr``."""
+    """Stands in for ``cgraw.trees.graphed.GraphedFunction``; calling it goes through ``mgr``."""
 
     _ids = itertools.count(1)
     by_id: dict = {}  # fn_id -> FakeFn (what a ticket's fn_id names)
@@ -187,7 +187,7 @@ class FakeRecording:
     def __repr__(self) -> str:
         return f"<FakeRecording #{self.id} {self.name}{' discarded' if self.discarded else ''}>"
 
-    # the tree's hot path calls a recording directly (treetypes.Replayable): here, its backend
+    # the tree's hot path calls a recording directly (trees.nodes.Replayable): here, its backend
     def replay(self, call):
         return self.backend.replay(self, call)
 
@@ -465,7 +465,7 @@ class FakeTreeBackend:
 
     def stale(self, rec: FakeRecording):
         """The backend's part of a replay check (the CUDA one's closure tensors): only the
-        ``force_moved`` hook here; inputs are checked by ``cgraw.calls.moved``."""
+        ``force_moved`` hook here; inputs are checked by ``cgraw.trees.calls.moved``."""
         self.log.append(("moved", rec.name))
         return self.force_moved.pop(rec.name, None)
 
@@ -636,7 +636,7 @@ GRAD = FakeGradMode()
 
 
 class _FakeOps(arrays.Ops):
-    """``FakeT`` as an array type of ``cgraw.arrays``: what ``cgraw.calls`` reads of a leaf."""
+    """``FakeT`` as an array type of ``cgraw.trees.arrays``: what ``cgraw.trees.calls`` reads of a leaf."""
 
     __slots__ = ()
     name = "fake"
@@ -656,8 +656,8 @@ _real_inspect = calls.inspect
 
 
 def spy_inspect(fn, args, kwargs, tree_outputs, device):
-    """``cgraw.calls.inspect`` as the tree calls it, logged to the active fake backend, with its
-    ``inspect_skip`` hook. Tests install it: ``monkeypatch.setattr(cgraw.tree, "inspect", spy_inspect)``."""
+    """``cgraw.trees.calls.inspect`` as the tree calls it, logged to the active fake backend, with its
+    ``inspect_skip`` hook. Tests install it: ``monkeypatch.setattr(cgraw.trees.manager, "inspect", spy_inspect)``."""
     be = _backend() if _ACTIVE else None
     if be is not None:
         be.log.append(("inspect", fn.name))

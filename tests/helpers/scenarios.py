@@ -60,7 +60,7 @@ def capture_loop_rebinding_g():
 @scenario
 def graph_collected_by_gc_inside_a_capture():
     """A graph in a reference cycle is collected by gc in the middle of another capture."""
-    from cgraw import defer
+    from cgraw._cuda import defer
 
     x = torch.randn(1000, device="cuda")
     for _ in range(5):
@@ -206,7 +206,7 @@ def other_thread_calls_torch_memory_apis_during_500_captures():
     assert not bg.hung, "the other thread hung"
     assert counts["n"] > 0, "the other thread never ran"
     assert not bg.errors, bg.errors[:3]
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     s = _managers[0].stats[f.fn_id]  # the other thread's reset() left this thread's tree alone
     assert (s.recordings, s.rerecords) == (1, 0), s
@@ -292,7 +292,7 @@ def model_output_at_two_batch_sizes():
         assert type(out) is Out and list(out) == ["logits", "hidden"]
         close(out["logits"], x @ w)
         close(out["hidden"], torch.relu(x @ w))
-    st = sys.modules["cgraw.graphed"]._managers[0].stats[f.fn_id]
+    st = sys.modules["cgraw.trees.graphed"]._managers[0].stats[f.fn_id]
     assert st.recordings == 2 and st.warmups == 2 and not st.skip_reasons, (st.recordings, st.warmups)
     del out
     cgraw.mark_step_begin()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import gc
 
-from cgraw import defer
+from cgraw._cuda import defer
 
 
 def settle() -> None:

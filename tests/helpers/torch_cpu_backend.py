@@ -1,5 +1,5 @@
-"""A CPU-torch stand-in for ``cgraw.treeexec.CudaBackend``'s autograd, driving the real
-``TreeManager`` and the real ``interop.torch_autograd`` (its ``TorchAutograd`` mixin, ``_Graphed``,
+"""A CPU-torch stand-in for ``cgraw.trees.cuda_backend.CudaBackend``'s autograd, driving the real
+``TreeManager`` and the real ``interop.torch.autograd`` (its ``TorchAutograd`` mixin, ``_Graphed``,
 ``BackwardFn``, ``capture_inputs``, ``run_saving``, ``grad_info``).
 
 A "recording" runs the function once on its placeholders, as a capture does (with grad enabled:
@@ -10,7 +10,7 @@ moves): what a replayed CUDA graph does at fixed addresses. So a backward throug
 differentiates the capture-time graph with this replay's values, as on the GPU, and a forward
 replayed again before that backward overwrites its saved tensors, as on the GPU.
 
-CPU tensors report device 0 here (``cpu_as_device0``), so ``cgraw.calls`` classifies them.
+CPU tensors report device 0 here (``cpu_as_device0``), so ``cgraw.trees.calls`` classifies them.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import contextlib
 
 import torch
 
-from cgraw.arrays import EAGER, out_spec, replace_leaves, unflatten
-from cgraw.interop.torch_autograd import TorchAutograd, capture_inputs, grad_info, run_saving
-from cgraw.treetypes import Warm, next_fn_id
+from cgraw.trees.arrays import EAGER, out_spec, replace_leaves, unflatten
+from cgraw.interop.torch.autograd import TorchAutograd, capture_inputs, grad_info, run_saving
+from cgraw.trees.nodes import Warm, next_fn_id
 
 
 @contextlib.contextmanager
@@ -130,7 +130,7 @@ class CpuTorchBackend(TorchAutograd):
 
     def _run(self, rec, saved, grad, subs):
         args, kwargs = rec.args
-        if not grad:  # as treeexec: without grad nothing is saved and nothing is aliased
+        if not grad:  # as cuda_backend: without grad nothing is saved and nothing is aliased
             with torch.no_grad():
                 return rec.fn.fn(*args, **kwargs)
         # a replay's aliases are its own (a graph replays the recording's)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import cgraw
-from cgraw.graph import Graph, NodeInfo
+from cgraw.runtime.graph import Graph, NodeInfo
 
 
 def test_capture_rejects_bad_arguments():

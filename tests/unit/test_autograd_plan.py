@@ -1,4 +1,4 @@
-"""CPU tests of the pending-backward bookkeeping and the generation rule (``cgraw.autograd_plan``).
+"""CPU tests of the pending-backward bookkeeping and the generation rule (``cgraw.trees.autograd``).
 
 The fake backend (tests/helpers/fake_tree_backend.py) simulates autograd: a call made with grad
 enabled issues a ticket, ``FakeTreeBackend.backward(out, grad)`` runs what ``loss.backward()``
@@ -19,11 +19,11 @@ import pytest
 from fake_tree_backend import GRAD, FakeFn, FakeTreeBackend, Overwritten, new, save
 
 from allocator import check_invariants
-from cgraw import calls
-from cgraw.autograd_plan import AutogradBook, BackwardPlan, plan_backward
-from cgraw.calls import GRAD as GRAD_MARK
+from cgraw.trees import calls
+from cgraw.trees.autograd import AutogradBook, BackwardPlan, plan_backward
+from cgraw.trees.calls import GRAD as GRAD_MARK
 from cgraw.errors import CgrawError
-from cgraw.tree import NodeState, TreeManager, config
+from cgraw.trees.manager import NodeState, TreeManager, config
 
 # ---------------------------------------------------------------------- fixtures and helpers
 
@@ -563,12 +563,12 @@ def test_plan_of_each_case():
 
 def test_config_autograd_installs_the_grad_probe_only_while_on():
     """``cgraw.config.autograd`` (True by default) decides whether grad mode joins the key."""
-    from cgraw import treetypes
+    from cgraw.trees import nodes as tree_nodes
 
     assert config.autograd is True
     calls.use_grad_mode(None)
     config.autograd = False
-    treetypes.grad_probe(GRAD.probe)
+    tree_nodes.grad_probe(GRAD.probe)
     try:
         assert calls._grad_mode[0] is None
         config.autograd = True
@@ -577,4 +577,4 @@ def test_config_autograd_installs_the_grad_probe_only_while_on():
         assert calls._grad_mode[0] is None
     finally:
         config.autograd = True
-        treetypes.grad_probe(None)
+        tree_nodes.grad_probe(None)

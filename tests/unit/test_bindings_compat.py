@@ -20,8 +20,7 @@ from cuda.bindings import driver as drv
 from cuda.bindings import runtime as rt
 
 from cgraw import _cuda
-from cgraw._cuda import compat as _cuda_compat
-from cgraw._cuda import graphs as _cuda_graphs
+from cgraw._cuda import compat as _cuda_compat, graphs as _cuda_graphs
 from cgraw.errors import CaptureError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -14,10 +14,9 @@ import threading
 
 import pytest
 
-from cgraw import compile_backend as cb
-from cgraw.interop import torch_compile as tcomp
+from cgraw.interop.torch import backend as cb, partitions as tcomp
 
-graphed_mod = importlib.import_module("cgraw.graphed")  # the module (cgraw.graphed is also the decorator)
+graphed_mod = importlib.import_module("cgraw.trees.graphed")  # the module (cgraw.graphed is also the decorator)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -70,13 +69,13 @@ def test_entry_point_is_declared_and_resolves():
     import tomllib
 
     eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["torch_dynamo_backends"]
-    assert eps == {"cgraw": "cgraw.compile_backend:cgraw_backend"}
+    assert eps == {"cgraw": "cgraw.interop.torch.backend:cgraw_backend"}
     module, _, attr = eps["cgraw"].partition(":")
     assert getattr(importlib.import_module(module), attr) is cb.cgraw_backend
 
 
 def test_backend_module_imports_no_framework():
-    code = ("import sys\nimport cgraw.compile_backend, cgraw.interop.torch_compile\n"
+    code = ("import sys\nimport cgraw.interop.torch.backend, cgraw.interop.torch.partitions\n"
             "assert 'torch' not in sys.modules and 'cupy' not in sys.modules, sorted(sys.modules)\nprint('ok')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -214,15 +213,15 @@ def test_graph_body_is_named_for_the_report():
 
 def test_hook_installed_only_inside_and_previous_put_back():
     pytest.importorskip("torch")
-    from cgraw.interop import torch_c
+    from cgraw.interop.torch import private_api
 
-    slot = torch_c.partition_wrapper_slot()
+    slot = private_api.partition_wrapper_slot()
     assert slot is not None
 
     def theirs(fn, meta):
         return fn
 
-    setter = torch_c.private("torch._inductor.utils.set_customized_partition_wrappers")
+    setter = private_api.private("torch._inductor.utils.set_customized_partition_wrappers")
     setter(theirs)
     try:
         mine = tcomp.Wrapping("x", _runtime([], []), cb.Options().select)
@@ -263,9 +262,9 @@ def test_compile_runs_inductor_with_the_wrapper_installed(monkeypatch):
     torch = pytest.importorskip("torch")
     from torch._inductor.scheduler import Scheduler
 
-    from cgraw.interop import torch_c
+    from cgraw.interop.torch import private_api
 
-    slot = torch_c.partition_wrapper_slot()
+    slot = private_api.partition_wrapper_slot()
     real = Scheduler.codegen
     during = []  # the wrapper installed while Inductor generates each graph's code
 
@@ -299,10 +298,10 @@ def _compile_with_and_without(torch, during, slot):
 
 def test_unsupported_torch_falls_back_to_inductor_with_the_reason(monkeypatch):
     torch = pytest.importorskip("torch")
-    from cgraw.interop import torch_c
+    from cgraw.interop.torch import private_api
 
     def missing():
-        raise torch_c.TorchApiError("cgraw needs torch._inductor.utils.set_customized_partition_wrappers")
+        raise private_api.TorchApiError("cgraw needs torch._inductor.utils.set_customized_partition_wrappers")
 
     monkeypatch.setattr(tcomp, "check", missing)
     torch._dynamo.reset()

@@ -1,4 +1,4 @@
-"""CPU tier of ``cgraw.interop.cupy_blas`` (CuPy's cuBLAS calls inside captures), without CuPy or a
+"""CPU tier of ``cgraw.interop.cupy.blas`` (CuPy's cuBLAS calls inside captures), without CuPy or a
 GPU: fakes shaped like CuPy 14's ``cupy_backends.cuda.libs.cublas`` (Python functions with its
 wrappers' signatures, its refusal on a capturing stream), ``cupy`` (devices, streams, handles,
 ``empty``), ``cupy.linalg._util``'s info checks, and a ctypes library that records its calls.
@@ -14,7 +14,7 @@ import cupy_lib_fakes
 import pytest
 
 from cgraw.errors import CaptureError
-from cgraw.interop import cupy_blas as B
+from cgraw.interop.cupy import blas as B
 
 CAPTURE = 0x5000  # the capture stream's handle
 EAGER = 0x6000  # another stream
@@ -128,7 +128,7 @@ def _make_cupy(state):
 
 @pytest.fixture
 def env(monkeypatch):
-    """Fake CuPy modules in sys.modules, fresh module state in cupy_blas; the state dict drives them."""
+    """Fake CuPy modules in sys.modules, fresh module state in interop.cupy.blas; the state dict drives them."""
     state = {"current": CAPTURE, "capturing": {CAPTURE}, "eager": [], "modes": {}, "handles": {}, "allocs": [],
              "linalg": "ignore", "checked": []}
     backend = _make_backend(state)
@@ -390,7 +390,7 @@ def test_info_checks_refuse_under_linalg_raise_and_pass_through_otherwise(env):
         ns["inv"]()
     assert "cupy.linalg._solve.inv" in ei.value.description and "sgetrfBatched" in ei.value.description
     assert ei.value.name == "LINALG_CHECK_NOT_COVERED"
-    util._check_cusolver_dev_info_if_synchronization_allowed("potrf", "info")  # cuSOLVER's: cupy_solver's
+    util._check_cusolver_dev_info_if_synchronization_allowed("potrf", "info")  # cuSOLVER's: interop.cupy.solver's
     env["current"] = EAGER  # a call on another stream is not the capture's: CuPy's check
     routed(routine, "info")
     env["current"] = CAPTURE
@@ -483,7 +483,7 @@ def _raise_through(modules_and_files, exc):
 
 
 def test_refused_library_calls_name_the_call():
-    from cgraw.interop import cupy as icupy
+    from cgraw.interop.cupy import pools as icupy
 
     chain = [("user", "user.py", "body"), ("cupy.linalg._solve", "cupy/linalg/_solve.py", "solve"),
              ("cupy_backends.cuda.libs.cusolver", "cupy_backends/cuda/libs/cusolver.pyx", "sgetrf"),

@@ -83,16 +83,16 @@ def test_expected_failures_cover_the_known_refusals():
         assert expect[kind] >= 1, kind
     assert expect[C.UPLOAD] == 0  # every upload of the table goes through cupy.asarray: staged
     by_name = {c.name: c for c in CASES}
-    assert by_name["cupy.matmul"].expect is None  # routed to cgraw's cuBLAS handle (interop.cupy_blas)
+    assert by_name["cupy.matmul"].expect is None  # routed to cgraw's cuBLAS handle (interop.cupy.blas)
     assert by_name["cupy.cublas.iamax"].expect == C.CUBLAS
-    assert by_name["cupy.linalg.solve"].expect is None  # routed to cgraw's cuSOLVER handle (interop.cupy_solver)
+    assert by_name["cupy.linalg.solve"].expect is None  # routed to cgraw's cuSOLVER handle (interop.cupy.solver)
     assert by_name["cupy.linalg.svd [batch of one]"].expect is None  # gesvdjBatched: routed
     for name in ("svd", "svd [24x16, reduced]", "eigh", "eigvalsh", "pinv", "matrix_rank", "norm [ord=2]"):
         # single matrices up to 32x32: gesvd/Xsyevd run as the batched Jacobi routines
         assert by_name["cupy.linalg." + name].expect is None, name
     for name in ("lstsq", "cond"):  # past the svd, CuPy reads a value on the host
         assert by_name["cupy.linalg." + name].expect == C.SYNC, name
-    for name in ("logsumexp", "log_softmax"):  # a scalar through a mask: interop.cupy_mask
+    for name in ("logsumexp", "log_softmax"):  # a scalar through a mask: interop.cupy.mask
         assert by_name["cupyx.scipy.special." + name].expect is None, name
     assert by_name["cupyx.scipy.signal.savgol_filter"].expect == C.SYNC  # mode="interp": polyfit's tall lstsq
     assert {by_name["cupy.linalg." + n].compare for n in ("svd", "svd [24x16, reduced]")} == {"svd"}
@@ -101,10 +101,10 @@ def test_expected_failures_cover_the_known_refusals():
     assert by_name["cupy.linalg.eig"].expect == C.CUSOLVER  # Xgeev's host workspace: refused
     assert by_name["cupyx.scipy.ndimage.gaussian_filter"].expect is None  # its weights' upload is staged
     assert by_name["cupy.random.vonmises"].expect == C.RNG
-    for name in ("gamma", "standard_gamma", "beta", "poisson", "binomial"):  # rng_kernels.SAMPLERS
+    for name in ("gamma", "standard_gamma", "beta", "poisson", "binomial"):  # rng.kernels.SAMPLERS
         case = by_name["cupy.random." + name]
         assert case.expect is None and case.law.mean is not None and case.law.std is not None, name
-    sp = "cupyx.scipy.sparse."  # cuSPARSE (interop.cupy_sparse)
+    sp = "cupyx.scipy.sparse."  # cuSPARSE (interop.cupy.sparse)
     for name in ("csr_matrix.dot", "csr_matrix.__matmul__", "csr_matrix.sum", "csc_matrix.dot"):
         assert by_name[sp + name].expect is None, name
     assert by_name[sp + "csr_matrix.__add__"].expect == C.CUSPARSE  # csrgeam2: refused by name
@@ -262,8 +262,7 @@ def test_random_check_uses_the_rounds_inputs():
 
 
 def test_error_kinds_follow_cgraws_messages():
-    from cgraw.interop import cupy as icupy
-    from cgraw.interop import cupy_blas, cupy_rng, cupy_sparse
+    from cgraw.interop.cupy import pools as icupy, blas as cupy_blas, rng as cupy_rng, sparse as cupy_sparse
 
     assert cc.error_kind(icupy.CUBLAS) == C.CUBLAS
     assert cc.error_kind(str(cupy_blas._not_covered("sdot", "host result"))) == C.CUBLAS

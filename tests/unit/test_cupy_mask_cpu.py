@@ -1,4 +1,4 @@
-"""CPU tests of ``cgraw.interop.cupy_mask`` (``a[mask] = scalar`` inside captures) with a fake CuPy."""
+"""CPU tests of ``cgraw.interop.cupy.mask`` (``a[mask] = scalar`` inside captures) with a fake CuPy."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import types
 import numpy as np
 import pytest
 
-from cgraw import memory
-from cgraw.interop import cupy_mask as cm
+from cgraw.runtime import memory
+from cgraw.interop.cupy import mask as cm
 
 CAPTURE, OTHER = 0x5000, 0x6000
 

@@ -1,4 +1,4 @@
-"""CPU tier of ``cgraw.interop.cupy_solver`` (CuPy's cuSOLVER calls inside captures), without CuPy or
+"""CPU tier of ``cgraw.interop.cupy.solver`` (CuPy's cuSOLVER calls inside captures), without CuPy or
 a GPU: fakes shaped like CuPy 14's ``cupy_backends.cuda.libs.cusolver`` (Python functions with its
 wrappers' signatures, its refusal on a capturing stream), ``cupy`` (devices, streams, handles),
 ``cupy.linalg._util``'s info check, and a ctypes library that records its calls. The table is also
@@ -19,7 +19,7 @@ from cupy_lib_fakes import FakeDevice, FakeDll, fresh_routing
 from cupy_lib_fakes import call_from_cupy as _call_from_cupy
 
 from cgraw.errors import CaptureError
-from cgraw.interop import cupy_solver as S
+from cgraw.interop.cupy import solver as S
 
 CAPTURE, EAGER = 0x5000, 0x6000
 

@@ -1,4 +1,4 @@
-"""CPU tier of ``cgraw.interop.cupy_sparse`` (CuPy's cuSPARSE calls inside captures), without CuPy or
+"""CPU tier of ``cgraw.interop.cupy.sparse`` (CuPy's cuSPARSE calls inside captures), without CuPy or
 a GPU: fakes shaped like CuPy 14's ``cupy_backends.cuda.libs.cusparse`` (Python functions with its
 wrappers' signatures, its refusal on a capturing stream), ``cupy`` (devices, streams, handles) and a
 ctypes library that records its calls. The table is also checked, argument by argument, against the
@@ -19,7 +19,7 @@ from cupy_lib_fakes import FakeDevice, FakeDll, fresh_routing
 from cupy_lib_fakes import call_from_cupy as _call_from_cupy
 
 from cgraw.errors import CaptureError
-from cgraw.interop import cupy_sparse as S
+from cgraw.interop.cupy import sparse as S
 
 CAPTURE, EAGER = 0x5000, 0x6000
 
@@ -182,8 +182,7 @@ def test_no_router_when_disabled_or_cupy_is_not_as_expected(env, monkeypatch):
 
 def test_the_capture_makes_a_sparse_router_next_to_the_solvers(env, monkeypatch):
     from cgraw import capture
-    from cgraw.interop import cupy as icupy
-    from cgraw.interop import cupy_blas, cupy_solver
+    from cgraw.interop.cupy import pools as icupy, blas as cupy_blas, solver as cupy_solver
 
     made = []
     monkeypatch.setattr(icupy, "cupy_module", lambda: sys.modules["cupy"])

@@ -1,4 +1,4 @@
-"""CPU tests of pinned staging (``cgraw.interop.cupy_staging``): the arena's bookkeeping
+"""CPU tests of pinned staging (``cgraw.interop.cupy.staging``): the arena's bookkeeping
 over fake host addresses, per-graph ownership, release on close and on collection, the quarantine
 until the devices are synchronised, the exhaustion error, and the environment setting. The
 wrapped ``cupy._core.array`` is tested in ``test_cupy_uploads_cpu.py``."""
@@ -9,9 +9,9 @@ import gc
 
 import pytest
 
-from cgraw import defer
+from cgraw._cuda import defer
 from cgraw.errors import CaptureError
-from cgraw.interop import cupy_staging as st
+from cgraw.interop.cupy import staging as st
 
 
 class FakeHost:
@@ -144,7 +144,7 @@ def test_exhaustion_names_the_call_the_size_and_the_fix():
     assert "cupyx.scipy.ndimage._filters.gaussian_filter" in str(e) and "600 bytes" in str(e)
     assert "CGRAW_PINNED_STAGING_BYTES" in e.hint
     # the capture's classifier passes the message on unchanged
-    from cgraw.interop.cupy import CupyRouting
+    from cgraw.interop.cupy.pools import CupyRouting
 
     assert CupyRouting.classify(e).startswith(e.description)
 
@@ -170,7 +170,7 @@ def test_a_bad_environment_setting_is_named(monkeypatch):
 
 
 def test_the_calling_cupy_function_is_found_on_the_stack():
-    from cgraw.interop.cupy import outermost_cupy_frame
+    from cgraw.interop.cupy.pools import outermost_cupy_frame
 
     def frame_in(module):
         ns = {"__name__": module}

@@ -1,5 +1,5 @@
 """CPU tests of upload staging through a wrapped ``cupy._core.array``
-(``cgraw.interop.cupy_staging``), with a fake CuPy over real host memory: install and restore,
+(``cgraw.interop.cupy.staging``), with a fake CuPy over real host memory: install and restore,
 the thread and capture rules, what goes to CuPy unchanged, the order, dtype, ndmin and byte order
 of the staged bytes and their copy on the capture stream, a live graph's block kept, and the
 refusals that name the call."""
@@ -15,9 +15,9 @@ import types
 import numpy as np
 import pytest
 
-from cgraw import memory
+from cgraw.runtime import memory
 from cgraw.errors import CaptureError
-from cgraw.interop import cupy_staging as st
+from cgraw.interop.cupy import staging as st
 
 
 class FakeGraph:
@@ -327,7 +327,7 @@ def test_a_live_graphs_block_keeps_the_recorded_bytes_until_it_is_closed_and_syn
 
 
 def test_the_routing_wraps_before_the_capture_and_restores_after(fake, monkeypatch):
-    from cgraw.interop.cupy import CupyRouting
+    from cgraw.interop.cupy.pools import CupyRouting
 
     arena = real_arena(1024)
     monkeypatch.setattr(st, "_arena", arena)
@@ -348,7 +348,7 @@ def test_the_routing_wraps_before_the_capture_and_restores_after(fake, monkeypat
 
 
 def test_cupys_refusal_of_a_captured_copy_is_named_as_an_upload():
-    from cgraw.interop.cupy import UPLOAD, CupyRouting
+    from cgraw.interop.cupy.pools import UPLOAD, CupyRouting
 
     assert CupyRouting.classify(RuntimeError("the current stream is capturing, so H2D transfers are disallowed")) \
         == UPLOAD

@@ -1,4 +1,4 @@
-"""kDLCPU capsule round-trips through numpy.from_dlpack, plus cgraw.dlpack's import side (no GPU)."""
+"""kDLCPU capsule round-trips through numpy.from_dlpack, plus cgraw.dlpack.structs's import side (no GPU)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import weakref
 import numpy as np
 import pytest
 
-from cgraw import dlpack, dlpack_capsules
-from cgraw.dlpack import kDLCPU
-from cgraw.dlpack_capsules import make_capsule, parse_capsule
+from cgraw.dlpack import structs as dlpack, capsules
+from cgraw.dlpack.structs import kDLCPU
+from cgraw.dlpack.capsules import make_capsule, parse_capsule
 
 DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
           "float16", "float32", "float64", "complex64", "complex128"]
@@ -74,10 +74,10 @@ class HostExporter:
 @pytest.fixture(autouse=True)
 def no_leaked_exports():
     gc.collect()
-    assert dlpack_capsules.live_exports() == 0
+    assert capsules.live_exports() == 0
     yield
     gc.collect()
-    assert dlpack_capsules.live_exports() == 0, "a DLPack export was never released"
+    assert capsules.live_exports() == 0, "a DLPack export was never released"
 
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["versioned", "legacy"])
@@ -186,7 +186,7 @@ def test_unconsumed_capsule_releases_once(legacy):
     cap = HostExporter(src, legacy=legacy, on_release=rel).__dlpack__(max_version=(1, 0))
     del src
     gc.collect()
-    assert dlpack_capsules.live_exports() == 1 and src_ref() is not None
+    assert capsules.live_exports() == 1 and src_ref() is not None
     del cap
     gc.collect()
     assert rel.calls == 1
@@ -317,7 +317,7 @@ def test_on_release_exception_becomes_warning():
     with pytest.warns(RuntimeWarning, match="boom"):
         del out
         gc.collect()
-    assert dlpack_capsules.live_exports() == 0
+    assert capsules.live_exports() == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -402,10 +402,10 @@ def test_registry_empty_after_mixed_use():
     outs = [np.from_dlpack(HostExporter(s, legacy=i % 2 == 1)) for i, s in enumerate(srcs)]
     caps = [HostExporter(s).__dlpack__(max_version=(1, 0)) for s in srcs]
     views = [parse_capsule(c) for c in caps[:2]]
-    assert dlpack_capsules.live_exports() == 8  # 4 held by numpy arrays, 4 by capsules (2 of them parsed)
+    assert capsules.live_exports() == 8  # 4 held by numpy arrays, 4 by capsules (2 of them parsed)
     del outs, caps
     gc.collect()
-    assert dlpack_capsules.live_exports() == 2
+    assert capsules.live_exports() == 2
     for v in views:
         v.release()
-    assert dlpack_capsules.live_exports() == 0
+    assert capsules.live_exports() == 0

@@ -7,7 +7,7 @@ import types
 import pytest
 
 from benchmarks.graphed_call import _floors
-from cgraw.recording import InputCopy, InputRebind
+from cgraw.trees.recording import InputCopy, InputRebind
 
 A, B = 0xA000, 0xB000  # the two inputs' addresses
 PLACEHOLDER = 0xF000
@@ -17,7 +17,7 @@ PLACEHOLDER = 0xF000
 def driver(monkeypatch):
     """The driver calls the floors make, in order, as tuples."""
     from cgraw import _cuda
-    from cgraw import stream as _streams
+    from cgraw.runtime import stream as _streams
 
     calls = []
     monkeypatch.setattr(_cuda, "graph_launch_raw", lambda exec_, stream: calls.append(("launch", exec_, stream)))

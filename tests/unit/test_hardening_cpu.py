@@ -1,7 +1,7 @@
 """CPU tier of hardening against real programs: the decisions behind the GPU fixes, without a device.
 
-- private torch API detection (``interop.torch_c``), with a fake torch that hides a function;
-- releases deferred while a capture routes allocations (``cgraw.defer``);
+- private torch API detection (``interop.torch.private_api``), with a fake torch that hides a function;
+- releases deferred while a capture routes allocations (``cgraw._cuda.defer``);
 - names of graphed functions (``graphed._name_of``);
 - container flattening of arguments and outputs (``arrays._flatten``/``rebuild``/``out_spec``);
 - pinned streams in the allocator (graph memory never migrates to eager allocations);
@@ -25,12 +25,12 @@ from fake_tree_backend import FakeFn, FakeTreeBackend, Overwritten, new
 from pool_helpers import FakeEvents
 
 from allocator import IntRangeSource, Pool, check_invariants
-from cgraw import defer
-from cgraw.arrays import EAGER, STATIC, flatten, out_spec, rebuild, replace_leaves, unflatten
+from cgraw._cuda import defer
+from cgraw.trees.arrays import EAGER, STATIC, flatten, out_spec, rebuild, replace_leaves, unflatten
 from cgraw.errors import ResourceLeakWarning
-from cgraw.graphed import _name_of
-from cgraw.interop import torch_c
-from cgraw.tree import Rewarm, SkipCall, TreeManager
+from cgraw.trees.graphed import _name_of
+from cgraw.interop.torch import private_api
+from cgraw.trees.manager import Rewarm, SkipCall, TreeManager
 
 MiB = 1 << 20
 
@@ -41,37 +41,37 @@ MiB = 1 << 20
 @pytest.fixture
 def fake_torch(monkeypatch):
     """A ``torch`` module with every private function cgraw needs but one."""
-    c = types.SimpleNamespace(**{name: (lambda *a, **k: None) for name in torch_c.NEEDED})
+    c = types.SimpleNamespace(**{name: (lambda *a, **k: None) for name in private_api.NEEDED})
     del c._cuda_setCheckpointPoolState
     fake = types.ModuleType("torch")
     fake.__version__ = "9.9.0"
     fake._C = c
     monkeypatch.setitem(sys.modules, "torch", fake)
-    torch_c._reset()
+    private_api._reset()
     yield fake
-    torch_c._reset()
+    private_api._reset()
 
 
 def test_a_missing_private_torch_function_is_named_with_the_version(fake_torch):
-    api = torch_c.api()
+    api = private_api.api()
     assert api._cuda_getCheckpointState is fake_torch._C._cuda_getCheckpointState  # found, cached
-    with pytest.raises(torch_c.TorchApiError) as ei:
+    with pytest.raises(private_api.TorchApiError) as ei:
         api._cuda_setCheckpointPoolState
     msg = str(ei.value)
     assert "torch._C._cuda_setCheckpointPoolState" in msg and "torch 9.9.0" in msg
-    assert torch_c.SUPPORTED in msg
-    with pytest.raises(torch_c.TorchApiError, match="_cuda_setCheckpointPoolState"):
-        torch_c.check()
+    assert private_api.SUPPORTED in msg
+    with pytest.raises(private_api.TorchApiError, match="_cuda_setCheckpointPoolState"):
+        private_api.check()
     with pytest.raises(AttributeError):
         api.not_a_needed_name
 
 
 def test_every_private_torch_name_cgraw_uses_is_declared():
-    """No ``torch._C`` access outside interop/torch_c.py: every private name goes through it."""
+    """No ``torch._C`` access outside cgraw/interop/torch/private_api.py: every private name goes through it."""
     root = os.path.join(os.path.dirname(__file__), "..", "..", "cgraw")
     for dirpath, _, files in os.walk(root):
         for f in files:
-            if f.endswith(".py") and f != "torch_c.py":
+            if f.endswith(".py") and f != "private_api.py":
                 text = open(os.path.join(dirpath, f)).read()
                 assert "torch._C" not in text.replace("torch._C.Tag", ""), f
 
@@ -81,7 +81,7 @@ def test_every_private_torch_name_cgraw_uses_is_declared():
 
 def _torch_pool(torch, mempool, pool_id):
     """An ``interop.torch.TorchPool`` over a fake MemPool (its constructor would make a real one)."""
-    from cgraw.interop.torch import TorchPool
+    from cgraw.interop.torch.pools import TorchPool
 
     tp = TorchPool.__new__(TorchPool)
     tp.torch, tp.device, tp.mempool, tp.id = torch, 0, mempool, pool_id
@@ -93,7 +93,7 @@ def test_dropping_torchs_side_of_a_pool_frees_torchs_cublas_workspaces_first(fak
     of the pool's MemPool, held by torch's (handle, stream) map; unless it is freed before the
     MemPool goes, the MemPool's private pool keeps a segment for good. Deferred while a capture
     routes allocations, like every release."""
-    from cgraw.memory import _drop_torch
+    from cgraw.runtime.memory import _drop_torch
 
     events = []
     fake_torch._C._cuda_clearCublasWorkspaces = lambda: events.append("clear workspaces")
@@ -116,7 +116,7 @@ def test_dropping_torchs_side_of_a_pool_frees_torchs_cublas_workspaces_first(fak
 
 
 def test_a_failing_workspace_clear_still_drops_the_pool(fake_torch):
-    from cgraw.memory import _drop_torch
+    from cgraw.runtime.memory import _drop_torch
 
     def boom():
         raise RuntimeError("no CUDA")
@@ -158,7 +158,7 @@ def test_torch_segments_are_read_without_handing_torch_a_pool_id(fake_torch):
     assert tp.segments() == [(0x1000, 512)]
     assert tp.allocated() == {0x1000: 200}
     assert tp.reserved_bytes() == 512 and tp.owner_of()(0x1100) and not tp.owner_of()(0x3000)
-    assert torch_c.memory_segments() is segs
+    assert private_api.memory_segments() is segs
     assert asked and all(a is None for a in asked)
 
 
@@ -373,7 +373,7 @@ def test_blocks_of_a_pinned_stream_never_migrate_or_go_back_to_the_source():
 
 
 def test_stream_handles_of_stream_like_objects():
-    from cgraw.stream import stream_ptr
+    from cgraw.runtime.stream import stream_ptr
 
     class TorchLike:
         cuda_stream = 0x1234
@@ -437,7 +437,7 @@ def test_a_rewarm_reason_warms_up_again_before_recording():
 
 
 def test_a_warm_up_skip_reason_makes_the_function_eager_for_good():
-    from cgraw.tree import Warm
+    from cgraw.trees.manager import Warm
 
     be = FakeTreeBackend()
     mgr = TreeManager(be)
@@ -468,7 +468,7 @@ def test_no_stray_warnings_from_this_module():
 
 
 def test_a_node_whose_closure_keeps_moving_runs_eagerly_after_the_limit():
-    from cgraw.tree import NodeState, config
+    from cgraw.trees.manager import NodeState, config
 
     be = FakeTreeBackend()
     mgr = TreeManager(be)
@@ -488,7 +488,7 @@ def test_a_node_whose_closure_keeps_moving_runs_eagerly_after_the_limit():
 
 
 def test_only_assignments_replacing_a_watched_tensor_change_the_epoch():
-    from cgraw.interop import observe
+    from cgraw.interop.torch import observe
 
     class Mod:
         def __init__(self):
@@ -535,7 +535,7 @@ def _raise_in_frame(qualname: str, filename: str, msg: str) -> BaseException:
     ("hostAlloc", "cupy_backends/cuda/api/runtime.pyx"),
 ])
 def test_cupy_uploads_are_named_whatever_the_failing_frame(qualname, filename):
-    from cgraw.interop.cupy import HOST_SYNC, UPLOAD, CupyRouting
+    from cgraw.interop.cupy.pools import HOST_SYNC, UPLOAD, CupyRouting
 
     msg = "cudaErrorStreamCaptureUnsupported: operation not permitted when stream is capturing"
     assert CupyRouting.classify(_raise_in_frame(qualname, filename, msg)) == UPLOAD
@@ -547,7 +547,7 @@ def test_cupy_uploads_are_named_whatever_the_failing_frame(qualname, filename):
 def test_the_legacy_stream_made_to_wait_on_the_capture_is_named_not_called_a_host_sync():
     """torch's message on the H200 when autograd's engine makes the default stream wait on
     a capture: it is not a host synchronisation, and the message must say what it is."""
-    from cgraw.interop.torch import HOST_SYNC, LEGACY_WAIT, TorchRouting
+    from cgraw.interop.torch.pools import HOST_SYNC, LEGACY_WAIT, TorchRouting
 
     msg = ("CUDA error: operation would make the legacy stream depend on a capturing blocking stream\n"
            "Search for `cudaErrorStreamCaptureImplicit' in https://docs.nvidia.com/cuda/ for more information.")

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from torch_cpu_backend import TorchFn, cpu_as_device0  # noqa: E402
 
-from cgraw import calls  # noqa: E402
+from cgraw.trees import calls  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -1,6 +1,6 @@
-"""CPU tests of ``cgraw.calls.inspect``: how a graphed call's arguments are classified and which
+"""CPU tests of ``cgraw.trees.calls.inspect``: how a graphed call's arguments are classified and which
 ones make it skip, with CuPy-shaped stand-ins (no device and no CuPy needed); and of a
-recording's padded replay (``cgraw.recording``)."""
+recording's padded replay (``cgraw.trees.recording``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import types
 import pytest
 
 import cgraw
-from cgraw import calls
-from cgraw.calls import EAGER, STATIC, TREE
+from cgraw.trees import calls
+from cgraw.trees.calls import EAGER, STATIC, TREE
 from cgraw.errors import SkipCall
 
 
@@ -155,7 +155,8 @@ class SliceableArray(FakeArray):
 
 def _fake_launch(monkeypatch) -> list:
     """The raw launch a recording's replay inlines, recorded instead of run: ``[(exec, stream)]``."""
-    from cgraw import recording, stream
+    from cgraw.trees import recording
+    from cgraw.runtime import stream
 
     launches = []
     monkeypatch.setattr(recording, "_launch", lambda exec_, ptr: launches.append((exec_, ptr)) or (0,))
@@ -164,8 +165,8 @@ def _fake_launch(monkeypatch) -> list:
 
 
 def test_padded_replay_patches_counts_and_cuts_outputs(monkeypatch):
-    from cgraw.arrays import SINGLE
-    from cgraw.recording import OWNED, InputCopy, Recording
+    from cgraw.trees.arrays import SINGLE
+    from cgraw.trees.recording import OWNED, InputCopy, Recording
 
     patched = []
 
@@ -211,7 +212,7 @@ def test_padded_replay_patches_counts_and_cuts_outputs(monkeypatch):
 
 
 def test_plain_replay_patches_only_moved_inputs_and_hands_out_its_owned_output(monkeypatch):
-    from cgraw.recording import OWNED, InputCopy, Recording
+    from cgraw.trees.recording import OWNED, InputCopy, Recording
 
     patched, launches = [], _fake_launch(monkeypatch)
     rec = Recording("g")
@@ -222,7 +223,7 @@ def test_plain_replay_patches_only_moved_inputs_and_hands_out_its_owned_output(m
     out_arr = SliceableArray(0xC00, (4, 16))
     rec.out_leaves, rec.out_kinds, rec.owned_idx = [out_arr], [OWNED], [0]
     rec.out_alias = [out_arr.view]
-    from cgraw.arrays import SINGLE
+    from cgraw.trees.arrays import SINGLE
     rec.out_spec, rec.alias0 = SINGLE, out_arr.view
 
     def call(p0, p1):
@@ -239,8 +240,8 @@ def test_generation_end_poisons_the_torch_outputs_and_skips_cupy_ones(monkeypatc
     """Replays hand out their owned outputs of every framework (the tree watches whether they
     live); the CUDA backend poisons the torch ones still alive and passes over CuPy arrays,
     which cannot be poisoned."""
-    from cgraw import frameworks
-    from cgraw.treeexec import CudaBackend
+    from cgraw.trees import frameworks
+    from cgraw.trees.cuda_backend import CudaBackend
 
     class TorchLike:
         pass
@@ -311,8 +312,8 @@ def test_the_plain_tensor_fast_path_classifies_as_the_generic_path(torch_mod, mo
 def test_a_recording_is_stale_after_a_module_assignment_or_a_moved_closure_tensor():
     """``Recording.stale`` (the replay check of what the warm-up learned): a module assignment
     since the recording, or a closure tensor at another address, asks for a new warm-up."""
-    from cgraw.recording import Recording
-    from cgraw.treetypes import Rewarm
+    from cgraw.trees.recording import Recording
+    from cgraw.trees.nodes import Rewarm
 
     epoch = [5]
     rec = Recording("f")
@@ -333,7 +334,7 @@ def test_a_recording_is_stale_after_a_module_assignment_or_a_moved_closure_tenso
 
 
 def test_a_tree_capture_takes_a_thread_or_stream_route_only():
-    from cgraw.capture import capture
+    from cgraw.runtime.capture import capture
 
     with pytest.raises(ValueError, match="route"):
         capture.for_tree(None, None, warm_cublas=False, route="device")

@@ -1,5 +1,5 @@
 """CPU tests of what makes a replay run what eager would run now: the kernel-choosing settings in
-a call's key (``interop.torch_state``, ``calls.use_kernel_state``) and placeholders with the
+a call's key (``interop.torch.kernel_state``, ``calls.use_kernel_state``) and placeholders with the
 caller's layout (``frameworks.Ops.empty_layout``, ``node_bytes``). The same scenarios on the
 GPU, against eager, are in tests/gpu/test_fidelity.py."""
 
@@ -13,10 +13,10 @@ torch = pytest.importorskip("torch")
 
 from torch_cpu_backend import CpuTorchBackend, TorchFn, cpu_as_device0  # noqa: E402
 
-from cgraw import calls  # noqa: E402
-from cgraw.frameworks import TORCH, layout_offset, may_overlap, span_elements  # noqa: E402
-from cgraw.interop.torch_state import KernelState, groups_of, kernel_state  # noqa: E402
-from cgraw.tree import NodeState, TreeManager  # noqa: E402
+from cgraw.trees import calls  # noqa: E402
+from cgraw.trees.frameworks import TORCH, layout_offset, may_overlap, span_elements  # noqa: E402
+from cgraw.interop.torch.kernel_state import KernelState, groups_of, kernel_state  # noqa: E402
+from cgraw.trees.manager import NodeState, TreeManager  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

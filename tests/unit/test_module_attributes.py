@@ -50,7 +50,7 @@ def test_attributes_read_from_imported_cgraw_modules_exist():
 
 
 def test_the_check_finds_a_missing_name():
-    source = "from cgraw import stream as _streams\n\ndef f():\n    return _streams.no_such_name(0)\n"
+    source = "from cgraw.runtime import stream as _streams\n\ndef f():\n    return _streams.no_such_name(0)\n"
     assert _missing(source, "probe.py") == ["probe.py:4: _streams.no_such_name"]
 
 
@@ -89,6 +89,6 @@ def test_every_cgraw_import_in_the_repository_resolves():
 
 
 def test_the_import_check_finds_a_moved_module_and_a_missing_name():
-    source = "def f():\n    from cgraw.no_such_module import x\n    from cgraw.stream import no_such_name\n"
+    source = "def f():\n    from cgraw.no_such_module import x\n    from cgraw.runtime.stream import no_such_name\n"
     assert _unresolved_imports(source, "p.py") == ["p.py:2: no module cgraw.no_such_module",
-                                                   "p.py:3: cgraw.stream has no no_such_name"]
+                                                   "p.py:3: cgraw.runtime.stream has no no_such_name"]

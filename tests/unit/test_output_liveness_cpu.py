@@ -1,6 +1,6 @@
 """CPU tests of how a graph tree sees that memory it handed out is still used: a view or a
 ``.detach()`` alias of an output keeps the output's memory in use after the output object itself
-is gone (``frameworks.Ops.users``, ``treeoutputs.PathOutputs``, ``treeoutputs.memory_in_use``), so a
+is gone (``frameworks.Ops.users``, ``trees.outputs.PathOutputs``, ``trees.outputs.memory_in_use``), so a
 path whose outputs survive only as aliases is not ended and its memory is not handed out again."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cgraw.frameworks import TORCH  # noqa: E402
-from cgraw.treeoutputs import PathOutputs, memory_in_use  # noqa: E402
+from cgraw.trees.frameworks import TORCH  # noqa: E402
+from cgraw.trees.outputs import PathOutputs, memory_in_use  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -7,10 +7,9 @@ through an alias such as ``y = x``, or a dotted ``cgraw.x._name``), and may not 
 whose own name is private (``from cgraw import _defer``). What modules share gets a public name
 where it is defined. Two exceptions:
 
-- the modules of one package below ``cgraw`` (``cgraw._cuda``, ``cgraw.interop``) and of
-  ``allocator`` may share that package's private names among themselves (``cgraw._cuda.graphs``
-  reads ``cgraw._cuda._R``); the top-level ``cgraw`` package is the whole library, so its modules
-  do not count as one package here;
+- the modules of ``cgraw._cuda`` and of ``allocator`` may share that package's private names
+  among themselves (``cgraw._cuda.graphs`` reads ``cgraw._cuda._R``); the modules of every other
+  package (``cgraw.trees``, ``cgraw.interop.torch``, ...) share what they share under public names;
 - ``cgraw._cuda``, the CUDA call layer, is private-named on purpose and every layer imports it
   (its private names stay private: ``_cuda._rt`` outside the package is a violation).
 
@@ -28,6 +27,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GATEWAY = "cgraw._cuda"  # a private-named package any module may import
 TOP_LEVEL = ("cgraw", "allocator")
+# the packages whose modules share private names: the CUDA call layer and the allocator; every other
+# subpackage's modules share what they share under public names
+SHARING = ("cgraw._cuda", "allocator")
 
 
 def _module_files():
@@ -63,7 +65,7 @@ def violations(name: str, source: str, modules=None, packages=None) -> list[str]
         if owner == name:
             return True
         theirs = _package_of(owner, packages)
-        return theirs == mine and mine != "cgraw"  # the top-level package is the whole library
+        return theirs == mine and mine in SHARING
 
     def may_import_module(module: str) -> bool:
         last = module.rpartition(".")[2]
@@ -175,6 +177,8 @@ FAKE_PACKAGES = {"cgraw", "cgraw._cuda", "cgraw.interop", "allocator"}
     ("cgraw.a", "def f():\n    from cgraw.interop.x import _helper\n    return _helper"),
     ("cgraw.interop.x", "from cgraw import b\nb._y"),
     ("allocator.pool", "import cgraw.b as b\nb._x"),
+    ("cgraw.interop.x", "from cgraw.interop import y\ny._shared"),
+    ("cgraw.interop.x", "from . import y\ny._shared"),
 ])
 def test_the_check_sees_a_private_read(name, source):
     assert violations(name, textwrap.dedent(source), FAKE, FAKE_PACKAGES), source
@@ -188,8 +192,6 @@ def test_the_check_sees_a_private_read(name, source):
     ("cgraw.a", "import os\nos._exit"),
     ("cgraw._cuda.graphs", "from cgraw._cuda import _R, _compat"),
     ("cgraw._cuda", "from cgraw._cuda import graphs\ngraphs._launch"),
-    ("cgraw.interop.x", "from cgraw.interop import y\ny._shared"),
-    ("cgraw.interop.x", "from . import y\ny._shared"),
 ])
 def test_the_check_allows(name, source):
     assert violations(name, textwrap.dedent(source), FAKE, FAKE_PACKAGES) == []

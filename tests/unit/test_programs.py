@@ -2,7 +2,7 @@
 
 The generator must be deterministic and its programs valid; the interpreter must be
 deterministic on a numpy namespace; and a program walked through the real
-``cgraw.tree.TreeManager``, on the fake backend of tests/helpers/fake_tree_backend.py, must match
+``cgraw.trees.manager.TreeManager``, on the fake backend of tests/helpers/fake_tree_backend.py, must match
 the same walk run eagerly, bit for bit. The GPU tier (tests/gpu/test_random_walk.py) runs the
 same walks with real torch and CuPy.
 
@@ -23,7 +23,7 @@ import pytest
 from fake_tree_backend import EAGER_BASE, FakeFn, FakeT, FakeTreeBackend, assign, new
 
 from allocator import check_invariants
-from cgraw.tree import NodeState, TreeManager, config
+from cgraw.trees.manager import NodeState, TreeManager, config
 
 SEEDS = range(40)
 GPU_SEEDS = range(4)  # the seeds tests/gpu/test_random_walk.py walks

@@ -1,6 +1,6 @@
 """Zero-copy inputs on the CPU tier: the plan's decisions over a fake graph, the proof's two
 outcomes (kept in place / back to the copies) with the device work faked, the hot path's
-re-pointing, and the range bookkeeping (``cgraw.rebindexec``, ``cgraw.recording.InputRebind``)."""
+re-pointing, and the range bookkeeping (``cgraw.rebind.proof``, ``cgraw.trees.recording.InputRebind``)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import pytest
 
 pytest.importorskip("cuda.bindings")
 
-from cgraw import _cuda, rebindexec, rebindmem, recording  # noqa: E402
-from cgraw.recording import InputCopy, InputRebind, Recording  # noqa: E402
-from cgraw.treetypes import Config  # noqa: E402
+from cgraw import _cuda
+from cgraw.rebind import proof as rebind_proof, ranges as rebind_ranges
+from cgraw.trees import recording  # noqa: E402
+from cgraw.trees.recording import InputCopy, InputRebind, Recording  # noqa: E402
+from cgraw.trees.nodes import Config  # noqa: E402
 
 T = _cuda.NodeType
 KERNEL, MEMCPY, MEMSET, HOST = (int(T.CU_GRAPH_NODE_TYPE_KERNEL), int(T.CU_GRAPH_NODE_TYPE_MEMCPY),
@@ -99,7 +101,7 @@ def test_plan_finds_words_per_input_and_shares_kernel_buffers(fake_graph):
         (MEMCPY, (0x7D00_0000_0000, PH_B + 8, 16)),  # 4: a 1-D copy out of leaf 1
     ])
     rec, call = make_rec([copy_in(0, 0, PH_A), copy_in(1, 1, PH_B)])
-    rebindexec.plan(rec, g, call, {0: "ph0", 1: "ph1"}, Config())
+    rebind_proof.plan(rec, g, call, {0: "ph0", 1: "ph1"}, Config())
     assert rec.input_notes == {0: None, 1: None}
     p = rec.proof
     assert p is not None and [r.leaf for r in p.rebinds] == [0, 1]
@@ -115,7 +117,7 @@ def test_plan_finds_words_per_input_and_shares_kernel_buffers(fake_graph):
 def test_plan_reasons(fake_graph):
     base = [(MEMCPY, (PH_A, CALLER, 4096)), (KERNEL, [word(PH_A)])]
     cases = [
-        (base + [(MEMSET, (PH_A + 128, 64))], rebindexec.MEMSET),
+        (base + [(MEMSET, (PH_A + 128, 64))], rebind_proof.MEMSET),
         (base + [(HOST, None)], "host node"),
         (base + [(KERNEL, None)], "packed"),
         (base + [(MEMCPY, (PH_B, PH_A, 64))], None),  # leaf 1 is not an input here: a plain copy out
@@ -123,26 +125,26 @@ def test_plan_reasons(fake_graph):
     for nodes, want in cases:
         g = fake_graph(nodes)
         rec, call = make_rec([copy_in(0, 0, PH_A)])
-        rebindexec.plan(rec, g, call, {0: "ph"}, Config())
+        rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
         if want is None:
             assert rec.input_notes == {0: None} and rec.proof is not None
         else:
             assert want in rec.input_notes[0] and rec.proof is None
     g = fake_graph(base)
     rec, call = make_rec([copy_in(0, 0, PH_A)])
-    rebindexec.plan(rec, g, call, {0: "ph"}, Config(rebind_inputs=False))
-    assert rec.input_notes == {0: rebindexec.OFF} and rec.proof is None
+    rebind_proof.plan(rec, g, call, {0: "ph"}, Config(rebind_inputs=False))
+    assert rec.input_notes == {0: rebind_proof.OFF} and rec.proof is None
     rec, call = make_rec([copy_in(0, 0, PH_A)], bucket=8)
-    rebindexec.plan(rec, g, call, {0: "ph"}, Config())
-    assert rec.input_notes == {0: rebindexec.PADDED}
+    rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
+    assert rec.input_notes == {0: rebind_proof.PADDED}
 
 
 def test_plan_copy_between_two_inputs_keeps_both_copies(fake_graph):
     g = fake_graph([(MEMCPY, (PH_A, CALLER, 4096)), (MEMCPY, (PH_B, CALLER + 0x10000, 4096)),
                     (MEMCPY, (PH_B, PH_A, 4096))])
     rec, call = make_rec([copy_in(0, 0, PH_A), copy_in(1, 1, PH_B)])
-    rebindexec.plan(rec, g, call, {0: "a", 1: "b"}, Config())
-    assert rec.input_notes == {0: rebindexec.TWO_INPUTS, 1: rebindexec.TWO_INPUTS} and rec.proof is None
+    rebind_proof.plan(rec, g, call, {0: "a", 1: "b"}, Config())
+    assert rec.input_notes == {0: rebind_proof.TWO_INPUTS, 1: rebind_proof.TWO_INPUTS} and rec.proof is None
 
 
 def test_input_rebind_patch_points_words_kernels_and_copies():
@@ -181,7 +183,7 @@ def test_replay_repoints_only_moved_inputs(monkeypatch):
     rec.in_pool = lambda p: pool <= p < pool + (1 << 20)
     staged = []
 
-    def stage(rec_, call, r):  # treeexec's: a fresh, aligned copy of the input; None: copy back
+    def stage(rec_, call, r):  # cuda_backend's: a fresh, aligned copy of the input; None: copy back
         staged.append("back" if r is None else call.ptrs[r.leaf])
         if r is None:
             return None
@@ -203,11 +205,11 @@ def test_replay_repoints_only_moved_inputs(monkeypatch):
 
 
 def test_merge_and_blocks():
-    assert rebindmem.merge([(100, 10), (105, 10), (200, 8), (108, 1)]) == [(100, 15), (200, 8)]
+    assert rebind_ranges.merge([(100, 10), (105, 10), (200, 8), (108, 1)]) == [(100, 15), (200, 8)]
     # touching ranges stay apart: they may be two allocations, and one copy across both is refused
-    assert rebindmem.merge([(100, 10), (110, 10)]) == [(100, 10), (110, 10)]
+    assert rebind_ranges.merge([(100, 10), (110, 10)]) == [(100, 10), (110, 10)]
     pool = SimpleNamespace(closed=False, live_blocks=lambda: [SimpleNamespace(ptr=1000, size=100)])
-    b = rebindmem.Blocks(pool)
+    b = rebind_ranges.Blocks(pool)
     assert b.around(1050) == (1000, 100) and b.around(1100) is None and b.around(10) is None
 
 
@@ -217,7 +219,7 @@ def test_ranges_skip_placeholders_and_non_pointers(monkeypatch):
                         lambda v: asked.append(v) or ((v & ~0xFFF, 0x1000) if v >= 0x7000_0000_0000 else None))
     blocks = SimpleNamespace(around=lambda v: None, window=(0x7000_0000_0000, 0x8000_0000_0000))
     floats = 0x3F80_0000_BF80_0000  # two floats read as one word: never asked about
-    got = rebindmem.ranges({3, 4096 * 5, PH_A + 8, CALLER + 12, floats}, blocks, [(PH_A, 4096)], {})
+    got = rebind_ranges.ranges({3, 4096 * 5, PH_A + 8, CALLER + 12, floats}, blocks, [(PH_A, 4096)], {})
     assert got == [(CALLER, 0x1000)] and asked == [CALLER + 12]
 
 
@@ -228,19 +230,19 @@ class ProofRig:
         self.events = []
         self.enabled = {}
         monkeypatch.setattr(_cuda, "stream_handle", lambda p: "stream")
-        monkeypatch.setattr(rebindexec._streams, "current_getter", lambda o: 0)
+        monkeypatch.setattr(rebind_proof._streams, "current_getter", lambda o: 0)
         monkeypatch.setattr(_cuda, "ctx_synchronize", lambda: None)
         monkeypatch.setattr(_cuda, "stream_synchronize", lambda s: None)
         monkeypatch.setattr(_cuda, "mem_get_info", lambda: (1 << 34, 1 << 35))
         monkeypatch.setattr(_cuda, "mem_alloc", lambda n: 0xA000_0000 + 0x1000_0000 * len(self.events))
         monkeypatch.setattr(_cuda, "mem_free", lambda p: self.events.append("free"))
-        monkeypatch.setattr(rebindexec._k, "memset_d8_async",
+        monkeypatch.setattr(rebind_proof._k, "memset_d8_async",
                             lambda p, v, n, s: self.events.append(("poison", p, v)) if p == PH_A else None)
-        monkeypatch.setattr(rebindexec._mem, "Blocks", lambda pool: SimpleNamespace(around=lambda v: None))
-        monkeypatch.setattr(rebindexec._mem, "ranges", lambda values, blocks, phs, cache: [(CALLER, 4096)])
-        monkeypatch.setattr(rebindexec._mem, "tables", lambda ranges, phs, blocks, cache: (set(), []))
-        monkeypatch.setattr(rebindexec, "_pack", lambda r, buf, s, out: self.events.append(("pack", out)))
-        monkeypatch.setattr(rebindexec, "_equal", lambda *a: equal)
+        monkeypatch.setattr(rebind_proof._mem, "Blocks", lambda pool: SimpleNamespace(around=lambda v: None))
+        monkeypatch.setattr(rebind_proof._mem, "ranges", lambda values, blocks, phs, cache: [(CALLER, 4096)])
+        monkeypatch.setattr(rebind_proof._mem, "tables", lambda ranges, phs, blocks, cache: (set(), []))
+        monkeypatch.setattr(rebind_proof, "_pack", lambda r, buf, s, out: self.events.append(("pack", out)))
+        monkeypatch.setattr(rebind_proof, "_equal", lambda *a: equal)
         monkeypatch.setattr(_cuda, "graph_exec_node_set_enabled",
                             lambda e, n, on: self.enabled.__setitem__(n, on))
 
@@ -258,7 +260,7 @@ def _rig_rec(monkeypatch, equal):
     k = FakeKernelArgs("exec", 9, None, [word(PH_A)])
     r = InputRebind(0, PH_A, [(k.word(0, 0), 0)], [k], [])
     rec.input_notes = {0: None}
-    rec.proof = rebindexec.Pending([r], {0: ("ph", PH_A, 4096)}, {PH_A, CALLER}, {0: [cin, cback]})
+    rec.proof = rebind_proof.Pending([r], {0: ("ph", PH_A, 4096)}, {PH_A, CALLER}, {0: [cin, cback]})
     modes = []
 
     def replay(call):
@@ -276,7 +278,7 @@ def _rig_rec(monkeypatch, equal):
 
 def test_proof_kept_in_place(monkeypatch):
     rig, rec, k, modes, dropped, backend, (cin, cback) = _rig_rec(monkeypatch, equal=True)
-    out = rebindexec.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
+    out = rebind_proof.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
     assert modes == [("copy", PH_A), ("in place", CALLER)] and out == (("out", 2), ())
     assert rec.copies == [] and [r.leaf for r in rec.rebinds] == [0] and rec.proof is None
     assert rig.enabled == {"in": False, "back": False} and dropped == [["ph"]]
@@ -288,12 +290,12 @@ def test_proof_kept_in_place(monkeypatch):
 
 def test_proof_refuted_goes_back_to_the_copies(monkeypatch):
     rig, rec, k, modes, dropped, backend, (cin, cback) = _rig_rec(monkeypatch, equal=False)
-    out = rebindexec.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
+    out = rebind_proof.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
     # A (copies), B (in place), then the ranges put back and the call run once more as recorded
     assert modes == [("copy", PH_A), ("in place", CALLER), ("copy", PH_A)] and out == (("out", 3), ())
     assert rec.copies == [cin, cback] and rec.rebinds == [] and dropped == []
     assert rig.enabled == {"in": True, "back": True}
-    assert rec.input_notes == {0: rebindexec.DIFFER}
+    assert rec.input_notes == {0: rebind_proof.DIFFER}
     packs = [e for e in rig.events if isinstance(e, tuple) and e[0] == "pack"]
     assert packs[-1] == ("pack", False)  # the saved ranges restored before the last replay
 
@@ -321,7 +323,7 @@ def test_proof_puts_the_generators_back_with_the_ranges(monkeypatch, equal):
     rec.replay = replay_logged
     rec.rng_sync = lambda ptr: None
     rec.graph = SimpleNamespace(rng=Generators())
-    rebindexec.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
+    rebind_proof.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
     seq = [e for e in rig.events if e in ("save", "replay") or isinstance(e, tuple) and e[0] in ("pack", "restore")]
     want = ["save", "replay", ("pack", True), ("pack", False), ("restore", "host state"), "replay", ("pack", True)]
     if not equal:  # refuted: ranges and generators put back once more before the call's one run
@@ -332,16 +334,16 @@ def test_proof_puts_the_generators_back_with_the_ranges(monkeypatch, equal):
 def test_proof_too_much_memory_keeps_copies(monkeypatch):
     rig, rec, k, modes, dropped, backend, _ = _rig_rec(monkeypatch, equal=True)
     monkeypatch.setattr(_cuda, "mem_get_info", lambda: (1 << 20, 1 << 35))  # 1 MiB free: limit 256 KiB
-    monkeypatch.setattr(rebindexec._mem, "ranges", lambda values, blocks, phs, cache: [(CALLER, 1 << 20)])
-    rebindexec.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
+    monkeypatch.setattr(rebind_proof._mem, "ranges", lambda values, blocks, phs, cache: [(CALLER, 1 << 20)])
+    rebind_proof.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
     assert modes == [("copy", PH_A)] and "more than cgraw saves" in rec.input_notes[0]
 
 
 def test_proof_pointer_table_keeps_copy(monkeypatch):
     rig, rec, k, modes, dropped, backend, _ = _rig_rec(monkeypatch, equal=True)
-    monkeypatch.setattr(rebindexec._mem, "tables", lambda ranges, phs, blocks, cache: ({0}, []))
-    rebindexec.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
-    assert modes == [("copy", PH_A)] and rec.input_notes[0] == rebindexec.POINTER_TABLE
+    monkeypatch.setattr(rebind_proof._mem, "tables", lambda ranges, phs, blocks, cache: ({0}, []))
+    rebind_proof.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
+    assert modes == [("copy", PH_A)] and rec.input_notes[0] == rebind_proof.POINTER_TABLE
 
 
 def test_tables_find_a_pointer_to_a_placeholder(monkeypatch):
@@ -351,43 +353,43 @@ def test_tables_find_a_pointer_to_a_placeholder(monkeypatch):
         ctypes.memmove(dst, ctypes.addressof(table), n)
 
     monkeypatch.setattr(_cuda, "memcpy_dtoh", dtoh)
-    monkeypatch.setattr(rebindexec._mem, "ranges", lambda values, blocks, phs, cache: [])
-    hit, more = rebindmem.tables([(CALLER, 16), (CALLER + 4096, 1 << 20)], {0: (PH_A, 4096), 1: (PH_B, 64)},
+    monkeypatch.setattr(rebind_proof._mem, "ranges", lambda values, blocks, phs, cache: [])
+    hit, more = rebind_ranges.tables([(CALLER, 16), (CALLER + 4096, 1 << 20)], {0: (PH_A, 4096), 1: (PH_B, 64)},
                                    None, {})
     assert hit == {0}
 
 
 def test_poison_byte_by_dtype():
     torch = pytest.importorskip("torch")
-    assert rebindexec._poison(torch.empty(2)) == 0xFF
-    assert rebindexec._poison(torch.empty(2, dtype=torch.complex64)) == 0xFF
-    assert rebindexec._poison(torch.empty(2, dtype=torch.int64)) == 0
-    assert rebindexec._poison(torch.empty(2, dtype=torch.bool)) == 0
+    assert rebind_proof._poison(torch.empty(2)) == 0xFF
+    assert rebind_proof._poison(torch.empty(2, dtype=torch.complex64)) == 0xFF
+    assert rebind_proof._poison(torch.empty(2, dtype=torch.int64)) == 0
+    assert rebind_proof._poison(torch.empty(2, dtype=torch.bool)) == 0
     np = pytest.importorskip("numpy")
-    assert rebindexec._poison(np.empty(2, np.float16)) == 0xFF and rebindexec._poison(np.empty(2, np.int32)) == 0
+    assert rebind_proof._poison(np.empty(2, np.float16)) == 0xFF and rebind_proof._poison(np.empty(2, np.int32)) == 0
 
 
 def test_plan_copies_small_inputs_read_by_many_nodes(fake_graph):
-    nodes = [(MEMCPY, (PH_A, CALLER, 4096))] + [(KERNEL, [word(PH_A)]) for _ in range(rebindexec.PATCH_NODES + 1)]
+    nodes = [(MEMCPY, (PH_A, CALLER, 4096))] + [(KERNEL, [word(PH_A)]) for _ in range(rebind_proof.PATCH_NODES + 1)]
     g = fake_graph(nodes)
     rec, call = make_rec([copy_in(0, 0, PH_A)])
-    rebindexec.plan(rec, g, call, {0: "ph"}, Config())
+    rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
     assert "read by 5 graph nodes" in rec.input_notes[0] and rec.proof is None
     g = fake_graph(nodes[:-1])
     rec, call = make_rec([copy_in(0, 0, PH_A)])
-    rebindexec.plan(rec, g, call, {0: "ph"}, Config())
+    rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
     assert rec.input_notes == {0: None} and rec.proof is not None
     big = InputCopy(0, 0, PH_A, CALLER, 1 << 20, 0, back=False)
     g = fake_graph(nodes)
     rec, call = make_rec([big])
-    rebindexec.plan(rec, g, call, {0: "ph"}, Config())
+    rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
     assert rec.input_notes == {0: None}
 
 
 
 def test_blocks_give_one_generator_record_among_a_devices_records(monkeypatch):
-    monkeypatch.setattr(rebindmem.rngexec, "arenas", lambda: [(0x9000, 64)])  # two 32-byte records
-    b = rebindmem.Blocks(SimpleNamespace(closed=True))
+    monkeypatch.setattr(rebind_ranges.rng_device, "arenas", lambda: [(0x9000, 64)])  # two 32-byte records
+    b = rebind_ranges.Blocks(SimpleNamespace(closed=True))
     assert b.around(0x9000) == (0x9000, 32) and b.around(0x9000 + 8) == (0x9000, 32)
     assert b.around(0x9000 + 40) == (0x9020, 32) and b.around(0x9000 + 64) is None
 
@@ -398,7 +400,7 @@ def test_dropped_placeholders_lose_their_torch_owner():
     torch = pytest.importorskip("torch")
     import weakref
 
-    from cgraw.treeexec import CudaBackend
+    from cgraw.trees.cuda_backend import CudaBackend
 
     ph, kept = torch.randn(16), torch.randn(16)
     owners = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in (ph, kept)}

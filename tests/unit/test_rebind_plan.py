@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cgraw.rebind import ArgWord, Placeholder, Plan, scan
+from cgraw.rebind.scan import ArgWord, Placeholder, Plan, scan
 
 
 def w64(*values: int) -> bytes:

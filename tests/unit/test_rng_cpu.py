@@ -8,8 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from cgraw import rng
-from cgraw import rng_kernels as K
+from cgraw.rng import plan as rng, kernels as K
 
 # Random123's published known answers for Philox4x32-10 (its tests/kat_vectors)
 KAT = [
@@ -72,7 +71,7 @@ def test_increments_and_positions_follow_each_framework():
 
 
 def _device_advance(pos: int, inc: int, mod1: bool) -> int:
-    """``cgraw_rng_advance``'s arithmetic on 64-bit words, as written in ``rng_kernels.ADVANCE``."""
+    """``cgraw_rng_advance``'s arithmetic on 64-bit words, as written in ``rng.kernels.ADVANCE``."""
     s = (pos + inc) & ((1 << 64) - 1)
     if mod1:
         if s < pos:
@@ -156,7 +155,7 @@ def test_every_kernel_name_has_a_source_defining_it():
 
 def test_capture_names_an_uncovered_random_op():
     from cgraw import capture
-    from cgraw.interop import torch_rng
+    from cgraw.interop.torch import rng as torch_rng
 
     err = torch_rng.not_covered("aten.randperm.default")
     msg = capture(pool=None)._classify(err, 0, 0)
@@ -171,7 +170,7 @@ def _torch():
 
 def test_bind_fills_defaults_by_schema_name():
     torch = _torch()
-    from cgraw.interop import torch_rng
+    from cgraw.interop.torch import rng as torch_rng
 
     d = torch_rng._bind(torch.ops.aten.randint.low, (0, 10, [5]), {"device": "cpu"})
     assert d["low"] == 0 and d["high"] == 10 and list(d["size"]) == [5] and d["device"] == "cpu"
@@ -181,7 +180,7 @@ def test_bind_fills_defaults_by_schema_name():
 
 def test_mode_passes_cpu_random_numbers_through_unchanged():
     torch = _torch()
-    from cgraw.interop import torch_rng
+    from cgraw.interop.torch import rng as torch_rng
 
     torch.manual_seed(11)
     want = (torch.rand(5), torch.randn(3), torch.randint(0, 9, (4,)), torch.empty(6).bernoulli_(0.5))
@@ -201,7 +200,7 @@ def test_mode_passes_cpu_random_numbers_through_unchanged():
 
 def test_sdpa_patch_is_only_in_place_during_captures():
     torch = _torch()
-    from cgraw.interop import torch_rng
+    from cgraw.interop.torch import rng as torch_rng
 
     orig = torch.nn.functional.scaled_dot_product_attention
     a = torch_rng.TorchRng(rng.RngStream(0, 0, 0))
@@ -236,7 +235,7 @@ class _FakeState:
 
 def test_cupy_stand_in_forwards_other_threads_and_names_uncovered_calls():
     from cgraw.errors import CaptureError
-    from cgraw.interop import cupy_rng
+    from cgraw.interop.cupy import rng as cupy_rng
 
     orig = _FakeState()
     sub = cupy_rng.CaptureRandomState(rng.RngStream(0, 0, threading.get_ident()), orig, 0)
@@ -271,7 +270,7 @@ def test_sampler_kernels_are_named_and_generated():
 
 
 class _FakeKernels:
-    """Stands in for ``_cuda.kernels`` in ``rngexec``: records launches."""
+    """Stands in for ``_cuda.kernels`` in ``rng.device``: records launches."""
 
     ARG_PTR = ARG_I64 = ARG_U64 = ARG_F64 = ARG_F32 = 0
 
@@ -288,22 +287,22 @@ class _FakeKernels:
 
 @pytest.fixture
 def fake_kernels(monkeypatch):
-    from cgraw import rngexec
+    from cgraw.rng import device as rng_device
 
     fk = _FakeKernels()
-    monkeypatch.setattr(rngexec, "_k", fk)
-    monkeypatch.setattr(rngexec, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(rng_device, "_k", fk)
+    monkeypatch.setattr(rng_device, "_sm_count", lambda device: 132)
     return fk
 
 
 def test_sampler_calls_reserve_their_offset_steps(fake_kernels):
-    from cgraw import rngexec
+    from cgraw.rng import device as rng_device
 
     s = rng.RngStream(slot=0x2000, device=0, thread=threading.get_ident())
-    rngexec.sample(s, "gamma", "f32", 0x100, 1000, None, 2.0, 1.0)
-    rngexec.sample(s, "beta", "f64", 0x200, 10, None, 0.5, 0.5, wide=True)
-    rngexec.sample(s, "poisson", "i64", 0x300, 1, None, 4.0, wide=True)
-    rngexec.sample(s, "binomial", "i32", 0x400, 0, None, 10.0, 0.3, wide=True)  # empty: no launch, no offset
+    rng_device.sample(s, "gamma", "f32", 0x100, 1000, None, 2.0, 1.0)
+    rng_device.sample(s, "beta", "f64", 0x200, 10, None, 0.5, 0.5, wide=True)
+    rng_device.sample(s, "poisson", "i64", 0x300, 1, None, 4.0, wide=True)
+    rng_device.sample(s, "binomial", "i32", 0x400, 0, None, 10.0, 0.3, wide=True)  # empty: no launch, no offset
     assert s.calls == 4  # gamma 1, beta 2, poisson 1
     names = [f for f, *_ in fake_kernels.launches]
     assert names == ["cgraw_fill_gamma_f32_n", "cgraw_fill_beta_f64_w", "cgraw_fill_poisson_i64_w"]
@@ -314,20 +313,20 @@ def test_sampler_calls_reserve_their_offset_steps(fake_kernels):
     assert grid == rng.grid(1000, 1, 132) == 4 and block == rng.BLOCK  # one thread per element
     assert args[:3] == (0x100, 1000, 0x2000) and args[4:6] == (2.0, 1.0)  # the key is the record's
     with pytest.raises(ValueError, match="at most"):
-        rngexec.sample(s, "gamma", "f32", 0x100, K.SAMPLE_MAX, None, 2.0, 1.0)
+        rng_device.sample(s, "gamma", "f32", 0x100, K.SAMPLE_MAX, None, 2.0, 1.0)
     assert s.calls == 4
 
 
 def test_the_last_node_advances_by_the_replays_increment(fake_kernels):
-    from cgraw import rngexec
+    from cgraw.rng import device as rng_device
 
     t = rng.RngStream(slot=0x2000, device=0, thread=0)
-    rngexec.fill(t, "uniform", "f32", 0x100, 10, None)
-    rngexec.dropout(t, "f32", 0x100, 0x200, 0x300, 20, 0.9, 1 / 0.9, None)
+    rng_device.fill(t, "uniform", "f32", 0x100, 10, None)
+    rng_device.dropout(t, "f32", 0x100, 0x200, 0x300, 20, 0.9, 1 / 0.9, None)
     c = rng.RngStream(0x2020, 0, 0, rng.CUPY)
-    rngexec.fill(c, "normal", "f64", 0x100, 1000, None, wide=True)
-    rngexec.advance(t, None)
-    rngexec.advance(c, None)
+    rng_device.fill(c, "normal", "f64", 0x100, 1000, None, wide=True)
+    rng_device.advance(t, None)
+    rng_device.advance(c, None)
     (_, _, _, dargs), adv_t, adv_c = (fake_kernels.launches[i] for i in (1, 3, 4))
     assert dargs[4:6] == (0x2000, 1)  # the record, then the draw's offset within the graph
     assert adv_t == ("cgraw_rng_advance", 1, 1, (0x2000, 8, 0))  # torch: 4 per offset, modulo 2**64
@@ -345,12 +344,12 @@ class _FakeArray:
 
 @pytest.fixture
 def fake_cupy(monkeypatch):
-    """A ``cupy`` module with ``empty`` and a current stream, and ``rngexec.sample`` recorded."""
+    """A ``cupy`` module with ``empty`` and a current stream, and ``rng.device.sample`` recorded."""
     import sys
     import types
 
-    from cgraw import rngexec
-    from cgraw.interop import cupy_rng
+    from cgraw.rng import device as rng_device
+    from cgraw.interop.cupy import rng as cupy_rng
 
     fake = types.ModuleType("cupy")
     fake.empty = lambda shape, dtype: _FakeArray(shape, dtype)
@@ -362,7 +361,7 @@ def fake_cupy(monkeypatch):
     def sample(stream, dist, dtype, out, n, cu_stream, a, b=0.0, *, wide=False):
         calls.append((dist, dtype, n, a, b, wide))
 
-    monkeypatch.setattr(rngexec, "sample", sample)
+    monkeypatch.setattr(rng_device, "sample", sample)
     sub = cupy_rng.CaptureRandomState(rng.RngStream(0, 0, threading.get_ident()), None, 0)
     return sub, calls
 
@@ -406,7 +405,7 @@ def test_cupy_samplers_check_arguments_like_numpy(fake_cupy, call, match):
 
 def test_cupy_samplers_refuse_array_parameters_and_other_dtypes(fake_cupy):
     from cgraw.errors import CaptureError
-    from cgraw.interop import cupy_rng
+    from cgraw.interop.cupy import rng as cupy_rng
 
     sub, calls = fake_cupy
     for call, name in ((lambda: sub.gamma(np.ones(3)), "gamma"), (lambda: sub.beta(1.0, np.ones(3)), "beta"),
@@ -428,7 +427,7 @@ def test_cupy_samplers_refuse_array_parameters_and_other_dtypes(fake_cupy):
 
 
 def test_cupy_shape_rules():
-    from cgraw.interop import cupy_rng
+    from cgraw.interop.cupy import rng as cupy_rng
 
     assert cupy_rng._shape(None) == () and cupy_rng._shape(5) == (5,) and cupy_rng._shape((2, 3)) == (2, 3)
     assert cupy_rng._shape(np.int64(4)) == (4,)
@@ -473,11 +472,11 @@ def _fake_dropout(stream, dtype, src, out, mask, n, keep, scale, cu_stream):
 @pytest.fixture
 def cpu_mode(monkeypatch):
     torch = _torch()
-    from cgraw import rngexec
-    from cgraw.interop import torch_rng
+    from cgraw.rng import device as rng_device
+    from cgraw.interop.torch import rng as torch_rng
 
-    monkeypatch.setattr(rngexec, "fill", _fake_fill)
-    monkeypatch.setattr(rngexec, "dropout", _fake_dropout)
+    monkeypatch.setattr(rng_device, "fill", _fake_fill)
+    monkeypatch.setattr(rng_device, "dropout", _fake_dropout)
     base = torch_rng._make_mode_class()
 
     class CpuMode(base):
@@ -616,7 +615,7 @@ def test_routed_draws_inside_cond_and_scan_bodies(cpu_mode):
 
 def test_inductor_seed_buffer_is_drawn_from_the_stream(cpu_mode, monkeypatch):
     torch, mode, stream = cpu_mode
-    from cgraw import rngexec
+    from cgraw.rng import device as rng_device
 
     seen = []
 
@@ -624,7 +623,7 @@ def test_inductor_seed_buffer_is_drawn_from_the_stream(cpu_mode, monkeypatch):
         rs.take(1)
         seen.append((dist, dtype, n, lo, rng_range, wide))
 
-    monkeypatch.setattr(rngexec, "fill", record)
+    monkeypatch.setattr(rng_device, "fill", record)
     buf = torch.empty(3, dtype=torch.int64)
     limits = torch.iinfo(torch.int64)
     with mode:  # the call Inductor's generated code makes for the seeds of its random numbers
@@ -658,7 +657,7 @@ def test_draws_inside_a_checkpoint_that_restores_random_state_are_refused(cpu_mo
 
 
 def test_generator_state_answers_from_the_routing_start_only_while_capturing():
-    from cgraw.interop import torch_rng_patch
+    from cgraw.interop.torch import rng_patch as torch_rng_patch
 
     class FakeCuda:
         capturing = False
@@ -708,7 +707,7 @@ def test_generator_state_answers_from_the_routing_start_only_while_capturing():
 
 def test_generator_state_patch_only_while_routing():
     torch = _torch()
-    from cgraw.interop import torch_rng
+    from cgraw.interop.torch import rng as torch_rng
 
     get, set_ = torch.cuda.get_rng_state, torch.cuda.set_rng_state
     r = torch_rng.TorchRng(rng.RngStream(0, 0, 0))

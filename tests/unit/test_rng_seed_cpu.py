@@ -1,7 +1,7 @@
 """CPU tier: graphed random numbers follow the frameworks' generators. The host's side (the
 mirror of each generator record, when a replay writes the record, how it advances the generator)
 runs here on stand-in generators and a model of the device record that applies each write and
-each graph's advance in stream order, as the kernels do (``rng_kernels.SET``, ``ADVANCE``)."""
+each graph's advance in stream order, as the kernels do (``rng.kernels.SET``, ``ADVANCE``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from cgraw import rng
+from cgraw.rng import plan as rng
 
 # ----------------------------------------------------------------------------- stand-ins
 
@@ -50,7 +50,7 @@ class TorchGen:
 
 
 class Record:
-    """The device's 32-byte generator record; ``write`` is ``rngexec``'s, applied in stream order."""
+    """The device's 32-byte generator record; ``write`` is ``rng.device``'s, applied in stream order."""
 
     def __init__(self, kind: str):
         self.kind = kind
@@ -329,7 +329,7 @@ def test_cupy_save_and_restore():
 
 def test_graph_replay_runs_the_generators_step_before_its_launch(monkeypatch):
     import cgraw
-    from cgraw import graph as graph_mod
+    from cgraw.runtime import graph as graph_mod
 
     events = []
     monkeypatch.setattr(graph_mod, "_launch", lambda exec_, ptr: events.append(("launch", ptr)) or (0,))
@@ -348,7 +348,7 @@ def test_graph_replay_runs_the_generators_step_before_its_launch(monkeypatch):
 def test_a_failed_launch_forgets_the_records(monkeypatch):
     import cgraw
     from cgraw import _cuda
-    from cgraw import graph as graph_mod
+    from cgraw.runtime import graph as graph_mod
     from cgraw.errors import CudaError
 
     monkeypatch.setattr(graph_mod, "_launch", lambda exec_, ptr: (_cuda.CUresult.CUDA_ERROR_INVALID_VALUE,))
@@ -366,9 +366,9 @@ def test_a_failed_launch_forgets_the_records(monkeypatch):
 
 
 def test_recording_replay_runs_the_step_on_its_launch_stream(monkeypatch):
-    from cgraw import recording
-    from cgraw import stream as _streams
-    from cgraw.recording import Recording
+    from cgraw.trees import recording
+    from cgraw.runtime import stream as _streams
+    from cgraw.trees.recording import Recording
 
     events = []
     monkeypatch.setattr(recording, "_launch", lambda exec_, ptr: events.append(("launch", ptr)) or (0,))
@@ -403,30 +403,30 @@ def test_a_write_that_fails_leaves_the_mirror_and_the_generator_as_they_were():
 
 
 def test_each_thread_gets_its_own_record_on_each_device(monkeypatch):
-    from cgraw import rngexec
+    from cgraw.rng import device as rng_device
 
     allocs, zeroed = [], []
-    monkeypatch.setattr(rngexec, "_sources", {})
-    monkeypatch.setattr(rngexec, "_arenas", {})
-    monkeypatch.setattr(rngexec, "_taken", {})
-    monkeypatch.setattr(rngexec._cuda, "mem_alloc", lambda n: allocs.append(n) or 0x10000 * len(allocs))
-    monkeypatch.setattr(rngexec._cuda, "stream_synchronize", lambda s: None)
-    monkeypatch.setattr(rngexec._k, "memset_d32_async", lambda p, v, n, s: zeroed.append((p, n * 4)))
-    monkeypatch.setattr(rngexec, "_writer", lambda device, slot: None)
-    a = rngexec.source(0, rng.TORCH, 0, thread=1)
-    assert rngexec.source(0, rng.TORCH, 0, thread=1) is a  # the same thread: the same record
-    b = rngexec.source(0, rng.TORCH, 0, thread=2)
-    c = rngexec.source(0, rng.CUPY, 0, thread=1)
-    d = rngexec.source(1, rng.TORCH, 0, thread=1)
+    monkeypatch.setattr(rng_device, "_sources", {})
+    monkeypatch.setattr(rng_device, "_arenas", {})
+    monkeypatch.setattr(rng_device, "_taken", {})
+    monkeypatch.setattr(rng_device._cuda, "mem_alloc", lambda n: allocs.append(n) or 0x10000 * len(allocs))
+    monkeypatch.setattr(rng_device._cuda, "stream_synchronize", lambda s: None)
+    monkeypatch.setattr(rng_device._k, "memset_d32_async", lambda p, v, n, s: zeroed.append((p, n * 4)))
+    monkeypatch.setattr(rng_device, "_writer", lambda device, slot: None)
+    a = rng_device.source(0, rng.TORCH, 0, thread=1)
+    assert rng_device.source(0, rng.TORCH, 0, thread=1) is a  # the same thread: the same record
+    b = rng_device.source(0, rng.TORCH, 0, thread=2)
+    c = rng_device.source(0, rng.CUPY, 0, thread=1)
+    d = rng_device.source(1, rng.TORCH, 0, thread=1)
     assert a.slot == 0x10000 and b.slot == 0x10020 and c.slot == 0x10040 and d.slot == 0x20000
-    assert allocs == [32 * rngexec.RECORDS] * 2 and zeroed == [(0x10000, 1024), (0x20000, 1024)]
-    for t in range(3, rngexec.RECORDS):  # with a, b and c: the first arena full
-        rngexec.source(0, rng.TORCH, 0, thread=t)
+    assert allocs == [32 * rng_device.RECORDS] * 2 and zeroed == [(0x10000, 1024), (0x20000, 1024)]
+    for t in range(3, rng_device.RECORDS):  # with a, b and c: the first arena full
+        rng_device.source(0, rng.TORCH, 0, thread=t)
     assert len(allocs) == 2
-    e = rngexec.source(0, rng.TORCH, 0, thread=1000)
+    e = rng_device.source(0, rng.TORCH, 0, thread=1000)
     assert e.slot == 0x30000 and len(allocs) == 3
-    assert sorted(rngexec.arenas()) == [(0x10000, 1024), (0x20000, 1024), (0x30000, 1024)]
-    slots = [s.slot for s in rngexec._sources.values()]
+    assert sorted(rng_device.arenas()) == [(0x10000, 1024), (0x20000, 1024), (0x30000, 1024)]
+    slots = [s.slot for s in rng_device._sources.values()]
     assert len(set(slots)) == len(slots)
 
 

@@ -21,15 +21,15 @@ import pytest
 from fake_tree_backend import GRAD, FakeFn, FakeTreeBackend, Overwritten, new, save, spy_inspect
 
 import cgraw
-import cgraw.graphed  # the module (cgraw.graphed, the attribute, is the function)
-import cgraw.tree
-from cgraw import calls
-from cgraw.autograd_plan import BUSY
-from cgraw.graphed import GraphedFunction
-from cgraw.tree import SERIAL, NodeState, TreeManager
-from cgraw.treetypes import RecordingLock
+import cgraw.trees.graphed  # the module (cgraw.graphed, the attribute, is the function)
+import cgraw.trees.manager
+from cgraw.trees import calls
+from cgraw.trees.autograd import BUSY
+from cgraw.trees.graphed import GraphedFunction
+from cgraw.trees.manager import SERIAL, NodeState, TreeManager
+from cgraw.trees.nodes import RecordingLock
 
-graphed_mod = sys.modules["cgraw.graphed"]
+graphed_mod = sys.modules["cgraw.trees.graphed"]
 WAIT_S = 20.0  # the longest any thread here waits for another
 
 
@@ -54,7 +54,7 @@ class Made:
 
 @pytest.fixture
 def made(monkeypatch):
-    monkeypatch.setattr(cgraw.tree, "inspect", spy_inspect)
+    monkeypatch.setattr(cgraw.trees.manager, "inspect", spy_inspect)
     m = Made()
     monkeypatch.setattr(graphed_mod, "_new_tree", m.factory)
     cgraw.reset()
@@ -437,7 +437,7 @@ def torch_trees(monkeypatch):
     torch = pytest.importorskip("torch")
     from torch_cpu_backend import CpuTorchBackend, cpu_as_device0
 
-    from cgraw import treetypes
+    from cgraw.trees import nodes as tree_nodes
 
     made = []
 
@@ -450,14 +450,14 @@ def torch_trees(monkeypatch):
 
     monkeypatch.setattr(graphed_mod, "_new_tree", factory)
     with cpu_as_device0(monkeypatch):
-        treetypes.grad_probe(torch.is_grad_enabled)
+        tree_nodes.grad_probe(torch.is_grad_enabled)
         cgraw.config.autograd = True
         cgraw.reset()
         try:
             yield torch, made
         finally:
             cgraw.reset()
-            treetypes.grad_probe(None)
+            tree_nodes.grad_probe(None)
 
 
 def _mlp(torch, seed):

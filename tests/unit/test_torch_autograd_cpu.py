@@ -1,4 +1,4 @@
-"""CPU tests of the torch side of autograd through graphed functions (``interop.torch_autograd``).
+"""CPU tests of the torch side of autograd through graphed functions (``interop.torch.autograd``).
 
 The real ``TreeManager`` and the real ``_Graphed`` Function, ``BackwardFn`` and recording helpers,
 over CPU torch with ``torch_cpu_backend.CpuTorchBackend`` standing in for the CUDA backend (a
@@ -19,9 +19,10 @@ torch = pytest.importorskip("torch")
 
 from torch_cpu_backend import CpuTorchBackend, TorchFn, cpu_as_device0  # noqa: E402
 
-from cgraw import calls, treetypes  # noqa: E402
+from cgraw.trees import calls
+from cgraw.trees import nodes as tree_nodes  # noqa: E402
 from cgraw.errors import CgrawError  # noqa: E402
-from cgraw.tree import NodeState, TreeManager, config  # noqa: E402
+from cgraw.trees.manager import NodeState, TreeManager, config  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -29,11 +30,11 @@ pytestmark = pytest.mark.torch
 @pytest.fixture(autouse=True)
 def _autograd(monkeypatch):
     with cpu_as_device0(monkeypatch):
-        treetypes.grad_probe(torch.is_grad_enabled)
+        tree_nodes.grad_probe(torch.is_grad_enabled)
         config.autograd = True
         yield
         config.autograd = True  # the default (a test may turn it off)
-        treetypes.grad_probe(None)
+        tree_nodes.grad_probe(None)
         assert calls._grad_mode[0] is None
 
 
@@ -327,7 +328,7 @@ def test_gradients_leave_the_tree_in_one_foreach_copy_that_accumulate_grad_keeps
     ``_foreach_mul(srcs, 1.0)``; with ``.grad`` set to None AccumulateGrad keeps those copies as they
     are (no clone per parameter), and they never alias the backward recording's outputs. The
     backward's own outputs are not handed out, so the generation's end does not poison them."""
-    from cgraw.interop import torch_autograd
+    from cgraw.interop.torch import autograd as torch_autograd
 
     copies, made, aliased = [], [], []
     real_mul, real_out = torch._foreach_mul, torch_autograd.copied_out
@@ -362,7 +363,7 @@ def test_gradients_leave_the_tree_in_one_foreach_copy_that_accumulate_grad_keeps
 
 
 def test_copied_out_keeps_every_value_bit_for_bit_and_the_gaps():
-    from cgraw.interop.torch_autograd import copied_out
+    from cgraw.interop.torch.autograd import copied_out
 
     a = torch.tensor([-0.0, 0.0, 1e-45, -1e-40, float("inf"), -float("inf"), 3.5, float("nan")])
     b = torch.randn(4, 3).t()  # a transposed gradient keeps its strides

@@ -1,4 +1,4 @@
-"""CPU tests of the tree's torch checkpoint bookkeeping (``interop.torch_tree.TorchTreeState``)
+"""CPU tests of the tree's torch checkpoint bookkeeping (``interop.torch.checkpoints.TorchTreeState``)
 against a model of torch's ``_cuda_setCheckpointPoolState`` rules.
 
 The model (``FakeTorchC``) keeps the set of allocated blocks of one MemPool and enforces what
@@ -25,7 +25,7 @@ import weakref
 
 import pytest
 
-from cgraw.interop.torch_tree import RestoreRefused, TorchTreeState, storage_spans
+from cgraw.interop.torch.checkpoints import RestoreRefused, TorchTreeState, storage_spans
 
 
 class ModelError(RuntimeError):
@@ -133,8 +133,8 @@ class FakeTorchC:
 class FakeTorchPool:
     """``interop.torch.TorchPool`` over the model: its allocated blocks and checkpoints."""
 
-    def __init__(self, torch_c: FakeTorchC):
-        self.torch_c = torch_c
+    def __init__(self, private_api: FakeTorchC):
+        self.torch_c = private_api
 
     def allocated(self) -> dict:
         return {p: 512 for p in self.torch_c.allocated}
@@ -149,8 +149,8 @@ class FakeTorchPool:
 class _Backend:
     """The restore as ``CudaBackend.restore`` drives it: plan (all checks), then apply."""
 
-    def __init__(self, torch_c: FakeTorchC):
-        self.tts = TorchTreeState(torch_c, FakeTorchPool(torch_c), 0, "cuda:0")
+    def __init__(self, private_api: FakeTorchC):
+        self.tts = TorchTreeState(private_api, FakeTorchPool(private_api), 0, "cuda:0")
 
     @property
     def _owners(self):
@@ -165,8 +165,8 @@ class _Backend:
         self.tts.apply_restore(ckpt, plan)
 
 
-def _backend(torch_c: FakeTorchC) -> _Backend:
-    return _Backend(torch_c)
+def _backend(private_api: FakeTorchC) -> _Backend:
+    return _Backend(private_api)
 
 
 class Rec:
@@ -183,8 +183,8 @@ class Rec:
         return out
 
 
-def _record(torch_c, backend, parent, rng) -> Rec:
-    tensors = [FakeTensor(torch_c.malloc(rng.choice((512, 4096, 1 << 20)))) for _ in range(rng.randint(1, 4))]
+def _record(private_api, backend, parent, rng) -> Rec:
+    tensors = [FakeTensor(private_api.malloc(rng.choice((512, 4096, 1 << 20)))) for _ in range(rng.randint(1, 4))]
     if parent is not None and rng.random() < 0.3:
         tensors.append(parent.keep[0])  # an output that is the parent's (a returned input)
     spans = storage_spans(tensors, lambda p: True, backend._owners)
@@ -193,8 +193,8 @@ def _record(torch_c, backend, parent, rng) -> Rec:
 
 def _walk(seed: int, steps: int) -> None:
     rng = random.Random(seed)
-    torch_c = FakeTorchC()
-    backend = _backend(torch_c)
+    private_api = FakeTorchC()
+    backend = _backend(private_api)
     root_state = backend.tts.checkpoint()
     recs: list[Rec] = []
     at = None  # the node whose checkpoint the allocator equals (None: the root, "?" unknown)
@@ -214,21 +214,21 @@ def _walk(seed: int, steps: int) -> None:
             # the allocator holds the path's blocks, plus at most blocks of dead recordings
             # that are still owned (freed at the next restore)
             wanted = {p for r in on_path for p, _ in r.spans}
-            assert wanted <= torch_c.allocated
+            assert wanted <= private_api.allocated
             # every block of the path has exactly one owner holding the allocator's deleter
             for p in wanted:
                 owner = backend._owners[p]
                 assert owner.deleter == "std" and owner.ptr == p
-        rec = _record(torch_c, backend, anchor, rng)
+        rec = _record(private_api, backend, anchor, rng)
         recs.append(rec)
         at = rec
         gc.collect()
-        assert not torch_c.deaths, torch_c.deaths
+        assert not private_api.deaths, private_api.deaths
     # dropping everything frees every owned block exactly once
     recs.clear()
     backend._owners = {}
     gc.collect()
-    assert not torch_c.deaths, torch_c.deaths
+    assert not private_api.deaths, private_api.deaths
 
 
 @pytest.mark.parametrize("seed", range(16))
@@ -239,52 +239,52 @@ def test_random_tree_walk_restores_are_accepted(seed):
 def test_branch_back_and_forth():
     """A -> B, back to A -> C, back to B's child: B's storages were made stale by the first
     restore and are on the path again (torch's 'Not expecting deleter function' case)."""
-    torch_c = FakeTorchC()
-    backend = _backend(torch_c)
+    private_api = FakeTorchC()
+    backend = _backend(private_api)
     root = backend.tts.checkpoint()
     rng = random.Random(0)
-    a = _record(torch_c, backend, None, rng)
-    b = _record(torch_c, backend, a, rng)
+    a = _record(private_api, backend, None, rng)
+    b = _record(private_api, backend, a, rng)
     backend._restore_torch(a.state, a.path())
-    c = _record(torch_c, backend, a, rng)
+    c = _record(private_api, backend, a, rng)
     backend._restore_torch(b.state, b.path())
-    d = _record(torch_c, backend, b, rng)
+    d = _record(private_api, backend, b, rng)
     backend._restore_torch(c.state, c.path())
     backend._restore_torch(d.state, d.path())
     backend._restore_torch(root, [])
-    assert torch_c.allocated == set()
+    assert private_api.allocated == set()
     gc.collect()
-    assert not torch_c.deaths
+    assert not private_api.deaths
 
 
 def test_model_rejects_reviving_a_stale_storage():
     """The model is strict where torch is: giving a swapped storage its deleter back fails."""
-    torch_c = FakeTorchC()
-    s = torch_c.malloc(512)
+    private_api = FakeTorchC()
+    s = private_api.malloc(512)
     empty = frozenset()
     state = frozenset({s.ptr})
-    torch_c._cuda_setCheckpointPoolState(0, empty, [s._cdata], [])
+    private_api._cuda_setCheckpointPoolState(0, empty, [s._cdata], [])
     with pytest.raises(ModelError, match="Not expecting deleter"):
-        torch_c._cuda_setCheckpointPoolState(0, state, [], [s._cdata])
+        private_api._cuda_setCheckpointPoolState(0, state, [], [s._cdata])
     with pytest.raises(ModelError, match="Any stale tensors"):
-        torch_c._cuda_setCheckpointPoolState(0, empty, [], [])
+        private_api._cuda_setCheckpointPoolState(0, empty, [], [])
 
 
 def test_a_block_held_outside_the_tree_refuses_the_restore_before_anything_changes():
     """A graphed function stashed a tensor while it was recorded: its block is allocated but
     owned by nobody the tree knows. torch would free it and then refuse (a double free later);
     the plan refuses first, and the model's state and every owner are untouched."""
-    torch_c = FakeTorchC()
-    backend = _backend(torch_c)
+    private_api = FakeTorchC()
+    backend = _backend(private_api)
     root = backend.tts.checkpoint()
     rng = random.Random(1)
-    a = _record(torch_c, backend, None, rng)
-    stash = FakeTensor(torch_c.malloc(512))  # allocated during a's recording, unknown to the tree
-    b = _record(torch_c, backend, a, rng)
-    before = (set(torch_c.allocated), dict(backend._owners), [o.deleter for o in backend._owners.values()])
+    a = _record(private_api, backend, None, rng)
+    stash = FakeTensor(private_api.malloc(512))  # allocated during a's recording, unknown to the tree
+    b = _record(private_api, backend, a, rng)
+    before = (set(private_api.allocated), dict(backend._owners), [o.deleter for o in backend._owners.values()])
     with pytest.raises(RestoreRefused, match="held by tensors the tree does not know"):
         backend._restore_torch(a.state, a.path())
-    assert (set(torch_c.allocated), dict(backend._owners),
+    assert (set(private_api.allocated), dict(backend._owners),
             [o.deleter for o in backend._owners.values()]) == before
     with pytest.raises(RestoreRefused):
         backend._restore_torch(root, [])
@@ -292,8 +292,8 @@ def test_a_block_held_outside_the_tree_refuses_the_restore_before_anything_chang
     del a, b, stash, before
     backend._owners = {}
     gc.collect()
-    assert not torch_c.deaths, torch_c.deaths
-    assert torch_c.allocated == set()
+    assert not private_api.deaths, private_api.deaths
+    assert private_api.allocated == set()
 
 
 def test_a_block_held_by_a_dead_reference_cycle_is_collected_and_a_clean_restore_collects_nothing(monkeypatch):
@@ -302,20 +302,20 @@ def test_a_block_held_by_a_dead_reference_cycle_is_collected_and_a_clean_restore
     lets its block go and the restore goes ahead."""
     import types
 
-    from cgraw.interop import torch_tree
+    from cgraw.interop.torch import checkpoints as torch_tree
 
     collections = []
     monkeypatch.setattr(torch_tree, "gc", types.SimpleNamespace(collect=lambda: collections.append(1) or gc.collect()))
-    torch_c = FakeTorchC()
-    backend = _backend(torch_c)
+    private_api = FakeTorchC()
+    backend = _backend(private_api)
     rng = random.Random(2)
-    a = _record(torch_c, backend, None, rng)
-    _record(torch_c, backend, a, rng)
+    a = _record(private_api, backend, None, rng)
+    _record(private_api, backend, a, rng)
     backend._restore_torch(a.state, a.path())
     assert collections == []  # every block had an owner: no collection
     gc.disable()
     try:
-        cycle = [FakeTensor(torch_c.malloc(512))]  # made during a recording, then dead in a cycle
+        cycle = [FakeTensor(private_api.malloc(512))]  # made during a recording, then dead in a cycle
         cycle.append(cycle)
         del cycle
         backend._restore_torch(a.state, a.path())
@@ -323,16 +323,16 @@ def test_a_block_held_by_a_dead_reference_cycle_is_collected_and_a_clean_restore
         gc.enable()
     assert collections == [1]
     gc.collect()
-    assert not torch_c.deaths, torch_c.deaths
+    assert not private_api.deaths, private_api.deaths
 
 
 def test_a_path_block_missing_from_the_checkpoint_is_refused():
-    torch_c = FakeTorchC()
-    backend = _backend(torch_c)
+    private_api = FakeTorchC()
+    backend = _backend(private_api)
     rng = random.Random(2)
-    a = _record(torch_c, backend, None, rng)
+    a = _record(private_api, backend, None, rng)
     early = backend.tts.checkpoint()  # taken before b allocated anything
-    b = _record(torch_c, backend, a, rng)
+    b = _record(private_api, backend, a, rng)
     with pytest.raises(RestoreRefused, match="not in the checkpoint"):
         backend._restore_torch(early, b.path())
-    assert not torch_c.deaths
+    assert not private_api.deaths

@@ -10,8 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cgraw import rng
-from cgraw.interop import observe, torch_c, torch_modes, torch_rng
+from cgraw.rng import plan as rng
+from cgraw.interop.torch import observe, private_api, modes as torch_modes, rng as torch_rng
 
 pytestmark = pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
 
@@ -41,8 +41,8 @@ def _random_branch(x):
 
 
 def test_modes_declare_higher_order_operators_and_compiled_code():
-    assert torch_c.higher_order_operator_class() is torch._ops.HigherOrderOperator
-    assert torch._ops.OperatorBase in torch_c.operator_classes()
+    assert private_api.higher_order_operator_class() is torch._ops.HigherOrderOperator
+    assert torch._ops.OperatorBase in private_api.operator_classes()
     for cls in (type(observe.observer(())), torch_rng._make_mode_class()):
         assert issubclass(cls, torch_modes.mode_base())
         assert cls.supports_higher_order_operators and cls.ignore_compile_internals()
@@ -167,7 +167,7 @@ def test_dynamo_compiles_while_a_mode_is_on_the_stack(which):
 def test_reentrant_checkpoint_in_the_outputs_history_is_named():
     from torch.utils.checkpoint import checkpoint
 
-    from cgraw.interop.torch_autograd import reentrant_checkpoint
+    from cgraw.interop.torch.autograd import reentrant_checkpoint
 
     lin = torch.nn.Linear(4, 4)
     x = torch.randn(2, 4, requires_grad=True)
@@ -181,7 +181,7 @@ def test_reentrant_checkpoint_in_the_outputs_history_is_named():
 
 
 def test_saving_hooks_step_aside_for_torch_func_and_come_back():
-    from cgraw.interop.torch_autograd import saving_hooks
+    from cgraw.interop.torch.autograd import saving_hooks
 
     packed = []
 
@@ -196,10 +196,10 @@ def test_saving_hooks_step_aside_for_torch_func_and_come_back():
 
     with saving_hooks(pack, lambda t: t):
         g = torch.func.grad(loss)(w)  # torch raises under any saved-tensor hooks; these step aside
-        assert torch_c.top_saved_tensors_hooks()[0] is pack
+        assert private_api.top_saved_tensors_hooks()[0] is pack
         (w * 2.0).sin().sum()  # saved outside the transform: seen
     torch.testing.assert_close(g, torch.func.grad(loss)(w))
-    assert packed and torch_c.top_saved_tensors_hooks() is None
+    assert packed and private_api.top_saved_tensors_hooks() is None
     with saving_hooks(pack, lambda t: t), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with pytest.raises(RuntimeError, match="saved tensor hooks"):  # a user's own hooks: as eager
             torch.func.grad(loss)(w)

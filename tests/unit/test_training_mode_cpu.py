@@ -1,5 +1,5 @@
 """A recording made in training mode is not replayed in evaluation mode (and back): switches of
-``nn.Module.train``/``eval`` are counted (``interop.observe.mode_epoch_now``), a recording from
+``nn.Module.train``/``eval`` are counted (``interop.torch.observe.mode_epoch_now``), a recording from
 another mode warms up again (``ModeRewarm``), and a loop that trains and evaluates in turn is
 not pushed to eager by ``config.rewarm_limit``, while a function that switches modes inside
 itself on every call is."""
@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from fake_tree_backend import FakeFn, FakeTreeBackend, new
 
-from cgraw.tree import NodeState, TreeManager, config
-from cgraw.treetypes import ModeRewarm
+from cgraw.trees.manager import NodeState, TreeManager, config
+from cgraw.trees.nodes import ModeRewarm
 
 
 def test_train_and_eval_count_only_real_switches():
     torch = pytest.importorskip("torch")
-    from cgraw.interop import observe
+    from cgraw.interop.torch import observe
 
     observe._patch_train(torch.nn.Module)
     observe._patch_train(torch.nn.Module)  # once only: the wrapper is not wrapped again

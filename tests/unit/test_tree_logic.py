@@ -1,4 +1,4 @@
-"""CPU tests of ``cgraw.tree.TreeManager`` (graph trees) on a fake backend over ``allocator.Pool``.
+"""CPU tests of ``cgraw.trees.manager.TreeManager`` (graph trees) on a fake backend over ``allocator.Pool``.
 
 The fake (tests/helpers/fake_tree_backend.py) simulates device memory, so a replay that writes
 over a live output is caught when that output is read, and each replay recomputes its result
@@ -29,10 +29,10 @@ from fake_tree_backend import (
 )
 from hypothesis import HealthCheck, given, settings
 
-import cgraw.tree
+import cgraw.trees.manager
 from allocator import check_invariants
 from cgraw.errors import CgrawError
-from cgraw.tree import NodeState, TreeManager, config
+from cgraw.trees.manager import NodeState, TreeManager, config
 
 MiB = 1 << 20
 
@@ -107,8 +107,8 @@ def in_pool(t: FakeT) -> bool:
 
 @pytest.fixture(autouse=True)
 def _spy(monkeypatch):
-    """Calls are classified by the real ``cgraw.calls.inspect``, logged by the fake backend."""
-    monkeypatch.setattr(cgraw.tree, "inspect", spy_inspect)
+    """Calls are classified by the real ``cgraw.trees.calls.inspect``, logged by the fake backend."""
+    monkeypatch.setattr(cgraw.trees.manager, "inspect", spy_inspect)
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""CPU tier of the warm-up inside the tree's pool (``cgraw.warmexec``).
+"""CPU tier of the warm-up inside the tree's pool (``cgraw.trees.warmup``).
 
 The tree's side (``TreeManager._warm``) runs on the fake backend of
 tests/helpers/fake_tree_backend.py made with ``warm_in_pool=True``: a warm-up allocates pool
@@ -21,7 +21,7 @@ from test_programs import fake_namespace
 from test_tree_logic import rand
 
 from allocator import check_invariants
-from cgraw.tree import NodeState, TreeManager, config
+from cgraw.trees.manager import NodeState, TreeManager, config
 
 
 @pytest.fixture(autouse=True)
@@ -203,12 +203,12 @@ class FakeTts:
 
 def settle_case(make_outputs, skip=None):
     torch = pytest.importorskip("torch")
-    from cgraw import warmexec
+    from cgraw.trees import warmup
 
     tts = FakeTts()
     old = tts.pool.track(torch.randn(3))  # allocated before the warm-up: never counted
     pool = type("Pool", (), {"capture_stream": "capture stream"})()
-    pw = warmexec.PoolWarmup(pool, tts)
+    pw = warmup.PoolWarmup(pool, tts)
     pw.before = set(tts.pool.allocated())
     out = make_outputs(torch, tts, pw)
     res = pw.settle(list(out), skip)
@@ -251,7 +251,7 @@ def test_settle_ignores_temporaries_collected_from_cycles():
 
 
 def test_settle_after_autograd_saved_something_hands_nothing_out():
-    from cgraw import warmexec
+    from cgraw.trees import warmup
 
     def outputs(torch, tts, pw):
         pw.pack(tts.pool.track(torch.randn(6)))  # torch.enable_grad() inside: autograd saved it
@@ -259,7 +259,7 @@ def test_settle_after_autograd_saved_something_hands_nothing_out():
 
     (in_pool, handed, stash), tts, _, _ = settle_case(outputs)
     assert in_pool and handed == () and "autograd graph" in stash and tts.spanned == []
-    assert warmexec._PINNED.pop() == "capture stream"
+    assert warmup._PINNED.pop() == "capture stream"
 
 
 def test_settle_of_a_skipped_function_hands_nothing_out():
@@ -276,23 +276,23 @@ def test_settle_of_outputs_that_require_grad_hands_nothing_out():
 
     (in_pool, handed, stash), tts, _, _ = settle_case(outputs)
     assert in_pool and handed == () and "autograd graph" in stash and tts.spanned == []
-    from cgraw import warmexec
+    from cgraw.trees import warmup
 
-    assert warmexec._PINNED and warmexec._PINNED[-1] == "capture stream"  # never destroyed
-    warmexec._PINNED.pop()
+    assert warmup._PINNED and warmup._PINNED[-1] == "capture stream"  # never destroyed
+    warmup._PINNED.pop()
 
 
 _w_global = None  # a module a function reaches through a global name (set by the test below)
 
 
 def test_calls_autograd_records_warm_up_outside_the_pool(saved_config):
-    """``warmexec.usable``: grad mode off, or on with nothing requiring grad that the function
+    """``warmup.usable``: grad mode off, or on with nothing requiring grad that the function
     reaches directly, warms up in the pool; an input, closure cell, global, bound module or
     partial argument that requires grad keeps the warm-up outside."""
     torch = pytest.importorskip("torch")
     import functools
 
-    from cgraw import warmexec
+    from cgraw.trees import warmup
 
     class Backend:
         _tts, warm_in_pool, _torch = object(), True, torch
@@ -306,7 +306,7 @@ def test_calls_autograd_records_warm_up_outside_the_pool(saved_config):
             self.leaves = leaves
 
     def usable(f, *leaves):
-        return warmexec.usable(Backend, Fn(f), Call(*leaves))
+        return warmup.usable(Backend, Fn(f), Call(*leaves))
 
     global _w_global
     x, w = torch.randn(4), torch.randn(4, requires_grad=True)
@@ -327,7 +327,7 @@ def test_calls_autograd_records_warm_up_outside_the_pool(saved_config):
         assert usable(torch.sin, w) and usable(lin, x)  # grad mode off: nothing is recorded
         f = Fn(torch.sin)
         f.is_backward = True
-        assert not warmexec.usable(Backend, f, Call(x))
+        assert not warmup.usable(Backend, f, Call(x))
         Backend.warm_in_pool = False  # a warm-up of this tree kept state in its pool
         assert not usable(torch.sin, x)
         Backend.warm_in_pool = True

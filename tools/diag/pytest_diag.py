@@ -104,16 +104,16 @@ def torch_pools() -> str:
     if torch is None or not torch.cuda.is_initialized():
         return ""
     gc.collect()
-    from cgraw.interop import torch_c
+    from cgraw.interop.torch import private_api
 
-    segs = torch_c.memory_segments()  # never torch.cuda.memory_snapshot(pool id): torch frees the id
+    segs = private_api.memory_segments()  # never torch.cuda.memory_snapshot(pool id): torch frees the id
     pools, alloc = Counter(), Counter()
     for s in segs:
         pid = tuple(s.get("segment_pool_id", (0, 0)))
         pools[pid] += 1
         alloc[pid] += sum(1 for b in s["blocks"] if b["state"] == "active_allocated")
     private = {p for p in pools if p != (0, 0)}
-    from cgraw.interop.torch import TorchPool
+    from cgraw.interop.torch.pools import TorchPool
 
     alive = {tuple(o.id) for o in gc.get_objects() if type(o) is TorchPool}
     orphans = private - alive

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
 
     import cgraw
     from benchmarks.memory import _TwoBranch
-    from cgraw.graphed import _managers
+    from cgraw.trees.graphed import _managers
 
     cgraw.config.warmup_in_pool = not args.warm_outside
     torch.cuda.init()

@@ -1,9 +1,9 @@
 """``python3 -m tools.probes.rebind_probe`` (from the repository root): can a recording read an input
 in place?
 
-A feasibility probe of zero-copy inputs (``cgraw.rebind``), not a benchmark. For a few kernels that read a
+A feasibility probe of zero-copy inputs (``cgraw.rebind.scan``), not a benchmark. For a few kernels that read a
 tensor captured at one address ("the placeholder"), it reads the kernel nodes' argument bytes,
-finds the words that point into the placeholder (``cgraw.rebind.scan``), rewrites them to another
+finds the words that point into the placeholder (``cgraw.rebind.scan.scan``), rewrites them to another
 tensor's address on the executable graph (``cuGraphExecKernelNodeSetParams``), replays, and
 compares with eager on that other tensor. Cases: torch elementwise (contiguous and strided),
 a torch reduction, a torch matmul (cuBLAS), a CuPy ElementwiseKernel, and a CuPy RawKernel that
@@ -22,7 +22,7 @@ import traceback
 
 def _rebind_case(name, make_inputs, body, torch, cgraw):
     from cgraw import _cuda
-    from cgraw.rebind import Placeholder, Plan, scan
+    from cgraw.rebind.scan import Placeholder, Plan, scan
 
     ph, other = make_inputs()
     with cgraw.capture() as g:
@@ -67,7 +67,7 @@ def _timing(torch, cgraw) -> dict:
     from cuda.bindings import driver as drv
 
     from cgraw import _cuda
-    from cgraw.rebind import Placeholder, Plan, scan
+    from cgraw.rebind.scan import Placeholder, Plan, scan
 
     n_iter = 4000
     x, x2 = torch.randn(4096, device="cuda"), torch.randn(4096, device="cuda")

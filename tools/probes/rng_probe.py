@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import cgraw
-from cgraw import rng
+from cgraw.rng import plan as rng
 
 R = {}
 def case(name):
@@ -38,7 +38,7 @@ def case(name):
 
 @case("compile_all")
 def _():
-    from cgraw import rng_kernels as K
+    from cgraw.rng import kernels as K
     from cgraw._cuda import kernels
     names = [K.ADVANCE_NAME, K.SET_NAME] + [K.dropout_name(d) for d in K.FLOATS] + [K.fill_name(d, t, w) for d in K.DISTS for t in K.CTYPES for w in (False, True)]
     t = time.time()

@@ -1,0 +1,142 @@
+"""``torch.compile(model, backend="cgraw")``: Inductor's kernels, cgraw's graph trees.
+
+Layer L9 (public API, beside ``graphed``). The backend is registered through the
+``torch_dynamo_backends`` entry point (``pyproject.toml``), so ``backend="cgraw"`` works without
+``import cgraw``. Inductor compiles each dynamo graph (forward, and through AOT autograd the
+backward) with its own CUDA graphs off and graph partition on; each partition it cuts is a
+``cgraw.graphed`` function of the calling thread's tree, named
+``<name> <phase>/partition <i> of <n>`` in ``cgraw.report()``. What is not graphed (an op
+Inductor cuts out, a partition left out by ``options``, a compile that fell back to Inductor)
+runs as Inductor compiled it, and ``report()`` says why. The torch side is
+``interop.torch.partitions``; this module holds the decisions: options, names, fallback.
+
+Options (``torch.compile(m, backend="cgraw", options={...})``):
+
+- ``"name"``: the name of the compiled code in ``report()`` (default ``compiled <frame id>``);
+- ``"partitions"``: ``"all"`` (default) or the indices of the partitions to graph (others run
+  as Inductor compiled them);
+- ``"fallback"``: ``"inductor"`` (default: a failure of cgraw's part of a compile falls back to
+  Inductor without graphs, with the reason in ``report()``) or ``"raise"``;
+- ``"inductor"``: a dict of ``torch._inductor.config`` settings for the compile (the backend
+  keeps ``triton.cudagraphs`` off and ``graph_partition`` on).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+from cgraw.trees.graphed import graphed, note_without_graphs, tree_here
+
+OPTIONS = ("name", "partitions", "fallback", "inductor")
+FALLBACKS = ("inductor", "raise")
+_frames = itertools.count()
+_lock = threading.Lock()
+
+
+class Options:
+    """The backend's ``options=``, checked."""
+
+    __slots__ = ("name", "partitions", "fallback", "inductor")
+
+    def __init__(self, name=None, partitions="all", fallback="inductor", inductor=None):
+        self.name = name
+        self.partitions = partitions
+        self.fallback = fallback
+        self.inductor = inductor
+
+    @classmethod
+    def parse(cls, options) -> "Options":
+        """``options`` (None or a dict) as ``Options``; ``ValueError`` naming what is wrong."""
+        if options is None:
+            return cls()
+        if not isinstance(options, dict):
+            raise ValueError(f"backend='cgraw' takes options as a dict, not {type(options).__name__}")
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"backend='cgraw' has no option(s) {unknown}; its options are {list(OPTIONS)}")
+        name = options.get("name")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"options['name'] must be a non-empty str, not {name!r}")
+        parts = options.get("partitions", "all")
+        if parts != "all":
+            if isinstance(parts, (str, bytes)) or not hasattr(parts, "__iter__"):
+                raise ValueError(f"options['partitions'] must be 'all' or partition indices, not {parts!r}")
+            parts = frozenset(parts)
+            if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in parts):
+                raise ValueError(f"options['partitions'] must hold non-negative ints, not {sorted(parts, key=str)}")
+        fallback = options.get("fallback", "inductor")
+        if fallback not in FALLBACKS:
+            raise ValueError(f"options['fallback'] must be one of {list(FALLBACKS)}, not {fallback!r}")
+        inductor = options.get("inductor")
+        if inductor is not None and not (isinstance(inductor, dict) and all(isinstance(k, str) for k in inductor)):
+            raise ValueError("options['inductor'] must be a dict of torch._inductor.config settings")
+        return cls(name, parts, fallback, dict(inductor) if inductor else None)
+
+    def select(self, index: int) -> str | None:
+        """Why partition ``index`` is not graphed, or None when it is."""
+        if self.partitions == "all" or index in self.partitions:
+            return None
+        return f"left out by options['partitions'] ({sorted(self.partitions)})"
+
+
+def label(options: Options, frame_id: str | None) -> str:
+    """The name of one compiled dynamo graph in ``report()``."""
+    base = options.name or "compiled"
+    if frame_id:
+        return f"{base} [{frame_id}]"
+    with _lock:
+        n = next(_frames)
+    return f"{base} [{n}]"
+
+
+def runtime():
+    """cgraw's side of the backend for ``interop.torch.partitions``."""
+    from cgraw.interop.torch.partitions import Runtime
+
+    return Runtime(graphed, tree_here, note_without_graphs)
+
+
+def cgraw_backend(gm, example_inputs, *, options=None, mode=None):
+    """The ``torch.compile`` backend ``"cgraw"`` (dynamo calls it once per graph it captures)."""
+    from cgraw.interop.torch import partitions as torch_compile
+
+    opts = Options.parse(options)
+    name = label(opts, _frame_id())
+    rt = runtime()
+    try:
+        torch_compile.check()
+        patches = torch_compile.config_patches(opts.inductor, mode)
+        wrapping = torch_compile.Wrapping(name, rt, opts.select)
+    except Exception as exc:  # noqa: BLE001 -- an unsupported torch: Inductor without graphs
+        return _fall_back(opts, name, exc, gm, example_inputs)
+    compiled = torch_compile.compile_graph(gm, example_inputs, wrapping, patches)
+    if wrapping.seen == 0:
+        note_without_graphs(name, "Inductor made no partition that can be graphed (every op runs where graphs "
+                                  "cannot, or the graph holds no GPU kernel)")
+    return compiled
+
+
+def _fall_back(opts: Options, name: str, exc: BaseException, gm, example_inputs):
+    if opts.fallback == "raise":
+        raise exc
+    from cgraw.interop.torch import partitions as torch_compile
+
+    note_without_graphs(name, f"compiled by Inductor without graphs: {type(exc).__name__}: {exc}")
+    return torch_compile.plain_compile(gm, example_inputs, opts.inductor)
+
+
+def _frame_id() -> str | None:
+    """dynamo's id of the frame being compiled (``0/0``), where torch tells it."""
+    import sys
+
+    guards = sys.modules.get("torch._guards")
+    ctx = getattr(guards, "CompileContext", None)
+    try:
+        cid = ctx.current_compile_id() if ctx is not None else None
+    except Exception:  # noqa: BLE001 -- only a name
+        return None
+    return None if cid is None else str(cid)
+
+
+__all__ = ["FALLBACKS", "OPTIONS", "Options", "cgraw_backend", "label", "runtime"]

@@ -1,0 +1,267 @@
+"""torch's side of ``torch.compile(model, backend="cgraw")``: Inductor compiles, cgraw graphs its partitions.
+
+Layer L7: torch and Inductor through ``interop.torch.private_api`` (every private name is listed there);
+cgraw's graphed functions come in through a ``Runtime`` (``cgraw.interop.torch.backend`` builds it), so
+this module imports nothing above it.
+
+How Inductor's partition hook works (torch 2.9 to 2.13; read in ``torch/_inductor``):
+
+- With ``config.graph_partition`` on, the scheduler cuts the graph around what cannot be graphed
+  (CPU ops, device copies, control flow, ops with unbacked (data-dependent) sizes, custom ops tagged
+  ``torch._C.Tag.cudagraph_unsafe``) and generates one function per remaining piece. It does so
+  only while ``config.triton.cudagraphs`` is on or a customized partition wrapper is installed
+  (``Scheduler.should_partition``: otherwise one piece holds every op). So the wrapper must be
+  installed while the graph is lowered.
+- The wrapper is applied once, in ``CompiledFxGraph.post_compile`` (on a fresh compile and on a
+  cache hit alike), as ``wrapper(partition_fn, CUDAGraphWrapperMetadata(num_partitions,
+  partition_index))`` through the generated module's ``recursively_apply_fns``; it is never looked
+  up at call time. So it is installed only while this backend's compiles run (``installed``) and
+  put back afterwards: other ``torch.compile`` users of the process never see it.
+- The generated ``call`` invokes a partition as ``partition_i(args)``: one list of tensors, then
+  the partition's symbolic sizes as ints, which the partition unpacks and clears
+  (``args.clear()``) so that its inputs can die early; it returns a tuple of outputs.
+- AOT autograd compiles the backward later than the forward when it can (lazy lowering); torch
+  re-applies config patches there through the inner compile function, so the wrapper is
+  installed inside ``inner_compile`` too, not only around ``compile_fx``.
+- Inductor's FX graph cache keys on its config but not on the wrapper: an entry a compile
+  without it made holds no partition functions. The backend's compiles name a marker in
+  ``custom_should_partition_ops`` (an op that does not exist, so nothing is cut there) to key
+  their entries apart; a torch without that key compiles with the FX graph cache off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from cgraw.interop.torch import private_api
+
+# Inductor settings every compile of the backend runs with
+PATCHES = {"triton.cudagraphs": False, "graph_partition": True}
+CACHE_MARKER = "cgraw::partition_wrapper"  # names no op: keys the FX graph cache's entries apart
+_lock = threading.Lock()  # guards the process-wide hook while a compile installs or restores it
+
+
+class Runtime:
+    """What the backend needs from cgraw above this layer: ``graphed(fn)`` makes a graphed function
+    (its ``__qualname__`` is its name in ``report()``), ``tree_here(ordinal)`` the calling thread's
+    tree, ``note(name, reason)`` records code that runs without graphs."""
+
+    def __init__(self, graphed, tree_here, note):
+        self.graphed, self.tree_here, self.note = graphed, tree_here, note
+
+
+class Home:
+    """What the partitions of one compiled graph share: ``tree``, where its forward partitions ran
+    last (its backward partitions, run from autograd's thread, replay there too, as the next nodes
+    of the path); ``forward_pending``, whether a forward of the training graph ran and no backward
+    of it has run since; ``bypass``, whether the forward under way runs as Inductor compiled it."""
+
+    __slots__ = ("tree", "forward_pending", "bypass", "first_forward")
+
+    def __init__(self):
+        self.tree = None
+        self.forward_pending = False
+        self.bypass = False
+        self.first_forward = None  # the lowest index of the training forward's graphed partitions
+
+
+# why a training graph's forward runs without cgraw's graphs while an earlier forward waits for its
+# backward: the partitions are root functions of the tree, so a second forward would begin a new
+# generation and reuse the memory of the first one's outputs, the activations its backward reads
+PENDING = ("a forward ran while the backward of an earlier forward of the same graph had not (gradient "
+           "accumulation over micro-batches): it runs as Inductor compiled it, without graphs, until a backward "
+           "runs")
+
+
+def adapt(fn, gf, home: Home, runtime: Runtime, in_backward, *, phase: str | None = None, index: int = 0,
+          name: str = ""):
+    """The callable Inductor calls in place of partition ``fn`` (``index`` of its graph, compiled as
+    ``phase``): it takes Inductor's argument list, clears it as the partition would, and calls
+    graphed function ``gf`` with the items as positional arguments. ``in_backward()`` says whether
+    autograd's backward pass is running. A forward of a training graph (``phase`` "forward") that
+    begins while an earlier forward's backward has not run runs ``fn`` itself (``PENDING``)."""
+    training = phase == "forward"
+    if training and (home.first_forward is None or index < home.first_forward):
+        home.first_forward = index
+
+    def partition(args):
+        if in_backward():
+            home.forward_pending = False
+            tree = home.tree
+            xs = tuple(args)
+            args.clear()  # the generated code deletes its names first: the inputs die with this call
+            if tree is not None and threading.get_ident() != tree.owner_thread:
+                return tree.call_here(gf, xs, {})  # a backward is a node of its forward's path
+            return gf(*xs)
+        if training:
+            if index == home.first_forward:  # a forward begins: Inductor calls its partitions in order
+                home.bypass = home.forward_pending
+                home.forward_pending = True
+            if home.bypass:
+                runtime.note(name, PENDING)
+                return fn(args)
+        xs = tuple(args)
+        args.clear()
+        out = gf(*xs)
+        ordinal = _device_of(xs)
+        if ordinal >= 0:
+            home.tree = runtime.tree_here(ordinal)
+        return out
+
+    partition.cgraw_graphed = gf
+    partition.cgraw_partition = fn
+    return partition
+
+
+def _device_of(xs) -> int:
+    for x in xs:
+        get = getattr(x, "get_device", None)
+        if get is not None:
+            return get()
+    return -1
+
+
+def graph_body(fn, name: str):
+    """``fn`` (a partition taking one list) as a function of positional arguments named ``name``."""
+
+    def body(*xs):
+        return fn(list(xs))
+
+    body.__qualname__ = body.__name__ = name
+    return body
+
+
+class Wrapping:
+    """The partition wrapper of one backend compile: names the partitions, graphs the selected
+    ones (``select(index) -> reason or None``), counts what it wrapped."""
+
+    def __init__(self, label: str, runtime: Runtime, select, home: Home | None = None):
+        self.label = label
+        self.runtime = runtime
+        self.select = select
+        self.home = home or Home()
+        self.phase = threading.local()  # the inner compile under way: "forward", "backward", ...
+        self.wrapped: list[str] = []
+        self.seen = 0
+
+    def name(self, index: int, count: int) -> str:
+        phase = getattr(self.phase, "value", None)
+        head = f"{self.label} {phase}" if phase else self.label
+        return f"{head}/partition {index} of {count}"
+
+    def __call__(self, fn, metadata):
+        self.seen += 1
+        try:
+            index, count = int(metadata.partition_index), int(metadata.num_partitions)
+            name = self.name(index, count)
+        except Exception as exc:  # noqa: BLE001 -- an unknown metadata: run the partition as compiled
+            self.runtime.note(f"{self.label}/partition", f"Inductor's partition metadata is unreadable ({exc!r})")
+            return fn
+        try:
+            why = self.select(index)
+            if why is not None:
+                self.runtime.note(name, why)
+                return fn
+            gf = self.runtime.graphed(graph_body(fn, name))
+            wrapped = adapt(fn, gf, self.home, self.runtime, _in_backward(),
+                            phase=getattr(self.phase, "value", None), index=index, name=name)
+        except Exception as exc:  # noqa: BLE001 -- never fail the compile: run the partition as compiled
+            self.runtime.note(name, f"not graphed: {type(exc).__name__}: {exc}")
+            return fn
+        self.wrapped.append(name)
+        return wrapped
+
+    def inner(self, inner_compile):
+        """``inner_compile`` (Inductor's per-graph compile) run with this wrapper installed, and
+        the graph's phase in the names of its partitions."""
+
+        def compile_with_wrapper(gm, example_inputs, **kwargs):
+            phase = ("backward" if kwargs.get("is_backward") else
+                     "inference" if kwargs.get("is_inference") else "forward")
+            before, self.phase.value = getattr(self.phase, "value", None), phase
+            try:
+                with installed(self):
+                    return inner_compile(gm, example_inputs, **kwargs)
+            finally:
+                self.phase.value = before
+
+        return compile_with_wrapper
+
+
+def _in_backward():
+    """A probe: whether autograd's backward pass runs on this thread now."""
+    try:
+        task = private_api.graph_task_id()
+    except private_api.TorchApiError:  # torch not imported: no backward can run
+        task = None
+    if task is None:
+        return lambda: False
+    return lambda: task() != -1
+
+
+@contextlib.contextmanager
+def installed(wrapper):
+    """Inductor's partition wrapper is ``wrapper`` inside the block; what was installed before
+    (None, or another user's) comes back after it."""
+    setter = private_api.private("torch._inductor.utils.set_customized_partition_wrappers")
+    slot = private_api.partition_wrapper_slot()
+    with _lock:
+        before = None if slot is None else slot.wrapper
+        setter(wrapper)
+    try:
+        yield
+    finally:
+        with _lock:
+            setter(before)
+
+
+def check() -> None:
+    """Look up every private torch name the backend uses; ``TorchApiError`` names a missing one."""
+    for dotted in private_api.NEEDED_ELSEWHERE:
+        private_api.private(dotted)
+    private_api.inductor_config_keys()
+
+
+def config_patches(extra: dict | None, mode: str | None) -> dict:
+    """Inductor's config for the backend's compiles: ``mode``'s options (``torch.compile``'s modes,
+    without their CUDA graphs), the user's ``extra``, then ``PATCHES`` and the cache marker."""
+    import importlib
+
+    private_api.inductor_config_keys()
+    inductor = importlib.import_module("torch._inductor")
+    cfg = importlib.import_module("torch._inductor.config")
+    out: dict = {}
+    if mode not in (None, "default"):
+        list_mode_options = getattr(inductor, "list_mode_options", None)
+        if list_mode_options is None:
+            raise private_api.TorchApiError(f"torch {private_api.api().version} has no torch._inductor.list_mode_options")
+        out.update(list_mode_options(mode))
+    out.update(extra or {})
+    out.update(PATCHES)
+    if hasattr(cfg, "custom_should_partition_ops"):
+        ops = list(out.get("custom_should_partition_ops", cfg.custom_should_partition_ops))
+        out["custom_should_partition_ops"] = ops + [CACHE_MARKER]
+    else:
+        out["fx_graph_cache"] = False
+    return out
+
+
+def compile_graph(gm, example_inputs, wrapping: Wrapping, patches: dict):
+    """``gm`` compiled by Inductor under ``patches``, its partitions wrapped by ``wrapping``."""
+    compile_fx = private_api.private("torch._inductor.compile_fx.compile_fx")
+    inner = private_api.private("torch._inductor.compile_fx.compile_fx_inner")
+    # installed around the whole compile too: an AOT autograd cache hit loads (post-compiles) the
+    # forward and backward without calling inner_compile
+    with installed(wrapping):
+        return compile_fx(gm, example_inputs, inner_compile=wrapping.inner(inner), config_patches=patches)
+
+
+def plain_compile(gm, example_inputs, extra: dict | None):
+    """``gm`` compiled by Inductor without graphs (the fallback)."""
+    compile_fx = private_api.private("torch._inductor.compile_fx.compile_fx")
+    return compile_fx(gm, example_inputs, config_patches={**(extra or {}), "triton.cudagraphs": False})
+
+
+__all__ = ["CACHE_MARKER", "PATCHES", "PENDING", "Home", "Runtime", "Wrapping", "adapt", "check", "compile_graph", "config_patches",
+           "graph_body", "installed", "plain_compile"]

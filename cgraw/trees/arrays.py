@@ -1,0 +1,229 @@
+"""The flattening of a graphed call's arguments and outputs into array leaves, a signature and a
+*spec* that rebuilds them. What each framework's arrays offer is ``cgraw.trees.frameworks``' ``Ops``
+(re-exported here: ``TORCH``, ``CUPY``, ``ops_of``, ``is_torch``, ``register``).
+
+Layer L6: no CUDA; torch and CuPy are reached through ``sys.modules`` only (the caller has
+imported them), torch's container registry through ``interop.torch.private_api``.
+
+Containers (inputs and outputs alike): tuples, lists, dicts (and ``OrderedDict`` and other dict
+subclasses), namedtuples (so ``PackedSequence``), dataclasses, and every type registered with
+torch's pytree (``torch.utils._pytree``; transformers registers its ``ModelOutput``s there) are
+flattened; their tensors are leaves and their structure is part of the call's signature. An
+``nn.Module`` argument contributes its parameters and buffers as static leaves. Anything else must
+be hashable and is part of the signature by value.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+
+from cgraw.errors import SkipCall
+from cgraw.trees.frameworks import CUPY, TORCH, Ops, is_torch, ops_of, register
+from cgraw.interop.torch import private_api
+
+EAGER, STATIC, TREE = 0, 1, 2
+LEAF = ("t",)  # the spec of a tensor leaf
+SINGLE = object()  # the output spec of a function returning one tensor
+
+
+def _is_module(x) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.nn.Module)
+
+
+def _is_namedtuple(x) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def _is_structseq(x) -> bool:
+    """A C struct sequence such as ``torch.return_types.max`` (a tuple subclass without ``_fields``)."""
+    return isinstance(x, tuple) and hasattr(type(x), "n_sequence_fields")
+
+
+def _pytree_node(t):
+    """torch's pytree registration of type ``t`` (for types cgraw has no own rule for), or None."""
+    if "torch" not in sys.modules:
+        return None
+    pt = private_api.pytree()
+    return None if pt is None else pt.SUPPORTED_NODES.get(t)
+
+
+def _frozen(x):
+    """A hashable stand-in for a pytree context (lists and dicts become tuples)."""
+    if isinstance(x, (list, tuple)):
+        return tuple(_frozen(v) for v in x)
+    if isinstance(x, dict):
+        return tuple((k, _frozen(v)) for k, v in x.items())
+    hash(x)
+    return x
+
+
+# ---------------------------------------------------------------------- inputs
+
+
+def flatten(a, leaves, key, kinds, ptrs, ops_list, forced):
+    """Append ``a``'s array leaves (with kinds, pointers and ops) and signature parts; return its spec.
+
+    An array's signature part is the only 3-tuple ``(shape, strides, dtype)`` (``buckets``
+    relies on it); containers add 2-tuples. A leaf's kind is ``forced``, STATIC when its
+    framework marks it so, or None (decided by the caller).
+    """
+    t = type(a)
+    ops = ops_of(a)
+    if ops is not None:
+        ops.check(a)
+        leaves.append(a)
+        key.append(ops.key(a))
+        kinds.append(STATIC if forced is not None or ops.static(a) else None)
+        ptrs.append(ops.ptr(a))
+        ops_list.append(ops)
+        return LEAF
+    if t is tuple or t is list:
+        key.append((t, len(a)))
+        return ("seq", t, [flatten(x, leaves, key, kinds, ptrs, ops_list, forced) for x in a])
+    if t is dict:
+        key.append((dict, tuple(a)))
+        return ("dict", dict, tuple(a), [flatten(v, leaves, key, kinds, ptrs, ops_list, forced) for v in a.values()])
+    if _is_module(a):
+        key.append(("module", id(a)))
+        n0 = len(leaves)
+        for x in list(a.parameters()) + list(a.buffers()):
+            flatten(x, leaves, key, kinds, ptrs, ops_list, STATIC)
+        return ("mod", a, len(leaves) - n0)
+    node = _pytree_node(t)
+    if node is not None:
+        children, context = node.flatten_fn(a)
+        try:
+            key.append((t, _frozen(context)))
+        except TypeError:
+            raise SkipCall(f"an argument of type {t.__name__} has an unhashable pytree context") from None
+        return ("pytree", t, context, [flatten(x, leaves, key, kinds, ptrs, ops_list, forced) for x in children])
+    if _is_namedtuple(a):
+        key.append((t, t._fields))
+        return ("nt", t, [flatten(x, leaves, key, kinds, ptrs, ops_list, forced) for x in a])
+    if _is_structseq(a):
+        key.append((t, len(a)))
+        return ("ss", t, [flatten(x, leaves, key, kinds, ptrs, ops_list, forced) for x in a])
+    if isinstance(a, dict):
+        key.append((t, tuple(a)))
+        return ("dictsub", a, tuple(a), [flatten(v, leaves, key, kinds, ptrs, ops_list, forced) for v in a.values()])
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        names = tuple(f.name for f in dataclasses.fields(a))
+        key.append((t, names))
+        return ("dc", a, names, [flatten(getattr(a, n), leaves, key, kinds, ptrs, ops_list, forced) for n in names])
+    if t.__module__ == "numpy" and t.__name__ == "ndarray":
+        raise SkipCall("CPU tensors or ops: a NumPy array input lives on the CPU (move it to the device "
+                       "before the call)")
+    try:
+        hash(a)
+    except TypeError:
+        raise SkipCall(f"an argument of type {t.__name__} is neither a tensor, a container nor hashable") from None
+    key.append((t, a))
+    return ("v", a)
+
+
+def rebuild(spec, it):
+    """The structure ``spec`` describes, with its leaves taken in order from ``it``."""
+    kind = spec[0]
+    if kind == "t":
+        return next(it)
+    if kind == "v":
+        return spec[1]
+    if kind == "seq":
+        return spec[1](rebuild(s, it) for s in spec[2])
+    if kind == "dict":
+        return dict(zip(spec[2], [rebuild(s, it) for s in spec[3]]))
+    if kind == "mod":
+        for _ in range(spec[2]):
+            next(it)
+        return spec[1]
+    if kind == "pytree":
+        node = _pytree_node(spec[1])
+        return node.unflatten_fn([rebuild(s, it) for s in spec[3]], spec[2])
+    if kind == "nt":
+        return spec[1](*[rebuild(s, it) for s in spec[2]])
+    if kind == "ss":
+        return spec[1]([rebuild(s, it) for s in spec[2]])
+    if kind == "dictsub":
+        new = copy.copy(spec[1])
+        values = [rebuild(s, it) for s in spec[3]]
+        dict.clear(new)
+        dict.update(new, zip(spec[2], values))
+        return new
+    if kind == "dc":
+        new = copy.copy(spec[1])
+        for name, s in zip(spec[2], spec[3]):
+            object.__setattr__(new, name, rebuild(s, it))
+        return new
+    raise AssertionError(f"unknown spec {kind!r}")
+
+
+def replace_leaves(arg_specs, kwarg_specs, leaves, placeholders):
+    """Rebuild a call's args and kwargs with placeholders in place of the eager leaves."""
+    it = iter([placeholders.get(j, t) for j, t in enumerate(leaves)])
+    new_args = tuple(rebuild(s, it) for s in arg_specs)
+    new_kwargs = {k: rebuild(s, it) for k, s in kwarg_specs} if kwarg_specs else {}
+    return new_args, new_kwargs
+
+
+# ---------------------------------------------------------------------- outputs
+
+
+def out_spec(out, leaves: list):
+    """Flatten an output structure (same container rules as inputs; anything else is a constant);
+    returns a spec for ``unflatten``. Raises SkipCall for outputs a replay cannot reproduce."""
+    if ops_of(out) is not None:
+        _out_leaf(out, leaves)
+        return SINGLE
+    return _out_spec(out, leaves)
+
+
+def _out_leaf(x, leaves) -> None:
+    if ops_of(x) is TORCH and x.layout is not sys.modules["torch"].strided:
+        raise SkipCall(f"the function returns a sparse or other non-strided tensor ({x.layout}), whose "
+                       "memory a graph cannot hand out again")
+    leaves.append(x)
+
+
+def _out_spec(x, leaves):
+    if ops_of(x) is not None:
+        _out_leaf(x, leaves)
+        return LEAF
+    t = type(x)
+    if t is tuple or t is list:
+        return ("seq", t, [_out_spec(v, leaves) for v in x])
+    if t is dict:
+        return ("dict", dict, tuple(x), [_out_spec(v, leaves) for v in x.values()])
+    node = _pytree_node(t)
+    if node is not None:
+        children, context = node.flatten_fn(x)
+        return ("pytree", t, context, [_out_spec(v, leaves) for v in children])
+    if _is_namedtuple(x):
+        return ("nt", t, [_out_spec(v, leaves) for v in x])
+    if _is_structseq(x):
+        return ("ss", t, [_out_spec(v, leaves) for v in x])
+    if isinstance(x, dict):
+        return ("dictsub", x, tuple(x), [_out_spec(v, leaves) for v in x.values()])
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        names = tuple(f.name for f in dataclasses.fields(x))
+        return ("dc", x, names, [_out_spec(getattr(x, n), leaves) for n in names])
+    if t.__module__ == "numpy" and t.__name__ == "ndarray":
+        raise SkipCall("CPU tensors or ops: the function returns a NumPy array, which a replay "
+                       "would return unchanged")
+    return ("v", x)
+
+
+def unflatten(spec, it):
+    if spec is SINGLE:
+        return next(it)
+    return rebuild(spec, it)
+
+
+class NoType:
+    """Stands for torch.Tensor when torch is not loaded: no object has this exact type."""
+
+
+__all__ = ["CUPY", "EAGER", "LEAF", "SINGLE", "STATIC", "TORCH", "TREE", "Ops", "flatten", "is_torch", "ops_of",
+           "out_spec", "rebuild", "register", "replace_leaves", "unflatten"]

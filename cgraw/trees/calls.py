@@ -1,0 +1,304 @@
+"""A graphed call's inputs, classified: the decisions graph trees make about arguments.
+
+Layer L6: pure Python over ``arrays`` (no CUDA, frameworks through their ``Ops``). ``tree``
+calls it for every call; backends only read what it decides.
+
+- ``inspect``: flatten the arguments into array *leaves* with their kinds, pointers and ops, and
+  build the call's signature *key* (shapes, strides, dtypes, containers, scalars by value).
+  Kinds: *static* (``nn.Parameter``s, a module argument's parameters and buffers, tensors marked
+  with ``cgraw.mark_static`` or ``torch._dynamo.mark_static_address``, positions in
+  ``static_argnums``: read in place), *tree output* (an output of an earlier graphed call in this
+  generation: read in place), *eager* (everything else: copied into a placeholder).
+- ``InputPlan``: what a recording assumed of its inputs (kinds, addresses read in place);
+  ``moved`` says why a call no longer fits it.
+- ``declared_mutations``: the eager leaves of the positions a function declared in ``mutates``.
+- padding buckets (``cgraw.trees.buckets``): the bucket a call is recorded under, part of its key.
+- grad mode (``use_grad_mode``): with autograd recording, the key gains ``(GRAD, indices of the
+  leaves that require grad)``, so calls under ``torch.no_grad()`` select recordings of their own
+  (``cgraw.trees.autograd``). Without a probe installed, keys are what they were.
+- the settings that choose kernels (``use_kernel_state``: autocast, TF32, deterministic
+  algorithms, the default dtype, inference mode, cuDNN and attention flags; see
+  ``interop.torch.kernel_state``): the key ends with an id of their current values, so a call made under
+  other settings selects (or makes) a recording of its own. A function reads the cuDNN and
+  attention flags only once its warm-up has shown it runs such ops (``learn_kernel_groups``).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from cgraw.trees import buckets
+from cgraw.trees.arrays import EAGER, LEAF, STATIC, TORCH, TREE, NoType, flatten
+from cgraw.errors import SkipCall
+
+__all__ = ["EAGER", "GRAD", "STATIC", "TREE", "Call", "InputPlan", "declared_mutations", "grad_enabled", "inspect",
+           "learn_kernel_groups", "mark_static", "moved", "use_grad_mode", "use_kernel_state"]
+
+_static_ids: dict[int, object] = {}  # id(array) -> weakref, filled by mark_static
+_tensor = [NoType, NoType]  # [torch.Tensor, torch.nn.Parameter] once torch is loaded: the exact-type fast path
+_grad_mode: list = [None]  # [a probe: does autograd record now?] (torch.is_grad_enabled), or [None]
+_kernel: list = [None, ()]  # [interop.torch.kernel_state.KernelState, its getters of every group], or [None, ()]
+
+
+class _GradMark:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "GRAD"
+
+
+GRAD = _GradMark()  # heads the key entry of a call made with grad enabled: equal to no other key entry
+
+
+def mark_static(x):
+    """Mark a tensor or array as a static input of graphed functions (read in place, never copied)."""
+    key = id(x)
+    _static_ids[key] = weakref.ref(x, lambda _r, k=key: _static_ids.pop(k, None))
+    return x
+
+
+def use_torch(tensor_type, parameter_type=NoType) -> None:
+    """Enable the exact-type fast path for ``torch.Tensor`` and ``torch.nn.Parameter`` arguments (a
+    tree does, once torch is loaded): a parameter is a static input."""
+    _tensor[0] = tensor_type
+    _tensor[1] = parameter_type
+
+
+def use_grad_mode(probe) -> None:
+    """Make grad mode part of every call's key: ``probe()`` says whether autograd records now
+    (``torch.is_grad_enabled``, False under ``no_grad`` and ``inference_mode``); None, the
+    default, leaves keys as they were."""
+    _grad_mode[0] = probe
+
+
+def use_kernel_state(ks) -> None:
+    """End every call's key with ``ks.state(getters)``, the id of the settings that choose kernels
+    now (an ``interop.torch.kernel_state.KernelState``; None: keys are what they were)."""
+    _kernel[0] = ks
+    _kernel[1] = () if ks is None else ks.getters(None)
+
+
+def learn_kernel_groups(fn, groups, key: tuple) -> tuple | None:
+    """A warm-up of ``fn`` ran ops depending on the setting ``groups`` (``interop.torch.kernel_state.GROUPS``
+    names; None: unknown). If that narrows or widens what ``fn``'s calls read, set it and return
+    ``key`` (the warmed call's key) ending with the id of the settings under the new reading, which
+    is what the function's next call under the same settings will have; else None."""
+    ks = _kernel[0]
+    if ks is None or groups is None:
+        return None
+    old = getattr(fn, "kernel_groups", None)
+    new = frozenset(groups) if old is None else old | frozenset(groups)
+    if new != old:
+        fn.kernel_groups = new
+        fn.kernel_getters = ks.getters(new)
+    # also when unchanged: the call may have been keyed before another thread's warm-up learned them
+    return key[:-1] + (ks.state(fn.kernel_getters),)
+
+
+def grad_enabled() -> bool:
+    """Whether the installed probe says autograd records now (False without a probe)."""
+    p = _grad_mode[0]
+    return p is not None and bool(p())
+
+
+_NO_LEAF_GRAD = (GRAD, ())  # the key entry of the common case: no leaf requires grad
+
+
+def _grad_entry(leaves, kinds) -> tuple:
+    """The key entry of a call made with grad enabled: which leaves require grad, and which of
+    them are eager autograd leaves already holding a ``.grad`` (a backward inside the function
+    would add to it; ``cuda_backend`` runs such calls eagerly). A graphed call's hot path: a list
+    comprehension, and the shared entry when no leaf requires grad."""
+    req = [j for j, t in enumerate(leaves) if getattr(t, "requires_grad", False)]
+    if not req:
+        return _NO_LEAF_GRAD
+    held = tuple(j for j in req if kinds[j] == EAGER and getattr(leaves[j], "is_leaf", False)
+                 and getattr(leaves[j], "grad", None) is not None)
+    return (GRAD, tuple(req), held)
+
+
+class Call:
+    """One call's inputs: the signature ``key``; per leaf the array, its kind, pointer and ops;
+    the specs that rebuild the arguments around the leaves; the padding bucket, if any."""
+
+    __slots__ = ("key", "leaves", "kinds", "ptrs", "ops", "arg_spans", "arg_specs", "kwarg_specs", "rows",
+                 "bucket", "padded", "grad")
+
+    def __init__(self, key, leaves, kinds, ptrs, ops, arg_spans, arg_specs, kwarg_specs=None):
+        self.key = key
+        self.leaves = leaves
+        self.kinds = kinds
+        self.ptrs = ptrs
+        self.ops = ops  # arrays.Ops per leaf
+        self.arg_spans = arg_spans  # (first leaf, leaf count) of each positional argument
+        self.arg_specs = arg_specs  # one spec per positional argument (arrays.flatten)
+        self.kwarg_specs = kwarg_specs  # [(name, spec)] in sorted name order, or None
+        self.bucket = None  # padding buckets (cgraw.trees.buckets): the bucket, the call's rows and
+        self.rows = None  # the padded leaves, when the function has buckets and the call fits one
+        self.padded = frozenset()
+        self.grad = False  # made with grad enabled (use_grad_mode): its outputs' backward may run
+
+
+def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
+    """Classify a call of graphed function ``fn`` (``static_argnums``, ``pad_buckets``) on the
+    tree of ``device``; ``tree_outputs`` maps the data pointers of this generation's outputs.
+    Raises ``SkipCall`` for arguments a graph cannot take."""
+    T, P = _tensor
+    if not kwargs and fn.plain:
+        for a in args:
+            if type(a) is not T and type(a) is not P:
+                break
+        else:  # the hot path: plain tensors only, no options (one pass per property, no generic dispatch)
+            return _inspect_tensors(fn, args, tree_outputs, device)
+    leaves, key_parts, kinds, ptrs, ops, specs, spans = [], [], [], [], [], [], []
+    static_pos = fn.static_argnums
+    for i, a in enumerate(args):
+        first = len(leaves)
+        if (type(a) is T or type(a) is P) and i not in static_pos:  # the common case, without generic dispatch
+            try:
+                p = a.data_ptr()
+            except RuntimeError as exc:  # sparse, meta, ...: no storage to copy or read in place
+                raise SkipCall(f"a tensor input has no data pointer ({exc})") from None
+            leaves.append(a)
+            key_parts.append((a.shape, a.stride(), a.dtype))
+            kinds.append(STATIC if type(a) is P or id(a) in _static_ids else (TREE if p in tree_outputs else EAGER))
+            ptrs.append(p)
+            ops.append(TORCH)
+            spans.append((first, 1))
+            specs.append(LEAF)
+            continue
+        specs.append(flatten(a, leaves, key_parts, kinds, ptrs, ops, STATIC if i in static_pos else None))
+        spans.append((first, len(leaves) - first))
+    kwarg_specs = None
+    if kwargs:
+        kwarg_specs = []
+        for k in sorted(kwargs):
+            key_parts.append(k)
+            kwarg_specs.append((k, flatten(kwargs[k], leaves, key_parts, kinds, ptrs, ops, None)))
+    dev = None
+    for j, t in enumerate(leaves):
+        d = ops[j].device(t)
+        if d < 0:
+            raise SkipCall("CPU tensors or ops: an input lives on the CPU")
+        if dev is None:
+            dev = d
+        elif d != dev:
+            raise SkipCall("tensors on several devices")
+        if kinds[j] is None:
+            if id(t) in _static_ids:
+                kinds[j] = STATIC
+            elif ptrs[j] in tree_outputs:
+                kinds[j] = TREE
+            else:
+                kinds[j] = EAGER
+    if dev is not None and dev != device:
+        raise SkipCall(f"inputs on device {dev}, but this tree is on device {device}")
+    # the kinds are not part of the key: the first call of a path sees warm-up outputs (eager)
+    # where later calls see tree outputs; a recording checks its kinds in moved()
+    call = Call(tuple(key_parts), leaves, kinds, ptrs, ops, spans, specs, kwarg_specs)
+    if fn.pad_buckets:
+        chosen = buckets.choose(fn.pad_buckets, leaves, kinds, EAGER)
+        if chosen is not None:
+            call.rows, call.bucket, call.padded = chosen
+            call.key = buckets.padded_key(key_parts, leaves, call.padded, call.bucket)
+    p = _grad_mode[0]
+    if p is not None and p():
+        call.grad = True
+        call.key = call.key + (_grad_entry(leaves, kinds),)
+    ks = _kernel[0]
+    if ks is not None:
+        call.key = call.key + (ks.state(getattr(fn, "kernel_getters", None) or _kernel[1]),)
+    return call
+
+
+_PLAIN: dict[int, tuple] = {}  # n -> (ops, arg spans, arg specs) of n plain tensor arguments (shared, read-only)
+
+
+def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
+    """``inspect`` of a call whose arguments are all exact ``torch.Tensor``s or ``nn.Parameter``s
+    (static), of a function
+    without ``static_argnums``, ``pad_buckets`` or keyword arguments: the same result, faster
+    (the key is built once, with its grad and settings entries)."""
+    n = len(args)
+    shared = _PLAIN.get(n)
+    if shared is None:
+        shared = _PLAIN[n] = ((TORCH,) * n, tuple((j, 1) for j in range(n)), (LEAF,) * n)
+    try:
+        if n == 1:
+            a = args[0]
+            p = a.data_ptr()
+            ptrs = [p]
+            parts = [(a.shape, a.stride(), a.dtype)]
+            if a.get_device() != device:
+                _wrong_device(args, device)
+            if type(a) is _tensor[1] or (_static_ids and id(a) in _static_ids):
+                kinds = [STATIC]
+            else:
+                kinds = [TREE if p in tree_outputs else EAGER]
+        else:
+            ptrs = [a.data_ptr() for a in args]
+            parts = [(a.shape, a.stride(), a.dtype) for a in args]
+            for a in args:
+                if a.get_device() != device:
+                    _wrong_device(args, device)
+            P = _tensor[1]
+            if _static_ids or any(type(a) is P for a in args):
+                kinds = [STATIC if type(a) is P or id(a) in _static_ids else (TREE if p in tree_outputs else EAGER)
+                         for a, p in zip(args, ptrs)]
+            elif tree_outputs:
+                kinds = [TREE if p in tree_outputs else EAGER for p in ptrs]
+            else:
+                kinds = [EAGER] * n
+    except RuntimeError as exc:  # sparse, meta, ...: no storage to copy or read in place
+        raise SkipCall(f"a tensor input has no data pointer ({exc})") from None
+    probe = _grad_mode[0]
+    grad = probe is not None and probe()
+    if grad:
+        parts.append(_grad_entry(args, kinds))
+    ks = _kernel[0]
+    if ks is not None:
+        parts.append(ks.state(getattr(fn, "kernel_getters", None) or _kernel[1]))
+    call = Call(tuple(parts), list(args), kinds, ptrs, *shared)
+    call.grad = grad
+    return call
+
+
+def _wrong_device(args, device: int):
+    """Raise the ``SkipCall`` of tensor arguments not all on ``device``."""
+    d = next(d for d in (a.get_device() for a in args) if d != device)
+    if d < 0:
+        raise SkipCall("CPU tensors or ops: an input lives on the CPU")
+    if len({a.get_device() for a in args}) > 1:
+        raise SkipCall("tensors on several devices")
+    raise SkipCall(f"inputs on device {d}, but this tree is on device {device}")
+
+
+class InputPlan:
+    """What a recording assumed of its inputs: their kinds, and the addresses of the leaves it
+    reads in place (static and tree-output inputs), as ``(leaf index, pointer)``."""
+
+    __slots__ = ("kinds", "fixed")
+
+    def __init__(self, call: Call):
+        self.kinds = list(call.kinds)
+        self.fixed = [(j, p) for j, p in enumerate(call.ptrs) if call.kinds[j] != EAGER]
+
+
+def moved(plan: InputPlan, call: Call) -> str | None:
+    """Why ``call`` cannot replay a recording made under ``plan`` (a re-record reason), or None."""
+    if call.kinds != plan.kinds:
+        return f"input kinds changed (0 eager, 1 static, 2 tree output): {plan.kinds} -> {call.kinds}"
+    ptrs = call.ptrs
+    for j, p in plan.fixed:
+        if ptrs[j] != p:
+            what = "static input" if call.kinds[j] == STATIC else "tree-output input"
+            return f"{what} {j} moved from 0x{p:x} to 0x{ptrs[j]:x}"
+    return None
+
+
+def declared_mutations(fn, call: Call) -> tuple:
+    """Eager leaves of the positional arguments ``fn`` declared in ``mutates``."""
+    spans, kinds = call.arg_spans, call.kinds
+    return tuple(j for i in fn.mutates if i < len(spans)
+                 for j in range(spans[i][0], sum(spans[i])) if kinds[j] == EAGER)
+

@@ -1,0 +1,428 @@
+"""Graph trees: the decisions of ``@cgraw.graphed`` (warm up, record, replay, re-record, skip).
+
+Layer L6: pure bookkeeping. It knows nothing of CUDA, torch or CuPy: ``calls`` classifies each
+call's inputs (through the frameworks' ``arrays.Ops``), and a *backend* does the work (the
+``Backend`` protocol of ``trees.nodes``; ``cgraw.trees.cuda_backend.CudaBackend`` on a GPU, a simulated one
+in the CPU tests).
+
+Why a tree. Graphed functions share one memory pool per device. A CUDA graph bakes in every
+address it touches, so a graph recorded after graph A must allocate around A's outputs, which are
+still live when it runs. Calls of graphed functions in sequence therefore form *paths*: A then B,
+or A then B'. Each distinct path is recorded once, as a chain of nodes from a root. B and B' are
+siblings: they never run in the same pass, so B' may reuse B's memory. To record B' after A was
+replayed, the pool's bookkeeping is restored to the checkpoint taken at the end of A's recording;
+this is what keeps memory at max(A+B, A+B') rather than the sum.
+
+Lifecycle of a node (one function on one path, one input signature):
+- first call: WARMED. The function runs eagerly (lazy first-use work happens then).
+- second call: RECORDED. The pool is restored to the parent's checkpoint, the function is
+  captured, the graph replayed once for this call's result, and a checkpoint taken.
+- later calls: replay. If a static input or a tree output moved, the node is re-recorded and its
+  descendants are dropped.
+- a function that cannot be captured is SKIPPED: it runs eagerly from then on, with its reason
+  logged once and shown by ``cgraw.report()``.
+
+Generations. A generation is one pass through the tree from a root. It begins at
+``cgraw.mark_step_begin()``, or automatically when a *root function* (one that has begun a
+generation before) is called while a path is under way: each call of the model's entry point
+starts a new step (the inference rule). Outputs handed out in a generation are only valid until
+the next one begins; then the backend poisons them (torch) or clones them
+(``config.generation_cloning = "user_visible"``). Training: while a backward of the current
+generation is pending (``cgraw.trees.autograd``, which also holds the design of autograd through
+graphed functions), a root function's call does not begin one; it extends the path, so the
+saved activations of the pending forwards are not overwritten.
+
+A generation also ends when everything its path made is dead, as torch's trees end a path whose
+outputs are all dead. Before a call would add a node to the path (not before a replay), the tree
+checks its weak references to the outputs of the path's calls (``trees.outputs.PathOutputs``): when
+none is alive, none is the call's input and no autograd graph of the path's forwards is alive (a
+pending backward's is), the call starts from a root, as if it were the first call of the process.
+So ``f(x)``, then ``g(x)`` in a loop with its outputs dropped, records ``g`` at its second call.
+While outputs stay alive, calls of a function that is not a root extend the path, up to
+``config.path_repeat_limit``.
+
+Threads. A tree belongs to the thread that made it (``cgraw.graphed`` keeps one per thread and
+device), with its own generations, pool and capture stream. Trees grow (warm-ups, recordings,
+dropped recordings) under one process-wide ``RecordingLock``; replays take no lock. A backward is
+a node of its forward's tree, run from autograd's thread (``TreeAutograd.call_backward``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+
+from cgraw.trees import nodes as tree_nodes
+from cgraw.trees.autograd import BUSY, AutogradBook, TreeAutograd, promotion_note
+from cgraw.trees.calls import TREE, InputPlan, declared_mutations, grad_enabled, inspect, learn_kernel_groups, moved
+from cgraw.errors import CgrawError, SkipCall, TreeError
+from cgraw.trees.outputs import PathOutputs, memory_in_use
+from cgraw.trees.pool import UNKNOWN, TreePool
+from cgraw.trees.nodes import Backend, Config, FunctionStats, NodeState, Replayable, Rewarm, TreeNode, Warm, config
+
+log = logging.getLogger("cgraw")
+_ref = weakref.ref
+
+SERIAL = tree_nodes.RecordingLock()  # the lock every tree grows under, unless it is given its own
+
+
+class TreeManager(TreeAutograd, TreePool):
+    """The tree of one thread on one device: roots, the current path, generations, the pool's
+    checkpoints. Calls from another thread than the one that made it get a clear error (its
+    captures and generations are that thread's). ``serial``: the lock the tree grows under.
+    """
+
+    def __init__(self, backend, *, device_index: int = 0, serial: tree_nodes.RecordingLock = SERIAL):
+        self.backend = backend
+        self.device_index = device_index
+        self.serial = serial
+        self.roots: dict = {}
+        self.root_fns: set = set()
+        self.current: TreeNode | None = None  # the node executed last in this generation
+        self.generation = 0
+        self.pool_state: TreeNode | None = None  # whose checkpoint the pool's bookkeeping equals
+        self.root_checkpoint = backend.snapshot()
+        self.tree_outputs: dict[int, TreeNode] = {}  # data pointer -> node, this generation
+        self.outs = PathOutputs()  # what the calls of this generation made, held weakly
+        self.stats: dict[int, FunctionStats] = {}
+        self.owner_thread = threading.get_ident()
+        self._keys_seen: dict[int, dict] = {}  # fn id -> {input signature: order first seen}
+        self.book = AutogradBook()  # forwards whose backward may run (calls made with grad enabled)
+
+    # ------------------------------------------------------------------ generations
+
+    def mark_step_begin(self) -> None:
+        """End the current generation: outputs handed out so far become invalid."""
+        self.check_thread("cgraw.mark_step_begin()")
+        self._end_generation()
+
+    def _end_generation(self, handed: list | None = None) -> None:
+        """``handed``: the live outputs to invalidate, when the caller has taken them."""
+        if handed is None:
+            handed = self.outs.take()
+        self.generation += 1
+        self._orphan_pending()
+        self.backend.end_generation(handed, config.generation_cloning)
+        self.tree_outputs = {}
+        self.current = None
+
+    def _path_is_dead(self, call) -> bool:
+        """Whether nothing made on the path under way is in use: no output of its calls is alive
+        (torch's ``all_outputs_are_dead``), none is this call's input, and no autograd graph of its
+        forwards is alive (their outputs as autograd hands them out; a pending backward's saved
+        activations are the path's memory too)."""
+        if TREE in call.kinds or self.outs.alive() or self.book.graphs_alive():
+            return False
+        # a view or .detach() alias of an output outlives the output object: count its memory's users
+        return not any(memory_in_use(getattr(n.recording, "users", ()))
+                       for n in self.current.path() if n.recording is not None)
+
+    def check_thread(self, what: str) -> None:
+        """Raise a clear error when ``what`` is used from a thread that does not own this tree."""
+        if threading.get_ident() != self.owner_thread:
+            raise CgrawError(
+                f"{what} called from a thread other than the one that owns this graph tree of device "
+                f"{self.device_index}; each thread has its own trees: call graphed functions, "
+                "cgraw.mark_step_begin() and cgraw.reset() as usual and they act on the calling thread's")
+
+    # ------------------------------------------------------------------ the call
+
+    def call(self, fn, args, kwargs):
+        if threading.get_ident() != self.owner_thread:
+            self.check_thread(f"graphed function {fn.name!r}")
+        return self.call_here(fn, args, kwargs)
+
+    def call_here(self, fn, args, kwargs):
+        """``call`` unchecked: ``cgraw.graphed`` hands each thread only its own trees."""
+        book = self.book
+        if self.current is not None and fn.fn_id in self.root_fns and not (book.tickets and book.pending()):
+            deferred = self._begin_step(args)  # the inference rule: a root function begins a step
+            try:
+                return self._call(fn, args, kwargs)
+            finally:
+                if deferred:
+                    self.backend.end_generation(deferred, None)
+        return self._call(fn, args, kwargs)
+
+    def _begin_step(self, args) -> list:
+        """Start a generation for a call of a root function. Outputs of the ending generation
+        that are this call's own arguments (``h = f(h)``, ``h, c = f(h, c)``) stay readable until
+        the call has copied them in (they are eager inputs now), and are poisoned after it."""
+        keep = []
+        handed = self.outs.take()
+        if config.generation_cloning is None and handed:
+            ids = tree_nodes.arg_ids(args)
+            rest = []
+            for item in handed:
+                (keep if id(item[1]) in ids else rest).append(item)
+            handed = rest
+        self._end_generation(handed)
+        return keep
+
+    def _call(self, fn, args, kwargs):
+        if fn.unsafe_reason is not None:
+            return self._eager_call(fn, fn.unsafe_reason, args, kwargs)
+        try:
+            call = inspect(fn, args, kwargs, self.tree_outputs, self.device_index)
+        except SkipCall as exc:
+            return self._eager_call(fn, str(exc), args, kwargs)
+        parent = self.current
+        siblings = self.roots if parent is None else parent.children
+        node = siblings.get((fn.fn_id, call.key))
+        if node is not None and node.state is NodeState.RECORDED:  # the hot path: replay
+            rec = node.recording
+            reason = moved(node.plan, call) or rec.stale()
+            if reason is None:
+                out, owned = rec.replay(call)
+                node.stats.replays += 1
+                self.current = node
+                for ptr in rec.out_ptrs:
+                    self.tree_outputs[ptr] = node
+                if owned and not getattr(fn, "copies_out", False):
+                    name, handed = fn.name, self.outs.handed
+                    for t in owned:  # a loop, no comprehension: one output is the common case
+                        handed.append((name, _ref(t)))
+                # a recording without a backward hands out outputs that need no ticket
+                return self._with_backward(fn, node, out, call) if call.grad and rec.grad is not None else out
+        elif node is not None and node.state is NodeState.SKIPPED:  # eager, without the lock
+            out = self._eager_node(node, call, args, kwargs)
+            return self._with_backward(fn, node, out, call) if call.grad else out
+        else:
+            reason = None
+        if not self._enter_serial():
+            return self._eager_call(fn, BUSY, args, kwargs)  # a backward: never wait (see call_backward)
+        try:
+            return self._grow(fn, call, parent, siblings, node, reason, args, kwargs)
+        finally:
+            self.serial.release()
+
+    def _grow(self, fn, call, parent, siblings, node, reason, args, kwargs):
+        """A call that is neither a replay nor a skipped node's: a new node, a warm-up, a recording
+        or a re-recording (``reason``). Under ``serial``."""
+        if reason is not None:
+            out = self._rerecord(node, fn, call, reason, args, kwargs)
+        elif parent is not None and not getattr(fn, "copies_out", False) and self._path_is_dead(call):
+            # every output of the path is dead: end it (torch's trees do), so this call starts
+            # from a root, as if it were the first call of the process; a backward never does
+            self._end_generation()
+            return self._call(fn, args, kwargs)
+        else:
+            st = self._stats(fn)
+            fresh = node is None
+            if fresh:
+                limit = config.path_repeat_limit
+                if parent is not None and limit and parent.repeats(fn) >= limit:
+                    return self._promote(fn, args, kwargs)
+                node = TreeNode(fn, call.key, parent, st)
+                siblings[(fn.fn_id, call.key)] = node
+                if parent is None:
+                    self.root_fns.add(fn.fn_id)
+                if self._new_variant(fn, st, call.key):
+                    node.state = NodeState.SKIPPED
+                    node.skip_reason = "dynamic shapes: more input signatures than config.dynamic_shape_warn_limit"
+            if node.state is NodeState.SKIPPED:
+                out = self._eager_node(node, call, args, kwargs)
+            elif fresh or node.warm is None:  # a warm-up that raised taught nothing: warm up again
+                out = self._warm(node, fn, st, call, args, kwargs)
+            else:
+                out = self._record(node, fn, st, call, args, kwargs)
+        return self._with_backward(fn, node, out, call) if call.grad else out
+
+    def _eager_call(self, fn, reason: str, args, kwargs):
+        out = self._eager(fn, self._stats(fn), reason, args, kwargs)
+        return self._with_backward(fn, None, out, None) if grad_enabled() else out
+
+    def _promote(self, fn, args, kwargs):
+        """``fn`` keeps extending the path under way (``prefill(x)`` once, then ``decode(tok)`` in a
+        loop: one node deeper per call, each warmed up, none replayed). Make it a root function:
+        this call, and each later one, begins a generation, as the inference rule does."""
+        log.warning("cgraw: %s was called %d times on one path of the graph tree (no root function "
+                    "called in between); it now begins a generation at each call, like a root function. "
+                    "Call cgraw.mark_step_begin() where your step begins, or raise "
+                    "cgraw.config.path_repeat_limit for longer loops inside one step",
+                    fn.name, config.path_repeat_limit)
+        self.root_fns.add(fn.fn_id)
+        self._stats(fn).promoted = True
+        if self.book.tickets and self.book.pending():
+            log.warning(promotion_note(fn.name, config.path_repeat_limit))
+        deferred = self._begin_step(args)
+        try:
+            return self._call(fn, args, kwargs)
+        finally:
+            if deferred:
+                self.backend.end_generation(deferred, None)
+
+    def _stats(self, fn) -> FunctionStats:
+        st = self.stats.get(fn.fn_id)
+        if st is None:
+            st = self.stats[fn.fn_id] = FunctionStats(fn.name)
+        return st
+
+    def _rerecord(self, node: TreeNode, fn, call, reason, args, kwargs):
+        st = node.stats
+        st.rerecords += 1
+        st.rerecord_reasons.append(str(reason))
+        log.info("cgraw: re-recording %s: %s", fn.name, reason)
+        self._drop_subtree_of(node)
+        if isinstance(reason, Rewarm):
+            node.note_rewarm(reason, st.replays)
+            if node.rewarms > config.rewarm_limit:
+                node.state = NodeState.SKIPPED
+                node.skip_reason = (f"warmed up again {node.rewarms} times ({reason}); set "
+                                    "cgraw.config.rewarm_limit to allow more")
+                return self._eager_node(node, call, args, kwargs)
+            return self._warm(node, fn, st, call, args, kwargs)
+        return self._record(node, fn, st, call, args, kwargs)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _warm(self, node: TreeNode, fn, st: FunctionStats, call, args, kwargs):
+        """Run the function eagerly once (lazy first-use work happens outside any capture). A
+        warm-up inside the tree's pool hands out its outputs there, as a replay does; one that left
+        blocks held by something else there (``Warm.stash``) moves the tree to a fresh pool, so
+        that no restore frees them."""
+        st.warmups += 1
+        self.current = node
+        parent = node.parent
+        if ((parent is None or parent.state is NodeState.RECORDED) and self.pool_state is not parent
+                and self.backend.warm_restores(fn, call)):
+            # an in-pool warm-up reuses what other branches' recordings hold, as a recording does
+            # (torch's trees restore before warm-ups too); else a new branch raises the pool's peak
+            self._restore_to(parent)
+        try:
+            w = self.backend.warmup(fn, call, args, kwargs)
+        except BaseException:
+            self.pool_state = UNKNOWN  # it may have left blocks in the pool
+            raise
+        if w.in_pool:
+            self.pool_state = UNKNOWN
+            if w.stash is not None:
+                log.info("cgraw: the warm-up of %s %s; the graph tree moves to a fresh pool and warms up "
+                         "outside it from now on", fn.name, w.stash)
+                self._renew()
+                self.pool_state = None
+            else:
+                self.outs.hand(fn.name, w.handed)
+        self.outs.watch(w.out, call)
+        if w.groups is not None:  # file the node under the key its next call will have
+            tree_nodes.rekey(self.roots, node, learn_kernel_groups(fn, w.groups, call.key))
+        declared = declared_mutations(fn, call)
+        w.mutated = tuple(w.mutated) + tuple(j for j in declared if j not in w.mutated)
+        w.external = tuple(w.external)
+        node.warm = w
+        node.state = NodeState.WARMED
+        if w.skip is not None:
+            node.state = NodeState.SKIPPED
+            node.skip_reason = w.skip
+            self._note_skip(fn, st, w.skip)
+        out, w.out, w.handed = w.out, None, ()  # the node keeps what the warm-up learned, not its result
+        return out
+
+    def _record(self, node: TreeNode, fn, st: FunctionStats, call, args, kwargs):
+        parent = node.parent
+        anchor = tree_nodes.recorded_ancestor(parent)
+        if self.pool_state is not anchor:
+            self._restore_to(anchor)
+        try:
+            rec = self.backend.record(fn, call, node.warm)
+        except SkipCall as exc:
+            node.state = NodeState.SKIPPED
+            node.skip_reason = str(exc)
+            # a failed capture put the pool back itself; a recording that failed after its capture
+            # left blocks behind, so the next recording must restore first
+            self.pool_state = UNKNOWN if exc.dirty else anchor
+            return self._eager_node(node, call, args, kwargs)
+        except BaseException:
+            self.pool_state = UNKNOWN  # the pool may hold the failed recording's blocks
+            raise
+        node.recording = rec
+        node.plan = InputPlan(call)
+        node.state = NodeState.RECORDED
+        st.recordings += 1
+        st.capture_ms += rec.capture_ms
+        st.instantiate_ms += rec.instantiate_ms
+        try:
+            # recording computes nothing: replay for this call (the backend may free placeholders
+            # it proved unneeded here, so the checkpoint follows)
+            out, owned = self.backend.first_replay(rec, call)
+        finally:
+            node.checkpoint = self.backend.snapshot()
+            self.pool_state = node
+        self.current = node
+        self._register(node, owned)
+        return out
+
+    def _note_skip(self, fn, st: FunctionStats, reason: str) -> None:
+        if reason not in st.skip_reasons:
+            log.warning("cgraw: skipping cudagraphs for %s: %s", fn.name, reason)
+            st.skip_reasons[reason] = 0
+
+    def _eager_node(self, node: TreeNode, call, args, kwargs):
+        """Run a SKIPPED node's function eagerly as the path's next node."""
+        self.current = node
+        out = self._eager(node.fn, node.stats, node.skip_reason, args, kwargs)
+        self.outs.watch(out, call)
+        return out
+
+    def _eager(self, fn, st: FunctionStats, reason: str, args, kwargs):
+        if reason not in st.skip_reasons:
+            log.warning("cgraw: skipping cudagraphs for %s: %s", fn.name, reason)
+        st.skip_reasons[reason] = st.skip_reasons.get(reason, 0) + 1
+        st.eager_calls += 1
+        return fn.fn(*args, **kwargs)
+
+    def _register(self, node: TreeNode, owned) -> None:
+        """Note the outputs of a replay that live in the tree's memory (``owned``): they are
+        tree-output inputs of later calls, and are poisoned when the generation ends."""
+        for ptr in node.recording.out_ptrs:
+            self.tree_outputs[ptr] = node
+        if not getattr(node.fn, "copies_out", False):  # a backward's are copied out before anyone sees them
+            self.outs.hand(node.fn.name, owned)
+
+    def _new_variant(self, fn, st: FunctionStats, key) -> bool:
+        """Count input signatures per function; True when this one must run eagerly."""
+        seen = self._keys_seen.setdefault(fn.fn_id, {})
+        idx = seen.get(key)
+        limit = config.dynamic_shape_warn_limit
+        if idx is not None:  # seen before, perhaps under another parent: same verdict
+            return config.skip_dynamic_graphs and idx >= limit
+        idx = seen[key] = len(seen)
+        st.variants = len(seen)
+        if idx == limit:
+            log.warning("cgraw: %s has been called with %d input signatures (dynamic shapes); each one "
+                        "is recorded separately. Pad inputs to a few shapes, or set "
+                        "cgraw.config.skip_dynamic_graphs = True", fn.name, len(seen))
+        return config.skip_dynamic_graphs and idx >= limit
+
+    def reset(self) -> None:
+        """End the generation, drop every node and recording; the backend frees the pool."""
+        self.check_thread("cgraw.reset()")
+        self.release(end_generation=True)
+
+    def release(self, *, end_generation: bool = False) -> None:
+        """Drop every node and recording; the backend frees the pool. From any thread, for the tree
+        of a thread that has ended: outputs handed out stay valid while held, neither poisoned nor
+        cloned (the thread may have passed them on); a pending backward recomputes its forward."""
+        with self.serial:
+            self._orphan_pending()
+            handed = self.outs.take()
+            if end_generation:
+                self.backend.end_generation(handed, config.generation_cloning)
+            self._forget_recordings(self.nodes())
+            self.roots.clear()
+            self.root_fns.clear()
+            self.current = None
+            self.tree_outputs = {}
+            self.pool_state = UNKNOWN
+            self._keys_seen = {}
+            self.backend.close()
+
+    def describe(self) -> str:
+        """A text view of the tree: which node follows which."""
+        head = f"cgraw tree on device {self.device_index}: generation {self.generation}"
+        return tree_nodes.describe_nodes(head, self.roots.values(), self.backend.num_nodes)
+
+
+__all__ = ["SERIAL", "Backend", "Config", "FunctionStats", "NodeState", "Replayable", "Rewarm", "SkipCall", "TreeError",
+           "TreeManager", "TreeNode", "Warm", "config"]

@@ -1,0 +1,387 @@
+"""The data of graph trees: node states, settings, per-function statistics, tree nodes, and the
+``Backend`` protocol a ``tree.TreeManager`` drives (with what a warm-up reports, ``Warm``).
+
+Layer L6: pure Python, no CUDA and no frameworks.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cgraw.trees import calls
+from cgraw.trees.calls import InputPlan
+
+
+class NodeState(enum.Enum):
+    WARMED = "warmed"
+    RECORDED = "recorded"
+    SKIPPED = "skipped"
+
+
+@dataclass
+class Config:
+    """Process-wide settings of graphed functions (``cgraw.config``)."""
+
+    dynamic_shape_warn_limit: int = 8
+    skip_dynamic_graphs: bool = False
+    generation_cloning: str | None = None  # None or "user_visible"
+    warm_cublas: bool = True
+    rewarm_limit: int = 8  # a node warmed up again this often (its closure tensors keep moving) runs eagerly
+    # a function already this often on the path under way becomes a root (each call begins a
+    # generation) instead of deepening the path by one node per call; 0 turns the bound off
+    path_repeat_limit: int = 64
+    # eager inputs read in place (their kernels' arguments rewritten) where a proof replay shows
+    # it safe, instead of copied into a placeholder on every call (cgraw.rebind.proof)
+    rebind_inputs: bool = True
+    # autograd through graphed functions (cgraw.trees.autograd): outputs require grad and
+    # backward() replays a recorded backward; False: outputs are detached from the second call on
+    autograd: bool = True
+    # a warm-up autograd records nothing in runs inside the tree's pool on its capture stream, as
+    # torch's trees do (cgraw.trees.warmup): what it frees is what the recordings reuse, not
+    # torch's global cache; its outputs there follow the generation rule
+    warmup_in_pool: bool = True
+    # torch's cached free memory is released before each recording, as torch.cuda.graph (and so
+    # torch's trees) do before every capture: warm-up memory and dropped cuBLAS workspaces are not
+    # kept cached beside the tree's pool; False keeps torch's cache warm for eager code
+    empty_cache_on_record: bool = True
+
+    def __setattr__(self, name, value):
+        if name not in self.__dataclass_fields__:
+            raise AttributeError(f"cgraw.config has no setting {name!r}")
+        if name == "generation_cloning" and value not in (None, "user_visible"):
+            raise ValueError(f"generation_cloning={value!r} must be None or 'user_visible'")
+        changed = name == "autograd" and bool(value) != bool(getattr(self, name, False))
+        object.__setattr__(self, name, value)
+        if changed:
+            calls.use_grad_mode(_grad_probe[0] if value else None)
+
+
+_grad_probe: list = [None]  # [the framework's grad-mode probe] (torch.is_grad_enabled), once known
+config = Config()
+_fn_ids = itertools.count()
+
+
+def next_fn_id() -> int:
+    """A new graphed function's id (``GraphedFunction``, a forward node's backward)."""
+    return next(_fn_ids)
+
+
+def grad_probe(probe) -> None:
+    """Set the framework's grad-mode probe; grad mode joins the recording key while
+    ``config.autograd`` is True (``calls.use_grad_mode``)."""
+    _grad_probe[0] = probe
+    if config.autograd:
+        calls.use_grad_mode(probe)
+
+
+@dataclass
+class FunctionStats:
+    """What happened to one graphed function (``cgraw.report()``)."""
+
+    name: str
+    warmups: int = 0
+    recordings: int = 0
+    rerecords: int = 0
+    rerecord_reasons: list = field(default_factory=list)
+    replays: int = 0
+    eager_calls: int = 0
+    skip_reasons: dict = field(default_factory=dict)  # reason -> count
+    capture_ms: float = 0.0
+    instantiate_ms: float = 0.0
+    variants: int = 0  # distinct input signatures seen
+    promoted: bool = False  # made a root function by config.path_repeat_limit
+
+
+class TreeNode:
+    """One function on one path with one input signature. Parents are held weakly."""
+
+    __slots__ = ("fn", "key", "_parent", "children", "state", "recording", "plan", "checkpoint", "depth",
+                 "skip_reason", "warm", "stats", "rewarms", "mode_mark", "__weakref__")
+
+    def __init__(self, fn, key, parent: "TreeNode | None", stats: "FunctionStats | None" = None):
+        self.fn = fn
+        self.key = key
+        self._parent = None if parent is None else weakref.ref(parent)
+        self.children: dict = {}
+        self.state = NodeState.WARMED
+        self.recording = None
+        self.plan: InputPlan | None = None  # what the recording assumed of its inputs
+        self.checkpoint = None
+        self.depth = 0 if parent is None else parent.depth + 1
+        self.skip_reason: str | None = None
+        self.warm: Warm | None = None  # what the last warm-up learned
+        self.stats = stats  # the function's FunctionStats (shared by its nodes)
+        self.rewarms = 0
+        self.mode_mark = -1  # the function's replay count at this node's last ModeRewarm
+
+    def note_rewarm(self, reason, replays: int) -> None:
+        """Count a warm-up forced by ``reason`` towards ``config.rewarm_limit``: a switch between
+        training and evaluation (``ModeRewarm``) only when the function (``replays``: its replay
+        count) has not replayed since the previous one."""
+        if not isinstance(reason, ModeRewarm) or replays == self.mode_mark:
+            self.rewarms += 1
+        if isinstance(reason, ModeRewarm):
+            self.mode_mark = replays
+
+    @property
+    def mutated(self) -> tuple:
+        """Eager leaves the function writes (found at warm-up, or declared in ``mutates``)."""
+        return () if self.warm is None else self.warm.mutated
+
+    @property
+    def parent(self) -> "TreeNode | None":
+        return None if self._parent is None else self._parent()
+
+    def path(self) -> list["TreeNode"]:
+        """Nodes from the root to this one."""
+        out = []
+        n = self
+        while n is not None:
+            out.append(n)
+            n = n.parent
+        out.reverse()
+        return out
+
+    def walk(self):
+        """This node and every node below it."""
+        stack = [self]
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def repeats(self, fn) -> int:
+        """How many nodes of ``fn`` the path ending at this node holds."""
+        k = 0
+        n = self
+        while n is not None:
+            if n.fn is fn:
+                k += 1
+            n = n.parent
+        return k
+
+    def __repr__(self) -> str:
+        return f"<TreeNode {self.fn.name} {self.state.value} depth={self.depth}>"
+
+
+def rekey(roots: dict, node: TreeNode, key) -> None:
+    """File ``node`` (a child of its parent, or one of ``roots``) under ``key`` instead, unless
+    ``key`` is None or taken."""
+    parent = node.parent
+    siblings = roots if parent is None else parent.children
+    fid = node.fn.fn_id
+    if key is not None and (fid, key) not in siblings and siblings.get((fid, node.key)) is node:
+        del siblings[(fid, node.key)]
+        node.key = key
+        siblings[(fid, key)] = node
+
+
+def recorded_ancestor(node: "TreeNode | None") -> "TreeNode | None":
+    """``node`` or its nearest ancestor that holds a recording (None: the root checkpoint)."""
+    while node is not None and node.state is not NodeState.RECORDED:
+        node = node.parent
+    return node
+
+
+def describe_nodes(head: str, roots, num_nodes) -> str:
+    """``head``, then the trees under ``roots`` indented by depth (``num_nodes(recording)`` graph nodes each)."""
+    lines = [head]
+
+    def visit(n: TreeNode, indent: str):
+        extra = f" ({n.skip_reason})" if n.state is NodeState.SKIPPED else ""
+        nn = "" if n.recording is None else f", {num_nodes(n.recording)} graph nodes"
+        lines.append(f"{indent}{n.fn.name} [{n.state.value}{nn}]{extra}")
+        for c in n.children.values():
+            visit(c, indent + "  ")
+
+    for r in roots:
+        visit(r, "  ")
+    return "\n".join(lines)
+
+
+class Rewarm(str):
+    """A re-record reason (from a recording's ``stale``) after which the node must warm up again first:
+    what the warm-up learned about the function (the tensors it reads through its closure) may
+    be out of date."""
+
+
+class ModeRewarm(Rewarm):
+    """A ``Rewarm`` because a module switched between training and evaluation: counted against
+    ``config.rewarm_limit`` only when the function has not replayed since its last one (a
+    function that switches modes inside itself), not for a loop that trains and evaluates in turn."""
+
+
+class Warm:
+    """What a backend's warm-up returns: the eager result, the eager inputs it mutated, why the
+    function must run eagerly from now on (or None), and what else a recording must know."""
+
+    __slots__ = ("out", "mutated", "skip", "external", "epoch", "runs_backward", "mode_epoch", "in_pool",
+                 "handed", "stash", "groups")
+
+    def __init__(self, out, mutated=(), skip=None, external=(), epoch=-1, runs_backward=False, mode_epoch=0):
+        self.out = out
+        self.mutated = mutated
+        self.skip = skip
+        self.external = external  # tensors read through the closure (kept alive, checked per call)
+        self.epoch = epoch  # module-assignment count at the warm-up (backend-defined)
+        self.runs_backward = runs_backward  # a backward pass ran inside (autograd's own thread allocates)
+        self.mode_epoch = mode_epoch  # training/evaluation switch count at the warm-up, -1 if it switched
+        self.in_pool = False  # it ran inside the tree's pool and left blocks there (restore before recording)
+        self.handed = ()  # its outputs in the pool: invalid once the generation ends
+        self.stash = None  # why blocks it left in the pool are held beyond its outputs (lazily made state), or None
+        self.groups = None  # groups of kernel-choosing settings the ops it ran depend on (calls.learn_kernel_groups), or None
+
+
+class Replayable(Protocol):
+    """A recording, as the tree's hot path uses it (no backend call in between)."""
+
+    out_ptrs: list  # data pointers of the memory its outputs own in the pool
+    users: list  # (users, baseline) of that memory: more than the baseline while an alias holds it
+    capture_ms: float
+    instantiate_ms: float
+    grad: Any  # what a backward through its replays needs; None: its outputs need no backward ticket
+
+    def replay(self, call) -> tuple[Any, Any]:
+        """Launch for ``call``: the outputs, and those in the tree's memory (watched while alive,
+        invalidated when the generation ends)."""
+
+    def stale(self) -> "Rewarm | None":
+        """Why the warm-up's knowledge is out of date (the node warms up again), or None."""
+
+
+class Backend(Protocol):
+    """The work behind a ``TreeManager``. ``call`` is a ``calls.Call``; a recording is the
+    backend's own ``Replayable``, which the tree stores, replays and hands back."""
+
+    def warmup(self, fn, call, args, kwargs) -> Warm:
+        """Run the function eagerly; report what a recording must know (or why to skip it)."""
+
+    def warm_restores(self, fn, call) -> bool:
+        """Whether ``fn``'s warm-up will run inside the pool and may reuse what restoring the
+        pool to its parent's checkpoint frees (no eager input lies in the pool)."""
+
+    def record(self, fn, call, warm: Warm) -> Replayable:
+        """Capture the function for ``call``; ``SkipCall`` when it cannot be (``dirty`` when the
+        capture's blocks stayed in the pool)."""
+
+    def first_replay(self, rec, call) -> tuple[Any, Any]:
+        """The recording's first call (``Replayable.replay``'s result); the backend may decide
+        here how later replays take their inputs."""
+
+    def input_notes(self, rec) -> dict:
+        """Per eager input copied or read in place: None (in place) or why it is copied."""
+
+    def num_nodes(self, rec) -> int:
+        """Graph nodes of ``rec`` (reports)."""
+
+    def discard(self, rec) -> None:
+        """Release a recording."""
+
+    def snapshot(self) -> Any:
+        """A checkpoint of the pool's bookkeeping."""
+
+    def restore(self, snap, on_path: list, off_path: list) -> None:
+        """Make the pool's bookkeeping ``snap``; the recordings ``on_path`` stay in use."""
+
+    def renew(self) -> Any:
+        """Start over on a fresh pool; returns its root checkpoint."""
+
+    def end_generation(self, handed: list, cloning: str | None) -> None:
+        """Invalidate (or clone out) the outputs handed out that are still alive, ``[(function
+        name, output)]``; those the backend cannot invalidate (CuPy arrays) it passes over."""
+
+    def with_backward(self, ticket, out, call) -> Any:
+        """Outputs of a call made with grad enabled (``call`` is None when the call ran eagerly
+        before it was classified): give those that require grad a backward that reports to
+        ``ticket`` (``cgraw.trees.autograd``), or call ``ticket.never_needed()`` when none does."""
+
+    def orphan(self, tickets: list) -> None:
+        """The generation of these forwards ends while their graph is alive and their backward has
+        not run: keep what an eager recompute needs (inputs in the tree's memory, when
+        ``pool_inputs``), or set ``ticket.lost``. Called before ``end_generation`` poisons anything."""
+
+    def close(self) -> None:
+        """Drop the pool."""
+
+
+class RecordingLock:
+    """One thread at a time grows any graph tree of the process: warm-ups, recordings (with their
+    first replay and checkpoint), re-recordings and dropping recordings. Replays take no lock.
+
+    Why process-wide, when each thread has its own tree: a recording's first replay synchronises
+    the device (``rebind.proof.prove``) and a warm-up runs the user's eager code, either of which
+    invalidates a capture running on another thread; torch's cuBLAS workspaces are cleared for
+    every thread before each recording (torch's own trees serialise the same paths).
+
+    Re-entrant. A *guest* shares the holder's turn: autograd's device thread runs the backward of
+    a tree whose owning thread waits in ``backward()``, perhaps while it holds the lock (a warm-up
+    that runs a backward pass); ``acquire(host=owner)`` then lets it in.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self.holder: int | None = None  # thread ident; guarded by _cond
+        self._depth = 0  # acquisitions not yet released, guests' included; guarded by _cond
+        self._guests: dict[int, int] = {}  # thread ident -> its acquisitions as a guest; guarded by _cond
+
+    def acquire(self, *, host: int | None = None, blocking: bool = True) -> bool:
+        """Take the lock (or enter as ``host``'s guest while ``host`` holds it). With ``blocking``
+        False, return False instead of waiting for another thread."""
+        me = threading.get_ident()
+        with self._cond:
+            while True:
+                holder = self.holder
+                if holder is None or holder == me:
+                    self.holder = me
+                    self._depth += 1
+                    return True
+                if me in self._guests or (host is not None and holder == host):
+                    self._guests[me] = self._guests.get(me, 0) + 1
+                    self._depth += 1
+                    return True
+                if not blocking:
+                    return False
+                self._cond.wait()
+
+    def release(self) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            n = self._guests.get(me)
+            if n is not None:
+                if n == 1:
+                    del self._guests[me]
+                else:
+                    self._guests[me] = n - 1
+            elif self.holder != me:
+                raise RuntimeError("cgraw: the recording lock is released by a thread that does not hold it")
+            self._depth -= 1
+            if self._depth == 0:
+                self.holder = None
+                self._cond.notify_all()
+
+    def __enter__(self) -> "RecordingLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def arg_ids(args) -> set:
+    """ids of the arguments and of everything inside their tuples, lists and dicts."""
+    ids: set = set()
+    todo = list(args)
+    while todo:
+        x = todo.pop()
+        ids.add(id(x))
+        t = type(x)
+        if t is tuple or t is list:
+            todo.extend(x)
+        elif t is dict:
+            todo.extend(x.values())
+    return ids

@@ -1,0 +1,263 @@
+"""What a graph-tree recording holds, as named, slotted data for the replay hot path.
+
+Layer L6: no framework imports (arrays through their ``arrays.Ops``); CUDA only as ``Graph.replay``
+does it (one raw launch on the caller's current stream, inlined here: the hot path, after the
+generators' step of a recording that draws random numbers) and through the memcpy-node setter
+``Graph`` hands out.
+
+- ``InputCopy``: a memcpy node that moves an eager input into its placeholder before the
+  graph's work, or a mutated one back after it. Its caller-side pointer (and, for a padded input,
+  its byte count) is re-pointed before a launch only when it changed: one ``patch`` for plain
+  and padded replays.
+- ``InputRebind``: an eager input read in place (``cgraw.rebind.proof``): the kernel-argument words and memcpy
+  addresses that pointed into its placeholder, rewritten to the caller's address before a launch
+  only when it changed (``rebind.proof`` proves it at record time).
+- ``InputAlias``: an output that is an input or a view of one, rebuilt from the caller's input
+  on every call (as eager returns it).
+- ``Recording``: the graph, its copies, its outputs (owned by the tree's pool: aliased per call
+  and poisoned when the generation ends; or returned as they are) and what keeps them alive.
+"""
+
+from __future__ import annotations
+
+from cgraw import _cuda
+from cgraw.runtime import stream as _streams
+from cgraw.trees.arrays import SINGLE, TORCH, unflatten
+from cgraw.trees.nodes import ModeRewarm, Rewarm
+
+OWNED, EXTERNAL = "owned", "external"  # output kinds; an input alias is an InputAlias
+_launch = _cuda.graph_launch_raw
+
+
+class InputCopy:
+    """One input-copy node. ``fixed`` is the placeholder's address (the node's destination for a
+    copy in, its source for a copy back); ``ptr`` and ``count`` are what the node holds now."""
+
+    __slots__ = ("leaf", "node", "fixed", "ptr", "count", "row_bytes", "back")
+
+    def __init__(self, leaf: int, node, fixed: int, ptr: int, count: int, row_bytes: int, back: bool):
+        self.leaf = leaf  # index of the eager input among the call's leaves
+        self.node = node  # the memcpy node (runtime handle, Graph.memcpy_nodes)
+        self.fixed = fixed
+        self.ptr = ptr  # the caller-side address the node holds
+        self.count = count  # bytes the node copies
+        self.row_bytes = row_bytes  # padded input: bytes per row (count = rows x this), else 0
+        self.back = back  # copies the placeholder back into the caller's array (a mutated input)
+
+    def patch(self, setter, ptr: int, count: int) -> None:
+        """Re-point the node at the caller's ``ptr`` and copy ``count`` bytes from now on."""
+        if self.back:
+            setter(self.node, ptr, self.fixed, count)
+        else:
+            setter(self.node, self.fixed, ptr, count)
+        self.ptr, self.count = ptr, count
+
+
+class InputRebind:
+    """One eager input whose kernels read (and write) the caller's memory in place. ``words``:
+    ``(c_uint64 view into a KernelArgs buffer, delta)``; ``kernels``: the ``KernelArgs`` to hand
+    to the executable after the words change; ``memcpys``: ``(node, dst delta or None, src delta
+    or None, dst, src, bytes)`` of memcpy nodes that read or write it."""
+
+    __slots__ = ("leaf", "ptr", "base", "words", "kernels", "memcpys", "back")
+
+    def __init__(self, leaf: int, base: int, words: list, kernels: list, memcpys: list, back: bool = False):
+        self.leaf = leaf
+        self.base = base  # the placeholder's address at record time (what the words held)
+        self.ptr = base  # the address the words hold now
+        self.words, self.kernels, self.memcpys = words, kernels, memcpys
+        self.back = back  # the function writes the input (staged copies are copied back)
+
+    def patch(self, setter, ptr: int) -> None:
+        """Point every word and memcpy address of this input at ``ptr``."""
+        for w, d in self.words:
+            w.value = ptr + d
+        for k in self.kernels:
+            k()
+        for node, dd, sd, dst, src, n in self.memcpys:
+            setter(node, dst if dd is None else ptr + dd, src if sd is None else ptr + sd, n)
+        self.ptr = ptr
+
+
+class InputAlias:
+    """An output that is input ``j`` or a view of it: rebuilt from the caller's input each call."""
+
+    __slots__ = ("j", "same", "torch", "shape", "stride", "delta")
+
+    def __init__(self, j: int, out, base, ops):
+        self.j = j
+        self.same = out is base
+        self.torch = ops is TORCH
+        if self.torch:
+            self.shape, self.stride = tuple(out.shape), tuple(out.stride())
+            self.delta = out.storage_offset() - base.storage_offset()
+        else:
+            self.shape, self.stride = out.shape, out.strides
+            self.delta = ops.ptr(out) - ops.ptr(base)
+
+    def rebuild(self, leaf):
+        if self.same:
+            return leaf
+        if self.torch:
+            return leaf.as_strided(self.shape, self.stride, leaf.storage_offset() + self.delta)
+        return type(leaf)(self.shape, leaf.dtype, leaf.data + self.delta, self.stride)
+
+
+class Recording:
+    """A recorded tree node, everything its replays need, precomputed at record time."""
+
+    __slots__ = (
+        "name",  # the graphed function's name
+        "graph",  # cgraw.Graph
+        "exec_",  # its executable (the raw launch of the hot path)
+        "ordinal",  # its device
+        "setter",  # the executable's memcpy-node setter (Graph.exec_memcpy_setter)
+        "copies",  # [InputCopy]: copies in, then copies back
+        "rebinds",  # [InputRebind]: inputs read in place (no copy)
+        "input_notes",  # {leaf: None (read in place) or why it is copied} for report()
+        "proof",  # rebind.proof.Pending until the first replay proves (or refutes) rebinding, else None
+        "in_pool",  # ptr -> bool: memory of the tree's pool (a rebound input there is staged)
+        "stage",  # stage(rec, call, rebind) -> address of a staged copy of the input (see replay)
+        "staged",  # [(rebind, staged copy)] of the last launch, alive until the next one
+        "slow_in",  # [(leaf index, placeholder)]: non-contiguous eager inputs, copied eagerly
+        "copy_slow",  # copy_slow(rec, call, rows or None): copies them on the replay's stream
+        "out_leaves",  # the recording's output arrays, flattened
+        "out_kinds",  # per output leaf: OWNED, EXTERNAL or an InputAlias
+        "out_alias",  # per output leaf: the bound alias maker of an OWNED one (t.detach, a.view), else None
+        "out_spec",  # arrays.out_spec of the output structure
+        "owned_idx",  # indices of the OWNED outputs
+        "out_ptrs",  # data pointers of the OWNED outputs (tree-output inputs of later calls)
+        "users",  # [(users, baseline)] of the OWNED outputs' memory (frameworks.Ops.users): in use while above
+        "alias0",  # one owned output, unpadded: its bound alias maker (the fastest replay)
+        "bucket",  # padding bucket, or None
+        "padded",  # leaf indices of the padded inputs
+        "out_rows",  # output indices cut back to the call's rows (padded replays)
+        "keep",  # (placeholders, outputs): alive as long as the recording
+        "spans",  # torch storages in torch's MemPool this recording holds (checkpoint restores)
+        "external",  # tensors read through the closure (kept alive, checked per call)
+        "ext_ptrs",  # their addresses at record time
+        "same_external",  # ptrs -> bool: whether they are still there (interop.torch.observe)
+        "epoch",  # module-assignment count at record time, or -1
+        "epoch_now",  # [the module-assignment count now] (interop.torch.observe.epoch_now)
+        "mode_epoch",  # training/evaluation switch count at the warm-up, or -1
+        "mode_now",  # [that count now] (interop.torch.observe.mode_epoch_now)
+        "capture_ms",
+        "instantiate_ms",
+        "grad",  # interop.torch.autograd.GradInfo of a recording made with grad enabled, or None
+        "rng_sync",  # the graph's random-number step before each launch (rng.GraphRng.sync), or None
+    )
+
+    def __init__(self, name: str):
+        self.name = name
+        self.graph = self.setter = self.copy_slow = self.exec_ = None
+        self.ordinal = 0
+        self.copies, self.slow_in = [], []
+        self.rebinds, self.input_notes, self.proof = [], {}, None
+        self.in_pool = self.stage = None
+        self.staged = []
+        self.out_leaves, self.out_kinds, self.out_alias = [], [], []
+        self.owned_idx, self.out_ptrs, self.users = [], [], []
+        self.out_spec = self.alias0 = self.bucket = None
+        self.padded = frozenset()
+        self.out_rows = []
+        self.keep = None
+        self.spans = []
+        self.external, self.ext_ptrs, self.same_external, self.epoch, self.epoch_now = (), [], None, -1, [-1]
+        self.mode_epoch, self.mode_now = 0, [0]
+        self.capture_ms = self.instantiate_ms = 0.0
+        self.grad = None
+        self.rng_sync = None
+
+    # ------------------------------------------------------------------ the hot path
+
+    def stale(self):
+        """Why what the warm-up learned about the function's closure may be out of date (a
+        ``Rewarm`` reason: the node warms up again), or None."""
+        if self.epoch != self.epoch_now[0]:
+            return Rewarm("a module's parameter, buffer or submodule was reassigned since the recording "
+                          "(the tensors it reads through its closure may have changed)")
+        if self.mode_epoch != self.mode_now[0]:
+            return ModeRewarm("a module switched between training and evaluation (model.train(), model.eval()) "
+                              "since the recording")
+        same = self.same_external
+        if same is not None and not same(self.ext_ptrs):
+            return Rewarm("a tensor the function reads through its closure moved (model.half(), .to(), "
+                          "param.data = ...)")
+        why = None if self.grad is None else self.grad.stale()
+        return None if why is None else Rewarm(why)
+
+    def replay(self, call):
+        """Launch for ``call`` (a ``calls.Call``): ``(outputs, the owned ones)``: the tree watches
+        whether those are alive and invalidates them when the generation ends."""
+        if self.bucket is not None:
+            return self._replay_padded(call)
+        ptrs = call.ptrs
+        for c in self.copies:
+            p = ptrs[c.leaf]
+            if p != c.ptr:
+                c.patch(self.setter, p, c.count)
+        if self.staged:
+            self.staged = []
+        for r in self.rebinds:
+            p = ptrs[r.leaf]
+            if p != r.ptr:
+                # kernels chosen for the recording's alignment (vector loads, cuBLAS) must not get a
+                # less aligned address, and one in the tree's pool may be memory this graph writes:
+                # such an input is read from a fresh copy instead
+                if (p - r.base) & 255 or self.in_pool(p):
+                    p = self.stage(self, call, r)
+                if p != r.ptr:
+                    r.patch(self.setter, p)
+        if self.slow_in:
+            self.copy_slow(self, call, None)
+        ptr = _streams.current_getter(self.ordinal)  # Graph.replay(), inlined
+        sync = self.rng_sync
+        if sync is not None:
+            sync(ptr)
+        err = _launch(self.exec_, ptr)[0]
+        if err:
+            self.graph.launch_failed(err, ptr)  # raises (or recovers on another current device)
+        if self.staged:
+            self.stage(self, call, None)  # copies written inputs back from their staged copies
+        alias0 = self.alias0
+        if alias0 is not None:
+            o = alias0()
+            return o, (o,)
+        outs = self._outputs(call)
+        return unflatten(self.out_spec, iter(outs)), [outs[i] for i in self.owned_idx]
+
+    def _replay_padded(self, call):
+        """``replay`` of a padding-bucket recording: the padded inputs' copy nodes also get this
+        call's byte count, the outputs are cut back to its rows."""
+        n, ptrs = call.rows, call.ptrs
+        for c in self.copies:
+            p, count = ptrs[c.leaf], (c.row_bytes * n if c.row_bytes else c.count)
+            if p != c.ptr or count != c.count:
+                c.patch(self.setter, p, count)
+        if self.slow_in:
+            self.copy_slow(self, call, n)
+        ptr = _streams.current_getter(self.ordinal)
+        sync = self.rng_sync
+        if sync is not None:
+            sync(ptr)
+        err = _launch(self.exec_, ptr)[0]
+        if err:
+            self.graph.launch_failed(err, ptr)
+        outs = self._outputs(call)
+        for i in self.out_rows:
+            outs[i] = outs[i][:n]
+        owned = [outs[i] for i in self.owned_idx]
+        if self.out_spec is SINGLE:
+            return outs[0], owned
+        return unflatten(self.out_spec, iter(outs)), owned
+
+    def _outputs(self, call) -> list:
+        outs = []
+        for t, k, alias in zip(self.out_leaves, self.out_kinds, self.out_alias):
+            if alias is not None:
+                outs.append(alias())
+            elif k is EXTERNAL:
+                outs.append(t)
+            else:
+                outs.append(k.rebuild(call.leaves[k.j]))
+        return outs
