@@ -35,7 +35,7 @@ from cgraw.trees.callables import make_graphed_callables
 from cgraw.runtime.memory import DevicePool
 from cgraw.runtime.stream import Event, Stream
 from cgraw.dlpack.tensor import Tensor, from_dlpack
-from cgraw.trees.manager import config
+from cgraw.trees.config import config
 
 __version__ = "0.1.0"
 

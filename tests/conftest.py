@@ -81,7 +81,7 @@ def saved_config():
     """``cgraw.config`` (graphed functions' settings) put back as it was after the test."""
     import dataclasses
 
-    from cgraw.trees.nodes import config
+    from cgraw.trees.config import config
 
     saved = dataclasses.asdict(config)
     yield config

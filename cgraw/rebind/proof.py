@@ -230,19 +230,19 @@ def prove(backend, rec, call):
         ranges = _mem.merge(ranges + more)
     except CudaError as exc:
         _note(notes, pend.rebinds, f"cgraw could not read what its graph points at ({exc.call}: {exc.name})")
-        return rec.replay(call)
+        return rec.replay(call, first=True)
     for leaf in hit:
         notes[leaf] = POINTER_TABLE
     rebinds = [r for r in pend.rebinds if notes[r.leaf] is None]
     if not rebinds:
-        return rec.replay(call)
+        return rec.replay(call, first=True)
     total = sum((n + WORD - 1) // WORD * WORD for _, n in ranges)
     size = max(total, WORD)
     free, _ = _cuda.mem_get_info()
     if total > min(SNAPSHOT_LIMIT, free // 4):
         _note(notes, rebinds, f"the memory its graph reaches ({total / (1 << 20):.0f} MiB) is more than cgraw "
                               "saves to prove that reading inputs in place is safe")
-        return rec.replay(call)
+        return rec.replay(call, first=True)
     bufs: list[int] = []
     held = False
     try:
@@ -254,13 +254,13 @@ def prove(backend, rec, call):
             _pack(ranges, saved, stream, out=True)
         except CudaError as exc:
             _note(notes, rebinds, f"cgraw could not save what its graph reaches ({exc.call}: {exc.name})")
-            return rec.replay(call)
+            return rec.replay(call, first=True)
         gens = None if rec.rng_sync is None else rec.graph.rng  # its generators (rng.GraphRng)
         if gens is not None:  # other threads' replays wait: the generators go back between the replays
             STEP.acquire()
             held = True
             generators = gens.save()
-        rec.replay(call)  # A: as recorded, with the copies
+        rec.replay(call, first=True)  # A: as recorded, with the copies
         _pack(ranges, after_a, stream, out=True)
         _pack(ranges, saved, stream, out=False)
         if gens is not None:
@@ -270,7 +270,7 @@ def prove(backend, rec, call):
             for r in rebinds:
                 base, n = phs[r.leaf]
                 _k.memset_d8_async(base, _poison(pend.placeholders[r.leaf][0]), n, stream)
-            result = rec.replay(call)  # B: reading the caller's inputs in place
+            result = rec.replay(call, first=True)  # B: reading the caller's inputs in place
             _pack(ranges, after_b, stream, out=True)
             why = None if _equal(rec.ordinal, after_a, after_b, total, flag, stream) else DIFFER
         except CudaError as exc:
@@ -285,7 +285,7 @@ def prove(backend, rec, call):
             gens.restore(generators)
         _switch(rec, pend, rebinds, on=False)
         _note(notes, rebinds, why)
-        return rec.replay(call)  # as recorded: the call's one effective run
+        return rec.replay(call, first=True)  # as recorded: the call's one effective run
     except BaseException:
         if rec.rebinds:
             try:

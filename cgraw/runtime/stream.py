@@ -257,8 +257,7 @@ def refresh():
         def cur(ordinal: int) -> int:
             return tget(ordinal) or cget()
     elif tget is not None:
-        def cur(ordinal: int) -> int:
-            return tget(ordinal)
+        cur = tget  # torch's own C function: no Python frame on a replay
     elif cget is not None:
         def cur(ordinal: int) -> int:
             return cget()

@@ -11,7 +11,7 @@ import sys
 
 from cgraw.errors import CgrawError
 from cgraw.trees.graphed import GraphedFunction, mark_step_begin
-from cgraw.trees.manager import config
+from cgraw.trees.config import config
 
 _TREE_STEPS = 3  # warm-up, record (forwards; backwards warm up), replay (backwards record)
 

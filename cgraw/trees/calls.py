@@ -253,8 +253,8 @@ def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
         raise SkipCall(f"a tensor input has no data pointer ({exc})") from None
     probe = _grad_mode[0]
     grad = probe is not None and probe()
-    if grad:
-        parts.append(_grad_entry(args, kinds))
+    if grad:  # one tensor that does not require grad: the shared entry, without the general scan
+        parts.append(_NO_LEAF_GRAD if n == 1 and not args[0].requires_grad else _grad_entry(args, kinds))
     ks = _kernel[0]
     if ks is not None:
         parts.append(ks.state(getattr(fn, "kernel_getters", None) or _kernel[1]))

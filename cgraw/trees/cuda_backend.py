@@ -37,7 +37,8 @@ from cgraw.interop.torch.kernel_state import kernel_state
 from cgraw.interop.torch.checkpoints import TorchTreeState
 from cgraw.runtime.memory import DevicePool
 from cgraw.trees.recording import EXTERNAL, OWNED, InputAlias, InputCopy, Recording
-from cgraw.trees.nodes import Warm, config, grad_probe
+from cgraw.trees.nodes import Warm
+from cgraw.trees.config import config, grad_probe
 
 log = logging.getLogger("cgraw")
 
@@ -257,7 +258,7 @@ class CudaBackend(TorchAutograd):
         rec.users = [(u, u()) for u in (ops_of(t).users(t) for t in (rec.out_leaves[i] for i in rec.owned_idx))
                      if u is not None]
         if rec.proof is None:
-            return rec.replay(call)
+            return rec.replay(call, first=True)
         return rebind_proof.prove(self, rec, call)
 
     def drop_placeholders(self, rec: Recording, placeholders: list) -> None:

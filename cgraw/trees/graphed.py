@@ -27,7 +27,8 @@ from cgraw.trees.calls import mark_static
 from cgraw.runtime.capture import capturing
 from cgraw.runtime.device import Device
 from cgraw.errors import ResourceLeakWarning, UnsafeCallError
-from cgraw.trees.manager import TreeManager, config
+from cgraw.trees.manager import TreeManager
+from cgraw.trees.config import config
 from cgraw.trees.cuda_backend import CudaBackend
 from cgraw.trees.nodes import next_fn_id
 

@@ -59,7 +59,8 @@ from cgraw.trees.calls import TREE, InputPlan, declared_mutations, grad_enabled,
 from cgraw.errors import CgrawError, SkipCall, TreeError
 from cgraw.trees.outputs import PathOutputs, memory_in_use
 from cgraw.trees.pool import UNKNOWN, TreePool
-from cgraw.trees.nodes import Backend, Config, FunctionStats, NodeState, Replayable, Rewarm, TreeNode, Warm, config
+from cgraw.trees.nodes import Backend, FunctionStats, NodeState, Replayable, Rewarm, TreeNode, Warm
+from cgraw.trees.config import config
 
 log = logging.getLogger("cgraw")
 _ref = weakref.ref
@@ -171,10 +172,19 @@ class TreeManager(TreeAutograd, TreePool):
         siblings = self.roots if parent is None else parent.children
         node = siblings.get((fn.fn_id, call.key))
         if node is not None and node.state is NodeState.RECORDED:  # the hot path: replay
-            rec = node.recording
-            reason = moved(node.plan, call) or rec.stale()
-            if reason is None:
-                out, owned = rec.replay(call)
+            rec, plan = node.recording, node.plan
+            reason = None
+            if call.kinds != plan.kinds:
+                reason = moved(plan, call)
+            else:
+                ptrs = call.ptrs
+                for j, p in plan.fixed:  # the inputs read in place are where the recording read them
+                    if ptrs[j] != p:
+                        reason = moved(plan, call)
+                        break
+            res = rec.replay(call) if reason is None else None
+            if type(res) is tuple:
+                out, owned = res
                 node.stats.replays += 1
                 self.current = node
                 for ptr in rec.out_ptrs:
@@ -185,6 +195,8 @@ class TreeManager(TreeAutograd, TreePool):
                         handed.append((name, _ref(t)))
                 # a recording without a backward hands out outputs that need no ticket
                 return self._with_backward(fn, node, out, call) if call.grad and rec.grad is not None else out
+            if res is not None:  # what the warm-up learned is out of date: nothing was launched
+                reason = res
         elif node is not None and node.state is NodeState.SKIPPED:  # eager, without the lock
             out = self._eager_node(node, call, args, kwargs)
             return self._with_backward(fn, node, out, call) if call.grad else out
@@ -424,5 +436,5 @@ class TreeManager(TreeAutograd, TreePool):
         return tree_nodes.describe_nodes(head, self.roots.values(), self.backend.num_nodes)
 
 
-__all__ = ["SERIAL", "Backend", "Config", "FunctionStats", "NodeState", "Replayable", "Rewarm", "SkipCall", "TreeError",
-           "TreeManager", "TreeNode", "Warm", "config"]
+__all__ = ["SERIAL", "Backend", "FunctionStats", "NodeState", "Replayable", "Rewarm", "SkipCall", "TreeError",
+           "TreeManager", "TreeNode", "Warm"]

@@ -1,5 +1,6 @@
-"""The data of graph trees: node states, settings, per-function statistics, tree nodes, and the
-``Backend`` protocol a ``tree.TreeManager`` drives (with what a warm-up reports, ``Warm``).
+"""The data of graph trees: node states, per-function statistics, tree nodes, and the ``Backend``
+protocol a ``manager.TreeManager`` drives (with what a warm-up reports, ``Warm``). The settings are
+``config``.
 
 Layer L6: pure Python, no CUDA and no frameworks.
 """
@@ -13,7 +14,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from cgraw.trees import calls
 from cgraw.trees.calls import InputPlan
 
 
@@ -23,60 +23,12 @@ class NodeState(enum.Enum):
     SKIPPED = "skipped"
 
 
-@dataclass
-class Config:
-    """Process-wide settings of graphed functions (``cgraw.config``)."""
-
-    dynamic_shape_warn_limit: int = 8
-    skip_dynamic_graphs: bool = False
-    generation_cloning: str | None = None  # None or "user_visible"
-    warm_cublas: bool = True
-    rewarm_limit: int = 8  # a node warmed up again this often (its closure tensors keep moving) runs eagerly
-    # a function already this often on the path under way becomes a root (each call begins a
-    # generation) instead of deepening the path by one node per call; 0 turns the bound off
-    path_repeat_limit: int = 64
-    # eager inputs read in place (their kernels' arguments rewritten) where a proof replay shows
-    # it safe, instead of copied into a placeholder on every call (cgraw.rebind.proof)
-    rebind_inputs: bool = True
-    # autograd through graphed functions (cgraw.trees.autograd): outputs require grad and
-    # backward() replays a recorded backward; False: outputs are detached from the second call on
-    autograd: bool = True
-    # a warm-up autograd records nothing in runs inside the tree's pool on its capture stream, as
-    # torch's trees do (cgraw.trees.warmup): what it frees is what the recordings reuse, not
-    # torch's global cache; its outputs there follow the generation rule
-    warmup_in_pool: bool = True
-    # torch's cached free memory is released before each recording, as torch.cuda.graph (and so
-    # torch's trees) do before every capture: warm-up memory and dropped cuBLAS workspaces are not
-    # kept cached beside the tree's pool; False keeps torch's cache warm for eager code
-    empty_cache_on_record: bool = True
-
-    def __setattr__(self, name, value):
-        if name not in self.__dataclass_fields__:
-            raise AttributeError(f"cgraw.config has no setting {name!r}")
-        if name == "generation_cloning" and value not in (None, "user_visible"):
-            raise ValueError(f"generation_cloning={value!r} must be None or 'user_visible'")
-        changed = name == "autograd" and bool(value) != bool(getattr(self, name, False))
-        object.__setattr__(self, name, value)
-        if changed:
-            calls.use_grad_mode(_grad_probe[0] if value else None)
-
-
-_grad_probe: list = [None]  # [the framework's grad-mode probe] (torch.is_grad_enabled), once known
-config = Config()
 _fn_ids = itertools.count()
 
 
 def next_fn_id() -> int:
     """A new graphed function's id (``GraphedFunction``, a forward node's backward)."""
     return next(_fn_ids)
-
-
-def grad_probe(probe) -> None:
-    """Set the framework's grad-mode probe; grad mode joins the recording key while
-    ``config.autograd`` is True (``calls.use_grad_mode``)."""
-    _grad_probe[0] = probe
-    if config.autograd:
-        calls.use_grad_mode(probe)
 
 
 @dataclass
@@ -246,12 +198,11 @@ class Replayable(Protocol):
     instantiate_ms: float
     grad: Any  # what a backward through its replays needs; None: its outputs need no backward ticket
 
-    def replay(self, call) -> tuple[Any, Any]:
+    def replay(self, call, first: bool = False) -> "tuple[Any, Any] | Rewarm":
         """Launch for ``call``: the outputs, and those in the tree's memory (watched while alive,
-        invalidated when the generation ends)."""
-
-    def stale(self) -> "Rewarm | None":
-        """Why the warm-up's knowledge is out of date (the node warms up again), or None."""
+        invalidated when the generation ends). Or, launching nothing, why what the warm-up learned
+        is out of date (the node warms up again); ``first``: the recording's first call, which the
+        backend's ``first_replay`` makes right after recording, is not checked."""
 
 
 class Backend(Protocol):

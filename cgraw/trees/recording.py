@@ -186,9 +186,15 @@ class Recording:
         why = None if self.grad is None else self.grad.stale()
         return None if why is None else Rewarm(why)
 
-    def replay(self, call):
+    def replay(self, call, first: bool = False):
         """Launch for ``call`` (a ``calls.Call``): ``(outputs, the owned ones)``: the tree watches
-        whether those are alive and invalidates them when the generation ends."""
+        whether those are alive and invalidates them when the generation ends. When what the
+        warm-up learned is out of date, nothing is launched and the ``Rewarm`` reason is returned
+        (``stale``); ``first``: the recording's first call, made just after it, is not checked."""
+        if not first:
+            why = self.stale()
+            if why is not None:
+                return why
         if self.bucket is not None:
             return self._replay_padded(call)
         ptrs = call.ptrs

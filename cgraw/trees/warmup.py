@@ -33,7 +33,8 @@ from cgraw.errors import SkipCall
 from cgraw.interop.torch import observe as _observe, autograd as torch_autograd, private_api
 from cgraw.interop.torch.kernel_state import groups_of
 from cgraw.runtime.stream import Stream
-from cgraw.trees.nodes import Warm, config
+from cgraw.trees.nodes import Warm
+from cgraw.trees.config import config
 
 log = logging.getLogger("cgraw")
 _NULL = contextlib.nullcontext()

@@ -13,7 +13,7 @@ import pytest
 from gpu_data import trand
 
 import cgraw
-from cgraw.trees.nodes import config
+from cgraw.trees.config import config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_trees")]
 torch = pytest.importorskip("torch")

@@ -188,8 +188,9 @@ class FakeRecording:
         return f"<FakeRecording #{self.id} {self.name}{' discarded' if self.discarded else ''}>"
 
     # the tree's hot path calls a recording directly (trees.nodes.Replayable): here, its backend
-    def replay(self, call):
-        return self.backend.replay(self, call)
+    def replay(self, call, first=False):
+        why = None if first else self.stale()
+        return self.backend.replay(self, call) if why is None else why
 
     def stale(self):
         return self.backend.stale(self)
@@ -398,7 +399,7 @@ class FakeTreeBackend:
         return rec.fn.fn(*new_args, **new_kwargs)
 
     def first_replay(self, rec: FakeRecording, call):
-        return rec.replay(call)
+        return rec.replay(call, first=True)
 
     def input_notes(self, rec: FakeRecording) -> dict:
         return {}

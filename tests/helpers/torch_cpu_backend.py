@@ -57,8 +57,9 @@ class CpuRecording:
         self.discarded = False
         self.replays = 0
 
-    def replay(self, call):
-        return self.backend.replay(self, call)
+    def replay(self, call, first=False):
+        why = None if first else self.stale()
+        return self.backend.replay(self, call) if why is None else why
 
     def stale(self):
         why = None if self.grad is None else self.grad.stale()

@@ -23,7 +23,8 @@ from cgraw.trees import calls
 from cgraw.trees.autograd import AutogradBook, BackwardPlan, plan_backward
 from cgraw.trees.calls import GRAD as GRAD_MARK
 from cgraw.errors import CgrawError
-from cgraw.trees.manager import NodeState, TreeManager, config
+from cgraw.trees.manager import NodeState, TreeManager
+from cgraw.trees.config import config
 
 # ---------------------------------------------------------------------- fixtures and helpers
 
@@ -563,12 +564,12 @@ def test_plan_of_each_case():
 
 def test_config_autograd_installs_the_grad_probe_only_while_on():
     """``cgraw.config.autograd`` (True by default) decides whether grad mode joins the key."""
-    from cgraw.trees import nodes as tree_nodes
+    from cgraw.trees import config as tree_config
 
     assert config.autograd is True
     calls.use_grad_mode(None)
     config.autograd = False
-    tree_nodes.grad_probe(GRAD.probe)
+    tree_config.grad_probe(GRAD.probe)
     try:
         assert calls._grad_mode[0] is None
         config.autograd = True
@@ -577,4 +578,4 @@ def test_config_autograd_installs_the_grad_probe_only_while_on():
         assert calls._grad_mode[0] is None
     finally:
         config.autograd = True
-        tree_nodes.grad_probe(None)
+        tree_config.grad_probe(None)

@@ -468,7 +468,8 @@ def test_no_stray_warnings_from_this_module():
 
 
 def test_a_node_whose_closure_keeps_moving_runs_eagerly_after_the_limit():
-    from cgraw.trees.manager import NodeState, config
+    from cgraw.trees.manager import NodeState
+    from cgraw.trees.config import config
 
     be = FakeTreeBackend()
     mgr = TreeManager(be)

@@ -333,6 +333,32 @@ def test_a_recording_is_stale_after_a_module_assignment_or_a_moved_closure_tenso
     assert isinstance(rec.stale(), Rewarm)
 
 
+def test_a_stale_recording_launches_nothing_and_returns_why(monkeypatch):
+    """``Recording.replay`` checks what the warm-up learned first: out of date, it launches nothing
+    and returns the ``Rewarm`` reason (the tree warms the node up again); the first replay, made
+    right after recording, is not checked."""
+    from cgraw.trees.arrays import SINGLE
+    from cgraw.trees.nodes import Rewarm
+    from cgraw.trees.recording import OWNED, Recording
+
+    launches = _fake_launch(monkeypatch)
+    rec = Recording("f")
+    rec.exec_, rec.ordinal = "exec", 0
+    out_arr = SliceableArray(0xC00, (4,))
+    rec.out_leaves, rec.out_kinds, rec.owned_idx = [out_arr], [OWNED], [0]
+    rec.out_alias, rec.out_spec, rec.alias0 = [out_arr.view], SINGLE, out_arr.view
+    epoch = [3]
+    rec.epoch, rec.epoch_now = 3, epoch
+    call = types.SimpleNamespace(rows=None, ptrs=[], leaves=[])
+    out, owned = rec.replay(call)
+    assert len(launches) == 1 and owned == (out,)
+    epoch[0] = 4  # a module assignment since the recording
+    why = rec.replay(call)
+    assert isinstance(why, Rewarm) and "reassigned" in why and len(launches) == 1
+    out, _ = rec.replay(call, first=True)
+    assert len(launches) == 2 and out.data.ptr == 0xC00
+
+
 def test_a_tree_capture_takes_a_thread_or_stream_route_only():
     from cgraw.runtime.capture import capture
 

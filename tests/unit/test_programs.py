@@ -23,7 +23,8 @@ import pytest
 from fake_tree_backend import EAGER_BASE, FakeFn, FakeT, FakeTreeBackend, assign, new
 
 from allocator import check_invariants
-from cgraw.trees.manager import NodeState, TreeManager, config
+from cgraw.trees.manager import NodeState, TreeManager
+from cgraw.trees.config import config
 
 SEEDS = range(40)
 GPU_SEEDS = range(4)  # the seeds tests/gpu/test_random_walk.py walks

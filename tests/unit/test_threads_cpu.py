@@ -437,7 +437,8 @@ def torch_trees(monkeypatch):
     torch = pytest.importorskip("torch")
     from torch_cpu_backend import CpuTorchBackend, cpu_as_device0
 
-    from cgraw.trees import nodes as tree_nodes
+
+    from cgraw.trees import config as tree_config
 
     made = []
 
@@ -450,14 +451,14 @@ def torch_trees(monkeypatch):
 
     monkeypatch.setattr(graphed_mod, "_new_tree", factory)
     with cpu_as_device0(monkeypatch):
-        tree_nodes.grad_probe(torch.is_grad_enabled)
+        tree_config.grad_probe(torch.is_grad_enabled)
         cgraw.config.autograd = True
         cgraw.reset()
         try:
             yield torch, made
         finally:
             cgraw.reset()
-            tree_nodes.grad_probe(None)
+            tree_config.grad_probe(None)
 
 
 def _mlp(torch, seed):

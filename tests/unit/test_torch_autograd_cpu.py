@@ -20,9 +20,10 @@ torch = pytest.importorskip("torch")
 from torch_cpu_backend import CpuTorchBackend, TorchFn, cpu_as_device0  # noqa: E402
 
 from cgraw.trees import calls
-from cgraw.trees import nodes as tree_nodes  # noqa: E402
+from cgraw.trees import config as tree_config
 from cgraw.errors import CgrawError  # noqa: E402
-from cgraw.trees.manager import NodeState, TreeManager, config  # noqa: E402
+from cgraw.trees.manager import NodeState, TreeManager
+from cgraw.trees.config import config  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -30,11 +31,11 @@ pytestmark = pytest.mark.torch
 @pytest.fixture(autouse=True)
 def _autograd(monkeypatch):
     with cpu_as_device0(monkeypatch):
-        tree_nodes.grad_probe(torch.is_grad_enabled)
+        tree_config.grad_probe(torch.is_grad_enabled)
         config.autograd = True
         yield
         config.autograd = True  # the default (a test may turn it off)
-        tree_nodes.grad_probe(None)
+        tree_config.grad_probe(None)
         assert calls._grad_mode[0] is None
 
 

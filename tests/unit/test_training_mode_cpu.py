@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from fake_tree_backend import FakeFn, FakeTreeBackend, new
 
-from cgraw.trees.manager import NodeState, TreeManager, config
+from cgraw.trees.manager import NodeState, TreeManager
+from cgraw.trees.config import config
 from cgraw.trees.nodes import ModeRewarm
 
 

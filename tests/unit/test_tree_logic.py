@@ -32,7 +32,8 @@ from hypothesis import HealthCheck, given, settings
 import cgraw.trees.manager
 from allocator import check_invariants
 from cgraw.errors import CgrawError
-from cgraw.trees.manager import NodeState, TreeManager, config
+from cgraw.trees.manager import NodeState, TreeManager
+from cgraw.trees.config import config
 
 MiB = 1 << 20
 

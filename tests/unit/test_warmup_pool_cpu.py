@@ -21,7 +21,8 @@ from test_programs import fake_namespace
 from test_tree_logic import rand
 
 from allocator import check_invariants
-from cgraw.trees.manager import NodeState, TreeManager, config
+from cgraw.trees.manager import NodeState, TreeManager
+from cgraw.trees.config import config
 
 
 @pytest.fixture(autouse=True)

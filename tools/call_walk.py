@@ -1,0 +1,180 @@
+"""The path of a graphed call's replay through cgraw's modules, and its host time.
+
+``python3 -m tools.call_walk`` traces one replay of ``@cgraw.graphed`` over a one-tensor function
+and prints the modules of ``cgraw/`` it runs code in, in order ("stays"), and how often the path
+comes back to a module it had left ("returns"); ``--time`` adds the host time per call.
+
+Without ``--device`` it runs on the CPU (torch needed): the real ``GraphedFunction``,
+``TreeManager``, ``calls`` and ``Recording.replay``, over CPU tensors that report device 0, with
+the two CUDA calls of a replay replaced by C functions that do nothing (on a GPU both are C
+functions too, ``cuGraphLaunch`` and torch's current-stream query, and leave no Python frame).
+``--device`` runs the real ``@cgraw.graphed`` on CUDA device 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "cgraw"
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="python3 -m tools.call_walk", description=__doc__.split("\n")[0])
+    ap.add_argument("--device", action="store_true", help="trace the real CUDA replay on device 0")
+    ap.add_argument("--time", action="store_true", help="also time a call (median of 7 runs of 20,000 calls)")
+    return ap.parse_args(argv)
+
+
+def module_of(filename: str) -> str | None:
+    """``cgraw.trees.manager`` for ``.../cgraw/trees/manager.py``; None outside ``cgraw/``."""
+    path = pathlib.Path(filename).resolve()
+    try:
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    except ValueError:
+        return None
+    if rel.parts[0] != "cgraw":
+        return None
+    parts = rel.parts[:-1] if rel.parts[-1] == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def walk(call) -> list[str]:
+    """The modules of ``cgraw/`` that ``call()`` runs lines of, consecutive repeats merged."""
+    seen: list[str] = []
+
+    def tracer(frame, event, arg):
+        mod = module_of(frame.f_code.co_filename)
+        if mod is None:
+            return None  # no line events outside cgraw
+        if event == "line" and (not seen or seen[-1] != mod):
+            seen.append(mod)
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+    return seen
+
+
+def returns(stays: list[str]) -> int:
+    """How often the path comes back to a module it had left."""
+    return len(stays) - len(set(stays))
+
+
+def per_call_us(fn, n: int = 20_000, reps: int = 7) -> float:
+    runs = []
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        runs.append((time.perf_counter_ns() - t0) / n / 1e3)
+    return statistics.median(runs)
+
+
+def _cpu_setup():
+    """A graphed function and its input on the CPU, replaying a real ``Recording``."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+    from torch_cpu_backend import CpuTorchBackend
+
+    from cgraw.interop.torch.kernel_state import kernel_state
+    from cgraw.runtime import stream
+    from cgraw.trees.calls import use_kernel_state, use_torch
+    from cgraw.trees.config import grad_probe
+    from cgraw.trees import graphed as graphed_mod
+    from cgraw.trees import recording
+    from cgraw.trees.manager import TreeManager
+
+    torch.Tensor.get_device = lambda self: 0  # CPU tensors stand for device 0's
+    # the two CUDA calls of a replay, as C functions that do nothing: the current-stream query
+    # (device 0 -> stream 1) and cuGraphLaunch(exec 0, stream 1) -> divmod(0, 1) = (0, 0): success
+    stream.current_getter = (1).__add__
+    recording._launch = divmod
+
+    # what the CUDA backend sets up once torch is imported: the tensor fast path, grad mode and the
+    # settings that choose kernels in every call's key
+    use_torch(torch.Tensor, torch.nn.Parameter)
+    grad_probe(torch.is_grad_enabled)
+    use_kernel_state(kernel_state())
+
+    class Rec(recording.Recording):
+        discarded = False  # the CPU backend's discard() marks it
+
+    class Backend(CpuTorchBackend):
+        def warmup(self, fn, call, args, kwargs):
+            w = super().warmup(fn, call, args, kwargs)
+            w.groups = frozenset()
+            return w
+
+        def record(self, fn, call, warm):
+            out = fn.fn(*call.leaves)
+            rec = Rec(fn.name)
+            rec.exec_ = 0
+            rec.out_leaves, rec.out_kinds, rec.owned_idx = [out], [recording.OWNED], [0]
+            rec.out_ptrs, rec.keep = [out.data_ptr()], out
+            rec.alias0 = out.detach
+            return rec
+
+        def first_replay(self, rec, call):
+            return rec.replay(call)
+
+    def new_tree(ordinal):
+        mgr = TreeManager(Backend(), device_index=ordinal)
+        mgr.backend.mgr = mgr
+        return mgr
+
+    graphed_mod._new_tree = new_tree  # the factory the CPU tests swap
+    return torch.randn(16)
+
+
+def main(argv=None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    import torch
+
+    import cgraw
+
+    x = torch.randn(16, device="cuda") if args.device else _cpu_setup()
+
+    @cgraw.graphed
+    def double(t):
+        return t * 2
+
+    @cgraw.graphed
+    def shift(t):
+        return t + 1
+
+    def step():  # two functions in a step: double begins a generation, shift extends its path
+        return shift(double(x))
+
+    for _ in range(4):  # warm-ups, recordings, first replays
+        step()
+    cases = {
+        "root": ("a call of a root function (each call begins a generation)", lambda: double(x)),
+        "path": ("a call that extends the path under way (a model's second graphed function)",
+                 lambda: shift(double(x))),
+    }
+    for name, (what, call) in cases.items():
+        if name == "path":
+            a = double(x)
+            call = lambda: shift(a)  # noqa: E731 -- trace shift(a) alone
+        stays = walk(call)
+        print(f"{name}: {what}")
+        print("  stays:", " -> ".join(m.removeprefix("cgraw.") for m in stays))
+        print(f"  {len(stays)} stays in {len(set(stays))} modules, {returns(stays)} returns to a module already left")
+    if args.time:
+        print(f"step of two graphed calls: {per_call_us(step):.2f} us; one root call: {per_call_us(lambda: double(x)):.2f} us; "
+              f"x.detach(): {per_call_us(x.detach):.2f} us; empty call: {per_call_us(lambda: None):.2f} us")
+    cgraw.reset()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
