@@ -1,8 +1,9 @@
 """Graph-safe random numbers: draws inside graphs that follow torch's and CuPy's own generators.
 
 Owns: the pure design (``plan``: generator records, per-graph draws, the host's mirror), the
-CUDA C of the Philox kernels and rejection samplers (``kernels``, ``samplers``), and the records
-and kernel launches on the device (``device``).
+CUDA C of the Philox kernels and rejection samplers (``philox.cu``, ``samplers.cu``, ``fills.cu``,
+``records.cu``, put together per kernel by ``kernels``), and the records and kernel launches on
+the device (``device``).
 
 May import: ``errors``, ``_cuda``, ``runtime.device``. torch and CuPy reach it through
 ``interop.torch.rng`` and ``interop.cupy.rng``; it imports neither.

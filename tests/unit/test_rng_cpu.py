@@ -717,3 +717,21 @@ def test_generator_state_patch_only_while_routing():
     finally:
         r.exit()
     assert torch.cuda.get_rng_state is get and torch.cuda.set_rng_state is set_
+
+
+def test_kernel_sources_are_package_data_files():
+    """The CUDA C lives in ``cgraw/rng/*.cu``, read at import, and ships as package data."""
+    import pathlib
+    import tomllib
+
+    from cgraw.rng import kernels as K
+
+    root = pathlib.Path(K.__file__).resolve().parents[2]
+    cu = sorted(p.name for p in (root / "cgraw" / "rng").glob("*.cu"))
+    assert cu == ["fills.cu", "philox.cu", "records.cu", "samplers.cu"]
+    for name in cu:
+        assert (root / "cgraw" / "rng" / name).read_text() in K.COMMON + K.ADVANCE, name
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert data["cgraw.rng"] == ["*.cu"]
+    assert "__global__ void cgraw_rng_advance" in K.source(K.ADVANCE_NAME)
+    assert "__global__ void cgraw_rng_set" in K.source(K.SET_NAME)

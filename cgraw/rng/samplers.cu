@@ -1,25 +1,22 @@
-"""CUDA C source of cgraw's rejection samplers (gamma, beta, poisson, binomial).
-
-Layer L1 (pure): one string, joined into ``rng.kernels.COMMON`` (it uses that source's ``philox``,
-``u4`` and ``Cv``); ``rng.kernels.fill`` hands distributions 9 to 12 to ``sample`` below.
-
-Rejection samplers (``rng.kernels.SAMPLERS``) need a variable number of
-uniforms per output, so each element ``i`` has its own stream of Philox blocks: block ``j`` of
-element ``i`` is counter ``(i low, (i >> 32) | j << 8, offset low, offset high)``, which holds
-``i < 2**40`` (``rng.kernels.SAMPLE_MAX``) and ``j < 2**24`` (the iteration caps below use at most 1,537
-blocks), under the replay's key. The ``offset`` words are the call's own within the graph
-(``RngStream.take(SAMPLER_STEPS[dist])``): no other call draws at them, so these counters meet no
-other draw of the graph, and within the call two elements or two blocks never share one; the
-numbers do not depend on the grid either. Beta takes two offsets: X ~ Gamma(a) draws at
-``offset``, Y ~ Gamma(b) at ``offset + 1``. Uniforms are open, (0, 1): 32 bits for float32 gamma
-and beta, 52 bits otherwise. Every rejection loop stops after ``CGRAW_CAP`` (1024) tries and then
-writes NaN (float) or -1 (integer); each try accepts with probability above 0.2 (gamma: 0.95,
-PTRS and BTRS: about 0.8 or more, inversion: a restart only past the bound of 10 standard
-deviations), so the cap is not reached in practice.
-"""
-
-SAMPLERS_SOURCE = r"""
-// ---- rejection samplers: one stream of Philox blocks per element (see the module docstring)
+// CUDA C source of cgraw's rejection samplers (gamma, beta, poisson, binomial).
+//
+// Joined into ``rng.kernels.COMMON`` after ``philox.cu`` (it uses its ``philox``, ``u4`` and ``Cv``);
+// ``fill`` (``fills.cu``) hands distributions 9 to 12 to ``sample`` below.
+//
+// Rejection samplers (``rng.kernels.SAMPLERS``) need a variable number of
+// uniforms per output, so each element ``i`` has its own stream of Philox blocks: block ``j`` of
+// element ``i`` is counter ``(i low, (i >> 32) | j << 8, offset low, offset high)``, which holds
+// ``i < 2**40`` (``rng.kernels.SAMPLE_MAX``) and ``j < 2**24`` (the iteration caps below use at most 1,537
+// blocks), under the replay's key. The ``offset`` words are the call's own within the graph
+// (``RngStream.take(SAMPLER_STEPS[dist])``): no other call draws at them, so these counters meet no
+// other draw of the graph, and within the call two elements or two blocks never share one; the
+// numbers do not depend on the grid either. Beta takes two offsets: X ~ Gamma(a) draws at
+// ``offset``, Y ~ Gamma(b) at ``offset + 1``. Uniforms are open, (0, 1): 32 bits for float32 gamma
+// and beta, 52 bits otherwise. Every rejection loop stops after ``CGRAW_CAP`` (1024) tries and then
+// writes NaN (float) or -1 (integer); each try accepts with probability above 0.2 (gamma: 0.95,
+// PTRS and BTRS: about 0.8 or more, inversion: a restart only past the bound of 10 standard
+// deviations), so the cap is not reached in practice.
+// ---- rejection samplers: one stream of Philox blocks per element (see above)
 #define CGRAW_CAP 1024
 struct Ws {
   u32 c0, c1, c2, c3, k0, k1, blk, pos;
@@ -174,4 +171,3 @@ __device__ __forceinline__ void sample(T* out, i64 n, const u64* slot, u64 call,
   }
 }
 
-"""
