@@ -1,5 +1,5 @@
 """What following the frameworks' generators costs a replay that draws random numbers: host
-microseconds per call with the generator step (``rng.GraphRng.sync``) and without it, same run.
+microseconds per call with the generator step (``rng.plan.GraphRng.sync``) and without it, same run.
 
 Systems (one GPU; ``host_us_interleaved``: bursts of calls, systems shuffled in every round, a
 synchronise after each burst outside the timed region):

@@ -19,8 +19,8 @@ ways the graph reaches the input, by running the call twice:
 
 The generator records a graph that draws random numbers reads are among those ranges, and the
 host's side of its generators (torch's offset, CuPy's ``_rk_seed``, the records' mirror,
-``rng.GraphRng.save``) is put back with them: the second replay draws what the first drew, and
-the generators move once. The proof holds ``rng.STEP`` meanwhile, so no other thread's replay
+``rng.plan.GraphRng.save``) is put back with them: the second replay draws what the first drew, and
+the generators move once. The proof holds ``rng.plan.STEP`` meanwhile, so no other thread's replay
 starts from a generator state that is put back.
 
 Equal: the inputs are read in place from now on (``recording.InputRebind``) and their
@@ -255,7 +255,7 @@ def prove(backend, rec, call):
         except CudaError as exc:
             _note(notes, rebinds, f"cgraw could not save what its graph reaches ({exc.call}: {exc.name})")
             return rec.replay(call, first=True)
-        gens = None if rec.rng_sync is None else rec.graph.rng  # its generators (rng.GraphRng)
+        gens = None if rec.rng_sync is None else rec.graph.rng  # its generators (rng.plan.GraphRng)
         if gens is not None:  # other threads' replays wait: the generators go back between the replays
             STEP.acquire()
             held = True

@@ -58,7 +58,7 @@ class Blocks:
         arenas = rng_device.arenas()
         spans.extend(arenas)
         spans.sort()
-        self.arenas = {b for b, _ in arenas}  # a value there is one generator record (rng.Source)
+        self.arenas = {b for b, _ in arenas}  # a value there is one generator record (rng.plan.Source)
         self.bases = [s[0] for s in spans]
         self.spans = spans
         # device memory cgraw does not know of (CuPy's pool, a library's workspace) is looked for

@@ -4,12 +4,12 @@ Layer L3 (a backend over ``_cuda``): knows nothing of torch or CuPy; callers pas
 element counts and dtype codes (``rng.kernels.CTYPES``). The pure decisions (keys, the host's
 mirror, the per-replay step) are in ``rng``.
 
-Records. One 32-byte generator record per device, framework (``rng.KINDS``) and capturing
+Records. One 32-byte generator record per device, framework (``rng.plan.KINDS``) and capturing
 thread: the graphs a thread captures read its record, so threads replaying side by side never
 share one. Records come from per-device arenas of ``RECORDS`` (``cuMemAlloc``, made outside any
 capture, zeroed, kept for the process: the kernels of live graphs hold their addresses).
 ``source(device, kind, stream, thread)`` (before a capture begins) hands out the thread's record;
-the host's mirror starts unknown, so the first replay writes it (``rng.Source.set``: the
+the host's mirror starts unknown, so the first replay writes it (``rng.plan.Source.set``: the
 ``cgraw_rng_set`` kernel on the replay's stream).
 """
 

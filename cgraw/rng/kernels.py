@@ -8,8 +8,8 @@ instantiates it.
 
 Every kernel draws from Philox4x32-10 (Salmon et al. 2011; the generator of torch and cuRAND) with
 the 128-bit counter ``(group low, group high, call low, call high)`` and the 64-bit key it reads
-from its generator record (``slot[0]``, see ``rng.Source``): ``call`` is the draw's offset within
-the graph, fixed at capture, and the key is the replay's (``rng.replay_key`` of the generator's
+from its generator record (``slot[0]``, see ``rng.plan.Source``): ``call`` is the draw's offset within
+the graph, fixed at capture, and the key is the replay's (``rng.plan.replay_key`` of the generator's
 position, which the graph's last node advances, ``ADVANCE``). A group is 4 outputs (2 for 64-bit
 draws), so the numbers do not depend on the launch's grid. No header is included: half and
 bfloat16 are converted with PTX or integer rounding, so NVRTC needs no CUDA include path.

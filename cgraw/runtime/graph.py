@@ -3,7 +3,7 @@
 Layer L6: imports ``_cuda``, ``device`` and ``stream``; knows nothing of torch, CuPy or the
 capture context manager (``capture`` builds Graphs). ``Graph.replay`` is the hot path: the
 caller's current stream (``stream.current_ptr``) and one driver call; a graph that draws random
-numbers first runs its generators' step (``rng.GraphRng.sync``: no driver call unless a
+numbers first runs its generators' step (``rng.plan.GraphRng.sync``: no driver call unless a
 generator moved outside the graphs).
 """
 
@@ -90,8 +90,8 @@ class Graph:
         self.num_nodes = 0
         self.capture_ms = 0.0
         self.instantiate_ms = 0.0
-        self.rng = None  # random numbers drawn in the graph: generators, draws (rng.GraphRng)
-        self._rng_sync = None  # rng.GraphRng.sync, run before each launch
+        self.rng = None  # random numbers drawn in the graph: generators, draws (rng.plan.GraphRng)
+        self._rng_sync = None  # rng.plan.GraphRng.sync, run before each launch
         return self
 
     def _finish(self, cugraph, *, flags: int = 0, upload: bool = True) -> None:
@@ -159,7 +159,7 @@ class Graph:
     __call__ = replay
 
     def _set_rng(self, rng) -> None:
-        """The random numbers the graph draws (``rng.GraphRng``), or None."""
+        """The random numbers the graph draws (``rng.plan.GraphRng``), or None."""
         self.rng = rng
         self._rng_sync = None if rng is None else rng.sync
 

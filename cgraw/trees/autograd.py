@@ -1,6 +1,6 @@
 """Autograd through graphed functions: the design, and its pure bookkeeping.
 
-Layer L6: pure Python; no torch at module level, no CUDA. Here and in ``tree``: the
+Layer L6: pure Python; no torch at module level, no CUDA. Here and in ``manager``: the
 pending-backward bookkeeping (``AutogradBook``, ``BackwardTicket``), the generation rule that
 uses it (``TreeManager.call``), the choice of how one backward runs (``plan_backward``), the
 backward as a node of the path (``TreeManager.call_backward``) and grad mode in the key
@@ -282,7 +282,7 @@ def promotion_note(name: str, limit: int) -> str:
 
 
 class TreeAutograd:
-    """The ``tree.TreeManager`` side of autograd (a mixin): tickets of calls made with grad
+    """The ``manager.TreeManager`` side of autograd (a mixin): tickets of calls made with grad
     enabled, the plan of each backward, and the backward as a node of its forward's tree, run
     from autograd's device thread (``call_backward``)."""
 

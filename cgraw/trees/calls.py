@@ -1,6 +1,6 @@
 """A graphed call's inputs, classified: the decisions graph trees make about arguments.
 
-Layer L6: pure Python over ``arrays`` (no CUDA, frameworks through their ``Ops``). ``tree``
+Layer L6: pure Python over ``arrays`` (no CUDA, frameworks through their ``Ops``). ``manager``
 calls it for every call; backends only read what it decides.
 
 - ``inspect``: flatten the arguments into array *leaves* with their kinds, pointers and ops, and

@@ -1,7 +1,7 @@
 """The CUDA backend of graph trees: warm up, record, replay, restore, end generations.
 
 Layer L8 (beside ``capture``): uses ``capture``, ``memory``, ``graph``, ``recording`` and the
-framework adapters; ``tree`` drives it (the ``tree.Backend`` protocol) with calls that
+framework adapters; ``manager`` drives it (the ``nodes.Backend`` protocol) with calls that
 ``calls.inspect`` classified. Per eager input a recording copies the caller's array into a
 placeholder by a memcpy node at the start of the graph, re-pointed before a launch only when the
 caller's address changed (``recording.InputCopy``); eager inputs found mutated at warm-up (or
@@ -50,7 +50,7 @@ OVERWRITTEN = (
 
 
 class CudaBackend(TorchAutograd):
-    """Does the work of one device's ``TreeManager`` (the ``tree.Backend`` protocol; autograd: the mixin)."""
+    """Does the work of one device's ``TreeManager`` (the ``nodes.Backend`` protocol; autograd: the mixin)."""
 
     def __init__(self, device):
         self.device = device

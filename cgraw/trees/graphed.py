@@ -1,6 +1,6 @@
 """``@cgraw.graphed`` and the functions around it: one graph tree per thread and device.
 
-Layer L9 (public API). ``calls`` classifies a call, ``tree`` decides, ``cuda_backend`` does the CUDA work; this module
+Layer L9 (public API). ``calls`` classifies a call, ``manager`` decides, ``cuda_backend`` does the CUDA work; this module
 keeps the registry of trees and the user-facing helpers (``mark_step_begin``, ``mark_static``,
 ``unsafe``, ``report``, ``reset``).
 
@@ -9,7 +9,7 @@ the thread's first call there): its own pool, capture stream and generations, as
 kept per thread. ``mark_step_begin()`` and ``reset()`` act on the calling thread's trees;
 ``report()`` lists every thread's. A thread's trees are released when the thread ends, without
 poisoning what they handed out (the thread may have passed its results on). Trees grow one at a
-time across the process (``tree.SERIAL``); replays on different threads run side by side.
+time across the process (``manager.SERIAL``); replays on different threads run side by side.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class _ThreadToken:
 _here = _ThreadTrees()
 _lock = threading.Lock()
 # every live thread's trees: (thread number, device ordinal) -> (thread name, tree); guarded by _lock.
-# Never take tree.SERIAL while holding _lock (a tree that grows may make another device's tree).
+# Never take manager.SERIAL while holding _lock (a tree that grows may make another device's tree).
 _all: dict[tuple[int, int], tuple[str, TreeManager]] = {}
 _thread_numbers = itertools.count(1)
 

@@ -1,5 +1,5 @@
 """What the calls of one generation of a graph tree handed out, held weakly, so that the tree sees
-when all of it is dead (``tree.TreeManager._path_is_dead``), and what to poison when it ends.
+when all of it is dead (``manager.TreeManager._path_is_dead``), and what to poison when it ends.
 
 Layer L6: pure Python over ``arrays``/``frameworks`` (no CUDA, frameworks through their ``Ops``).
 """

@@ -1,5 +1,5 @@
 """The pool side of a graph tree: restoring the pool's bookkeeping to a node's checkpoint, moving
-to a fresh pool, dropping recordings. A mixin of ``tree.TreeManager`` (its ``backend``, ``roots``,
+to a fresh pool, dropping recordings. A mixin of ``manager.TreeManager`` (its ``backend``, ``roots``,
 ``root_checkpoint``, ``pool_state`` and ``tree_outputs``).
 
 Layer L6: pure bookkeeping; the backend does the work.
@@ -22,7 +22,7 @@ UNKNOWN = Unknown()
 
 
 class TreePool:
-    """Checkpoints and recordings of a ``tree.TreeManager``'s pool."""
+    """Checkpoints and recordings of a ``manager.TreeManager``'s pool."""
 
     def _restore_to(self, anchor: TreeNode | None) -> None:
         """Make the pool's bookkeeping the checkpoint at the end of ``anchor``'s recording."""

@@ -144,7 +144,7 @@ class Recording:
         "capture_ms",
         "instantiate_ms",
         "grad",  # interop.torch.autograd.GradInfo of a recording made with grad enabled, or None
-        "rng_sync",  # the graph's random-number step before each launch (rng.GraphRng.sync), or None
+        "rng_sync",  # the graph's random-number step before each launch (rng.plan.GraphRng.sync), or None
     )
 
     def __init__(self, name: str):

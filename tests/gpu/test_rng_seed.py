@@ -6,7 +6,7 @@ graphed call start past the offsets the graph consumed; ``torch.random.fork_rng`
 ``torch.cuda.set_rng_state`` put the numbers back. Every test seeds explicitly, draws on fresh
 inputs, and checks that the graphed function really replayed (a silent eager run would follow the
 generator too). Bitwise checks compare a replay with ``cgraw.rng.plan``'s NumPy Philox at the key the
-generator's state gives (``rng.replay_key``).
+generator's state gives (``rng.plan.replay_key``).
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def _map_leaves(obj, fn):
 
 
 class FakeTreeBackend:
-    """The ``tree.Backend`` protocol over ``allocator.Pool(IntRangeSource())``. As with the CUDA
+    """The ``nodes.Backend`` protocol over ``allocator.Pool(IntRangeSource())``. As with the CUDA
     backend, a capture that fails (a ``SkipCall`` or the user's exception) puts the pool back as
     it was before.
 

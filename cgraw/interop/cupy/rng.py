@@ -12,7 +12,7 @@ After the capture CuPy's own state is back, untouched by the capture itself.
 
 Replays follow CuPy's generator of the graph's device (``CupyRng.use``): its ``_rk_seed``, which
 ``cupy.random.seed`` sets and CuPy's own kernels advance by the elements they draw, is the
-generator position each replay reads and advances by the elements it draws (``rng.rk_sync``). So
+generator position each replay reads and advances by the elements it draws (``rng.plan.rk_sync``). So
 ``cupy.random.seed(s)`` governs the numbers replays draw, and CuPy's eager draws that go through
 ``_rk_seed`` (gamma, beta, poisson, binomial, ...) see what the replays consumed; its cuRAND
 draws (``random``, ``normal``, ...) keep cuRAND's own offset, which neither reads.
@@ -341,7 +341,7 @@ class CupyRng:
 
     def use(self) -> rng.RkUse:
         """What replays of the captured graph do with CuPy's generator of its device: read and
-        advance its ``_rk_seed`` (``rng.rk_sync``)."""
+        advance its ``_rk_seed`` (``rng.plan.rk_sync``)."""
         s = self.stream
         return rng.RkUse(_generator_module(), s.device, self.source, s.calls, s.elements, _make_state)
 

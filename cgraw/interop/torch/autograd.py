@@ -1,7 +1,7 @@
 """Autograd through graphed functions, torch's side (``cgraw.trees.autograd``, section 8).
 
 Layer L7: torch is only used once the user has imported it. ``TorchAutograd`` is a mixin of
-``cuda_backend.CudaBackend`` (the ``with_backward`` and ``orphan`` of the ``tree.Backend``
+``cuda_backend.CudaBackend`` (the ``with_backward`` and ``orphan`` of the ``nodes.Backend``
 protocol); the pieces a recording needs (``capture_inputs``, ``run_saving``, ``grad_info``)
 are called from its ``record`` while ``cgraw.config.autograd`` is True (the default). The GPU tier
 runs it on the H200 (``tests/gpu/test_autograd.py``); the CPU tier drives it with CPU tensors
@@ -331,7 +331,7 @@ def _apply(link, ins, outs) -> tuple:
 
 
 class TorchAutograd:
-    """``with_backward`` and ``orphan`` of the ``tree.Backend`` protocol, for torch. The
+    """``with_backward`` and ``orphan`` of the ``nodes.Backend`` protocol, for torch. The
     backend sets ``mgr`` (its ``TreeManager``) and calls ``grad_views`` when a generation ends."""
 
     mgr = None

@@ -52,7 +52,7 @@ class Runtime:
 
 
 class Home:
-    """What the partitions of one compiled graph share: ``tree``, where its forward partitions ran
+    """What the partitions of one compiled graph share: ``manager``, where its forward partitions ran
     last (its backward partitions, run from autograd's thread, replay there too, as the next nodes
     of the path); ``forward_pending``, whether a forward of the training graph ran and no backward
     of it has run since; ``bypass``, whether the forward under way runs as Inductor compiled it."""

@@ -20,7 +20,7 @@ the ``native_dropout`` above. Any other op that draws from torch's CUDA generato
 capture with a ``CaptureError`` naming it. CPU random numbers and other devices pass through.
 
 The draws follow torch's default CUDA generator of the capture's device (``TorchRng.use``): each
-replay reads its seed and offset and advances the offset, as eager draws do (``rng.torch_sync``).
+replay reads its seed and offset and advances the offset, as eager draws do (``rng.plan.torch_sync``).
 The ``generator=`` argument is ignored inside captures: every draw follows the default generator.
 
 The mode is a ``interop.torch.modes.mode_base()`` mode: draws inside the bodies of higher-order operators
@@ -76,8 +76,8 @@ def _dtype_codes(torch) -> dict:
 
 
 class TorchRng:
-    """Routes torch's random numbers to ``stream`` (an ``rng.RngStream``) during one capture;
-    ``source`` is the generator record the draws read (``rng.Source``)."""
+    """Routes torch's random numbers to ``stream`` (an ``rng.plan.RngStream``) during one capture;
+    ``source`` is the generator record the draws read (``rng.plan.Source``)."""
 
     def __init__(self, stream: rng.RngStream, source: rng.Source | None = None):
         self.stream = stream
@@ -87,7 +87,7 @@ class TorchRng:
 
     def use(self) -> rng.TorchUse:
         """What replays of the captured graph do with torch's default CUDA generator of its
-        device: read its seed and offset, advance the offset (``rng.torch_sync``)."""
+        device: read its seed and offset, advance the offset (``rng.plan.torch_sync``)."""
         gen = sys.modules["torch"].cuda.default_generators[self.stream.device]
         return rng.TorchUse(gen, self.source, self.stream.calls, self.stream.elements)
 

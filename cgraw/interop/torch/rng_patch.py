@@ -33,7 +33,7 @@ _held: dict = {}  # device -> torch's generator state when the first routing on 
 
 
 def install(stream, *, sdpa: bool = True) -> None:
-    """Patch (first routing) and note this thread's routing ``stream`` (an ``rng.RngStream``).
+    """Patch (first routing) and note this thread's routing ``stream`` (an ``rng.plan.RngStream``).
     ``sdpa``: this routing needs ``F.scaled_dot_product_attention``'s wrapper (not for a
     recording of torch.compile'd code: dynamo guards on that global and would compile again)."""
     _tls.active = stream
