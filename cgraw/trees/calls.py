@@ -32,7 +32,7 @@ from cgraw.trees.arrays import EAGER, LEAF, STATIC, TORCH, TREE, NoType, flatten
 from cgraw.errors import SkipCall
 
 __all__ = ["EAGER", "GRAD", "STATIC", "TREE", "Call", "InputPlan", "declared_mutations", "grad_enabled", "inspect",
-           "learn_kernel_groups", "mark_static", "moved", "use_grad_mode", "use_kernel_state"]
+           "learn_kernel_groups", "mark_static", "moved", "unseen_eager", "use_grad_mode", "use_kernel_state"]
 
 _static_ids: dict[int, object] = {}  # id(array) -> weakref, filled by mark_static
 _tensor = [NoType, NoType]  # [torch.Tensor, torch.nn.Parameter] once torch is loaded: the exact-type fast path
@@ -294,6 +294,14 @@ def moved(plan: InputPlan, call: Call) -> str | None:
             what = "static input" if call.kinds[j] == STATIC else "tree-output input"
             return f"{what} {j} moved from 0x{p:x} to 0x{ptrs[j]:x}"
     return None
+
+
+def unseen_eager(seen, call: Call) -> bool:
+    """Whether an input of ``call`` is eager (copied into a recording) where the warm-up that
+    learned the function (``seen``: its call's kinds, or None) read it in place, as a tree output
+    or a static input: the warm-up compared only its eager inputs' contents, so it did not learn
+    whether the function writes into this one, which a recording must then copy back."""
+    return seen is not None and any(k == EAGER and w != EAGER for k, w in zip(call.kinds, seen))
 
 
 def declared_mutations(fn, call: Call) -> tuple:

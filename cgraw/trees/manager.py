@@ -55,7 +55,8 @@ import weakref
 
 from cgraw.trees import nodes as tree_nodes
 from cgraw.trees.autograd import BUSY, AutogradBook, TreeAutograd, promotion_note
-from cgraw.trees.calls import TREE, InputPlan, declared_mutations, grad_enabled, inspect, learn_kernel_groups, moved
+from cgraw.trees.calls import (TREE, InputPlan, declared_mutations, grad_enabled, inspect, learn_kernel_groups, moved,
+                               unseen_eager)
 from cgraw.errors import CgrawError, SkipCall, TreeError
 from cgraw.trees.outputs import PathOutputs, memory_in_use
 from cgraw.trees.pool import UNKNOWN, TreePool
@@ -235,7 +236,9 @@ class TreeManager(TreeAutograd, TreePool):
                     node.skip_reason = "dynamic shapes: more input signatures than config.dynamic_shape_warn_limit"
             if node.state is NodeState.SKIPPED:
                 out = self._eager_node(node, call, args, kwargs)
-            elif fresh or node.warm is None:  # a warm-up that raised taught nothing: warm up again
+            elif fresh or node.warm is None or unseen_eager(node.warm.kinds, call):
+                # a warm-up that raised taught nothing, and one that read an input in place learned
+                # nothing of what the function writes into it as a copied (eager) input: warm up again
                 out = self._warm(node, fn, st, call, args, kwargs)
             else:
                 out = self._record(node, fn, st, call, args, kwargs)
@@ -285,6 +288,8 @@ class TreeManager(TreeAutograd, TreePool):
                                     "cgraw.config.rewarm_limit to allow more")
                 return self._eager_node(node, call, args, kwargs)
             return self._warm(node, fn, st, call, args, kwargs)
+        if unseen_eager(node.warm.kinds, call):  # see _grow: what the function writes into it is unknown
+            return self._warm(node, fn, st, call, args, kwargs)
         return self._record(node, fn, st, call, args, kwargs)
 
     # ------------------------------------------------------------------ helpers
@@ -322,6 +327,7 @@ class TreeManager(TreeAutograd, TreePool):
         declared = declared_mutations(fn, call)
         w.mutated = tuple(w.mutated) + tuple(j for j in declared if j not in w.mutated)
         w.external = tuple(w.external)
+        w.kinds = tuple(call.kinds)
         node.warm = w
         node.state = NodeState.WARMED
         if w.skip is not None:

@@ -173,7 +173,7 @@ class Warm:
     function must run eagerly from now on (or None), and what else a recording must know."""
 
     __slots__ = ("out", "mutated", "skip", "external", "epoch", "runs_backward", "mode_epoch", "in_pool",
-                 "handed", "stash", "groups")
+                 "handed", "stash", "groups", "kinds")
 
     def __init__(self, out, mutated=(), skip=None, external=(), epoch=-1, runs_backward=False, mode_epoch=0):
         self.out = out
@@ -187,6 +187,7 @@ class Warm:
         self.handed = ()  # its outputs in the pool: invalid once the generation ends
         self.stash = None  # why blocks it left in the pool are held beyond its outputs (lazily made state), or None
         self.groups = None  # groups of kernel-choosing settings the ops it ran depend on (calls.learn_kernel_groups), or None
+        self.kinds = None  # the kinds of the call it ran for (calls.EAGER, STATIC, TREE), set by the tree
 
 
 class Replayable(Protocol):

@@ -174,6 +174,42 @@ def test_input_mutation_static_tree_output_and_eager():
         torch.testing.assert_close(out, x0 * 2.0 + 1.0)
 
 
+@pytest.mark.parametrize("mutates", [(), (0,)], ids=["found", "declared"])
+def test_an_input_updated_in_place_reaches_the_caller_after_a_warm_up_on_a_tree_output(mutates):
+    """A function first warmed up and replayed on a tree output, which it updates in place, then
+    called with the caller's own tensor: it warms up again and records with a copy back, so every
+    call updates the caller's tensor as eager code does."""
+
+    def make(x):
+        return x * 2.0
+
+    def mut(y):
+        y.add_(2.0)
+        return y * 1.0
+
+    fm, fmu = cgraw.graphed(make), cgraw.graphed(mut, mutates=mutates)
+    for _ in range(2):  # make is recorded before mut's first call: mut's warm-up sees a tree output
+        cgraw.mark_step_begin()
+        fm(trand(64))
+    for _ in range(4):
+        cgraw.mark_step_begin()
+        x = trand(64)
+        y = fm(x)
+        torch.testing.assert_close(fmu(y), x * 2.0 + 2.0)
+        torch.testing.assert_close(y, x * 2.0 + 2.0)
+    for _ in range(4):  # the caller's tensor: a warm-up, a recording, replays
+        cgraw.mark_step_begin()
+        x = trand(64)
+        mine = fm(x).clone()
+        out = fmu(mine)
+        torch.testing.assert_close(mine, x * 2.0 + 2.0)
+        torch.testing.assert_close(out, x * 2.0 + 2.0)
+    from cgraw.trees.graphed import _managers
+
+    st = _managers[0].stats[fmu.fn_id]
+    assert st.warmups == 2 and st.replays >= 4, cgraw.report()
+
+
 def test_cupy_graphed_and_mixed():
     def body(a):
         return cp.tanh(a) * 2.0 + a

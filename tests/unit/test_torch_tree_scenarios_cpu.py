@@ -232,17 +232,12 @@ def test_in_place_updates_of_a_tree_output_and_of_an_eager_input_match_eager(tre
     np.testing.assert_array_equal(values(tmp), x.value + 1.0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a function whose warm-up saw its argument as a tree output learns no mutated inputs (only eager "
-    "inputs are compared by content at warm-up); when the same function is later called with an eager "
-    "tensor, the input-kind change re-records without warming up again, so the recording copies the "
-    "input into a placeholder, updates the placeholder and never copies it back: the caller's tensor "
-    "keeps its old values where eager code updates it; declaring mutates=(0,) does not help, as the "
-    "declaration too is applied to the warm-up's eager inputs only"))
 @pytest.mark.parametrize("mutates", [(), (0,)], ids=["undeclared", "declared"])
 def test_in_place_update_of_an_eager_input_after_warm_up_on_a_tree_output(tree, rng, mutates):
     """torch's trees: test_mutation_cudagraph_managed_tensors (its last step). As above, but
-    ``foo`` is recorded before ``mut`` is first called, so ``mut``'s warm-up sees a tree output."""
+    ``foo`` is recorded before ``mut`` is first called, so ``mut``'s warm-up sees a tree output.
+    Called later with an eager tensor, ``mut`` warms up again (its first warm-up compared no eager
+    input's contents), then records with the copy back: every call updates the caller's tensor."""
 
     def foo(x):
         return new(x.value + 1.0)
@@ -265,6 +260,12 @@ def test_in_place_update_of_an_eager_input_after_warm_up_on_a_tree_output(tree, 
     copy = tree.tensor(values(tmp))
     m(copy)
     np.testing.assert_array_equal(values(copy), x.value + 3.0)  # eager: x + 1 + 2
+    for _ in range(3):  # the recording with the copy back, then its replays
+        tree.mgr.mark_step_begin()
+        x = tree.tensor(rand(rng, 4))
+        copy = tree.tensor(values(f(x)))
+        assert m(copy) is copy
+        np.testing.assert_array_equal(values(copy), x.value + 3.0)
 
 
 def test_a_closure_buffer_updated_in_place_matches_eager_every_call(tree, rng):
