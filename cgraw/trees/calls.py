@@ -31,8 +31,9 @@ from cgraw.trees import buckets
 from cgraw.trees.arrays import EAGER, LEAF, STATIC, TORCH, TREE, NoType, flatten
 from cgraw.errors import SkipCall
 
-__all__ = ["EAGER", "GRAD", "STATIC", "TREE", "Call", "InputPlan", "declared_mutations", "grad_enabled", "inspect",
-           "learn_kernel_groups", "mark_static", "moved", "unseen_eager", "use_grad_mode", "use_kernel_state"]
+__all__ = ["EAGER", "GRAD", "SHARED", "STATIC", "TREE", "Call", "InputPlan", "check_shared_writes",
+           "declared_mutations", "grad_enabled", "inspect", "learn_kernel_groups", "mark_static", "moved",
+           "shared_memory", "unseen_eager", "use_grad_mode", "use_kernel_state"]
 
 _static_ids: dict[int, object] = {}  # id(array) -> weakref, filled by mark_static
 _tensor = [NoType, NoType]  # [torch.Tensor, torch.nn.Parameter] once torch is loaded: the exact-type fast path
@@ -48,6 +49,16 @@ class _GradMark:
 
 
 GRAD = _GradMark()  # heads the key entry of a call made with grad enabled: equal to no other key entry
+
+
+class _SharedMark:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "SHARED"
+
+
+SHARED = _SharedMark()  # heads the key entry of a call whose eager inputs share memory with other inputs
 
 
 def mark_static(x):
@@ -201,6 +212,10 @@ def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
         if chosen is not None:
             call.rows, call.bucket, call.padded = chosen
             call.key = buckets.padded_key(key_parts, leaves, call.padded, call.bucket)
+    if len(leaves) > 1 and getattr(fn, "writes_inputs", False):
+        pairs = shared_memory(leaves, kinds, ptrs, ops)
+        if pairs:
+            call.key = call.key + ((SHARED, pairs),)
     p = _grad_mode[0]
     if p is not None and p():
         call.grad = True
@@ -251,6 +266,10 @@ def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
                 kinds = [EAGER] * n
     except RuntimeError as exc:  # sparse, meta, ...: no storage to copy or read in place
         raise SkipCall(f"a tensor input has no data pointer ({exc})") from None
+    if n > 1 and getattr(fn, "writes_inputs", False):
+        pairs = shared_memory(args, kinds, ptrs, shared[0])
+        if pairs:
+            parts.append((SHARED, pairs))
     probe = _grad_mode[0]
     grad = probe is not None and probe()
     if grad:  # one tensor that does not require grad: the shared entry, without the general scan
@@ -294,6 +313,34 @@ def moved(plan: InputPlan, call: Call) -> str | None:
             what = "static input" if call.kinds[j] == STATIC else "tree-output input"
             return f"{what} {j} moved from 0x{p:x} to 0x{ptrs[j]:x}"
     return None
+
+
+def shared_memory(leaves, kinds, ptrs, ops) -> tuple:
+    """``(j, k)`` (``j < k``) of the leaves whose memory overlaps where one of them is eager (copied
+    into a recording's placeholder): ``f(x, x[2:])``. Asked only of the calls of a function known to
+    write its inputs (``writes_inputs``): a recording's separate copies of the two would not see
+    each other's writes, where eager code does."""
+    spans = sorted((ptrs[j], ptrs[j] + max(ops[j].span(t), 0), j) for j, t in enumerate(leaves))
+    pairs = []
+    for a, (start, end, j) in enumerate(spans):
+        for start2, _, k in spans[a + 1:]:
+            if start2 >= end:
+                break
+            if EAGER in (kinds[j], kinds[k]):
+                pairs.append((min(j, k), max(j, k)))
+    return tuple(sorted(pairs))
+
+
+def check_shared_writes(call: Call, written) -> None:
+    """Raise ``SkipCall`` when an eager input the function writes (``written``: leaf indices) shares
+    memory with another input of ``call``: no recording can run it as eager code does."""
+    for entry in call.key:
+        if type(entry) is tuple and entry and entry[0] is SHARED:
+            for j, k in entry[1]:
+                if j in written or k in written:
+                    raise SkipCall(f"inputs {j} and {k} share memory and the function writes input "
+                                   f"{j if j in written else k} in place; a recording copies an eager input "
+                                   "into a placeholder of its own, so the other would not see the write")
 
 
 def unseen_eager(seen, call: Call) -> bool:

@@ -72,6 +72,10 @@ class Ops:
         """Whether the framework marks ``t`` as living at a fixed address (read in place)."""
         return False
 
+    def span(self, t) -> int:
+        """Bytes from ``t``'s first element to one past its last (a dense array: its bytes)."""
+        return self.nbytes(t)
+
     def users(self, t):
         """A callable counting what references ``t``'s memory now (any array over it), or None
         when the framework cannot tell; it does not keep ``t`` alive."""

@@ -132,6 +132,7 @@ class GraphedFunction:
     kernel_groups = None  # groups of kernel-choosing settings its warm-ups showed it reads (calls.learn_kernel_groups)
     kernel_getters = None  # the getters of those settings read on each call; None: every group
     copies_out = False  # a graphed backward's outputs are copied out (interop.torch.autograd); never a user's
+    writes_inputs = False  # a warm-up found it writing an eager input (or it declares mutates): see calls.shared_memory
     is_backward = False
 
     def __init__(self, fn, *, static_argnums=(), mutates=(), pad_buckets=None):
@@ -142,6 +143,7 @@ class GraphedFunction:
         self.fn_id = next_fn_id()
         self.static_argnums = frozenset(_ints("static_argnums", static_argnums))
         self.mutates = tuple(_ints("mutates", mutates))
+        self.writes_inputs = bool(self.mutates)
         self.pad_buckets = buckets.check(pad_buckets)
         self.plain = not self.static_argnums and not self.pad_buckets  # calls.inspect's hot path applies
         reason = getattr(fn, "_cgraw_unsafe", None)

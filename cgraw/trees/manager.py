@@ -56,7 +56,7 @@ import weakref
 from cgraw.trees import nodes as tree_nodes
 from cgraw.trees.autograd import BUSY, AutogradBook, TreeAutograd, promotion_note
 from cgraw.trees.calls import (TREE, InputPlan, declared_mutations, grad_enabled, inspect, learn_kernel_groups, moved,
-                               unseen_eager)
+                               unseen_eager, check_shared_writes)
 from cgraw.errors import CgrawError, SkipCall, TreeError
 from cgraw.trees.outputs import PathOutputs, memory_in_use
 from cgraw.trees.pool import UNKNOWN, TreePool
@@ -328,6 +328,8 @@ class TreeManager(TreeAutograd, TreePool):
         w.mutated = tuple(w.mutated) + tuple(j for j in declared if j not in w.mutated)
         w.external = tuple(w.external)
         w.kinds = tuple(call.kinds)
+        if w.mutated and not getattr(fn, "writes_inputs", False):
+            fn.writes_inputs = True  # its calls' keys note inputs sharing memory (calls.shared_memory)
         node.warm = w
         node.state = NodeState.WARMED
         if w.skip is not None:
@@ -343,6 +345,7 @@ class TreeManager(TreeAutograd, TreePool):
         if self.pool_state is not anchor:
             self._restore_to(anchor)
         try:
+            check_shared_writes(call, node.warm.mutated)
             rec = self.backend.record(fn, call, node.warm)
         except SkipCall as exc:
             node.state = NodeState.SKIPPED

@@ -210,6 +210,40 @@ def test_an_input_updated_in_place_reaches_the_caller_after_a_warm_up_on_a_tree_
     assert st.warmups == 2 and st.replays >= 4, cgraw.report()
 
 
+def test_inputs_sharing_memory_with_a_written_input_match_eager():
+    """``f(x, x[2:])`` with ``f`` writing its first argument: the recording's separate copies would
+    not see each other's writes, so such calls run eagerly (with the reason in ``report()``) while
+    calls on separate tensors replay."""
+
+    def upd(a, b):
+        a.add_(1.0)
+        return b * 2.0
+
+    f = cgraw.graphed(upd)
+
+    def separate():
+        cgraw.mark_step_begin()
+        x, y = trand(4096), trand(4096)
+        x0 = x.clone()
+        torch.testing.assert_close(f(x, y), y * 2.0)
+        torch.testing.assert_close(x, x0 + 1.0)
+
+    for _ in range(3):
+        separate()
+    for view in (lambda t: t[2:], lambda t: t):
+        for _ in range(3):
+            cgraw.mark_step_begin()
+            x = trand(4096)
+            ref_x = x.clone()
+            ref_out = upd(ref_x, view(ref_x))
+            out = f(x, view(x))
+            torch.testing.assert_close(x, ref_x)
+            torch.testing.assert_close(out, ref_out)
+    for _ in range(2):
+        separate()
+    assert "share memory" in cgraw.report()
+
+
 def test_cupy_graphed_and_mixed():
     def body(a):
         return cp.tanh(a) * 2.0 + a

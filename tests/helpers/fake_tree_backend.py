@@ -648,6 +648,9 @@ class _FakeOps(arrays.Ops):
     def ptr(self, t) -> int:
         return t.ptr
 
+    def nbytes(self, t) -> int:
+        return t.nbytes
+
     def device(self, t) -> int:
         return 0
 

@@ -106,7 +106,10 @@ class CpuTorchBackend(TorchAutograd):
 
     def warmup(self, fn, call, args, kwargs):
         self.log.append(("warmup", fn.name))
+        before = {j: t.detach().clone() for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER}
         w = Warm(fn.fn(*args, **kwargs))
+        # as the CUDA backend: the eager inputs the function wrote, compared by content
+        w.mutated = tuple(j for j, t in before.items() if not torch.equal(t, call.leaves[j].detach()))
         w.external = tuple(getattr(fn, "params", ()))
         w.runs_backward = getattr(fn, "is_backward", False)
         return w
@@ -127,6 +130,7 @@ class CpuTorchBackend(TorchAutograd):
         rec.out_ptrs = [t.data_ptr() for t in rec.out_leaves]
         rec.saved = saved
         rec.grad = grad_info(rec, call, rec.subs, saved) if grad else None
+        rec.mutated = [j for j in warm.mutated if call.kinds[j] == EAGER]  # copied back after each replay
         return rec
 
     def _run(self, rec, saved, grad, subs):
@@ -155,6 +159,9 @@ class CpuTorchBackend(TorchAutograd):
             for old, new in zip(rec.saved + rec.out_leaves, saved + flat):
                 if old is not new:
                     old.data.copy_(new)
+        with torch.no_grad():
+            for j in rec.mutated:  # the graph's copy-back nodes
+                call.leaves[j].copy_(rec.placeholders[j])
         rec.replays += 1
         outs = [t.detach() for t in rec.out_leaves]
         return unflatten(rec.spec, iter(outs)), outs

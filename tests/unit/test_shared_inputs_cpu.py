@@ -1,0 +1,108 @@
+"""CPU tier: inputs that share memory with an input the function writes in place.
+
+A recording copies each eager input into a placeholder of its own, so ``f(x, x[2:])`` with ``f``
+writing its first argument would read a stale second one inside the graph, and copy both back
+over each other. Once a warm-up shows that a function writes an eager input, the key of each of
+its calls notes which inputs share memory (``calls.shared_memory``); a call where a written input
+shares memory with another one gets a node of its own, which runs eagerly with the reason. Calls
+on separate tensors keep replaying. Real torch tensors on the CPU, the real ``TreeManager`` and
+the CPU stand-in of the CUDA backend (which copies written eager inputs back after each replay).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch_cpu_backend import CpuTorchBackend, TorchFn, cpu_as_device0  # noqa: E402
+
+from cgraw.trees import calls  # noqa: E402
+from cgraw.trees.manager import NodeState, TreeManager  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+@pytest.fixture
+def mgr(monkeypatch):
+    with cpu_as_device0(monkeypatch), torch.no_grad():
+        be = CpuTorchBackend()
+        m = TreeManager(be)
+        be.mgr = m
+        yield m
+
+
+def _write_first_read_second(a, b):
+    a.add_(1.0)
+    return b * 2.0
+
+
+def _eager(x_before, view):
+    x = x_before.clone()
+    out = _write_first_read_second(x, view(x))
+    return x, out
+
+
+def test_a_written_input_and_a_view_of_it_run_eagerly_and_separate_tensors_replay(mgr):
+    f = TorchFn(_write_first_read_second, mgr)
+    for _ in range(3):  # separate tensors: warm-up (finds the write), recording, replay
+        mgr.mark_step_begin()
+        x, y = torch.randn(8), torch.randn(8)
+        x0 = x.clone()
+        out = f(x, y)
+        torch.testing.assert_close(x, x0 + 1.0)  # copied back
+        torch.testing.assert_close(out, y * 2.0)
+    for _ in range(3):  # the second argument is a view of the first
+        mgr.mark_step_begin()
+        x = torch.randn(8)
+        ref_x, ref_out = _eager(x, lambda t: t[2:])
+        out = f(x, x[2:])
+        torch.testing.assert_close(x, ref_x)
+        torch.testing.assert_close(out, ref_out)
+    for _ in range(2):  # separate tensors again: the recording replays
+        mgr.mark_step_begin()
+        x, y = torch.randn(8), torch.randn(6)
+        x0 = x.clone()
+        torch.testing.assert_close(f(x, y), y * 2.0)
+        torch.testing.assert_close(x, x0 + 1.0)
+    st = mgr.stats[f.fn_id]
+    assert st.eager_calls >= 2 and any("share memory" in r for r in st.skip_reasons), st
+    skipped = [n for n in mgr.nodes() if n.state is NodeState.SKIPPED]
+    assert len(skipped) == 1 and "writes input 0" in skipped[0].skip_reason
+
+
+def test_the_same_tensor_passed_twice_to_a_writer_matches_eager(mgr):
+    f = TorchFn(_write_first_read_second, mgr)
+    for _ in range(5):
+        mgr.mark_step_begin()
+        x = torch.randn(8)
+        ref_x, ref_out = _eager(x, lambda t: t)
+        out = f(x, x)
+        torch.testing.assert_close(x, ref_x)
+        torch.testing.assert_close(out, ref_out)
+
+
+def test_a_function_that_writes_nothing_keeps_replaying_overlapping_inputs(mgr):
+    """Without a write, the separate copies of overlapping inputs hold what eager reads."""
+    f = TorchFn(lambda a, b: a * 2.0 + b.sum(), mgr)
+    for _ in range(5):
+        mgr.mark_step_begin()
+        x = torch.randn(8)
+        torch.testing.assert_close(f(x, x[2:]), x * 2.0 + x[2:].sum())
+    st = mgr.stats[f.fn_id]
+    assert (st.warmups, st.recordings, st.replays, st.eager_calls) == (1, 1, 3, 0)
+    assert not getattr(f, "writes_inputs", False)
+
+
+def test_shared_memory_pairs_overlapping_leaves_with_an_eager_one():
+    x = torch.randn(16)
+    w = torch.randn(4)
+    leaves = [x, x[4:8], w, x[12:]]
+    kinds = [calls.EAGER, calls.EAGER, calls.EAGER, calls.STATIC]
+    ptrs = [t.data_ptr() for t in leaves]
+    ops = [calls.TORCH] * 4
+    assert calls.shared_memory(leaves, kinds, ptrs, ops) == ((0, 1), (0, 3))
+    kinds = [calls.STATIC, calls.EAGER, calls.EAGER, calls.STATIC]
+    assert calls.shared_memory(leaves, kinds, ptrs, ops) == ((0, 1),)  # two static ones are read in place
+    assert calls.shared_memory([x[:4], x[4:8]], [calls.EAGER] * 2, [x.data_ptr(), x[4:].data_ptr()],
+                               ops[:2]) == ()  # side by side, not overlapping
