@@ -120,8 +120,22 @@ def flatten(a, leaves, key, kinds, ptrs, ops_list, forced):
         hash(a)
     except TypeError:
         raise SkipCall(f"an argument of type {t.__name__} is neither a tensor, a container nor hashable") from None
-    key.append((t, a))
+    if t.__hash__ is object.__hash__ and not callable(a) and hasattr(a, "__dict__"):
+        # a plain object equals only itself: its attributes by value, so that one set anew selects
+        # another recording, as a changed scalar argument does
+        key.append((t, a, _attributes(a)))
+    else:
+        key.append((t, a))
     return ("v", a)
+
+
+_VALUES = (int, float, bool, str, bytes, complex, type(None))
+
+
+def _attributes(a) -> tuple:
+    """``a``'s attributes, as a key part: numbers, strings and None as they are, anything else
+    (a tensor, a list, another object) by identity."""
+    return tuple((name, v if type(v) in _VALUES else ("id", id(v))) for name, v in sorted(vars(a).items()))
 
 
 def rebuild(spec, it):

@@ -244,6 +244,22 @@ def test_inputs_sharing_memory_with_a_written_input_match_eager():
     assert "share memory" in cgraw.report()
 
 
+def test_a_plain_object_argument_set_anew_matches_eager():
+    """An argument that is a plain object (equal only to itself): its attributes are part of the
+    call's signature, so one set anew selects another recording instead of replaying the old value."""
+
+    class Settings:
+        def __init__(self):
+            self.scale = 2.0
+
+    f = cgraw.graphed(lambda x, s: x * s.scale + 1.0)
+    s = Settings()
+    for scale in (2.0, 2.0, 2.0, 3.0, 3.0, 3.0, 2.0):
+        s.scale = scale
+        x = trand(1024)
+        torch.testing.assert_close(f(x, s), x * scale + 1.0)
+
+
 def test_cupy_graphed_and_mixed():
     def body(a):
         return cp.tanh(a) * 2.0 + a

@@ -106,3 +106,27 @@ def test_shared_memory_pairs_overlapping_leaves_with_an_eager_one():
     assert calls.shared_memory(leaves, kinds, ptrs, ops) == ((0, 1),)  # two static ones are read in place
     assert calls.shared_memory([x[:4], x[4:8]], [calls.EAGER] * 2, [x.data_ptr(), x[4:].data_ptr()],
                                ops[:2]) == ()  # side by side, not overlapping
+
+
+class _Settings:
+    """A plain object argument: equal only to itself, with attributes a function reads."""
+
+    def __init__(self, scale):
+        self.scale = scale
+        self.offsets = [0.5]
+
+
+def test_a_plain_object_argument_whose_attribute_is_set_anew_selects_another_recording(mgr):
+    f = TorchFn(lambda x, s: x * s.scale + s.offsets[0], mgr)
+    s = _Settings(2.0)
+    for scale in (2.0, 2.0, 2.0, 3.0, 3.0, 3.0, 2.0):
+        mgr.mark_step_begin()
+        s.scale = scale
+        x = torch.randn(8)
+        torch.testing.assert_close(f(x, s), x * scale + 0.5)
+    st = mgr.stats[f.fn_id]
+    assert st.variants == 2 and st.eager_calls == 0, st
+    s.offsets = [1.5]  # a new list: another recording (an element changed in place would not be seen)
+    x = torch.randn(8)
+    torch.testing.assert_close(f(x, s), x * 2.0 + 1.5)
+    assert mgr.stats[f.fn_id].variants == 3
