@@ -1,0 +1,350 @@
+"""A CPU emulator of CUDA-graph replay, and a tree backend built on it (``CpuGraphBackend``).
+
+Why: the other CPU stand-ins (``torch_cpu_backend.CpuTorchBackend``, ``fake_tree_backend``) "replay"
+by running the Python function again, so they cannot see what a real replay gets wrong because
+Python ran at record time only: a Python scalar baked into a kernel argument, a Python branch
+taken once, a value read on the host. This emulator replays the *ops*, not the Python.
+
+``record(fn, *args, **kwargs)`` runs ``fn`` once under ``GraphRecorder`` (a ``TorchDispatchMode``)
+that logs every aten op (func, args, kwargs, result). ``CpuGraph.replay()`` runs the logged ops
+again, in order, on the same tensor objects (fixed addresses):
+
+- an op that makes a new tensor runs again and its result is written into the tensor it returned
+  at record time (``recorded.copy_(result)``: that tensor keeps its storage, as a graph's output
+  keeps its address);
+- in-place and ``out=`` ops (mutable schemas) run again on the recorded tensors;
+- views (``view``, ``t()``, slicing, ``detach``, ``split``...) are not run: the view objects of the
+  recording share the storage of their base, which never moves, so they read its new contents;
+- ``empty*`` factories are not run (a graph leaves such memory as it is);
+- Python scalars in op arguments stay as recorded: baked in, as in a graph's kernel arguments;
+- a recording computes nothing that outlives it, as a capture runs nothing: writes of in-place ops
+  into memory made outside it (an input, a closure buffer) are undone when it ends, so only
+  replays write there;
+- a tensor not made inside the recording (a placeholder, a closure tensor, a static input) is read
+  by identity: its contents at replay time. A replay refuses (``CannotEmulate``) when such a
+  tensor's storage moved since the recording (a graph would read the old address).
+
+What it refuses while recording (``CannotEmulate``, or its subclass ``HostRead``):
+
+- reading a device value on the host (``.item()``, ``bool(t)``, ``torch.equal``, any op returning a
+  Python value) and ops whose output shape depends on values (``nonzero``, boolean masks,
+  ``unique``): a CUDA capture refuses these too (``HostRead``; the backend turns it into a skip,
+  as ``cuda_backend`` does with the capture's error);
+- random-number ops (tagged ``nondeterministic_seeded``): the emulator does not model cgraw's
+  generator offsets;
+- ops that swap a tensor's storage (``set_``, ``resize_``, ``resize_as_``);
+- higher-order operators (``torch.cond``...).
+
+Not seen: what bypasses torch's dispatcher (``.numpy()``, ``.tolist()`` of a CPU tensor,
+``data_ptr()``); such reads happen once, at record time, like every Python statement.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from cgraw.errors import SkipCall
+from cgraw.interop.torch import observe
+from cgraw.trees.arrays import EAGER, TORCH, out_spec, replace_leaves, unflatten
+from cgraw.trees.nodes import ModeRewarm, Rewarm, Warm
+from cgraw.trees.recording import EXTERNAL, OWNED, InputAlias
+from torch_cpu_backend import CpuTorchBackend
+
+aten = torch.ops.aten
+
+
+class CannotEmulate(RuntimeError):
+    """An op (or a change of a tensor between replays) the emulator cannot replay faithfully."""
+
+
+class HostRead(CannotEmulate):
+    """A device value read on the host during a recording: a CUDA stream capture refuses it."""
+
+
+_STORAGE_SWAPS = {"set_", "resize_", "resize_as_", "resize_as_sparse_", "_resize_output_"}
+_UNWRITTEN = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
+_VALUE_SHAPED = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+
+
+def _tensors(x) -> list:
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+
+
+def _storage_ptr(t) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _kind(func) -> str:
+    """How a replay treats ``func``: 'run' (mutable: again, in place), 'view' (kept), 'skip'
+    (unwritten memory) or 'copy' (again, into the recorded result). Raises what it cannot replay."""
+    if not isinstance(func, torch._ops.OpOverload):
+        raise CannotEmulate(f"{func} is not an aten op (a higher-order operator): the emulator cannot replay it")
+    name = func._schema.name.split("::")[-1]
+    if func is aten._local_scalar_dense.default or any(t in func.tags for t in _VALUE_SHAPED):
+        raise HostRead(f"{func} reads a device value on the host (or makes a value-dependent shape)")
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        raise CannotEmulate(f"{func} draws random numbers: the emulator does not model cgraw's generators")
+    if name in _STORAGE_SWAPS:
+        raise CannotEmulate(f"{func} may give a tensor new storage: a graph's addresses are fixed")
+    if func._schema.is_mutable:
+        return "run"
+    if func.is_view or any(r.alias_info is not None for r in func._schema.returns):
+        return "view"
+    if name in _UNWRITTEN:
+        return "skip"
+    return "copy"
+
+
+class _Op:
+    __slots__ = ("func", "args", "kwargs", "out", "kind")
+
+    def __init__(self, func, args, kwargs, out, kind):
+        self.func, self.args, self.kwargs, self.out, self.kind = func, args, kwargs, out, kind
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} {self.func}>"
+
+
+class GraphRecorder(TorchDispatchMode):
+    """Logs every aten op while active; ``outside`` holds the tensors read that it did not make."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[_Op] = []
+        self.made: set[int] = set()  # ids of the tensors ops returned (kept alive by the log)
+        self.outside: dict[int, tuple] = {}  # id -> (tensor, storage address at record time)
+        self.before: dict[int, tuple] = {}  # storage address -> (storage, its contents before a write)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = _kind(func)
+        for t in _tensors((args, kwargs)):
+            if id(t) not in self.made and id(t) not in self.outside:
+                self.outside[id(t)] = (t, _storage_ptr(t))
+        if kind == "run":  # an in-place op: keep what it may overwrite of memory made outside
+            outside = {_storage_ptr(t) for t, _ in self.outside.values()}
+            for t in _tensors((args, kwargs)):
+                p = _storage_ptr(t)
+                if p in outside and p not in self.before:
+                    self.before[p] = (t.untyped_storage(), t.untyped_storage().clone())
+        out = func(*args, **kwargs)
+        if any(not isinstance(x, torch.Tensor) and x is not None for x in tree_flatten(out)[0]):
+            raise HostRead(f"{func} returned a Python value ({type(out).__name__}) to the host")
+        for t in _tensors(out):
+            self.made.add(id(t))
+        self.ops.append(_Op(func, args, kwargs, out, kind))
+        return out
+
+    def undo_writes(self) -> None:
+        """Put back what in-place ops wrote into memory made outside the recording."""
+        with torch.no_grad():
+            for storage, contents in self.before.values():
+                storage.copy_(contents)
+        self.before.clear()
+
+
+class CpuGraph:
+    """The op log of one recording; ``replay()`` runs it again at the recorded tensors."""
+
+    def __init__(self, recorder: GraphRecorder):
+        self.ops = recorder.ops
+        self.outside = list(recorder.outside.values())
+        self.made_storages = {_storage_ptr(t) for op in self.ops for t in _tensors(op.out)}
+        self.replays = 0
+
+    def made(self, t) -> bool:
+        """Whether ``t``'s memory was allocated inside the recording (a graph's own memory)."""
+        return _storage_ptr(t) in self.made_storages and not any(_storage_ptr(o) == _storage_ptr(t)
+                                                                 for o, _ in self.outside)
+
+    def replay(self) -> None:
+        for t, ptr in self.outside:
+            if _storage_ptr(t) != ptr:
+                raise CannotEmulate(f"a tensor the recording read moved (storage 0x{ptr:x} -> "
+                                    f"0x{_storage_ptr(t):x}): a graph would read its old address")
+        with torch.no_grad():
+            for op in self.ops:
+                if op.kind == "view" or op.kind == "skip":
+                    continue
+                res = op.func(*op.args, **op.kwargs)
+                if op.kind == "copy":
+                    for old, new in zip(_tensors(op.out), _tensors(res), strict=True):
+                        if old is not new:
+                            old.copy_(new)
+        self.replays += 1
+
+    def __repr__(self) -> str:
+        return f"<CpuGraph {len(self.ops)} ops, {len(self.outside)} tensors read from outside>"
+
+
+def record(fn, *args, **kwargs):
+    """Run ``fn`` once under a ``GraphRecorder``; returns ``(CpuGraph, fn's result)``."""
+    rec = GraphRecorder()
+    try:
+        with rec:
+            out = fn(*args, **kwargs)
+    finally:
+        rec.undo_writes()
+    return CpuGraph(rec), out
+
+
+# ---------------------------------------------------------------------- the tree backend
+
+
+class _ClosureReads(TorchDispatchMode):
+    """A warm-up's observer (as ``interop.torch.observe``'s, which sees CUDA tensors only): the
+    tensors read that are neither arguments nor made during the call. Holds them weakly."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.inputs = {id(t) for t in inputs}
+        self.made: set[int] = set()
+        self.seen: dict[int, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors((args, kwargs)):
+            i = id(t)
+            if i not in self.made and i not in self.inputs and i not in self.seen:
+                self.seen[i] = weakref.ref(t)
+        for t in _tensors(out):
+            self.made.add(id(t))
+        return out
+
+    def external(self, exclude) -> list:
+        skip = {id(t) for t in exclude}
+        return [t for i, r in self.seen.items()
+                if (t := r()) is not None and i not in skip and i not in self.made]
+
+
+class GraphRecording:
+    """A recording replayed by the emulator (``nodes.Replayable``); what ``recording.Recording``
+    holds on the GPU, minus the CUDA graph."""
+
+    grad = None  # calls with grad go to CpuTorchBackend's recordings
+    capture_ms = instantiate_ms = 0.0
+
+    def __init__(self, backend, fn):
+        self.backend, self.fn, self.name = backend, fn, fn.name
+        self.discarded = False
+        self.replays = 0
+        self.users: list = []
+
+    def replay(self, call, first=False):
+        why = None if first else self.stale()
+        return self.backend.replay_graph(self, call) if why is None else why
+
+    def stale(self):
+        """``recording.Recording.stale``: module reassignments, train/eval switches, moved closure tensors."""
+        if self.epoch != observe.epoch_now[0]:
+            return Rewarm("a module's parameter, buffer or submodule was reassigned since the recording")
+        if self.mode_epoch != observe.mode_epoch_now[0]:
+            return ModeRewarm("a module switched between training and evaluation since the recording")
+        if [t.data_ptr() for t in self.external] != self.ext_ptrs:
+            return Rewarm("a tensor the function reads through its closure moved")
+        return None
+
+
+class CpuGraphBackend(CpuTorchBackend):
+    """``CpuTorchBackend`` whose recordings are replayed by the emulator, as ``cuda_backend`` and
+    ``recording`` replay a graph: eager inputs copied into placeholders, the op log replayed,
+    written eager inputs copied back, outputs handed out as aliases of the recording's tensors
+    (owned), rebuilt from the caller's input (an input or a view of one), or as they are (a
+    closure tensor returned). A call made with grad enabled that autograd records is recorded by
+    ``CpuTorchBackend`` (Python runs again on its replays): the emulator leaves autograd out.
+    """
+
+    def __init__(self):
+        super().__init__()
+        observe.install_module_hooks()  # module reassignments and train/eval switches are counted
+        self.graphs: list[CpuGraph] = []
+
+    def warmup(self, fn, call, args, kwargs):
+        epoch, mode = observe.epoch_now[0], observe.mode_epoch_now[0]
+        obs = _ClosureReads(call.leaves)
+        with obs:
+            w = super().warmup(fn, call, args, kwargs)
+        out_leaves: list = []
+        out_spec(w.out, out_leaves)
+        w.external = tuple(obs.external(list(call.leaves) + out_leaves)) + tuple(w.external)
+        w.epoch = epoch if observe.epoch_now[0] == epoch else -1
+        w.mode_epoch = mode if observe.mode_epoch_now[0] == mode else -1
+        return w
+
+    def record(self, fn, call, warm: Warm):
+        if call.grad and not warm.runs_backward:
+            return super().record(fn, call, warm)
+        self.log.append(("record", fn.name))
+        rec = GraphRecording(self, fn)
+        leaves, kinds = call.leaves, call.kinds
+        rec.placeholders = {j: t.detach().clone() for j, t in enumerate(leaves) if kinds[j] == EAGER}
+        rec.fixed = [(j, t, t.data_ptr()) for j, t in enumerate(leaves) if kinds[j] != EAGER]
+        args, kwargs = replace_leaves(call.arg_specs, call.kwarg_specs, leaves, rec.placeholders)
+        try:
+            with torch.no_grad():
+                rec.graph, out = record(fn.fn, *args, **kwargs)
+        except HostRead as exc:  # cuda_backend._skip_reason's words for the capture's error
+            raise SkipCall(f"host synchronisation during capture ({exc})") from None
+        self.graphs.append(rec.graph)
+        rec.out_leaves = []
+        rec.spec = out_spec(out, rec.out_leaves)
+        rec.out_kinds = [self._out_kind(rec, call, t) for t in rec.out_leaves]
+        rec.owned_idx = [i for i, k in enumerate(rec.out_kinds) if k is OWNED]
+        rec.out_ptrs = [rec.out_leaves[i].data_ptr() for i in rec.owned_idx]
+        rec.mutated = [j for j in warm.mutated if kinds[j] == EAGER]
+        rec.external = tuple(warm.external)
+        observe.watch(rec.external)
+        rec.ext_ptrs = [t.data_ptr() for t in rec.external]
+        rec.epoch = observe.epoch_now[0] if warm.epoch == observe.epoch_now[0] else -1
+        rec.mode_epoch = warm.mode_epoch
+        return rec
+
+    def _out_kind(self, rec, call, t):
+        """``cuda_backend._output_kinds``: an input or a view of one (``InputAlias``), memory the
+        recording made (OWNED), or anything else (EXTERNAL)."""
+        base = _storage_ptr(t)
+        for j, ph in rec.placeholders.items():
+            if _storage_ptr(ph) == base and ph.dtype == t.dtype:
+                return InputAlias(j, t, ph, TORCH)
+        for j, leaf, _ in rec.fixed:
+            if _storage_ptr(leaf) == base and leaf.dtype == t.dtype:
+                return InputAlias(j, t, leaf, TORCH)
+        return OWNED if rec.graph.made(t) else EXTERNAL
+
+    def first_replay(self, rec, call):
+        if not isinstance(rec, GraphRecording):
+            return super().first_replay(rec, call)
+        rec.users = [(u, u()) for u in (TORCH.users(rec.out_leaves[i]) for i in rec.owned_idx) if u is not None]
+        return rec.replay(call, first=True)
+
+    def replay_graph(self, rec: GraphRecording, call):
+        self.log.append(("replay", rec.name))
+        assert not rec.discarded
+        for j, leaf, ptr in rec.fixed:  # the tree promised these are where the recording read them
+            if call.leaves[j].data_ptr() != ptr:
+                raise CannotEmulate(f"input {j} of {rec.name} (read in place) moved; a graph reads its old address")
+        with torch.no_grad():
+            for j, ph in rec.placeholders.items():
+                ph.copy_(call.leaves[j])
+            rec.graph.replay()
+            for j in rec.mutated:  # the graph's copy-back nodes
+                call.leaves[j].copy_(rec.placeholders[j])
+        rec.replays += 1
+        outs = []
+        for t, k in zip(rec.out_leaves, rec.out_kinds):
+            if k is OWNED:
+                outs.append(t.detach())
+            elif k is EXTERNAL:
+                outs.append(t)
+            else:
+                outs.append(k.rebuild(call.leaves[k.j]))
+        return unflatten(rec.spec, iter(outs)), [outs[i] for i in rec.owned_idx]
+
+    def discard(self, rec):
+        rec.discarded = True
+        if isinstance(rec, GraphRecording):
+            observe.unwatch(rec.external)
