@@ -16,7 +16,8 @@
 #                tier in four shards, the random walk, the gc-stress tier without third-party tests (in four shards),
 #                the tier with cuda-bindings 12.9.10 (when build/cb12/*.whl was carried; CGRAW_CB12_FILES
 #                picks test files, default all) and memcheck of CGRAW_MEMCHECK_FILES (default
-#                tests/gpu/test_rebind.py); the soak reads device-wide memory, so run "slow" alone after it
+#                tests/gpu/test_rebind.py), then tools.call_walk --device; the soak reads device-wide memory,
+#                so run "slow" alone after it
 #         segv   diagnose an abort of the one-process tier: the tier without third-party
 #                tests in one process, five ways at once (all files, and four runs each without some
 #                files, to bisect), each with tools/diag's native backtrace handler and per-test
@@ -74,6 +75,8 @@ if has parallel; then
   timeout 540 $SANITIZE $PYTEST -m "gpu and not slow and not third_party" ${CGRAW_MEMCHECK_FILES:-tests/gpu/test_rebind.py} \
     > "$L/memcheck.log" 2>&1 &
   wait
+  # the replay path of a graphed call, module by module, and its host time on the GPU
+  timeout 120 python3 -m tools.call_walk --device --time > "$L/call_walk.log" 2>&1
   for f in "$L"/*.log; do
     case "$f" in *_pip.log) continue;; esac
     summary="$summary

@@ -247,13 +247,9 @@ def _scaled(x):
     return x * SCALE
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a Python number read through the closure (a module global here) is baked into the recording: "
-    "after `SCALE = 3.0` the replay still multiplies by 2.0. docs/guides/graph-trees.md 'Closure "
-    "tensors' says only that rebinding a Python variable to a new *tensor* is not seen; no guide "
-    "says that Python numbers (globals, module attributes, an optimizer's lr) read through the "
-    "closure keep their recorded value"))
-def test_a_closure_python_float_that_changes_matches_eager_or_the_guide_says_it_does_not(mgr):
+def test_a_closure_python_float_that_changes_keeps_its_recorded_value_as_the_guide_says(mgr):
+    """A Python number read through the closure (a module global) is part of the recording: a graph
+    replays without running Python. The graph-trees guide says so, next to the closure tensors."""
     global SCALE
     f = TorchFn(_scaled, mgr)
     try:
