@@ -1,0 +1,447 @@
+"""CPU tier: a graphed call returns what eager returns, whatever its arguments and outputs are.
+
+Two ways in. ``calls.inspect`` directly (the call's signature key and kinds, CPU tensors on
+"device 0") and the real ``TreeManager`` with the CPU stand-in of the CUDA backend
+(``torch_cpu_backend.CpuTorchBackend``). The stand-in re-runs the function's Python on every
+replay, with the arguments its recording was made with (``replace_leaves`` at record time), so it
+shows a Python value baked into a recording, but not one read through an object at replay time:
+where the CUDA backend would differ from it, a test checks the piece of the CUDA backend that
+decides (``TORCH.empty_layout``: a placeholder; ``CudaBackend._output_kinds``: how an output is
+handed out; ``InputAlias.rebuild``; ``out_spec``) and its docstring says what the GPU does.
+
+Behaviour that matches eager has a passing test; a divergence is an ``xfail(strict=True)`` whose
+reason names its cause.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch_cpu_backend import CpuTorchBackend, TorchFn, cpu_as_device0  # noqa: E402
+
+import cgraw  # noqa: E402
+from cgraw.errors import SkipCall  # noqa: E402
+from cgraw.trees import calls  # noqa: E402
+from cgraw.trees.arrays import out_spec  # noqa: E402
+from cgraw.trees.cuda_backend import CudaBackend  # noqa: E402
+from cgraw.trees.frameworks import TORCH  # noqa: E402
+from cgraw.trees.manager import TreeManager  # noqa: E402
+from cgraw.trees.recording import InputAlias  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+@pytest.fixture
+def dev0(monkeypatch):
+    with cpu_as_device0(monkeypatch):
+        yield
+
+
+@pytest.fixture
+def mgr(monkeypatch):
+    with cpu_as_device0(monkeypatch), torch.no_grad():
+        be = CpuTorchBackend()
+        m = TreeManager(be)
+        be.mgr = m
+        yield m
+
+
+_PLAIN = cgraw.graphed(lambda *a, **k: None)
+
+
+def _key(*args, fn=_PLAIN, **kwargs):
+    return calls.inspect(fn, args, kwargs, {}, 0).key
+
+
+def _calls(f, make_args, n=3, kwargs=None):
+    """``n`` calls of ``f`` (warm-up, recording, replays), each on fresh arguments: the results."""
+    return [f(*make_args(), **(kwargs or {})) for _ in range(n)]
+
+
+def _output_kinds(call, placeholders, outs):
+    """How the CUDA backend hands out ``outs`` of a recording of ``call`` (every placeholder in the pool)."""
+    fake = types.SimpleNamespace(_pool_owner=lambda: (lambda ptr: True))
+    return CudaBackend._output_kinds(fake, call, placeholders, outs)
+
+
+def _at_reused_address(free, old_id, make, tries=2000):
+    """After ``free()``, an object ``make()`` returns at address ``old_id`` (CPython reuses a freed
+    object's memory), or a fresh one when none lands there: then ``free`` did not free it."""
+    hold = []  # made before free(): a new list would take a freed list's memory first
+    free()
+    for _ in range(tries):
+        obj = make()
+        if id(obj) == old_id:
+            return obj
+        hold.append(obj)
+    return make()
+
+
+class _Color(enum.Enum):
+    RED = 1
+    BLUE = 2
+
+
+class _Settings:
+    """A plain object argument (equal only to itself)."""
+
+    def __init__(self, scale):
+        self.scale = scale
+        self.offsets = [0.5]
+
+
+# ---------------------------------------------------------------------- keys: what matches eager
+
+
+def test_bool_int_and_float_arguments_that_compare_equal_select_separate_recordings(dev0):
+    x = torch.randn(4)
+    keys = {_key(x, True), _key(x, 1), _key(x, 1.0), _key(x, 1 + 0j)}
+    assert len(keys) == 4  # the value's type is keyed with it: x * True, x * 1 and x * 1.0 differ in dtype
+    assert _key(x, (True, 2)) != _key(x, (1, 2))  # inside containers too
+    assert _key(x, _Color.RED) != _key(x, 1) and _key(x, _Color.RED) != _key(x, _Color.BLUE)
+
+
+def test_dtype_device_size_and_string_arguments_are_keyed_by_value(dev0):
+    x = torch.randn(4)
+    assert _key(x, torch.float16) == _key(x, torch.float16) != _key(x, torch.bfloat16)
+    assert _key(x, torch.device("cpu")) != _key(x, torch.device("meta"))
+    assert _key(x, torch.Size([2, 3])) != _key(x, torch.Size([3, 2]))
+    assert _key(x, torch.Size([2, 3])) != _key(x, (2, 3))
+    assert _key(x, "mean") != _key(x, "sum")
+
+
+def test_call_shapes_that_eager_tells_apart_have_different_keys(dev0):
+    x, y = torch.randn(4), torch.randn(4)
+    assert _key(x, None) != _key(x) != _key(x, s=None)  # None, missing, and by keyword
+    assert _key(x, y) != _key(x, s=y) != _key(x, t=y)  # positional or keyword, and the name
+    assert _key(x, ()) != _key(x, []) and _key(x, (y,)) != _key(x, [y]) != _key(x, y)
+    assert _key(x, y, 1) != _key(x, 1, y)  # tensors at different positions
+    assert _key([[x], y]) != _key([[x, y]]) and _key([x, [1]]) != _key([[x], 1])
+    assert _key({"a": x, "b": y}) != _key({"b": y, "a": x})  # dict order: the function sees it
+    nt = collections.namedtuple("nt", "a b")
+    assert _key(nt(x, y)) != _key((x, y))
+
+
+def test_tensor_layouts_dtypes_and_strides_are_keyed(dev0):
+    x = torch.randn(4, 6)
+    layouts = [x, x.t(), x[:, ::2], x[1:], x[0, 0], x[:0], torch.randn(1, 6).expand(4, 6),
+               x.to(torch.int64), x > 0, x.to(torch.complex64)]
+    keys = [_key(t) for t in layouts]
+    assert len(set(keys)) == len(keys)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (torch.tensor(2.5),),                                  # 0-dim
+    lambda: (torch.randn(0, 3),),                                  # zero elements
+    lambda: (torch.randn(6, 5).t(),),                              # transposed
+    lambda: (torch.randn(4, 8)[:, 1::3],),                         # gaps between elements
+    lambda: (torch.randn(1, 5).expand(4, 5),),                     # stride 0
+    lambda: (torch.randn(64)[40:48],),                             # far into its storage
+    lambda: (torch.arange(6), torch.tensor([True, False] * 3)),    # integer and bool
+    lambda: (torch.randn(5, dtype=torch.complex64),),              # complex
+], ids=["0-dim", "zero-size", "transposed", "gaps", "expanded", "offset", "int-bool", "complex"])
+def test_unusual_tensor_inputs_replay_what_eager_returns(mgr, make):
+    def fn(*ts):
+        return tuple(t * 2 + 1 for t in ts)
+
+    f = TorchFn(fn, mgr)
+    for _ in range(4):
+        args = make()
+        got = f(*args)
+        for g, want in zip(got, fn(*args)):
+            assert g.dtype == want.dtype and g.shape == want.shape and g.stride() == want.stride()
+            torch.testing.assert_close(g, want)
+    st = mgr.stats[f.fn_id]
+    assert (st.recordings, st.replays) == (1, 2)
+
+
+def test_the_same_tensor_in_two_positions_is_read_as_eager_reads_it(mgr):
+    f = TorchFn(lambda a, b: a * 2 + b.sum(), mgr)
+    for _ in range(4):
+        x = torch.randn(8)
+        torch.testing.assert_close(f(x, x), x * 2 + x.sum())
+
+
+def test_outputs_with_none_scalars_dicts_and_namedtuples_keep_their_structure(mgr):
+    Pair = collections.namedtuple("Pair", "lo hi")
+
+    def fn(x, n):
+        return {"pair": Pair(x.min(), x.max()), "n": n, "none": None, "rows": x.shape[0], "list": [x + 1]}
+
+    f = TorchFn(fn, mgr)
+    for n in (1, 1, 1, 2, 2):
+        x = torch.randn(5)
+        got, want = f(x, n), fn(x, n)
+        assert type(got["pair"]) is Pair and got["n"] == n and got["none"] is None and got["rows"] == 5
+        torch.testing.assert_close(got["pair"].hi, want["pair"].hi)
+        torch.testing.assert_close(got["list"][0], want["list"][0])
+
+
+def test_an_output_that_is_an_input_or_a_view_of_one_is_rebuilt_from_the_callers_input(dev0):
+    """``CudaBackend._output_kinds``: the input itself, and a same-dtype view of it, are handed out
+    from the caller's tensor on every call, sharing its memory as eager's do."""
+    x = torch.randn(4, 3)
+    call = calls.inspect(_PLAIN, (x,), {}, {}, 0)
+    ph = TORCH.empty_layout(x)
+    same, view = _output_kinds(call, {0: ph}, [ph, ph.t()[1:]])
+    assert isinstance(same, InputAlias) and same.rebuild(x) is x
+    v = view.rebuild(x)
+    assert torch.equal(v, x.t()[1:]) and v.data_ptr() == x.t()[1:].data_ptr()
+
+
+# ---------------------------------------------------------------------- keys: divergences
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "-0.0 == 0.0, so the key part (float, -0.0) equals (float, 0.0) (arrays.flatten keys a scalar "
+    "as (type, value)) and a call with -0.0 replays the recording made with 0.0, whose kernels "
+    "hold +0.0"))
+def test_negative_zero_argument_selects_its_own_recording(mgr):
+    f = TorchFn(lambda x, s: torch.full_like(x, s), mgr)
+    for s in (0.0, 0.0, -0.0):  # warm-up and recording with 0.0, then -0.0
+        out = f(torch.randn(3), s)
+    assert torch.signbit(out).all()  # eager: torch.full_like(x, -0.0) is -0.0
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "float('nan') != float('nan'): a NaN argument made anew per call never equals the key it was "
+    "recorded under, so every call adds a node and warms up (never a replay), and the tree's "
+    "nodes grow by one per call"))
+def test_a_nan_argument_replays(mgr):
+    f = TorchFn(lambda x, s: torch.nan_to_num(x, nan=0.0) + s, mgr)
+    for _ in range(5):
+        out = f(torch.randn(3), float("nan"))
+        assert torch.isnan(out).all()
+    st = mgr.stats[f.fn_id]
+    assert st.replays >= 1 and len(mgr.roots) == 1, (st.warmups, st.recordings, len(mgr.roots))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "arrays.flatten keys a plain object as (type, the object itself, its attributes), and the "
+    "object equals only itself: an equal settings object made anew per call never matches, so "
+    "every call adds a node (holding the object) and warms up, never replaying"))
+def test_a_plain_object_made_anew_per_call_with_the_same_attributes_replays(mgr):
+    f = TorchFn(lambda x, s: x * s.scale, mgr)
+    for _ in range(4):
+        x = torch.randn(3)
+        torch.testing.assert_close(f(x, _Settings(2.0)), x * 2.0)
+    assert mgr.stats[f.fn_id].replays >= 1 and len(mgr.roots) == 1
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "calls.inspect keys and rebuilds keyword arguments in sorted name order (for k in "
+    "sorted(kwargs)), so the recording calls the function with its **kwargs sorted, where eager "
+    "keeps the caller's order; calls in either order also share one recording"))
+def test_keyword_arguments_reach_the_function_in_the_callers_order(mgr):
+    f = TorchFn(lambda **kw: torch.stack(list(kw.values())), mgr)
+    for _ in range(3):
+        b, a = torch.zeros(2), torch.ones(2)
+        torch.testing.assert_close(f(b=b, a=a), torch.stack([b, a]))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "arrays._attributes keys a plain object's number attributes by value without their type, so "
+    "scale = 1 and scale = 1.0 (or True) give equal keys and the second replays the recording "
+    "of the first: an integer result where eager returns a float one"))
+def test_a_plain_object_attribute_set_to_an_equal_number_of_another_type_selects_another_recording(mgr):
+    s = _Settings(1)
+    f = TorchFn(lambda x, s: x * s.scale, mgr)
+    for _ in range(2):
+        assert f(torch.arange(4), s).dtype == torch.int64
+    s.scale = 1.0
+    assert f(torch.arange(4), s).dtype == torch.float32  # eager: int tensor * 1.0 is float
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "arrays._attributes keys an attribute that is not a number or string by id() alone and keeps "
+    "no reference to it: once the list is freed, a new list at the same address gives an equal "
+    "key, and the call replays the recording made with the old list's values"))
+def test_a_plain_object_attribute_replaced_by_a_list_at_a_reused_address_selects_another_recording(dev0):
+    x, s = torch.randn(4), _Settings(1.0)
+    old = id(s.offsets)
+    first = _key(x, s)
+    s.offsets = _at_reused_address(lambda: setattr(s, "offsets", None), old, lambda: [0.9])
+    assert _key(x, s) != first
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "arrays.flatten keys an nn.Module argument as ('module', id(m)) plus its parameters and "
+    "buffers: a hyperparameter attribute (LeakyReLU.negative_slope, Dropout.p, eps) is not part "
+    "of the key, so changing it replays the recording made with the old value (the plain-object "
+    "rule, which keys number attributes, is not applied to modules)"))
+def test_a_module_argument_whose_hyperparameter_changes_selects_another_recording(dev0):
+    x, act = torch.randn(4), torch.nn.LeakyReLU(0.1)
+    before = _key(x, act)
+    act.negative_slope = 0.3
+    assert _key(x, act) != before
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "arrays.flatten keys an nn.Module argument by id() without keeping it alive: a module made "
+    "per call (f(x, nn.LeakyReLU(s))) that lands at a freed module's address, with no parameter "
+    "whose address could differ, replays the old module's recording"))
+def test_a_module_made_anew_at_a_reused_address_selects_another_recording(dev0):
+    x = torch.randn(4)
+    act = torch.nn.LeakyReLU(0.1)
+    old, first = id(act), _key(x, act)
+    holder = [act]
+    del act
+    new = _at_reused_address(holder.clear, old, lambda: torch.nn.LeakyReLU(0.5))
+    assert _key(x, new) != first
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
+    "buckets.padded_key takes every 3-tuple of the key for a tensor's (shape, strides, dtype), but "
+    "arrays.flatten keys a plain object as the 3-tuple (type, object, attributes): before a padded "
+    "tensor it is unpacked as a shape (TypeError: 'type' object is not iterable), which "
+    "calls.inspect does not turn into SkipCall, so the graphed call raises"))
+def test_a_plain_object_argument_beside_a_padded_tensor_is_accepted(mgr):
+    class PadFn(TorchFn):
+        pad_buckets = (4, 8)
+        plain = False
+
+    f = PadFn(lambda s, x: x * s.scale, mgr)
+    s = _Settings(2.0)
+    for _ in range(3):
+        x = torch.randn(3, 2)
+        torch.testing.assert_close(f(s, x), x * 2.0)
+
+
+# ---------------------------------------------------------------------- tensors: divergences
+
+
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+@pytest.mark.xfail(strict=True, reason=(
+    "a conjugate or negative view (x.conj(), torch._neg_view(x)) has the key and data pointer of "
+    "its base (frameworks._TorchOps.key: shape, strides, dtype), and the CUDA backend's memcpy node "
+    "copies its raw bytes into a placeholder without the bit (empty_layout: torch.empty): the "
+    "recording reads x where eager reads conj(x) or -x, and a recording made with x replays for "
+    "x.conj()"))
+def test_a_conjugate_or_negative_view_input_reaches_the_recording_with_its_values(dev0, bit):
+    if bit == "conj":
+        base = torch.randn(4, dtype=torch.complex64)
+        view = base.conj()
+    else:
+        base = torch.randn(4)
+        view = torch._neg_view(base)
+    assert TORCH.node_bytes(view) == view.numel() * view.element_size()  # moved by one memcpy node
+    ph = TORCH.empty_layout(view)
+    ph.untyped_storage().copy_(view.untyped_storage())  # what the memcpy node does: bytes
+    assert torch.equal(ph, view) and _key(view) != _key(base)
+
+
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+@pytest.mark.xfail(strict=True, reason=(
+    "an output that is a conjugate or negative view of an input is an InputAlias "
+    "(CudaBackend._output_kinds: same base, same dtype), and InputAlias.rebuild remakes it with "
+    "leaf.as_strided, which drops the bit: the call returns x where eager returns x.conj() or -x"))
+def test_an_output_that_is_a_conjugate_or_negative_view_of_an_input_keeps_its_values(dev0, bit):
+    x = torch.randn(4, dtype=torch.complex64) if bit == "conj" else torch.randn(4)
+    call = calls.inspect(_PLAIN, (x,), {}, {}, 0)
+    ph = TORCH.clone_layout(x)
+    out = ph.conj() if bit == "conj" else torch._neg_view(ph)
+    (kind,) = _output_kinds(call, {0: ph}, [out])
+    assert isinstance(kind, InputAlias)
+    want = x.conj() if bit == "conj" else -x
+    assert torch.equal(kind.rebuild(x), want)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Ops.view_of refuses a view of an input with another dtype (x.view(torch.int32), x.real, "
+    "torch.view_as_real(x)), so CudaBackend._output_kinds hands it out as an OWNED alias of the "
+    "placeholder: it does not share the caller's memory as eager's view does (writes to it miss x, "
+    "the next replay overwrites it, and it is poisoned when the generation ends)"))
+def test_an_output_that_views_an_input_as_another_dtype_shares_the_callers_memory(dev0):
+    x = torch.randn(4)
+    call = calls.inspect(_PLAIN, (x,), {}, {}, 0)
+    ph = TORCH.clone_layout(x)
+    (kind,) = _output_kinds(call, {0: ph}, [ph.view(torch.int32)])
+    assert isinstance(kind, InputAlias)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "CudaBackend._output_kinds matches outputs against placeholders only when call.bucket is None: "
+    "under pad_buckets an input returned as it is (padded or not) is handed out as an OWNED alias "
+    "of the recording's placeholder, not as the caller's tensor eager returns"))
+def test_under_padding_buckets_an_input_returned_as_it_is_is_the_callers_tensor(dev0):
+    f = cgraw.graphed(lambda x, scale: (x * scale, scale), pad_buckets=(4, 8))
+    x, scale = torch.randn(3, 2), torch.tensor(2.0)
+    call = calls.inspect(f, (x, scale), {}, {}, 0)
+    assert call.bucket == 4 and call.padded == {0}
+    ph_x, ph_scale = TORCH.empty((4, 2), x), TORCH.empty_layout(scale)
+    _, kind = _output_kinds(call, {0: ph_x, 1: ph_scale}, [ph_x * ph_scale, ph_scale])
+    assert isinstance(kind, InputAlias) and kind.rebuild(scale) is scale
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a torch.Tensor subclass argument is keyed as a plain tensor (shape, strides, dtype: no type), "
+    "and its placeholder is a plain torch.Tensor (empty_layout: torch.empty): a subclass with its "
+    "own __torch_function__ runs as a plain tensor in the recording, and a recording made with a "
+    "plain tensor replays for the subclass"))
+def test_a_tensor_subclass_argument_reaches_the_recording_as_its_class(dev0):
+    class Tagged(torch.Tensor):
+        pass
+
+    x = torch.randn(4)
+    t = x.as_subclass(Tagged)
+    assert type(TORCH.empty_layout(t)) is Tagged and _key(t) != _key(x)
+
+
+def test_a_parameter_subclass_argument_is_a_static_input(dev0):
+    class MyParam(torch.nn.Parameter):
+        pass
+
+    p = MyParam(torch.randn(3))
+    call = calls.inspect(_PLAIN, (p, torch.randn(3)), {}, {}, 0)
+    assert call.kinds == [calls.STATIC, calls.EAGER]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a placeholder never requires grad (CpuTorchBackend and CudaBackend.record: empty_layout; "
+    "requires_grad_ only for a backward inside the function), and under no_grad the key leaves "
+    "requires_grad out: a function that branches on x.requires_grad takes the other branch in "
+    "the recording than eager takes"))
+def test_an_input_that_requires_grad_is_seen_requiring_grad_under_no_grad(mgr):
+    f = TorchFn(lambda x: x * (2.0 if x.requires_grad else 3.0), mgr)
+    for _ in range(3):
+        x = torch.randn(4).requires_grad_()
+        torch.testing.assert_close(f(x), x.detach() * 2.0)
+
+
+# ---------------------------------------------------------------------- outputs: divergences
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "arrays.out_spec keeps an output it does not flatten (a plain object, a set) as a constant "
+    "('v', obj): every replay hands out the recording's own object, so two calls return the same "
+    "object, its tensors are never aliased per call nor poisoned when their generation ends, and "
+    "a replay silently overwrites what an earlier caller holds"))
+def test_an_output_object_holding_tensors_is_not_handed_out_again_unchanged():
+    y = torch.randn(3)
+    leaves: list = []
+    try:
+        spec = out_spec(types.SimpleNamespace(y=y), leaves)
+    except SkipCall:
+        return  # runs eagerly, with the reason: matches eager
+    assert spec[0] != "v" and leaves == [y]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Recording._outputs makes one alias per output leaf (t.detach()), so a function returning "
+    "(y, y) hands out two different tensor objects where eager returns one object twice: an "
+    "in-place metadata change (requires_grad_, t_, resize_) of one is not seen through the other"))
+def test_the_same_tensor_returned_twice_is_one_object():
+    from cgraw.trees.recording import OWNED, Recording
+
+    y = torch.randn(3)
+    rec = Recording("f")
+    rec.out_spec = out_spec((y, y), rec.out_leaves)
+    rec.out_kinds, rec.out_alias = [OWNED, OWNED], [t.detach for t in rec.out_leaves]
+    a, b = rec._outputs(None)
+    assert a is b
