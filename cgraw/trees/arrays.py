@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
+import struct
 import sys
 
 from cgraw.errors import SkipCall
@@ -87,7 +89,7 @@ def flatten(a, leaves, key, kinds, ptrs, ops_list, forced):
         key.append((dict, tuple(a)))
         return ("dict", dict, tuple(a), [flatten(v, leaves, key, kinds, ptrs, ops_list, forced) for v in a.values()])
     if _is_module(a):
-        key.append(("module", id(a)))
+        key.append(("module", a))  # the module itself: equal only to itself, kept alive by the key
         n0 = len(leaves)
         for x in list(a.parameters()) + list(a.buffers()):
             flatten(x, leaves, key, kinds, ptrs, ops_list, STATIC)
@@ -123,19 +125,46 @@ def flatten(a, leaves, key, kinds, ptrs, ops_list, forced):
     if t.__hash__ is object.__hash__ and not callable(a) and hasattr(a, "__dict__"):
         # a plain object equals only itself: its attributes by value, so that one set anew selects
         # another recording, as a changed scalar argument does
-        key.append((t, a, _attributes(a)))
+        key.append((t, (a, _attributes(a))))
     else:
-        key.append((t, a))
+        key.append(_value(a))
     return ("v", a)
 
 
 _VALUES = (int, float, bool, str, bytes, complex, type(None))
 
 
+def _value(v) -> tuple:
+    """A value's key part: its type, and floats by their bits (``-0.0`` is not ``0.0``, and a NaN
+    equals a NaN of the same bits)."""
+    t = type(v)
+    if t is float:
+        return (t, struct.pack("<d", v))
+    if t is complex:
+        return (t, struct.pack("<dd", v.real, v.imag))
+    return (t, v)
+
+
+class _Same:
+    """An attribute value in a key, equal only to itself and kept alive by the key (its address
+    cannot be reused by another value while the recording exists)."""
+
+    __slots__ = ("v",)
+
+    def __init__(self, v):
+        self.v = v
+
+    def __eq__(self, other):
+        return type(other) is _Same and other.v is self.v
+
+    def __hash__(self):
+        return id(self.v)
+
+
 def _attributes(a) -> tuple:
-    """``a``'s attributes, as a key part: numbers, strings and None as they are, anything else
-    (a tensor, a list, another object) by identity."""
-    return tuple((name, v if type(v) in _VALUES else ("id", id(v))) for name, v in sorted(vars(a).items()))
+    """``a``'s attributes, as a key part: numbers, strings and None by type and value, anything
+    else (a tensor, a list, another object) by identity."""
+    return tuple((name, _value(v) if type(v) in _VALUES else _Same(v)) for name, v in sorted(vars(a).items()))
 
 
 def rebuild(spec, it):
@@ -226,6 +255,9 @@ def _out_spec(x, leaves):
     if t.__module__ == "numpy" and t.__name__ == "ndarray":
         raise SkipCall("CPU tensors or ops: the function returns a NumPy array, which a replay "
                        "would return unchanged")
+    if not (t in _VALUES or isinstance(x, (enum.Enum, type)) or t.__module__ == "torch"):
+        raise SkipCall(f"the function returns a {t.__name__} object, which cgraw cannot take apart: a "
+                       "replay would hand out the recording's object again, tensors and all")
     return ("v", x)
 
 

@@ -29,6 +29,7 @@ import weakref
 
 from cgraw.trees import buckets
 from cgraw.trees.arrays import EAGER, LEAF, STATIC, TORCH, TREE, NoType, flatten
+from cgraw.trees.frameworks import CONJ_NEG
 from cgraw.errors import SkipCall
 
 __all__ = ["EAGER", "GRAD", "SHARED", "STATIC", "TREE", "Call", "InputPlan", "check_shared_writes",
@@ -143,7 +144,7 @@ class Call:
         self.ops = ops  # arrays.Ops per leaf
         self.arg_spans = arg_spans  # (first leaf, leaf count) of each positional argument
         self.arg_specs = arg_specs  # one spec per positional argument (arrays.flatten)
-        self.kwarg_specs = kwarg_specs  # [(name, spec)] in sorted name order, or None
+        self.kwarg_specs = kwarg_specs  # [(name, spec)] in the caller's order, or None
         self.bucket = None  # padding buckets (cgraw.trees.buckets): the bucket, the call's rows and
         self.rows = None  # the padded leaves, when the function has buckets and the call fits one
         self.padded = frozenset()
@@ -170,6 +171,8 @@ def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
                 p = a.data_ptr()
             except RuntimeError as exc:  # sparse, meta, ...: no storage to copy or read in place
                 raise SkipCall(f"a tensor input has no data pointer ({exc})") from None
+            if a.is_conj() or a.is_neg():
+                raise SkipCall(CONJ_NEG)
             leaves.append(a)
             key_parts.append((a.shape, a.stride(), a.dtype))
             kinds.append(STATIC if type(a) is P or id(a) in _static_ids else (TREE if p in tree_outputs else EAGER))
@@ -183,7 +186,7 @@ def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
     kwarg_specs = None
     if kwargs:
         kwarg_specs = []
-        for k in sorted(kwargs):
+        for k in kwargs:  # the caller's order: a function taking **kwargs sees them so
             key_parts.append(k)
             kwarg_specs.append((k, flatten(kwargs[k], leaves, key_parts, kinds, ptrs, ops, None)))
     dev = None
@@ -244,6 +247,8 @@ def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
             p = a.data_ptr()
             ptrs = [p]
             parts = [(a.shape, a.stride(), a.dtype)]
+            if a.is_conj() or a.is_neg():
+                raise SkipCall(CONJ_NEG)
             if a.get_device() != device:
                 _wrong_device(args, device)
             if type(a) is _tensor[1] or (_static_ids and id(a) in _static_ids):
@@ -253,6 +258,8 @@ def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
         else:
             ptrs = [a.data_ptr() for a in args]
             parts = [(a.shape, a.stride(), a.dtype) for a in args]
+            if any(a.is_conj() or a.is_neg() for a in args):
+                raise SkipCall(CONJ_NEG)
             for a in args:
                 if a.get_device() != device:
                     _wrong_device(args, device)

@@ -82,6 +82,10 @@ class Ops:
         return None
 
 
+CONJ_NEG = ("a conjugate or negative view input (x.conj(), torch._neg_view): a recording copies its memory, "
+            "not its values; call .resolve_conj() or .resolve_neg() first")
+
+
 class _TorchOps(Ops):
     __slots__ = ()
     name = "torch"
@@ -90,6 +94,8 @@ class _TorchOps(Ops):
     def check(self, t) -> None:
         if t.layout is not sys.modules["torch"].strided:
             raise SkipCall(f"sparse or other non-strided tensors ({t.layout}) are not supported")
+        if t.is_conj() or t.is_neg():
+            raise SkipCall(CONJ_NEG)
 
     def key(self, t):
         return (t.shape, t.stride(), t.dtype)
@@ -168,8 +174,8 @@ class _TorchOps(Ops):
     def view_of(self, leaf, out, base):
         """``out`` viewed ``base`` (a placeholder, or the leaf at record time); the same view of
         ``leaf``, which has ``base``'s layout. None when the view cannot be carried over."""
-        if out.dtype != base.dtype or leaf.dtype != base.dtype:
-            return None
+        if out.dtype != base.dtype or leaf.dtype != base.dtype or out.is_conj() or out.is_neg():
+            return None  # a conjugate or negative view's bit would be lost by as_strided
         if out is base:
             return leaf
         delta = out.storage_offset() - base.storage_offset()
