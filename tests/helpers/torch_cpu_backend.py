@@ -30,6 +30,18 @@ def cpu_as_device0(monkeypatch):
     yield
 
 
+@contextlib.contextmanager
+def cpu_tree(monkeypatch, backend_cls=None):
+    """A ``TreeManager`` over ``backend_cls`` (``CpuTorchBackend``), CPU tensors on device 0, no grad."""
+    from cgraw.trees.manager import TreeManager
+
+    with cpu_as_device0(monkeypatch), torch.no_grad():
+        be = (backend_cls or CpuTorchBackend)()
+        mgr = TreeManager(be)
+        be.mgr = mgr
+        yield mgr
+
+
 class TorchFn:
     """Stands in for ``GraphedFunction``: ``params`` are the closure tensors its warm-up "observes"."""
 

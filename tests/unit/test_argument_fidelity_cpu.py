@@ -23,7 +23,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch_cpu_backend import CpuTorchBackend, TorchFn, cpu_as_device0  # noqa: E402
+from torch_cpu_backend import TorchFn, cpu_as_device0, cpu_tree  # noqa: E402
 
 import cgraw  # noqa: E402
 from cgraw.errors import SkipCall  # noqa: E402
@@ -31,7 +31,6 @@ from cgraw.trees import calls  # noqa: E402
 from cgraw.trees.arrays import out_spec  # noqa: E402
 from cgraw.trees.cuda_backend import CudaBackend  # noqa: E402
 from cgraw.trees.frameworks import TORCH  # noqa: E402
-from cgraw.trees.manager import TreeManager  # noqa: E402
 from cgraw.trees.recording import InputAlias  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -45,10 +44,7 @@ def dev0(monkeypatch):
 
 @pytest.fixture
 def mgr(monkeypatch):
-    with cpu_as_device0(monkeypatch), torch.no_grad():
-        be = CpuTorchBackend()
-        m = TreeManager(be)
-        be.mgr = m
+    with cpu_tree(monkeypatch) as m:
         yield m
 
 

@@ -19,9 +19,9 @@ torch = pytest.importorskip("torch")
 
 import test_shared_inputs_cpu as shared  # noqa: E402
 from cpu_graph import CannotEmulate, CpuGraphBackend, GraphRecording, HostRead, record  # noqa: E402
-from torch_cpu_backend import TorchFn, cpu_as_device0  # noqa: E402
+from torch_cpu_backend import TorchFn, cpu_tree  # noqa: E402
 
-from cgraw.trees.manager import NodeState, TreeManager  # noqa: E402
+from cgraw.trees.manager import NodeState  # noqa: E402
 
 pytestmark = pytest.mark.torch
 GUIDE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides" / "graph-trees.md"
@@ -33,10 +33,7 @@ def same(a, b):
 
 @pytest.fixture
 def mgr(monkeypatch):
-    with cpu_as_device0(monkeypatch), torch.no_grad():
-        be = CpuGraphBackend()
-        m = TreeManager(be)
-        be.mgr = m
+    with cpu_tree(monkeypatch, CpuGraphBackend) as m:
         torch.manual_seed(7)
         yield m
 

@@ -15,20 +15,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch_cpu_backend import CpuTorchBackend, TorchFn, cpu_as_device0  # noqa: E402
+from torch_cpu_backend import TorchFn, cpu_tree  # noqa: E402
 
 from cgraw.trees import calls  # noqa: E402
-from cgraw.trees.manager import NodeState, TreeManager  # noqa: E402
+from cgraw.trees.manager import NodeState  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
 
 @pytest.fixture
 def mgr(monkeypatch):
-    with cpu_as_device0(monkeypatch), torch.no_grad():
-        be = CpuTorchBackend()
-        m = TreeManager(be)
-        be.mgr = m
+    with cpu_tree(monkeypatch) as m:
         yield m
 
 
