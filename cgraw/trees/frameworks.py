@@ -96,6 +96,10 @@ class _TorchOps(Ops):
             raise SkipCall(f"sparse or other non-strided tensors ({t.layout}) are not supported")
         if t.is_conj() or t.is_neg():
             raise SkipCall(CONJ_NEG)
+        torch = sys.modules["torch"]
+        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            raise SkipCall(f"a tensor subclass input ({type(t).__name__}): a recording's placeholders are plain "
+                           "tensors, so its own behaviour would not run in the graph")
 
     def key(self, t):
         return (t.shape, t.stride(), t.dtype)
