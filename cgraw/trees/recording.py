@@ -125,6 +125,7 @@ class Recording:
         "out_kinds",  # per output leaf: OWNED, EXTERNAL or an InputAlias
         "out_alias",  # per output leaf: the bound alias maker of an OWNED one (t.detach, a.view), else None
         "out_spec",  # arrays.out_spec of the output structure
+        "out_same",  # [(i, first)]: output leaf i is output leaf first (a function returning (y, y))
         "owned_idx",  # indices of the OWNED outputs
         "out_ptrs",  # data pointers of the OWNED outputs (tree-output inputs of later calls)
         "users",  # [(users, baseline)] of the OWNED outputs' memory (frameworks.Ops.users): in use while above
@@ -155,7 +156,7 @@ class Recording:
         self.rebinds, self.input_notes, self.proof = [], {}, None
         self.in_pool = self.stage = None
         self.staged = []
-        self.out_leaves, self.out_kinds, self.out_alias = [], [], []
+        self.out_leaves, self.out_kinds, self.out_alias, self.out_same = [], [], [], ()
         self.owned_idx, self.out_ptrs, self.users = [], [], []
         self.out_spec = self.alias0 = self.bucket = None
         self.padded = frozenset()
@@ -266,4 +267,12 @@ class Recording:
                 outs.append(t)
             else:
                 outs.append(k.rebuild(call.leaves[k.j]))
+        for i, first in self.out_same:  # one object returned twice is one object, as eager returns it
+            outs[i] = outs[first]
         return outs
+
+
+def repeated_leaves(leaves) -> tuple:
+    """``(i, first)`` of each leaf that is the same object as an earlier leaf ``first``."""
+    seen: dict = {}
+    return tuple((i, seen[id(t)]) for i, t in enumerate(leaves) if seen.setdefault(id(t), i) != i)

@@ -260,6 +260,20 @@ def test_a_plain_object_argument_set_anew_matches_eager():
         torch.testing.assert_close(f(x, s), x * scale + 1.0)
 
 
+def test_a_tensor_returned_twice_is_one_object_on_every_call():
+    def twice(x):
+        y = x * 2.0
+        return y, y, x
+
+    f = cgraw.graphed(twice)
+    for _ in range(4):
+        cgraw.mark_step_begin()
+        x = trand(64)
+        a, b, c = f(x)
+        assert a is b and c is x
+        torch.testing.assert_close(a, x * 2.0)
+
+
 def test_cupy_graphed_and_mixed():
     def body(a):
         return cp.tanh(a) * 2.0 + a
