@@ -139,13 +139,21 @@ class TreeManager(TreeAutograd, TreePool):
         """``call`` unchecked: ``cgraw.graphed`` hands each thread only its own trees."""
         book = self.book
         if self.current is not None and fn.fn_id in self.root_fns and not (book.tickets and book.pending()):
-            deferred = self._begin_step(args)  # the inference rule: a root function begins a step
-            try:
-                return self._call(fn, args, kwargs)
-            finally:
-                if deferred:
-                    self.backend.end_generation(deferred, None)
+            return self._call_in_new_step(fn, args, kwargs)  # the inference rule: a root function begins a step
         return self._call(fn, args, kwargs)
+
+    def _call_in_new_step(self, fn, args, kwargs):
+        """Begin a generation, then the call; eagerly when a function writing its inputs gets an
+        output of the ending generation (``h = f(h)``): a replay's copy back would land on its own output."""
+        deferred = self._begin_step(args)
+        try:
+            if deferred and getattr(fn, "writes_inputs", False):
+                return self._eager_call(fn, "it writes an input that is an output of the ending generation "
+                                        "(h = f(h)), where the replay writes its own outputs", args, kwargs)
+            return self._call(fn, args, kwargs)
+        finally:
+            if deferred:
+                self.backend.end_generation(deferred, None)
 
     def _begin_step(self, args) -> list:
         """Start a generation for a call of a root function. Outputs of the ending generation
@@ -155,10 +163,8 @@ class TreeManager(TreeAutograd, TreePool):
         handed = self.outs.take()
         if config.generation_cloning is None and handed:
             ids = tree_nodes.arg_ids(args)
-            rest = []
-            for item in handed:
-                (keep if id(item[1]) in ids else rest).append(item)
-            handed = rest
+            keep = [item for item in handed if id(item[1]) in ids]
+            handed = [item for item in handed if id(item[1]) not in ids]
         self._end_generation(handed)
         return keep
 
@@ -261,12 +267,7 @@ class TreeManager(TreeAutograd, TreePool):
         self._stats(fn).promoted = True
         if self.book.tickets and self.book.pending():
             log.warning(promotion_note(fn.name, config.path_repeat_limit))
-        deferred = self._begin_step(args)
-        try:
-            return self._call(fn, args, kwargs)
-        finally:
-            if deferred:
-                self.backend.end_generation(deferred, None)
+        return self._call_in_new_step(fn, args, kwargs)
 
     def _stats(self, fn) -> FunctionStats:
         st = self.stats.get(fn.fn_id)

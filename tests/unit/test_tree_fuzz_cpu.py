@@ -204,7 +204,6 @@ def run_seed(mgr, seed):
         for c, (fi, srcs, drop) in enumerate(calls):
             fn = fns[fi]
             args: list[Twin] = []
-            begins = mgr.current is not None and graphed[fi].fn_id in mgr.root_fns
             for p, src in enumerate(srcs):
                 live = [t for t in step_outs if not ended(t)]
                 old = [t for t in held if not ended(t)]
@@ -226,11 +225,6 @@ def run_seed(mgr, seed):
                 # fine: they run eagerly, as the guide says).
                 if fn.writes and any(b is not a and _sp(b.real) == _sp(a.real)
                                        and (a.origin, b.origin) != ("fresh", "fresh") for b in args):
-                    a = fresh(f"s{step}c{c}a{p}")
-                # Excluded, a defect (xfail: test_a_root_function_writing_its_argument_fed_its_
-                # previous_output_matches_eager): a call that begins a generation (the inference
-                # rule) and writes an argument in the memory of the ending one gets wrong outputs.
-                if p in fn.writes and begins and a.origin == "owned":
                     a = fresh(f"s{step}c{c}a{p}")
                 args.append(a)
             where = f"seed {seed} step {step} call {c} ({fn.__name__} {fn.desc}, args {[a.what for a in args]})"
@@ -292,15 +286,9 @@ def test_the_fuzz_replays_most_calls_and_runs_few_eagerly(monkeypatch):
     assert replays > calls // 3, (replays, eager, calls)
 
 
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="h = f(h) with f writing h in place: the call begins a generation (the inference rule) and "
-    "h, an output of the ending one, is copied in as an eager input; it lies in the memory of this "
-    "recording's own output, so the copy-back of the written input after the replay overwrites the "
-    "new output (h * 2.0) with the input's written value (h + 1.0)",
-)
 def test_a_root_function_writing_its_argument_fed_its_previous_output_matches_eager(monkeypatch):
+    """``h = f(h)`` with ``f`` writing ``h`` in place: ``h`` is an output of the ending generation,
+    in the memory where the replay writes its own output, so such a call runs eagerly."""
     def f(h):
         out = h * 2.0
         h.add_(1.0)
