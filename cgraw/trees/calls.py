@@ -12,6 +12,10 @@ calls it for every call; backends only read what it decides.
 - ``InputPlan``: what a recording assumed of its inputs (kinds, addresses read in place);
   ``moved`` says why a call no longer fits it.
 - ``declared_mutations``: the eager leaves of the positions a function declared in ``mutates``.
+- inputs sharing memory (``shared_memory``): once a warm-up shows a function writing an eager
+  input (``writes_inputs``), the key of each of its calls notes which inputs overlap an eager one,
+  and ``check_shared_writes`` refuses to record such a call when a written input is among them;
+  ``unseen_eager`` says when a warm-up read in place an input that is now eager (warm up again).
 - padding buckets (``cgraw.trees.buckets``): the bucket a call is recorded under, part of its key.
 - grad mode (``use_grad_mode``): with autograd recording, the key gains ``(GRAD, indices of the
   leaves that require grad)``, so calls under ``torch.no_grad()`` select recordings of their own
