@@ -92,11 +92,11 @@ class _TorchOps(Ops):
     poisonable = True
 
     def check(self, t) -> None:
-        if t.layout is not sys.modules["torch"].strided:
+        torch = sys.modules["torch"]
+        if t.layout is not torch.strided:
             raise SkipCall(f"sparse or other non-strided tensors ({t.layout}) are not supported")
         if t.is_conj() or t.is_neg():
             raise SkipCall(CONJ_NEG)
-        torch = sys.modules["torch"]
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             raise SkipCall(f"a tensor subclass input ({type(t).__name__}): a recording's placeholders are plain "
                            "tensors, so its own behaviour would not run in the graph")
