@@ -29,6 +29,7 @@ calls it for every call; backends only read what it decides.
 
 from __future__ import annotations
 
+import operator
 import weakref
 
 from cgraw.trees import buckets
@@ -43,6 +44,7 @@ __all__ = ["EAGER", "GRAD", "SHARED", "STATIC", "TREE", "Call", "InputPlan", "ch
 _static_ids: dict[int, object] = {}  # id(array) -> weakref, filled by mark_static
 _tensor = [NoType, NoType]  # [torch.Tensor, torch.nn.Parameter] once torch is loaded: the exact-type fast path
 _grad_mode: list = [None]  # [a probe: does autograd record now?] (torch.is_grad_enabled), or [None]
+_call = operator.call
 _kernel: list = [None, ()]  # [interop.torch.kernel_state.KernelState, its getters of every group], or [None, ()]
 
 
@@ -161,6 +163,8 @@ def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
     Raises ``SkipCall`` for arguments a graph cannot take."""
     T, P = _tensor
     if not kwargs and fn.plain:
+        if len(args) == 1 and type(args[0]) is T:  # the hottest path: one tensor
+            return _inspect_tensor(fn, args, tree_outputs, device)
         for a in args:
             if type(a) is not T and type(a) is not P:
                 break
@@ -229,11 +233,60 @@ def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
         call.key = call.key + (_grad_entry(leaves, kinds),)
     ks = _kernel[0]
     if ks is not None:
-        call.key = call.key + (ks.state(getattr(fn, "kernel_getters", None) or _kernel[1]),)
+        call.key = call.key + (_settings_id(ks, getattr(fn, "kernel_getters", None) or _kernel[1]),)
     return call
 
 
+def _settings_id(ks, getters) -> int:
+    """``ks.state(getters)`` (``interop.torch.kernel_state.KernelState``), its common case inline:
+    the newest guard holds and these values have an id."""
+    recent = ks.recent
+    if recent:
+        newest = recent[0]
+        if newest[0].check():
+            sid = ks.ids.get((newest[1], tuple(map(_call, getters))))
+            if sid is not None:
+                return sid
+    return ks.state(getters)
+
+
 _PLAIN: dict[int, tuple] = {}  # n -> (ops, arg spans, arg specs) of n plain tensor arguments (shared, read-only)
+_ONE = ((TORCH,), ((0, 1),), (LEAF,))  # _PLAIN[1]
+
+
+def _inspect_tensor(fn, args, tree_outputs, device: int) -> Call:
+    """``_inspect_tensors`` of one exact ``torch.Tensor``: the same result, with the key made as
+    one tuple and ``_settings_id`` inline."""
+    a = args[0]
+    try:
+        p = a.data_ptr()
+    except RuntimeError as exc:  # sparse, meta, ...: no storage to copy or read in place
+        raise SkipCall(f"a tensor input has no data pointer ({exc})") from None
+    if a.is_conj() or a.is_neg():
+        raise SkipCall(CONJ_NEG)
+    if a.get_device() != device:
+        _wrong_device(args, device)
+    kinds = [STATIC if _static_ids and id(a) in _static_ids else (TREE if p in tree_outputs else EAGER)]
+    probe = _grad_mode[0]
+    grad = probe is not None and probe()
+    ks = _kernel[0]
+    if ks is None:
+        sid = None
+    else:  # _settings_id, inline
+        getters = getattr(fn, "kernel_getters", None) or _kernel[1]
+        recent = ks.recent
+        sid = ks.ids.get((recent[0][1], tuple(map(_call, getters)))) if recent and recent[0][0].check() else None
+        if sid is None:
+            sid = ks.state(getters)
+    part = (a.shape, a.stride(), a.dtype)
+    if grad:
+        entry = _NO_LEAF_GRAD if not a.requires_grad else _grad_entry(args, kinds)
+        key = (part, entry) if sid is None else (part, entry, sid)
+    else:
+        key = (part,) if sid is None else (part, sid)
+    call = Call(key, [a], kinds, [p], *_ONE)
+    call.grad = grad
+    return call
 
 
 def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
@@ -287,7 +340,7 @@ def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
         parts.append(_NO_LEAF_GRAD if n == 1 and not args[0].requires_grad else _grad_entry(args, kinds))
     ks = _kernel[0]
     if ks is not None:
-        parts.append(ks.state(getattr(fn, "kernel_getters", None) or _kernel[1]))
+        parts.append(_settings_id(ks, getattr(fn, "kernel_getters", None) or _kernel[1]))
     call = Call(tuple(parts), list(args), kinds, ptrs, *shared)
     call.grad = grad
     return call

@@ -4,6 +4,7 @@ recording's padded replay (``cgraw.trees.recording``)."""
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -261,14 +262,23 @@ def test_generation_end_poisons_the_torch_outputs_and_skips_cupy_ones(monkeypatc
 # ---------------------------------------------------------------------- the plain-tensor fast path
 
 
-def test_the_plain_tensor_fast_path_classifies_as_the_generic_path(torch_mod, monkeypatch):
+@pytest.mark.parametrize("keyed", ["bare", "grad_and_settings"])
+def test_the_plain_tensor_fast_path_classifies_as_the_generic_path(torch_mod, monkeypatch, keyed):
     """``calls.inspect`` takes a shortcut when every argument is an exact ``torch.Tensor`` or
-    ``nn.Parameter`` (no options): its Call must equal the generic path's, for tree outputs, marked
-    tensors and parameters (static) alike.
+    ``nn.Parameter`` (no options), and a shorter one for a single tensor: its Call must equal the
+    generic path's, for tree outputs, marked tensors and parameters (static) alike, and with grad
+    mode and the kernel-choosing settings in the key (grad on and off, inputs requiring grad,
+    settings flipped between calls).
     CPU tensors of a subclass that reports device 0 stand in for CUDA ones."""
     import random
 
     torch = torch_mod
+    if keyed == "grad_and_settings":
+        from cgraw.interop.torch.kernel_state import KernelState
+
+        monkeypatch.setattr(calls, "_grad_mode", [torch.is_grad_enabled])
+        ks = KernelState(torch)
+        monkeypatch.setattr(calls, "_kernel", [ks, ks.getters(None)])
 
     class OnDevice0(torch.Tensor):
         def get_device(self):
@@ -280,7 +290,11 @@ def test_the_plain_tensor_fast_path_classifies_as_the_generic_path(torch_mod, mo
 
     def arg():
         t = torch.randn(rng.choice([(4,), (2, 3), (3, 2)]))
-        return ParamOnDevice0(t, requires_grad=False) if rng.random() < 0.25 else t.as_subclass(OnDevice0)
+        grad = keyed != "bare" and rng.random() < 0.3
+        if rng.random() < 0.25:
+            return ParamOnDevice0(t, requires_grad=grad)
+        t = t.as_subclass(OnDevice0)
+        return t.requires_grad_() if grad else t
 
     monkeypatch.setattr(calls, "_tensor", [OnDevice0, ParamOnDevice0])  # the exact types of the fast path
     rng = random.Random(7)
@@ -293,8 +307,17 @@ def test_the_plain_tensor_fast_path_classifies_as_the_generic_path(torch_mod, mo
         marked = [calls.mark_static(a) for a in args if rng.random() < 0.2]
         fast_fn, generic_fn = _fn(), _fn()
         generic_fn.plain = False  # the same function, made to take the generic path
-        fast = calls.inspect(fast_fn, args, {}, tree_outputs, 0)
-        generic = calls.inspect(generic_fn, args, {}, tree_outputs, 0)
+        with contextlib.ExitStack() as stack:
+            if keyed != "bare":
+                if rng.random() < 0.5:
+                    stack.enter_context(torch.no_grad())
+                if rng.random() < 0.3:
+                    stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+                if rng.random() < 0.3:
+                    stack.enter_context(torch.inference_mode())
+            fast = calls.inspect(fast_fn, args, {}, tree_outputs, 0)
+            generic = calls.inspect(generic_fn, args, {}, tree_outputs, 0)
+        assert fast.grad == generic.grad, trial
         for field in ("key", "kinds", "ptrs", "arg_spans", "arg_specs", "kwarg_specs", "bucket", "rows", "padded"):
             assert list(getattr(fast, field) or []) == list(getattr(generic, field) or []), (trial, field)
         assert list(fast.ops) == list(generic.ops) and all(o is calls.TORCH for o in fast.ops)

@@ -108,12 +108,12 @@ def test_dynamos_guard_is_used_when_it_sees_the_settings():
     assert ks._guard_cls is not None
     g = ks.getters(frozenset())
     a = ks.state(g)
-    n_guards = len(ks._recent)
+    n_guards = len(ks.recent)
     for _ in range(5):
         with torch.autocast("cpu"):
             b = ks.state(g)
         assert ks.state(g) == a
-    assert b != a and len(ks._recent) == n_guards + 1
+    assert b != a and len(ks.recent) == n_guards + 1
 
 
 def test_groups_of_ops():

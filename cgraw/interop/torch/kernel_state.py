@@ -62,12 +62,14 @@ class KernelState:
         self._guarded_getters = getters["guarded"]
         self._groups = {g: getters[g] for g in GROUPS}
         self._devices = tuple(d for d in ("cuda", "cpu") if _autocast_readable(torch, d))
-        self._ids: dict = {}  # values -> id
+        # public for ``trees.calls``, which inlines ``state``'s common case (the newest guard holds):
+        # ``ids[(recent[0][1], tuple(g() for g in getters))]``
+        self.ids: dict = {}  # values -> id
         self._by_groups: dict = {}  # groups -> the getters read per call
         guard = private_api.global_state_guard()
         self._guard_cls = guard if guard is not None and _guard_sees_changes(torch, guard) else None
-        self._recent: list = []  # [(guard, id of the values it covers)], newest first; never emptied
-        self._lock = threading.Lock()  # threads change _recent and _ids one at a time
+        self.recent: list = []  # [(guard, id of the values it covers)], newest first; never emptied
+        self._lock = threading.Lock()  # threads change recent and ids one at a time
 
     # ------------------------------------------------------------------ per call
 
@@ -83,14 +85,14 @@ class KernelState:
 
     def state(self, getters) -> int:
         """The id of the current settings: the guarded ones and ``getters``' values."""
-        recent = self._recent
+        recent = self.recent
         gid = recent[0][1] if recent and recent[0][0].check() else self._guarded()
         values = (gid, tuple(map(_call, getters)))
         try:
-            return self._ids[values]
+            return self.ids[values]
         except KeyError:
             with self._lock:
-                return self._ids.setdefault(values, len(self._ids))
+                return self.ids.setdefault(values, len(self.ids))
 
     def _guarded(self) -> int:
         """The id of the settings dynamo's guard covers, from a recent guard that still holds or
@@ -99,7 +101,7 @@ class KernelState:
             return self._guarded_locked()
 
     def _guarded_locked(self) -> int:
-        recent = self._recent
+        recent = self.recent
         for k in range(1, len(recent)):
             if recent[k][0].check():
                 recent.insert(0, recent.pop(k))
@@ -108,7 +110,7 @@ class KernelState:
         values = (torch.get_default_dtype(), torch.is_autocast_cache_enabled(),
                   *[torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None for d in self._devices],
                   *map(_call, self._guarded_getters))
-        gid = self._ids.setdefault(values, len(self._ids))
+        gid = self.ids.setdefault(values, len(self.ids))
         if self._guard_cls is not None:
             recent.insert(0, (self._guard_cls(), gid))
             del recent[_RECENT:]
