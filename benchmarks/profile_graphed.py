@@ -81,7 +81,7 @@ def _pieces(g, xs, xs2, ts):
     import torch
 
     from cgraw import _cuda
-    from cgraw.trees import calls
+    from cgraw.trees import calls, input_plan
     from cgraw.runtime import stream as _streams
     from cgraw.trees.graphed import _managers
 
@@ -149,7 +149,7 @@ def _pieces(g, xs, xs2, ts):
         node = node_of()
         call = calls.inspect(g, args, {}, mgr.tree_outputs, mgr.device_index)
         rec = node.recording
-        return _calls(lambda: calls.moved(node.plan, call) or rec.stale())
+        return _calls(lambda: input_plan.moved(node.plan, call) or rec.stale())
 
     def patch():
         rec = rec_of()
@@ -253,7 +253,7 @@ def _pieces(g, xs, xs2, ts):
     pieces["(baseline) an empty Python call in the loop"] = (empty_call, "baseline", None)
     pieces["current-stream lookup (stream.current_getter)"] = (stream_lookup, "piece", None)
     pieces["input inspection (calls.inspect)"] = (inspect, "piece", None)
-    pieces["recording check (calls.moved + Recording.stale)"] = (moved, "piece", None)
+    pieces["recording check (input_plan.moved + Recording.stale)"] = (moved, "piece", None)
     pieces["input-copy patch (cudaGraphExecMemcpyNodeSetParams1D)"] = (patch, "piece", None)
     pieces["output alias (rec.alias0: detach)"] = (alias, "piece", None)
     pieces["poisoning (backend.end_generation, 1 output)"] = (end_generation, "piece", None)
@@ -429,7 +429,7 @@ def main(argv=None) -> int:
         rep.add(piece=name, kind=kinds[name], us_per_call=statistics.median(v), p10_us=percentile(v, 0.1),
                 p90_us=percentile(v, 0.9), burst=args.burst, rounds=args.rounds)
     parts = ("Graph.replay() (current stream)", "input inspection (calls.inspect)",
-             "recording check (calls.moved + Recording.stale)", "output alias (rec.alias0: detach)",
+             "recording check (input_plan.moved + Recording.stale)", "output alias (rec.alias0: detach)",
              "poisoning (backend.end_generation, 1 output)")
     whole = "graphed call, same inputs"
     if whole in results and all(p in results for p in parts):

@@ -9,13 +9,13 @@ calls it for every call; backends only read what it decides.
   with ``cgraw.mark_static`` or ``torch._dynamo.mark_static_address``, positions in
   ``static_argnums``: read in place), *tree output* (an output of an earlier graphed call in this
   generation: read in place), *eager* (everything else: copied into a placeholder).
-- ``InputPlan``: what a recording assumed of its inputs (kinds, addresses read in place);
-  ``moved`` says why a call no longer fits it.
-- ``declared_mutations``: the eager leaves of the positions a function declared in ``mutates``.
-- inputs sharing memory (``shared_memory``): once a warm-up shows a function writing an eager
-  input (``writes_inputs``), the key of each of its calls notes which inputs overlap an eager one,
-  and ``check_shared_writes`` refuses to record such a call when a written input is among them;
-  ``unseen_eager`` says when a warm-up read in place an input that is now eager (warm up again).
+- fast paths with the same result: one exact tensor; exact tensors and parameters only; a function
+  whose caller asserts its inputs' layouts (``layouts_asserted``: the torch.compile backend's
+  partitions), keyed by the ``ASSERTED`` mark, each non-static tensor's shape and the sizes after
+  the tensors.
+- inputs sharing memory (``input_plan.shared_memory``): once a warm-up shows a function writing an
+  eager input (``writes_inputs``), the key of each of its calls notes which inputs overlap an eager
+  one. What a recording assumed of its inputs, and how a call differs, is ``trees.input_plan``.
 - padding buckets (``cgraw.trees.buckets``): the bucket a call is recorded under, part of its key.
 - grad mode (``use_grad_mode``): with autograd recording, the key gains ``(GRAD, indices of the
   leaves that require grad)``, so calls under ``torch.no_grad()`` select recordings of their own
@@ -35,11 +35,11 @@ import weakref
 from cgraw.trees import buckets
 from cgraw.trees.arrays import EAGER, LEAF, STATIC, TORCH, TREE, NoType, flatten
 from cgraw.trees.frameworks import CONJ_NEG
+from cgraw.trees.input_plan import SHARED, KeyMark, shared_memory
 from cgraw.errors import SkipCall
 
-__all__ = ["EAGER", "GRAD", "SHARED", "STATIC", "TREE", "Call", "InputPlan", "check_shared_writes",
-           "declared_mutations", "grad_enabled", "inspect", "learn_kernel_groups", "mark_static", "moved",
-           "shared_memory", "unseen_eager", "use_grad_mode", "use_kernel_state"]
+__all__ = ["ASSERTED", "EAGER", "GRAD", "SHARED", "STATIC", "TREE", "Call", "grad_enabled", "inspect",
+           "learn_kernel_groups", "mark_static", "shared_memory", "use_grad_mode", "use_kernel_state"]
 
 _static_ids: dict[int, object] = {}  # id(array) -> weakref, filled by mark_static
 _tensor = [NoType, NoType]  # [torch.Tensor, torch.nn.Parameter] once torch is loaded: the exact-type fast path
@@ -48,24 +48,8 @@ _call = operator.call
 _kernel: list = [None, ()]  # [interop.torch.kernel_state.KernelState, its getters of every group], or [None, ()]
 
 
-class _GradMark:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "GRAD"
-
-
-GRAD = _GradMark()  # heads the key entry of a call made with grad enabled: equal to no other key entry
-
-
-class _SharedMark:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "SHARED"
-
-
-SHARED = _SharedMark()  # heads the key entry of a call whose eager inputs share memory with other inputs
+GRAD = KeyMark("GRAD")  # heads the key entry of a call made with grad enabled: equal to no other key entry
+ASSERTED = KeyMark("ASSERTED")  # heads the key of a call of a function whose caller asserts its inputs' layouts
 
 
 def mark_static(x):
@@ -165,11 +149,19 @@ def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
     if not kwargs and fn.plain:
         if len(args) == 1 and type(args[0]) is T:  # the hottest path: one tensor
             return _inspect_tensor(fn, args, tree_outputs, device)
+        if fn.layouts_asserted:
+            return _inspect_asserted(fn, args, tree_outputs, device)
         for a in args:
             if type(a) is not T and type(a) is not P:
                 break
         else:  # the hot path: plain tensors only, no options (one pass per property, no generic dispatch)
             return _inspect_tensors(fn, args, tree_outputs, device)
+    return _inspect_general(fn, args, kwargs, tree_outputs, device)
+
+
+def _inspect_general(fn, args, kwargs, tree_outputs, device: int) -> Call:
+    """``inspect`` of any call: every argument flattened, every leaf checked."""
+    T, P = _tensor
     leaves, key_parts, kinds, ptrs, ops, specs, spans = [], [], [], [], [], [], []
     static_pos = fn.static_argnums
     for i, a in enumerate(args):
@@ -223,8 +215,15 @@ def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
         if chosen is not None:
             call.rows, call.bucket, call.padded = chosen
             call.key = buckets.padded_key(key_parts, leaves, call.padded, call.bucket)
+    _key_tail(fn, call, leaves, kinds, ptrs)
+    return call
+
+
+def _key_tail(fn, call: Call, leaves, kinds, ptrs) -> None:
+    """End ``call``'s key with the entries that do not describe one argument: inputs sharing
+    memory (a function writing its inputs), grad mode, the settings that choose kernels."""
     if len(leaves) > 1 and getattr(fn, "writes_inputs", False):
-        pairs = shared_memory(leaves, kinds, ptrs, ops)
+        pairs = shared_memory(leaves, kinds, ptrs, call.ops)
         if pairs:
             call.key = call.key + ((SHARED, pairs),)
     p = _grad_mode[0]
@@ -234,7 +233,6 @@ def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
     ks = _kernel[0]
     if ks is not None:
         call.key = call.key + (_settings_id(ks, getattr(fn, "kernel_getters", None) or _kernel[1]),)
-    return call
 
 
 def _settings_id(ks, getters) -> int:
@@ -346,6 +344,56 @@ def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
     return call
 
 
+def _inspect_asserted(fn, args, tree_outputs, device: int) -> Call:
+    """``inspect`` of a call of a function whose caller asserts its tensor inputs' sizes, strides
+    and dtypes before the call (``layouts_asserted``: the backend's partitions of Inductor's
+    compiled code, which begins with ``assert_size_stride`` on its inputs and allocates the rest
+    itself, under dynamo's guards; such code never hands a conjugate or negative view to its
+    kernels, and a partition's tensors share one device). Its key holds each non-static tensor's
+    shape (a size Inductor passes elsewhere than to this partition still selects a recording of its
+    own), and for ``nn.Parameter`` inputs nothing but their kind: a replay checks their addresses.
+    Arguments after the leading tensors (the partition's symbolic sizes) are keyed as ``inspect``
+    keys them. A call whose arguments do not start with a tensor takes ``inspect``'s general path."""
+    T, P = _tensor
+    n = 0
+    for a in args:
+        if type(a) is not T and type(a) is not P:
+            break
+        n += 1
+    if n == 0:
+        return _inspect_general(fn, args, {}, tree_outputs, device)
+    tensors = args[:n] if n < len(args) else args
+    try:
+        ptrs = [a.data_ptr() for a in tensors]
+    except RuntimeError as exc:  # sparse, meta, ...: no storage to copy or read in place
+        raise SkipCall(f"a tensor input has no data pointer ({exc})") from None
+    if tensors[0].get_device() != device:
+        _wrong_device(tensors, device)
+    if _static_ids:
+        kinds = [STATIC if type(a) is P or id(a) in _static_ids else (TREE if p in tree_outputs else EAGER)
+                 for a, p in zip(tensors, ptrs)]
+    else:
+        kinds = [STATIC if type(a) is P else (TREE if p in tree_outputs else EAGER) for a, p in zip(tensors, ptrs)]
+    parts = [ASSERTED, *[None if k is STATIC else a.shape for a, k in zip(tensors, kinds)]]
+    leaves = list(tensors)
+    shared = _PLAIN.get(n)
+    if shared is None:
+        shared = _PLAIN[n] = ((TORCH,) * n, tuple((j, 1) for j in range(n)), (LEAF,) * n)
+    ops, spans, specs = shared
+    if n < len(args):
+        ops, spans, specs = list(ops), list(spans), list(specs)
+        for a in args[n:]:
+            first = len(leaves)
+            specs.append(flatten(a, leaves, parts, kinds, ptrs, ops, None))
+            spans.append((first, len(leaves) - first))
+        if len(leaves) > n:  # an array among the sizes: the general path classifies it
+            return _inspect_general(fn, args, {}, tree_outputs, device)
+    call = Call(tuple(parts), leaves, kinds, ptrs, ops, spans, specs)
+    _key_tail(fn, call, leaves, kinds, ptrs)
+    return call
+
+
+
 def _wrong_device(args, device: int):
     """Raise the ``SkipCall`` of tensor arguments not all on ``device``."""
     d = next(d for d in (a.get_device() for a in args) if d != device)
@@ -354,70 +402,3 @@ def _wrong_device(args, device: int):
     if len({a.get_device() for a in args}) > 1:
         raise SkipCall("tensors on several devices")
     raise SkipCall(f"inputs on device {d}, but this tree is on device {device}")
-
-
-class InputPlan:
-    """What a recording assumed of its inputs: their kinds, and the addresses of the leaves it
-    reads in place (static and tree-output inputs), as ``(leaf index, pointer)``."""
-
-    __slots__ = ("kinds", "fixed")
-
-    def __init__(self, call: Call):
-        self.kinds = list(call.kinds)
-        self.fixed = [(j, p) for j, p in enumerate(call.ptrs) if call.kinds[j] != EAGER]
-
-
-def moved(plan: InputPlan, call: Call) -> str | None:
-    """Why ``call`` cannot replay a recording made under ``plan`` (a re-record reason), or None."""
-    if call.kinds != plan.kinds:
-        return f"input kinds changed (0 eager, 1 static, 2 tree output): {plan.kinds} -> {call.kinds}"
-    ptrs = call.ptrs
-    for j, p in plan.fixed:
-        if ptrs[j] != p:
-            what = "static input" if call.kinds[j] == STATIC else "tree-output input"
-            return f"{what} {j} moved from 0x{p:x} to 0x{ptrs[j]:x}"
-    return None
-
-
-def shared_memory(leaves, kinds, ptrs, ops) -> tuple:
-    """``(j, k)`` (``j < k``) of the leaves whose memory overlaps where one of them is eager (copied
-    into a recording's placeholder): ``f(x, x[2:])``. Asked only of the calls of a function known to
-    write its inputs (``writes_inputs``): a recording's separate copies of the two would not see
-    each other's writes, where eager code does."""
-    spans = sorted((ptrs[j], ptrs[j] + max(ops[j].span(t), 0), j) for j, t in enumerate(leaves))
-    pairs = []
-    for a, (start, end, j) in enumerate(spans):
-        for start2, _, k in spans[a + 1:]:
-            if start2 >= end:
-                break
-            if EAGER in (kinds[j], kinds[k]):
-                pairs.append((min(j, k), max(j, k)))
-    return tuple(sorted(pairs))
-
-
-def check_shared_writes(call: Call, written) -> None:
-    """Raise ``SkipCall`` when an eager input the function writes (``written``: leaf indices) shares
-    memory with another input of ``call``: no recording can run it as eager code does."""
-    for entry in call.key:
-        if type(entry) is tuple and entry and entry[0] is SHARED:
-            for j, k in entry[1]:
-                if j in written or k in written:
-                    raise SkipCall(f"inputs {j} and {k} share memory and the function writes input "
-                                   f"{j if j in written else k} in place; a recording copies an eager input "
-                                   "into a placeholder of its own, so the other would not see the write")
-
-
-def unseen_eager(seen, call: Call) -> bool:
-    """Whether an input of ``call`` is eager (copied into a recording) where the warm-up that
-    learned the function (``seen``: its call's kinds, or None) read it in place, as a tree output
-    or a static input: the warm-up compared only its eager inputs' contents, so it did not learn
-    whether the function writes into this one, which a recording must then copy back."""
-    return seen is not None and any(k == EAGER and w != EAGER for k, w in zip(call.kinds, seen))
-
-
-def declared_mutations(fn, call: Call) -> tuple:
-    """Eager leaves of the positional arguments ``fn`` declared in ``mutates``."""
-    spans, kinds = call.arg_spans, call.kinds
-    return tuple(j for i in fn.mutates if i < len(spans)
-                 for j in range(spans[i][0], sum(spans[i])) if kinds[j] == EAGER)
-

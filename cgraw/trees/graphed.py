@@ -132,7 +132,8 @@ class GraphedFunction:
     kernel_groups = None  # groups of kernel-choosing settings its warm-ups showed it reads (calls.learn_kernel_groups)
     kernel_getters = None  # the getters of those settings read on each call; None: every group
     copies_out = False  # a graphed backward's outputs are copied out (interop.torch.autograd); never a user's
-    writes_inputs = False  # a warm-up found it writing an eager input (or it declares mutates): see calls.shared_memory
+    writes_inputs = False  # a warm-up found it writing an eager input (or it declares mutates): see input_plan.shared_memory
+    layouts_asserted = False  # its caller asserts its tensor inputs' layouts (the torch.compile backend's partitions)
     is_backward = False
 
     def __init__(self, fn, *, static_argnums=(), mutates=(), pad_buckets=None):

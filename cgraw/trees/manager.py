@@ -55,8 +55,8 @@ import weakref
 
 from cgraw.trees import nodes as tree_nodes
 from cgraw.trees.autograd import BUSY, AutogradBook, TreeAutograd, promotion_note
-from cgraw.trees.calls import (TREE, InputPlan, declared_mutations, grad_enabled, inspect, learn_kernel_groups, moved,
-                               unseen_eager, check_shared_writes)
+from cgraw.trees.calls import TREE, grad_enabled, inspect, learn_kernel_groups
+from cgraw.trees.input_plan import InputPlan, check_shared_writes, declared_mutations, moved, unseen_eager
 from cgraw.errors import CgrawError, SkipCall, TreeError
 from cgraw.trees.outputs import PathOutputs, memory_in_use
 from cgraw.trees.pool import UNKNOWN, TreePool
@@ -330,7 +330,7 @@ class TreeManager(TreeAutograd, TreePool):
         w.external = tuple(w.external)
         w.kinds = tuple(call.kinds)
         if w.mutated and not getattr(fn, "writes_inputs", False):
-            fn.writes_inputs = True  # its calls' keys note inputs sharing memory (calls.shared_memory)
+            fn.writes_inputs = True  # its calls' keys note inputs sharing memory (input_plan.shared_memory)
         node.warm = w
         node.state = NodeState.WARMED
         if w.skip is not None:

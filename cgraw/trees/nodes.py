@@ -14,7 +14,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from cgraw.trees.calls import InputPlan
+from cgraw.trees.input_plan import InputPlan
 
 
 class NodeState(enum.Enum):

@@ -153,6 +153,7 @@ class FakeFn:
         self.unsafe_reason = unsafe_reason
         self.pad_buckets = ()
         self.plain = not self.static_argnums
+        self.layouts_asserted = False
 
     def __call__(self, *args, **kwargs):
         return self.mgr.call(self, args, kwargs)
@@ -466,7 +467,7 @@ class FakeTreeBackend:
 
     def stale(self, rec: FakeRecording):
         """The backend's part of a replay check (the CUDA one's closure tensors): only the
-        ``force_moved`` hook here; inputs are checked by ``cgraw.trees.calls.moved``."""
+        ``force_moved`` hook here; inputs are checked by ``cgraw.trees.input_plan.moved``."""
         self.log.append(("moved", rec.name))
         return self.force_moved.pop(rec.name, None)
 

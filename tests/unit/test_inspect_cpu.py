@@ -332,6 +332,76 @@ def test_the_plain_tensor_fast_path_classifies_as_the_generic_path(torch_mod, mo
         calls.inspect(_fn(), (torch.randn(3).as_subclass(OnDevice0),), {}, {}, 1)
 
 
+def test_a_call_whose_layouts_its_caller_asserts_classifies_as_the_generic_path(torch_mod, monkeypatch):
+    """A graphed function whose caller asserts its inputs' layouts (``layouts_asserted``: the
+    torch.compile backend's partitions) takes a shorter path through ``calls.inspect``: its Call
+    equals the generic path's in every field but the key, for parameters (static), tree outputs and
+    eager tensors, followed by the partition's sizes as ints. Its key still tells apart what
+    selects another recording: an eager tensor's shape, a size argument, grad mode."""
+    import random
+
+    torch = torch_mod
+
+    class OnDevice0(torch.Tensor):
+        def get_device(self):
+            return 0
+
+    class ParamOnDevice0(torch.nn.Parameter):
+        def get_device(self):
+            return 0
+
+    monkeypatch.setattr(calls, "_tensor", [OnDevice0, ParamOnDevice0])
+    monkeypatch.setattr(calls, "_grad_mode", [torch.is_grad_enabled])
+    rng = random.Random(11)
+
+    def tensor(shape):
+        t = torch.randn(shape)
+        if rng.random() < 0.3:
+            return ParamOnDevice0(t, requires_grad=rng.random() < 0.5)
+        return t.as_subclass(OnDevice0)
+
+    def asserted_fn():
+        f = _fn()
+        f.layouts_asserted = True
+        return f
+
+    for trial in range(200):
+        n = rng.randint(1, 5)
+        args = tuple(tensor(rng.choice([(4,), (2, 3)])) for _ in range(n)) + tuple(
+            rng.randint(1, 9) for _ in range(rng.randint(0, 2)))
+        tree_outputs = {a.data_ptr(): object() for a in args[:n] if rng.random() < 0.4}
+        with contextlib.ExitStack() as stack:
+            if rng.random() < 0.5:
+                stack.enter_context(torch.no_grad())
+            fast = calls.inspect(asserted_fn(), args, {}, tree_outputs, 0)
+            generic_fn = _fn()
+            generic_fn.plain = False
+            generic = calls.inspect(generic_fn, args, {}, tree_outputs, 0)
+        for field in ("kinds", "ptrs", "arg_spans", "arg_specs"):
+            assert list(getattr(fast, field)) == list(getattr(generic, field)), (trial, field)
+        assert fast.grad == generic.grad and fast.kwarg_specs is None and generic.kwarg_specs is None
+        assert list(fast.ops) == list(generic.ops) and fast.leaves == list(args[:n]) == generic.leaves
+        one_tensor = len(args) == 1 and type(args[0]) is OnDevice0  # the one-tensor path checks it all
+        assert (fast.key == generic.key) if one_tensor else (fast.key[0] is calls.ASSERTED), trial
+
+    f = asserted_fn()
+    x, w = tensor((4, 3)).as_subclass(OnDevice0), ParamOnDevice0(torch.randn(3, 3), requires_grad=False)
+
+    def key(*args):
+        return calls.inspect(f, args, {}, {}, 0).key
+
+    assert key(x, w, 4) == key(torch.randn(4, 3).as_subclass(OnDevice0), w, 4)  # another tensor, same shape
+    assert key(x, w, 4) != key(torch.randn(5, 3).as_subclass(OnDevice0), w, 4)  # an eager tensor's shape
+    assert key(x, w, 4) != key(x, w, 5)  # a partition's size argument
+    with torch.no_grad():
+        without_grad = key(x, w, 4)
+    with torch.enable_grad():
+        assert key(x, w, 4) != without_grad  # grad mode
+    assert key(x, w, 4) != key(x, w)
+    # arguments that do not start with a tensor: the generic path
+    assert calls.inspect(f, (4, x), {}, {}, 0).key[0] is not calls.ASSERTED
+
+
 def test_a_recording_is_stale_after_a_module_assignment_or_a_moved_closure_tensor():
     """``Recording.stale`` (the replay check of what the warm-up learned): a module assignment
     since the recording, or a closure tensor at another address, asks for a new warm-up."""

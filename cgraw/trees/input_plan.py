@@ -1,0 +1,103 @@
+"""What a recording assumed of its inputs, and the decisions that compare a call with it.
+
+Layer L6: pure Python over ``arrays``. ``calls.inspect`` classifies each call; these run after it:
+
+- ``InputPlan``: a recording's input kinds and the addresses it reads in place; ``moved`` says
+  why a call no longer fits it (a re-record reason).
+- inputs sharing memory (``shared_memory``): once a warm-up shows a function writing an eager
+  input (``writes_inputs``), the key of each of its calls notes which inputs overlap an eager one
+  (an entry headed by ``SHARED``), and ``check_shared_writes`` refuses to record such a call when a
+  written input is among them.
+- ``unseen_eager``: a warm-up read in place an input that is now eager (warm up again).
+- ``declared_mutations``: the eager leaves of the positions a function declared in ``mutates``.
+"""
+
+from __future__ import annotations
+
+from cgraw.trees.arrays import EAGER, STATIC
+from cgraw.errors import SkipCall
+
+__all__ = ["SHARED", "InputPlan", "KeyMark", "check_shared_writes", "declared_mutations", "moved", "shared_memory",
+           "unseen_eager"]
+
+
+class KeyMark:
+    """A marker heading a key entry of its own kind: equal only to itself, printed by its name."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+SHARED = KeyMark("SHARED")  # heads the key entry of a call whose eager inputs share memory with other inputs
+
+
+class InputPlan:
+    """What a recording assumed of its inputs: their kinds, and the addresses of the leaves it
+    reads in place (static and tree-output inputs), as ``(leaf index, pointer)``."""
+
+    __slots__ = ("kinds", "fixed")
+
+    def __init__(self, call):
+        self.kinds = list(call.kinds)
+        self.fixed = [(j, p) for j, p in enumerate(call.ptrs) if call.kinds[j] != EAGER]
+
+
+def moved(plan: InputPlan, call) -> str | None:
+    """Why ``call`` cannot replay a recording made under ``plan`` (a re-record reason), or None."""
+    if call.kinds != plan.kinds:
+        return f"input kinds changed (0 eager, 1 static, 2 tree output): {plan.kinds} -> {call.kinds}"
+    ptrs = call.ptrs
+    for j, p in plan.fixed:
+        if ptrs[j] != p:
+            what = "static input" if call.kinds[j] == STATIC else "tree-output input"
+            return f"{what} {j} moved from 0x{p:x} to 0x{ptrs[j]:x}"
+    return None
+
+
+def shared_memory(leaves, kinds, ptrs, ops) -> tuple:
+    """``(j, k)`` (``j < k``) of the leaves whose memory overlaps where one of them is eager (copied
+    into a recording's placeholder): ``f(x, x[2:])``. Asked only of the calls of a function known to
+    write its inputs (``writes_inputs``): a recording's separate copies of the two would not see
+    each other's writes, where eager code does."""
+    spans = sorted((ptrs[j], ptrs[j] + max(ops[j].span(t), 0), j) for j, t in enumerate(leaves))
+    pairs = []
+    for a, (start, end, j) in enumerate(spans):
+        for start2, _, k in spans[a + 1:]:
+            if start2 >= end:
+                break
+            if EAGER in (kinds[j], kinds[k]):
+                pairs.append((min(j, k), max(j, k)))
+    return tuple(sorted(pairs))
+
+
+def check_shared_writes(call, written) -> None:
+    """Raise ``SkipCall`` when an eager input the function writes (``written``: leaf indices) shares
+    memory with another input of ``call``: no recording can run it as eager code does."""
+    for entry in call.key:
+        if type(entry) is tuple and entry and entry[0] is SHARED:
+            for j, k in entry[1]:
+                if j in written or k in written:
+                    raise SkipCall(f"inputs {j} and {k} share memory and the function writes input "
+                                   f"{j if j in written else k} in place; a recording copies an eager input "
+                                   "into a placeholder of its own, so the other would not see the write")
+
+
+def unseen_eager(seen, call) -> bool:
+    """Whether an input of ``call`` is eager (copied into a recording) where the warm-up that
+    learned the function (``seen``: its call's kinds, or None) read it in place, as a tree output
+    or a static input: the warm-up compared only its eager inputs' contents, so it did not learn
+    whether the function writes into this one, which a recording must then copy back."""
+    return seen is not None and any(k == EAGER and w != EAGER for k, w in zip(call.kinds, seen))
+
+
+def declared_mutations(fn, call) -> tuple:
+    """Eager leaves of the positional arguments ``fn`` declared in ``mutates``."""
+    spans, kinds = call.arg_spans, call.kinds
+    return tuple(j for i in fn.mutates if i < len(spans)
+                 for j in range(spans[i][0], sum(spans[i])) if kinds[j] == EAGER)
+
