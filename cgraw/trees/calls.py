@@ -10,9 +10,9 @@ calls it for every call; backends only read what it decides.
   ``static_argnums``: read in place), *tree output* (an output of an earlier graphed call in this
   generation: read in place), *eager* (everything else: copied into a placeholder).
 - fast paths with the same result: one exact tensor; exact tensors and parameters only; a function
-  whose caller asserts its inputs' layouts (``layouts_asserted``: the torch.compile backend's
-  partitions), keyed by the ``ASSERTED`` mark, each non-static tensor's shape and the sizes after
-  the tensors.
+  whose caller guarantees its inputs' dtypes and devices (``inputs_guarded``: the torch.compile
+  backend's partitions), keyed by the ``GUARDED`` mark, each non-static tensor's sizes and
+  strides, and the sizes after the tensors.
 - inputs sharing memory (``input_plan.shared_memory``): once a warm-up shows a function writing an
   eager input (``writes_inputs``), the key of each of its calls notes which inputs overlap an eager
   one. What a recording assumed of its inputs, and how a call differs, is ``trees.input_plan``.
@@ -38,7 +38,7 @@ from cgraw.trees.frameworks import CONJ_NEG
 from cgraw.trees.input_plan import SHARED, KeyMark, shared_memory
 from cgraw.errors import SkipCall
 
-__all__ = ["ASSERTED", "EAGER", "GRAD", "SHARED", "STATIC", "TREE", "Call", "grad_enabled", "inspect",
+__all__ = ["GUARDED", "EAGER", "GRAD", "SHARED", "STATIC", "TREE", "Call", "grad_enabled", "inspect",
            "learn_kernel_groups", "mark_static", "shared_memory", "use_grad_mode", "use_kernel_state"]
 
 _static_ids: dict[int, object] = {}  # id(array) -> weakref, filled by mark_static
@@ -49,7 +49,7 @@ _kernel: list = [None, ()]  # [interop.torch.kernel_state.KernelState, its gette
 
 
 GRAD = KeyMark("GRAD")  # heads the key entry of a call made with grad enabled: equal to no other key entry
-ASSERTED = KeyMark("ASSERTED")  # heads the key of a call of a function whose caller asserts its inputs' layouts
+GUARDED = KeyMark("GUARDED")  # heads the key of a call of a function whose caller guarantees its inputs' dtypes
 
 
 def mark_static(x):
@@ -149,8 +149,8 @@ def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
     if not kwargs and fn.plain:
         if len(args) == 1 and type(args[0]) is T:  # the hottest path: one tensor
             return _inspect_tensor(fn, args, tree_outputs, device)
-        if fn.layouts_asserted:
-            return _inspect_asserted(fn, args, tree_outputs, device)
+        if fn.inputs_guarded:
+            return _inspect_guarded(fn, args, tree_outputs, device)
         for a in args:
             if type(a) is not T and type(a) is not P:
                 break
@@ -344,16 +344,17 @@ def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
     return call
 
 
-def _inspect_asserted(fn, args, tree_outputs, device: int) -> Call:
-    """``inspect`` of a call of a function whose caller asserts its tensor inputs' sizes, strides
-    and dtypes before the call (``layouts_asserted``: the backend's partitions of Inductor's
-    compiled code, which begins with ``assert_size_stride`` on its inputs and allocates the rest
-    itself, under dynamo's guards; such code never hands a conjugate or negative view to its
-    kernels, and a partition's tensors share one device). Its key holds each non-static tensor's
-    shape (a size Inductor passes elsewhere than to this partition still selects a recording of its
-    own), and for ``nn.Parameter`` inputs nothing but their kind: a replay checks their addresses.
-    Arguments after the leading tensors (the partition's symbolic sizes) are keyed as ``inspect``
-    keys them. A call whose arguments do not start with a tensor takes ``inspect``'s general path."""
+def _inspect_guarded(fn, args, tree_outputs, device: int) -> Call:
+    """``inspect`` of a call of a function whose inputs' dtypes and devices its caller guarantees
+    (``inputs_guarded``: the backend's partitions of Inductor's compiled code, which run under
+    dynamo's guards on every graph input's dtype, device, sizes and strides, and take the other
+    tensors from buffers the compiled code allocates itself; such code never hands a conjugate
+    or negative view to its kernels, and a partition's tensors share one device). Its key holds
+    each non-static tensor's sizes and strides (Inductor's own asserts on them run inside the
+    partition, which a replay does not run), and for ``nn.Parameter`` inputs nothing but their
+    kind: a replay checks their addresses. Arguments after the leading tensors (the partition's
+    symbolic sizes) are keyed as ``inspect`` keys them. A call whose arguments do not start with a
+    tensor takes ``inspect``'s general path."""
     T, P = _tensor
     n = 0
     for a in args:
@@ -374,7 +375,7 @@ def _inspect_asserted(fn, args, tree_outputs, device: int) -> Call:
                  for a, p in zip(tensors, ptrs)]
     else:
         kinds = [STATIC if type(a) is P else (TREE if p in tree_outputs else EAGER) for a, p in zip(tensors, ptrs)]
-    parts = [ASSERTED, *[None if k is STATIC else a.shape for a, k in zip(tensors, kinds)]]
+    parts = [GUARDED, *[None if k is STATIC else (a.shape, a.stride()) for a, k in zip(tensors, kinds)]]
     leaves = list(tensors)
     shared = _PLAIN.get(n)
     if shared is None:

@@ -133,7 +133,7 @@ class GraphedFunction:
     kernel_getters = None  # the getters of those settings read on each call; None: every group
     copies_out = False  # a graphed backward's outputs are copied out (interop.torch.autograd); never a user's
     writes_inputs = False  # a warm-up found it writing an eager input (or it declares mutates): see input_plan.shared_memory
-    layouts_asserted = False  # its caller asserts its tensor inputs' layouts (the torch.compile backend's partitions)
+    inputs_guarded = False  # its caller guarantees its tensor inputs' dtypes and devices (the torch.compile backend's partitions)
     is_backward = False
 
     def __init__(self, fn, *, static_argnums=(), mutates=(), pad_buckets=None):

@@ -153,7 +153,7 @@ class FakeFn:
         self.unsafe_reason = unsafe_reason
         self.pad_buckets = ()
         self.plain = not self.static_argnums
-        self.layouts_asserted = False
+        self.inputs_guarded = False
 
     def __call__(self, *args, **kwargs):
         return self.mgr.call(self, args, kwargs)

@@ -49,7 +49,7 @@ class TorchFn:
     mutates = ()
     pad_buckets = None
     plain = True
-    layouts_asserted = False
+    inputs_guarded = False
     unsafe_reason = None
 
     def __init__(self, fn, mgr, *, name=None, params=()):

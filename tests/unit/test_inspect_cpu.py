@@ -332,12 +332,13 @@ def test_the_plain_tensor_fast_path_classifies_as_the_generic_path(torch_mod, mo
         calls.inspect(_fn(), (torch.randn(3).as_subclass(OnDevice0),), {}, {}, 1)
 
 
-def test_a_call_whose_layouts_its_caller_asserts_classifies_as_the_generic_path(torch_mod, monkeypatch):
-    """A graphed function whose caller asserts its inputs' layouts (``layouts_asserted``: the
-    torch.compile backend's partitions) takes a shorter path through ``calls.inspect``: its Call
-    equals the generic path's in every field but the key, for parameters (static), tree outputs and
-    eager tensors, followed by the partition's sizes as ints. Its key still tells apart what
-    selects another recording: an eager tensor's shape, a size argument, grad mode."""
+def test_a_call_whose_input_dtypes_its_caller_guarantees_classifies_as_the_generic_path(torch_mod, monkeypatch):
+    """A graphed function whose caller guarantees its inputs' dtypes and devices
+    (``inputs_guarded``: the torch.compile backend's partitions) takes a shorter path through
+    ``calls.inspect``: its Call equals the generic path's in every field but the key, for
+    parameters (static), tree outputs and eager tensors, followed by the partition's sizes as ints.
+    Its key still tells apart what selects another recording: an eager tensor's shape and strides,
+    a size argument, grad mode."""
     import random
 
     torch = torch_mod
@@ -362,7 +363,7 @@ def test_a_call_whose_layouts_its_caller_asserts_classifies_as_the_generic_path(
 
     def asserted_fn():
         f = _fn()
-        f.layouts_asserted = True
+        f.inputs_guarded = True
         return f
 
     for trial in range(200):
@@ -382,7 +383,7 @@ def test_a_call_whose_layouts_its_caller_asserts_classifies_as_the_generic_path(
         assert fast.grad == generic.grad and fast.kwarg_specs is None and generic.kwarg_specs is None
         assert list(fast.ops) == list(generic.ops) and fast.leaves == list(args[:n]) == generic.leaves
         one_tensor = len(args) == 1 and type(args[0]) is OnDevice0  # the one-tensor path checks it all
-        assert (fast.key == generic.key) if one_tensor else (fast.key[0] is calls.ASSERTED), trial
+        assert (fast.key == generic.key) if one_tensor else (fast.key[0] is calls.GUARDED), trial
 
     f = asserted_fn()
     x, w = tensor((4, 3)).as_subclass(OnDevice0), ParamOnDevice0(torch.randn(3, 3), requires_grad=False)
@@ -392,6 +393,7 @@ def test_a_call_whose_layouts_its_caller_asserts_classifies_as_the_generic_path(
 
     assert key(x, w, 4) == key(torch.randn(4, 3).as_subclass(OnDevice0), w, 4)  # another tensor, same shape
     assert key(x, w, 4) != key(torch.randn(5, 3).as_subclass(OnDevice0), w, 4)  # an eager tensor's shape
+    assert key(x, w, 4) != key(torch.randn(3, 4).as_subclass(OnDevice0).t(), w, 4)  # its strides
     assert key(x, w, 4) != key(x, w, 5)  # a partition's size argument
     with torch.no_grad():
         without_grad = key(x, w, 4)
@@ -399,7 +401,7 @@ def test_a_call_whose_layouts_its_caller_asserts_classifies_as_the_generic_path(
         assert key(x, w, 4) != without_grad  # grad mode
     assert key(x, w, 4) != key(x, w)
     # arguments that do not start with a tensor: the generic path
-    assert calls.inspect(f, (4, x), {}, {}, 0).key[0] is not calls.ASSERTED
+    assert calls.inspect(f, (4, x), {}, {}, 0).key[0] is not calls.GUARDED
 
 
 def test_a_recording_is_stale_after_a_module_assignment_or_a_moved_closure_tensor():

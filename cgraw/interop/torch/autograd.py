@@ -220,7 +220,7 @@ class BackwardFn:
     mutates = ()
     pad_buckets = None
     plain = True
-    layouts_asserted = False
+    inputs_guarded = False
     unsafe_reason = None
     is_backward = True  # autograd's device thread allocates: route the capture by stream
     copies_out = True  # its outputs leave the tree's memory (copied_out) before anyone sees them: no poisoning

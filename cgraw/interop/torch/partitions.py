@@ -164,7 +164,7 @@ class Wrapping:
                 self.runtime.note(name, why)
                 return fn
             gf = self.runtime.graphed(graph_body(fn, name))
-            gf.layouts_asserted = True  # Inductor's compiled code asserts its inputs' sizes and strides
+            gf.inputs_guarded = True  # dynamo guards the graph inputs; Inductor allocates the rest (calls.inspect)
             wrapped = adapt(fn, gf, self.home, self.runtime, _in_backward(),
                             phase=getattr(self.phase, "value", None), index=index, name=name)
         except Exception as exc:  # noqa: BLE001 -- never fail the compile: run the partition as compiled
