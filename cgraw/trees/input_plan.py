@@ -14,6 +14,8 @@ Layer L6: pure Python over ``arrays``. ``calls.inspect`` classifies each call; t
 
 from __future__ import annotations
 
+import operator
+
 from cgraw.trees.arrays import EAGER, STATIC
 from cgraw.errors import SkipCall
 
@@ -40,11 +42,14 @@ class InputPlan:
     """What a recording assumed of its inputs: their kinds, and the addresses of the leaves it
     reads in place (static and tree-output inputs), as ``(leaf index, pointer)``."""
 
-    __slots__ = ("kinds", "fixed")
+    __slots__ = ("kinds", "fixed", "fixed_at", "fixed_ptrs")
 
     def __init__(self, call):
         self.kinds = list(call.kinds)
         self.fixed = [(j, p) for j, p in enumerate(call.ptrs) if call.kinds[j] != EAGER]
+        # a replay's check, in C: ``fixed_at(call.ptrs) == fixed_ptrs`` (None: nothing read in place)
+        self.fixed_at = operator.itemgetter(*[j for j, _ in self.fixed]) if self.fixed else None
+        self.fixed_ptrs = None if self.fixed_at is None else self.fixed_at(call.ptrs)
 
 
 def moved(plan: InputPlan, call) -> str | None:

@@ -181,14 +181,9 @@ class TreeManager(TreeAutograd, TreePool):
         if node is not None and node.state is NodeState.RECORDED:  # the hot path: replay
             rec, plan = node.recording, node.plan
             reason = None
-            if call.kinds != plan.kinds:
+            at = plan.fixed_at  # the inputs read in place are where the recording read them
+            if call.kinds != plan.kinds or (at is not None and at(call.ptrs) != plan.fixed_ptrs):
                 reason = moved(plan, call)
-            else:
-                ptrs = call.ptrs
-                for j, p in plan.fixed:  # the inputs read in place are where the recording read them
-                    if ptrs[j] != p:
-                        reason = moved(plan, call)
-                        break
             res = rec.replay(call) if reason is None else None
             if type(res) is tuple:
                 out, owned = res
