@@ -71,7 +71,7 @@ class _ThisThread(collections.abc.Mapping):
 
 
 _managers = _ThisThread()
-_tensor_type = [None]  # [torch.Tensor] once torch is loaded
+_tensor_type = [None, None]  # [torch.Tensor, torch.nn.Parameter] once torch is loaded
 
 
 def _manager(ordinal: int) -> TreeManager:
@@ -80,7 +80,9 @@ def _manager(ordinal: int) -> TreeManager:
     mgr = here.trees.get(ordinal)
     if mgr is None:
         if _tensor_type[0] is None and "torch" in sys.modules:
-            _tensor_type[0] = sys.modules["torch"].Tensor
+            torch = sys.modules["torch"]
+            _tensor_type[1] = torch.nn.Parameter
+            _tensor_type[0] = torch.Tensor
         with _lock:
             mgr = _new_tree(ordinal)
             token = here.token
@@ -154,7 +156,8 @@ class GraphedFunction:
     def __call__(self, *args, **kwargs):
         if args:
             a = args[0]
-            if type(a) is _tensor_type[0]:  # fast path: a torch tensor first
+            t = type(a)
+            if t is _tensor_type[0] or t is _tensor_type[1]:  # fast path: a torch tensor or parameter first
                 d = a.get_device()
                 if d >= 0:
                     mgr = _here.trees.get(d)
