@@ -167,38 +167,41 @@ def _attributes(a) -> tuple:
     return tuple((name, _value(v) if type(v) in _VALUES else _Same(v)) for name, v in sorted(vars(a).items()))
 
 
-def rebuild(spec, it):
-    """The structure ``spec`` describes, with its leaves taken in order from ``it``."""
+def rebuild(spec, it, objects=None):
+    """The structure ``spec`` describes, with its leaves taken in order from ``it`` and the
+    arguments an output spec names (``("in", k)``) from ``objects`` (``argument_objects``)."""
     kind = spec[0]
     if kind == "t":
         return next(it)
     if kind == "v":
         return spec[1]
+    if kind == "in":
+        return objects[spec[1]]
     if kind == "seq":
-        return spec[1](rebuild(s, it) for s in spec[2])
+        return spec[1](rebuild(s, it, objects) for s in spec[2])
     if kind == "dict":
-        return dict(zip(spec[2], [rebuild(s, it) for s in spec[3]]))
+        return dict(zip(spec[2], [rebuild(s, it, objects) for s in spec[3]]))
     if kind == "mod":
         for _ in range(spec[2]):
             next(it)
         return spec[1]
     if kind == "pytree":
         node = _pytree_node(spec[1])
-        return node.unflatten_fn([rebuild(s, it) for s in spec[3]], spec[2])
+        return node.unflatten_fn([rebuild(s, it, objects) for s in spec[3]], spec[2])
     if kind == "nt":
-        return spec[1](*[rebuild(s, it) for s in spec[2]])
+        return spec[1](*[rebuild(s, it, objects) for s in spec[2]])
     if kind == "ss":
-        return spec[1]([rebuild(s, it) for s in spec[2]])
+        return spec[1]([rebuild(s, it, objects) for s in spec[2]])
     if kind == "dictsub":
         new = copy.copy(spec[1])
-        values = [rebuild(s, it) for s in spec[3]]
+        values = [rebuild(s, it, objects) for s in spec[3]]
         dict.clear(new)
         dict.update(new, zip(spec[2], values))
         return new
     if kind == "dc":
         new = copy.copy(spec[1])
         for name, s in zip(spec[2], spec[3]):
-            object.__setattr__(new, name, rebuild(s, it))
+            object.__setattr__(new, name, rebuild(s, it, objects))
         return new
     raise AssertionError(f"unknown spec {kind!r}")
 
@@ -214,13 +217,35 @@ def replace_leaves(arg_specs, kwarg_specs, leaves, placeholders):
 # ---------------------------------------------------------------------- outputs
 
 
-def out_spec(out, leaves: list):
+def argument_objects(arg_specs, kwarg_specs) -> list:
+    """The objects a call passes that are neither arrays nor containers (its ``("v", object)``
+    specs), in the order of its specs: the same positions for every call of one key."""
+    found: list = []
+
+    def walk(spec):
+        if spec[0] == "v":
+            found.append(spec[1])
+        for s in _children(spec):
+            walk(s)
+
+    for s in arg_specs:
+        walk(s)
+    for _, s in kwarg_specs or ():
+        walk(s)
+    return found
+
+
+def out_spec(out, leaves: list, objects=None):
     """Flatten an output structure (same container rules as inputs; anything else is a constant);
-    returns a spec for ``unflatten``. Raises SkipCall for outputs a replay cannot reproduce."""
+    returns a spec for ``unflatten``. An object cgraw cannot take apart that is one of the call's
+    ``objects`` (``argument_objects``; a decode step returning the cache it was given) is the
+    caller's object on every call (``("in", k)``). Raises SkipCall for outputs a replay cannot
+    reproduce."""
     if ops_of(out) is not None:
         _out_leaf(out, leaves)
         return SINGLE
-    return _out_spec(out, leaves)
+    ids = {id(o): k for k, o in enumerate(objects)} if objects else None
+    return _out_spec(out, leaves, ids)
 
 
 def _out_leaf(x, leaves) -> None:
@@ -230,46 +255,64 @@ def _out_leaf(x, leaves) -> None:
     leaves.append(x)
 
 
-def _out_spec(x, leaves):
+def _out_spec(x, leaves, ids=None):
     if ops_of(x) is not None:
         _out_leaf(x, leaves)
         return LEAF
     t = type(x)
     if t is tuple or t is list:
-        return ("seq", t, [_out_spec(v, leaves) for v in x])
+        return ("seq", t, [_out_spec(v, leaves, ids) for v in x])
     if t is dict:
-        return ("dict", dict, tuple(x), [_out_spec(v, leaves) for v in x.values()])
+        return ("dict", dict, tuple(x), [_out_spec(v, leaves, ids) for v in x.values()])
     node = _pytree_node(t)
     if node is not None:
         children, context = node.flatten_fn(x)
-        return ("pytree", t, context, [_out_spec(v, leaves) for v in children])
+        return ("pytree", t, context, [_out_spec(v, leaves, ids) for v in children])
     if _is_namedtuple(x):
-        return ("nt", t, [_out_spec(v, leaves) for v in x])
+        return ("nt", t, [_out_spec(v, leaves, ids) for v in x])
     if _is_structseq(x):
-        return ("ss", t, [_out_spec(v, leaves) for v in x])
+        return ("ss", t, [_out_spec(v, leaves, ids) for v in x])
     if isinstance(x, dict):
-        return ("dictsub", x, tuple(x), [_out_spec(v, leaves) for v in x.values()])
+        return ("dictsub", x, tuple(x), [_out_spec(v, leaves, ids) for v in x.values()])
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         names = tuple(f.name for f in dataclasses.fields(x))
-        return ("dc", x, names, [_out_spec(getattr(x, n), leaves) for n in names])
+        return ("dc", x, names, [_out_spec(getattr(x, n), leaves, ids) for n in names])
     if t.__module__ == "numpy" and t.__name__ == "ndarray":
         raise SkipCall("CPU tensors or ops: the function returns a NumPy array, which a replay "
                        "would return unchanged")
     if not (t in _VALUES or isinstance(x, (enum.Enum, type)) or t.__module__ == "torch"):
+        if ids and id(x) in ids:
+            return ("in", ids[id(x)])
         raise SkipCall(f"the function returns a {t.__name__} object, which cgraw cannot take apart: a "
                        "replay would hand out the recording's object again, tensors and all")
     return ("v", x)
 
 
-def unflatten(spec, it):
+def unflatten(spec, it, objects=None):
     if spec is SINGLE:
         return next(it)
-    return rebuild(spec, it)
+    return rebuild(spec, it, objects)
+
+
+def _children(spec) -> list:
+    kind = spec[0]
+    if kind in ("seq", "nt", "ss"):
+        return spec[2]
+    if kind in ("dict", "dictsub", "dc", "pytree"):
+        return spec[3]
+    return []
+
+
+def names_inputs(spec) -> bool:
+    """Whether an output ``spec`` hands out one of the call's argument objects (``("in", k)``)."""
+    if spec is SINGLE:
+        return False
+    return spec[0] == "in" or any(names_inputs(s) for s in _children(spec))
 
 
 class NoType:
     """Stands for torch.Tensor when torch is not loaded: no object has this exact type."""
 
 
-__all__ = ["CUPY", "EAGER", "LEAF", "SINGLE", "STATIC", "TORCH", "TREE", "Ops", "flatten", "is_torch", "ops_of",
-           "out_spec", "rebuild", "register", "replace_leaves", "unflatten"]
+__all__ = ["CUPY", "EAGER", "LEAF", "SINGLE", "STATIC", "TORCH", "TREE", "Ops", "argument_objects", "flatten", "is_torch",
+           "names_inputs", "ops_of", "out_spec", "rebuild", "register", "replace_leaves", "unflatten"]

@@ -27,7 +27,7 @@ from cgraw.trees import buckets
 from cgraw.rebind import proof as rebind_proof, ranges as rebind_ranges
 from cgraw.trees import warmup as pool_warmup
 from cgraw.runtime import stream as _streams
-from cgraw.trees.arrays import EAGER, SINGLE, TORCH, ops_of, out_spec, replace_leaves
+from cgraw.trees.arrays import EAGER, SINGLE, TORCH, argument_objects, names_inputs, ops_of, out_spec, replace_leaves
 from cgraw.trees.calls import Call, use_kernel_state, use_torch
 from cgraw.runtime.capture import capture
 from cgraw.errors import CaptureError, CudaError, SkipCall, UnsafeCallError
@@ -201,7 +201,8 @@ class CudaBackend(TorchAutograd):
                 copies_back.append(InputCopy(j, node, src, call.ptrs[j], n, _row_bytes(call, j), back=True))
         rec.copies.extend(copies_back)
         out_leaves: list = []
-        rec.out_spec = out_spec(out, out_leaves)
+        rec.out_spec = out_spec(out, out_leaves, argument_objects(call.arg_specs, call.kwarg_specs))
+        rec.out_args = names_inputs(rec.out_spec)
         reason = pool_warmup.cpu_output(out_leaves)
         if reason is not None:
             raise SkipCall(reason)

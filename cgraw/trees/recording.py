@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from cgraw import _cuda
 from cgraw.runtime import stream as _streams
-from cgraw.trees.arrays import SINGLE, TORCH, unflatten
+from cgraw.trees.arrays import SINGLE, TORCH, argument_objects, unflatten
 from cgraw.trees.nodes import ModeRewarm, Rewarm
 
 OWNED, EXTERNAL = "owned", "external"  # output kinds; an input alias is an InputAlias
@@ -125,6 +125,7 @@ class Recording:
         "out_kinds",  # per output leaf: OWNED, EXTERNAL or an InputAlias
         "out_alias",  # per output leaf: the bound alias maker of an OWNED one (t.detach, a.view), else None
         "out_spec",  # arrays.out_spec of the output structure
+        "out_args",  # whether it hands out the call's own argument objects (arrays.names_inputs)
         "out_same",  # [(i, first)]: output leaf i is output leaf first (a function returning (y, y))
         "owned_idx",  # indices of the OWNED outputs
         "out_ptrs",  # data pointers of the OWNED outputs (tree-output inputs of later calls)
@@ -159,6 +160,7 @@ class Recording:
         self.out_leaves, self.out_kinds, self.out_alias, self.out_same = [], [], [], ()
         self.owned_idx, self.out_ptrs, self.users = [], [], []
         self.out_spec = self.alias0 = self.bucket = None
+        self.out_args = False
         self.padded = frozenset()
         self.out_rows = []
         self.keep = None
@@ -231,7 +233,8 @@ class Recording:
             o = alias0()
             return o, (o,)
         outs = self._outputs(call)
-        return unflatten(self.out_spec, iter(outs)), [outs[i] for i in self.owned_idx]
+        objects = argument_objects(call.arg_specs, call.kwarg_specs) if self.out_args else None
+        return unflatten(self.out_spec, iter(outs), objects), [outs[i] for i in self.owned_idx]
 
     def _replay_padded(self, call):
         """``replay`` of a padding-bucket recording: the padded inputs' copy nodes also get this
@@ -256,7 +259,8 @@ class Recording:
         owned = [outs[i] for i in self.owned_idx]
         if self.out_spec is SINGLE:
             return outs[0], owned
-        return unflatten(self.out_spec, iter(outs)), owned
+        objects = argument_objects(call.arg_specs, call.kwarg_specs) if self.out_args else None
+        return unflatten(self.out_spec, iter(outs), objects), owned
 
     def _outputs(self, call) -> list:
         outs = []

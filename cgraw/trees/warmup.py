@@ -27,7 +27,7 @@ import logging
 import sys
 
 from cgraw._cuda import defer
-from cgraw.trees.arrays import EAGER, TORCH, is_torch, ops_of, out_spec
+from cgraw.trees.arrays import EAGER, TORCH, argument_objects, is_torch, ops_of, out_spec
 from cgraw.runtime.capture import event_on
 from cgraw.errors import SkipCall
 from cgraw.interop.torch import observe as _observe, autograd as torch_autograd, private_api
@@ -227,7 +227,7 @@ def run(backend, fn, call, args, kwargs) -> Warm:
         w.skip = _grads_left(call, grads)
     out_leaves: list = []
     try:
-        out_spec(out, out_leaves)
+        out_spec(out, out_leaves, argument_objects(call.arg_specs, call.kwarg_specs))
     except SkipCall as exc:
         w.skip = str(exc)
     if w.skip is None:

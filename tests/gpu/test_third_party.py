@@ -181,6 +181,42 @@ def test_llama_static_cache_greedy_decode():
         _assert_graphed(f, recordings=1, replays=new_tokens - 4)
 
 
+def test_a_decode_step_returning_the_model_output_with_its_cache_replays():
+    """A decode step that returns the model's output as it is (``out.past_key_values`` is the
+    ``StaticCache`` it was given): the cache is the caller's object on every replay, and the step
+    is recorded and replayed rather than run eagerly."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   bos_token_id=0, eos_token_id=1, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg).cuda().eval()
+    prompt_len, new_tokens = 6, 12
+    prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), device="cuda")
+
+    def decode_step(ids, cache_position, cache):
+        return model(input_ids=ids, position_ids=cache_position.unsqueeze(0), past_key_values=cache, use_cache=True)
+
+    def generate(step):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=prompt_len + new_tokens)
+        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1, :]
+        tokens = []
+        for i in range(new_tokens - 1):
+            tok = logits.argmax(-1, keepdim=True)
+            tokens.append(tok)
+            out = step(tok, torch.tensor([prompt_len + i], device="cuda"), cache)
+            assert out.past_key_values is cache
+            logits = out.logits[:, -1, :].clone()
+        return torch.cat(tokens, dim=1)
+
+    f = cgraw.graphed(decode_step)
+    with torch.no_grad():
+        got = generate(f)
+        ref = generate(decode_step)
+    assert torch.equal(got, ref), (got, ref)
+    _assert_graphed(f, recordings=1, replays=new_tokens - 4)
+
+
 # ---------------------------------------------------------------- torchvision
 
 

@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten
 
 from cgraw.errors import SkipCall
 from cgraw.interop.torch import observe
-from cgraw.trees.arrays import EAGER, TORCH, out_spec, replace_leaves, unflatten
+from cgraw.trees.arrays import EAGER, TORCH, argument_objects, out_spec, replace_leaves, unflatten
 from cgraw.trees.nodes import ModeRewarm, Rewarm, Warm
 from cgraw.trees.recording import EXTERNAL, OWNED, InputAlias
 from torch_cpu_backend import CpuTorchBackend
@@ -78,15 +78,31 @@ def _storage_ptr(t) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _kind(func) -> str:
-    """How a replay treats ``func``: 'run' (mutable: again, in place), 'view' (kept), 'skip'
-    (unwritten memory) or 'copy' (again, into the recorded result). Raises what it cannot replay."""
+_BY_INDEX = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+
+
+def _draws(func, args, kwargs) -> bool:
+    """Whether a seeded op draws: attention with ``dropout_p`` 0 or a dropout with ``train`` False does not."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name in ("dropout_p", "train"):
+            v = args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
+            return bool(v)
+    return True
+
+
+def _kind(func, args=(), kwargs=None) -> str:
+    """How a replay treats ``func`` (called with ``args``): 'run' (mutable: again, in place),
+    'view' (kept), 'skip' (unwritten memory) or 'copy' (again, into the recorded result). Raises
+    what it cannot replay."""
     if not isinstance(func, torch._ops.OpOverload):
         raise CannotEmulate(f"{func} is not an aten op (a higher-order operator): the emulator cannot replay it")
     name = func._schema.name.split("::")[-1]
-    if func is aten._local_scalar_dense.default or any(t in func.tags for t in _VALUE_SHAPED):
+    if func in _BY_INDEX and len(args) > 1 and not any(  # integer indices: a fixed shape, no host read
+            t is not None and t.dtype in (torch.bool, torch.uint8) for t in args[1]):
+        pass
+    elif func is aten._local_scalar_dense.default or any(t in func.tags for t in _VALUE_SHAPED):
         raise HostRead(f"{func} reads a device value on the host (or makes a value-dependent shape)")
-    if torch.Tag.nondeterministic_seeded in func.tags:
+    if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs or {}):
         raise CannotEmulate(f"{func} draws random numbers: the emulator does not model cgraw's generators")
     if name in _STORAGE_SWAPS:
         raise CannotEmulate(f"{func} may give a tensor new storage: a graph's addresses are fixed")
@@ -121,7 +137,7 @@ class GraphRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        kind = _kind(func)
+        kind = _kind(func, args, kwargs)
         for t in _tensors((args, kwargs)):
             if id(t) not in self.made and id(t) not in self.outside:
                 self.outside[id(t)] = (t, _storage_ptr(t))
@@ -182,12 +198,18 @@ class CpuGraph:
 
 
 def record(fn, *args, **kwargs):
-    """Run ``fn`` once under a ``GraphRecorder``; returns ``(CpuGraph, fn's result)``."""
+    """Run ``fn`` once under a ``GraphRecorder``; returns ``(CpuGraph, fn's result)``. Inside it
+    ``torch.cuda.is_current_stream_capturing()`` is True, as inside a capture on the GPU: code that
+    asks (transformers' ``is_tracing``) takes the branch it takes under a capture."""
     rec = GraphRecorder()
+    cuda = torch.cuda
+    was = cuda.is_current_stream_capturing
+    cuda.is_current_stream_capturing = lambda: True
     try:
         with rec:
             out = fn(*args, **kwargs)
     finally:
+        cuda.is_current_stream_capturing = was
         rec.undo_writes()
     return CpuGraph(rec), out
 
@@ -269,7 +291,10 @@ class CpuGraphBackend(CpuTorchBackend):
         with obs:
             w = super().warmup(fn, call, args, kwargs)
         out_leaves: list = []
-        out_spec(w.out, out_leaves)
+        try:
+            out_spec(w.out, out_leaves, argument_objects(call.arg_specs, call.kwarg_specs))
+        except SkipCall as exc:  # as trees.warmup: an output no replay can hand out runs eagerly
+            w.skip = str(exc)
         w.external = tuple(obs.external(list(call.leaves) + out_leaves)) + tuple(w.external)
         w.epoch = epoch if observe.epoch_now[0] == epoch else -1
         w.mode_epoch = mode if observe.mode_epoch_now[0] == mode else -1
@@ -291,7 +316,7 @@ class CpuGraphBackend(CpuTorchBackend):
             raise SkipCall(f"host synchronisation during capture ({exc})") from None
         self.graphs.append(rec.graph)
         rec.out_leaves = []
-        rec.spec = out_spec(out, rec.out_leaves)
+        rec.spec = out_spec(out, rec.out_leaves, argument_objects(call.arg_specs, call.kwarg_specs))
         rec.out_kinds = [self._out_kind(rec, call, t) for t in rec.out_leaves]
         rec.owned_idx = [i for i, k in enumerate(rec.out_kinds) if k is OWNED]
         rec.out_ptrs = [rec.out_leaves[i].data_ptr() for i in rec.owned_idx]
@@ -342,7 +367,7 @@ class CpuGraphBackend(CpuTorchBackend):
                 outs.append(t)
             else:
                 outs.append(k.rebuild(call.leaves[k.j]))
-        return unflatten(rec.spec, iter(outs)), [outs[i] for i in rec.owned_idx]
+        return unflatten(rec.spec, iter(outs), argument_objects(call.arg_specs, call.kwarg_specs)), [outs[i] for i in rec.owned_idx]
 
     def discard(self, rec):
         rec.discarded = True

@@ -19,7 +19,8 @@ import contextlib
 
 import torch
 
-from cgraw.trees.arrays import EAGER, out_spec, replace_leaves, unflatten
+from cgraw.errors import SkipCall
+from cgraw.trees.arrays import EAGER, argument_objects, out_spec, replace_leaves, unflatten
 from cgraw.interop.torch.autograd import TorchAutograd, capture_inputs, grad_info, run_saving
 from cgraw.trees.nodes import Warm, next_fn_id
 
@@ -125,6 +126,10 @@ class CpuTorchBackend(TorchAutograd):
         w.mutated = tuple(j for j, t in before.items() if not torch.equal(t, call.leaves[j].detach()))
         w.external = tuple(getattr(fn, "params", ()))
         w.runs_backward = getattr(fn, "is_backward", False)
+        try:
+            out_spec(w.out, [], argument_objects(call.arg_specs, call.kwarg_specs))
+        except SkipCall as exc:  # as trees.warmup: an output no replay can hand out runs eagerly
+            w.skip = str(exc)
         return w
 
     def record(self, fn, call, warm):
@@ -138,7 +143,8 @@ class CpuTorchBackend(TorchAutograd):
         rec.external = tuple(warm.external)
         out = self._run(rec, saved, grad, rec.subs)
         rec.out_leaves = []
-        rec.spec = out_spec(out, rec.out_leaves)
+        rec.objects = argument_objects(call.arg_specs, call.kwarg_specs)  # what rec.args passes
+        rec.spec = out_spec(out, rec.out_leaves, rec.objects)
         rec.owned_idx = list(range(len(rec.out_leaves)))
         rec.out_ptrs = [t.data_ptr() for t in rec.out_leaves]
         rec.saved = saved
@@ -166,7 +172,7 @@ class CpuTorchBackend(TorchAutograd):
         saved: list = []
         out = self._run(rec, saved, rec.grad is not None, {})
         flat: list = []
-        out_spec(out, flat)
+        out_spec(out, flat, rec.objects)
         assert len(saved) == len(rec.saved)
         with torch.no_grad():
             for old, new in zip(rec.saved + rec.out_leaves, saved + flat):
@@ -177,7 +183,7 @@ class CpuTorchBackend(TorchAutograd):
                 call.leaves[j].copy_(rec.placeholders[j])
         rec.replays += 1
         outs = [t.detach() for t in rec.out_leaves]
-        return unflatten(rec.spec, iter(outs)), outs
+        return unflatten(rec.spec, iter(outs), argument_objects(call.arg_specs, call.kwarg_specs)), outs
 
     def count(self, what, name=None):
         return sum(1 for e in self.log if e[0] == what and (name is None or e[1] == name))

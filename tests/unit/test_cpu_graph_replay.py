@@ -358,3 +358,53 @@ def test_outputs_returned_twice_or_as_views_of_each_other_follow_each_replay(mgr
         assert c is x
     rec = [n.recording for n in mgr.nodes() if n.state is NodeState.RECORDED]
     assert len(rec) == 1 and isinstance(rec[0], GraphRecording)
+
+
+class _KVCache:
+    """A decode step's cache as transformers' ``StaticCache`` is: a plain object holding
+    preallocated tensors that each step writes in place."""
+
+    def __init__(self, rows: int, width: int):
+        self.keys = torch.zeros(rows, width)
+        self.length = torch.zeros((), dtype=torch.long)
+
+
+def test_a_step_returning_the_cache_object_it_was_given_replays_and_returns_the_callers_object(mgr):
+    """``out = step(tok, cache)`` returning ``{"logits": ..., "cache": cache}`` (a decode step
+    handing back its ``past_key_values``): the object is the caller's argument, so every replay
+    returns the caller's object, as eager does, and the step is recorded rather than run eagerly."""
+    w = torch.randn(4, 4)
+
+    def step(tok, cache):
+        cache.keys.index_copy_(0, cache.length.view(1), (tok @ w).view(1, 4))
+        cache.length.add_(1)
+        return {"logits": cache.keys.sum(0) * 2.0, "cache": cache}
+
+    mine, ref = _KVCache(16, 4), _KVCache(16, 4)
+    f = TorchFn(step, mgr)
+    for _ in range(8):
+        mgr.mark_step_begin()
+        tok = torch.randn(1, 4)
+        out = f(tok, mine)
+        want = step(tok, ref)
+        assert out["cache"] is mine
+        same(out["logits"], want["logits"])
+        same(mine.keys, ref.keys)
+    assert counts(mgr, f)[1:] == (1, 6, 0)
+
+
+def test_a_returned_object_that_is_not_an_argument_still_runs_eagerly_with_the_reason(mgr):
+    """An object cgraw cannot take apart and that the call did not pass (made anew in the
+    function) would be the recording's object on every replay: the function runs eagerly."""
+
+    class Result:
+        def __init__(self, t):
+            self.t = t
+
+    f = TorchFn(lambda x: Result(x * 2.0), mgr)
+    for _ in range(4):
+        mgr.mark_step_begin()
+        x = torch.randn(3)
+        same(f(x).t, x * 2.0)
+    assert counts(mgr, f)[1] == 0
+    assert any("cannot take apart" in (n.skip_reason or "") for n in mgr.nodes())

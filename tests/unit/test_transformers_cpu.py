@@ -1,0 +1,108 @@
+"""CPU tier on code nobody here wrote: transformers models built from small configs (random
+weights), graphed through the real ``TreeManager`` on the CPU graph emulator
+(``tests/helpers/cpu_graph.py``: a replay runs the recorded aten ops, not the Python), compared
+bitwise with eager on new inputs at every call. Needs torch and transformers."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from cpu_graph import CpuGraphBackend  # noqa: E402
+from torch_cpu_backend import TorchFn, cpu_tree  # noqa: E402
+
+pytestmark = pytest.mark.torch
+V = 101  # vocabulary of every model here
+
+
+def _ids(batch: int, length: int, seed: int):
+    return torch.randint(0, V, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _equal(a, b, what: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), what
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b)):
+            _equal(x, y, f"{what}[{i}]")
+    elif hasattr(a, "to_tuple"):
+        _equal(a.to_tuple(), b.to_tuple(), what)
+    else:
+        assert a == b, what
+
+
+def _llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=V, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+        intermediate_size=64, max_position_embeddings=64))
+
+
+def _gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=V, n_layer=2, n_head=2, n_embd=32,
+                                                                n_positions=64))
+
+
+MODELS = {
+    "gpt2": (_gpt2, lambda i: ((_ids(2, 8, i),), {"use_cache": False})),
+    "gpt2_padding_mask": (_gpt2, lambda i: ((_ids(2, 8, i),), {
+        "use_cache": False, "attention_mask": (torch.rand(2, 8, generator=torch.Generator().manual_seed(i)) > 0.3).long()})),
+    "llama": (_llama, lambda i: ((_ids(2, 8, i),), {"use_cache": False})),
+    "bert": (lambda: transformers.BertModel(transformers.BertConfig(
+        vocab_size=V, num_hidden_layers=2, num_attention_heads=2, hidden_size=32, intermediate_size=64,
+        max_position_embeddings=64)), lambda i: ((_ids(2, 8, i),), {})),
+    "t5": (lambda: transformers.T5Model(transformers.T5Config(
+        vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)),
+        lambda i: ((), {"input_ids": _ids(2, 8, i), "decoder_input_ids": _ids(2, 5, i + 50), "use_cache": False})),
+    "vit": (lambda: transformers.ViTModel(transformers.ViTConfig(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64)), lambda i: ((torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(i)),), {})),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_graphed_transformers_forward_replays_and_equals_eager(name, monkeypatch):
+    build, inputs = MODELS[name]
+    with cpu_tree(monkeypatch, CpuGraphBackend) as mgr:
+        torch.manual_seed(0)
+        model = build().eval()
+        f = TorchFn(lambda *a, **k: model(*a, **k), mgr, name=name)
+        for i in range(5):
+            args, kwargs = inputs(i)
+            with torch.no_grad():
+                ref = model(*args, **kwargs)
+            _equal(f(*args, **kwargs), ref, f"{name} call {i}")
+        st = mgr.stats[f.fn_id]
+        assert (st.recordings, st.replays, st.eager_calls) == (1, 3, 0), [n.skip_reason for n in mgr.nodes()]
+
+
+@pytest.mark.parametrize("build", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_a_static_cache_decode_step_returning_the_model_output_replays_and_equals_eager(build, monkeypatch):
+    """Greedy decoding over a ``StaticCache``, the step returning the model's output as it is (its
+    ``past_key_values`` is the cache the step was given): recorded once, then replayed, with the
+    caller's cache in every output and the tokens of eager decoding."""
+    with cpu_tree(monkeypatch, CpuGraphBackend) as mgr:
+        torch.manual_seed(0)
+        model = build().eval()
+        prompt = _ids(1, 5, 3)
+
+        def decode(step, steps=10):
+            cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+            with torch.no_grad():
+                out = model(prompt, past_key_values=cache, use_cache=True)
+            tok, toks = out.logits[:, -1:].argmax(-1), []
+            for s in range(steps):
+                toks.append(tok)
+                out = step(tok, past_key_values=cache, use_cache=True,
+                           position_ids=torch.tensor([[prompt.shape[1] + s]]))
+                assert out.past_key_values is cache
+                tok = out.logits[:, -1:].argmax(-1)
+            return torch.cat(toks, 1)
+
+        ref = decode(lambda *a, **k: model(*a, **k))
+        f = TorchFn(lambda *a, **k: model(*a, **k), mgr)
+        assert torch.equal(decode(f), ref)
+        st = mgr.stats[f.fn_id]
+        assert (st.recordings, st.eager_calls) == (1, 0) and st.replays >= 8, [n.skip_reason for n in mgr.nodes()]
