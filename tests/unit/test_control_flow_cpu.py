@@ -436,3 +436,17 @@ def test_capture_invalidated_body_names_the_body(monkeypatch):
     with pytest.raises(CaptureError, match="a conditional body's capture failed") as ei:
         cgraw.while_loop(lambda x: x.sum() < 0, lambda x: (x,), (torch.ones(2),))
     assert "host synchronisation" in ei.value.hint and d.capturing == "G"
+
+
+def test_the_guides_host_examples_run_on_the_cpu():
+    """The guide's blocks that use neither torch nor CuPy (the host path on NumPy) run here; the
+    others run in the GPU tier (tests/gpu/test_readme.py)."""
+    import re
+
+    import doc_blocks
+
+    page = doc_blocks.DOCS / "guides" / "control-flow.md"
+    host = [src for src in doc_blocks.FENCE.findall(page.read_text()) if not re.search(r"\b(torch|cupy)\b", src)]
+    assert host
+    for src in host:
+        exec(compile(src, "control-flow.md", "exec"), {"__name__": "doc_example"})
