@@ -87,7 +87,7 @@ def check_same(what: str, expected: tuple, got: tuple, reference: str) -> None:
     """Raise ``ControlFlowError`` unless ``got`` = ``(spec, leaves, paths)`` of ``Leaf``s has
     ``expected``'s structure, frameworks, shapes and dtypes. ``what`` names the result checked
     (``"body_fn's result"``), ``reference`` what it is checked against (``"the carried values"``)."""
-    (espec, eleaves, epaths), (gspec, gleaves, gpaths) = expected, got
+    (espec, eleaves, epaths), (gspec, gleaves, _) = expected, got
     if espec != gspec:
         raise ControlFlowError(f"{what} has the structure {_spec_text(gspec)} ({_shape_of(gspec)}) where "
                                f"{reference} have {_spec_text(espec)} ({_shape_of(espec)}); return the same "

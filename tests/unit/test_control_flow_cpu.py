@@ -13,7 +13,7 @@ import pytest
 import cgraw
 from cgraw import _cuda
 from cgraw._cuda import conditional as _cond, kernels as _k
-from cgraw.control import flow, kernels as K, nodes, plan
+from cgraw.control import kernels as K, plan
 from cgraw.errors import CaptureError, ControlFlowError
 from cgraw.runtime import capture as _capture
 
