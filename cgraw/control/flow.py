@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 
-from cgraw.control import plan
+from cgraw.control import hops, nodes, plan
+from cgraw.control.nodes import describe
 from cgraw.errors import ControlFlowError
 from cgraw.runtime import capture as _capture
 from cgraw.trees.frameworks import ops_of
@@ -66,8 +67,6 @@ def while_loop(cond_fn, body_fn, carried):
     spec, leaves, paths = plan.flatten(tuple(carried), "carried")
     cap = _capture.active()
     if cap is not None:
-        from cgraw.control import nodes
-
         return nodes.while_loop(cap, cond_fn, body_fn, spec, leaves, paths)
     leaves = [_copy(x) for x in leaves]
     expected = (spec, [describe(x) for x in leaves], paths)
@@ -105,23 +104,11 @@ def cond(pred, true_fn, false_fn, operands=()):
         raise ControlFlowError(f"operands must be a tuple or list, not {type(operands).__name__}")
     cap = _capture.active()
     if cap is not None and ops_of(pred) is not None:
-        from cgraw.control import nodes
-
         return nodes.cond(cap, pred, true_fn, false_fn, tuple(operands))
     fn = true_fn if truth(pred, "pred") else false_fn
     out = fn(*operands)
     plan.flatten(out)  # a structure of leaves: anything else raises in flatten's callers
     return out
-
-
-def describe(x) -> plan.Leaf:
-    """The ``plan.Leaf`` of a value: its framework, shape and dtype."""
-    ops = ops_of(x)
-    if ops is not None:
-        return plan.Leaf(ops.name, tuple(x.shape), str(x.dtype))
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return plan.Leaf("array", tuple(x.shape), str(x.dtype))
-    return plan.Leaf("host", (), type(x).__name__)
 
 
 def truth(p, who: str) -> bool:
@@ -160,3 +147,6 @@ def _copy(x):
         return ops.clone(x)
     copy = getattr(x, "copy", None)
     return copy() if callable(copy) and hasattr(x, "shape") else x
+
+
+hops.install()

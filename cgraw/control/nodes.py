@@ -36,7 +36,6 @@ import math
 from cgraw import _cuda
 from cgraw._cuda import conditional as _cond, kernels as _k
 from cgraw.control import kernels as K, plan
-from cgraw.control.flow import describe
 from cgraw.errors import CaptureError, ControlFlowError
 from cgraw.trees.frameworks import ops_of
 
@@ -170,6 +169,16 @@ def _range(ops, x) -> tuple[int, int]:
         return (0, -1)
     start = ops.ptr(x)
     return (start, start + span)
+
+
+def describe(x) -> plan.Leaf:
+    """The ``plan.Leaf`` of a value: its framework, shape and dtype."""
+    ops = ops_of(x)
+    if ops is not None:
+        return plan.Leaf(ops.name, tuple(x.shape), str(x.dtype))
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return plan.Leaf("array", tuple(x.shape), str(x.dtype))
+    return plan.Leaf("host", (), type(x).__name__)
 
 
 def _require_device_arrays(leaves: list, paths: list, ordinal: int) -> None:

@@ -450,3 +450,44 @@ def test_the_guides_host_examples_run_on_the_cpu():
     assert host
     for src in host:
         exec(compile(src, "control-flow.md", "exec"), {"__name__": "doc_example"})
+
+
+def _cgraw_mode():
+    """A mode of cgraw's kind (as the random-number router pushed during captures)."""
+    from cgraw.interop.torch import modes as torch_modes
+
+    class Mode(torch_modes.mode_base()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self.is_higher_order(func):
+                return self.run_higher_order(func, args, kwargs)
+            return func(*args, **(kwargs or {}))
+
+    return Mode()
+
+
+def test_torch_cond_in_a_capture_becomes_if_nodes(monkeypatch):
+    d = FakeDriver(monkeypatch)
+    x = torch.randn(3)
+    with _cgraw_mode():
+        out = torch.cond(x.sum() > 0, lambda v: v + 1, lambda v: v - 1, (x,))
+    assert [c[4:] for c in d.calls if c[0] == "add"] == [("if", 2)]
+    assert d.capturing == "G" and torch.equal(out, x - 1)  # both branches captured, the false one last
+
+
+def test_torch_while_loop_in_a_capture_becomes_a_while_node(monkeypatch):
+    from torch._higher_order_ops import while_loop
+
+    d = FakeDriver(monkeypatch)
+    x = torch.randn(3)
+    with _cgraw_mode():
+        s = torch.tensor(2.0)  # a closure tensor: torch may pass it as an additional input
+        i, v = while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v * s), (torch.tensor(0), x))
+    assert [c[4:] for c in d.calls if c[0] == "add"] == [("while", 1)]
+    assert int(i) == 1 and torch.equal(v, x * 2)  # the body ran once, on the host, while captured
+
+
+def test_torch_cond_outside_a_capture_is_left_to_torch():
+    x = torch.randn(3)
+    with _cgraw_mode():
+        out = torch.cond(x.sum() > 0, lambda v: v + 1, lambda v: v - 1, (x,))
+    assert torch.equal(out, x + 1 if x.sum() > 0 else x - 1)
