@@ -16,8 +16,8 @@ from cuda.bindings import driver as drv
 from cgraw.errors import CudaError
 
 _lock = threading.Lock()
-_images: dict[tuple[str, str], bytes] = {}  # (arch, name) -> cubin or PTX
-_functions: dict[tuple[int, str], object] = {}  # (context, name) -> CUfunction
+_images: dict[tuple, bytes] = {}  # (arch, name, options) -> cubin or PTX
+_functions: dict[tuple, object] = {}  # (context, name, options) -> CUfunction
 _modules: list = []  # loaded modules stay loaded for the process (kernels of live graphs use them)
 
 ARG_PTR = ctypes.c_uint64
@@ -124,22 +124,23 @@ def function(device_ordinal: int, name: str, source_for, options: tuple = ()) ->
     from cgraw._cuda import check, ctx_get_current, native
 
     ctx = native(ctx_get_current())
-    f = _functions.get((ctx, name))
+    options = tuple(options)
+    f = _functions.get((ctx, name, options))
     if f is not None:
         return f
     with _lock:
-        f = _functions.get((ctx, name))
+        f = _functions.get((ctx, name, options))
         if f is not None:
             return f
         arch = compute_capability(device_ordinal)
-        key = (f"{arch[0]}{arch[1]}", name)
+        key = (f"{arch[0]}{arch[1]}", name, options)
         image = _images.get(key)
         if image is None:
-            image = _images[key] = compile_image(source_for(name), name, arch, tuple(options))
+            image = _images[key] = compile_image(source_for(name), name, arch, options)
         module = check(drv.cuModuleLoadData(image), "cuModuleLoadData")
         _modules.append(module)
         f = check(drv.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
-        _functions[(ctx, name)] = f
+        _functions[(ctx, name, options)] = f
         return f
 
 

@@ -36,10 +36,21 @@ import math
 from cgraw import _cuda
 from cgraw._cuda import conditional as _cond, kernels as _k
 from cgraw.control import kernels as K, plan
-from cgraw.errors import CaptureError, ControlFlowError
+from cgraw.errors import CaptureError, ControlFlowError, CudaError
 from cgraw.trees.frameworks import ops_of
 
 _SET_TYPES = (_k.ARG_U64, _k.ARG_PTR, _k.ARG_U64)
+BODY_RULES = ("a conditional body holds only kernels, copies, memsets and nested conditionals: no host "
+              "synchronisation (.item(), printing a value), event, host function, stream-ordered allocation "
+              "or unjoined side stream; move that work before or after the loop or branch")
+
+
+def _capture_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says a stream capture refused an operation (torch's and CuPy's wording)."""
+    if isinstance(exc, CaptureError):
+        return True
+    text = str(exc).lower()
+    return "captur" in text and isinstance(exc, RuntimeError)
 
 
 def while_loop(cap, cond_fn, body_fn, spec, leaves: list, paths: list):
@@ -125,14 +136,21 @@ def _around_node(s, mode, ctx, nodes: list, bodies: list) -> None:
 
 
 def _capture_body(s, body_graph, mode, run) -> None:
+    """Capture ``run()`` into ``body_graph`` on ``s``. A failure of the capture itself (the
+    body's end reports it, or the error says the stream was capturing) becomes a ``CaptureError``
+    that names the body's rules; the user's own exceptions propagate unchanged."""
     _cond.stream_begin_capture_to_graph(s, body_graph, [], mode)
     try:
         run()
-    except BaseException:
-        try:  # the body's own error is the one to report
+    except BaseException as exc:
+        ended = True
+        try:
             _cond.stream_end_capture_into(s)
-        except Exception:  # noqa: BLE001
-            pass
+        except Exception:  # noqa: BLE001 - the capture broke: the body's error is the one to report
+            ended = False
+        if isinstance(exc, Exception) and (not ended or _capture_failure(exc)):
+            raise CaptureError("cuStreamEndCapture", getattr(exc, "code", 0), "CONDITIONAL_BODY_FAILED",
+                               f"a cgraw.while_loop or cgraw.cond body failed to capture: {exc}", BODY_RULES) from exc
         raise
     try:
         _cond.stream_end_capture_into(s)
@@ -207,7 +225,12 @@ def _device_predicate(p, who: str, ordinal: int):
 
 
 def _set_condition(ordinal: int, handle, pred, negate: bool, s) -> None:
-    """Launch the set-condition kernel on ``s``: ``handle`` gets ``pred`` (negated with ``negate``)."""
-    func = _k.function(ordinal, K.SET_CONDITION, K.source, K.options())
+    """Launch the set-condition kernel on ``s``: ``handle`` gets ``pred`` (negated with ``negate``).
+    Compiled with ``kernels.options()`` (relocatable device code); if NVRTC or the module load
+    refuses that, once more without them (the source declares what it calls)."""
+    try:
+        func = _k.function(ordinal, K.SET_CONDITION, K.source, K.options())
+    except CudaError:
+        func = _k.function(ordinal, K.SET_CONDITION, K.source, ())
     ptr = ops_of(pred).ptr(pred)
     _k.launch(func, 1, 1, (_cond.conditional_handle_value(handle), ptr, 1 if negate else 0), _SET_TYPES, s)

@@ -287,3 +287,28 @@ def test_cupy_routed_matmul_in_a_loop_body(pool):
     hv, hk = cgraw.while_loop(lambda v, k: k < 6, body_fn, (v0, k0))
     assert int(k) == 6 and cp.allclose(v, hv, rtol=1e-5, atol=1e-6)
     del v, k, hv, hk
+
+
+# ---------------------------------------------------------------- torch's own operators
+
+
+def test_torch_cond_and_while_loop_become_conditional_nodes(pool):
+    from torch._higher_order_ops import while_loop
+
+    a = trand(300)
+    scale = torch.full((), 0.5, device="cuda")
+
+    def prog(a):
+        y = torch.cond(a.mean() > 0, lambda v: v * 2, lambda v: v.exp(), (a,))
+        n0 = torch.zeros((), dtype=torch.int64, device="cuda")
+        return while_loop(lambda v, n: v.abs().max() > 1, lambda v, n: (v * scale, n + 1), (y, n0))
+
+    with cgraw.capture(pool=pool) as g:
+        v, n = prog(a)
+    assert str(g).count("CONDITIONAL") == 2
+    for _ in range(4):
+        a.copy_(trand(300) * float(rng.uniform(1, 50)))
+        g.replay()
+        ev, en = prog(a)  # eager: torch's own operators, the predicate read on the host
+        torch.cuda.synchronize()
+        assert int(n) == int(en) and torch.equal(v, ev)

@@ -291,7 +291,7 @@ class FakeDriver:
         return g
 
     def launch(self, func, grid, block, args, arg_types, s):
-        assert func[1] == K.SET_CONDITION and "-rdc=true" in func[2] and (grid, block) == (1, 1)
+        assert func[1] == K.SET_CONDITION and (grid, block) == (1, 1)
         self.calls.append(("set", self.capturing, args[0], args[2]))
         self.deps.setdefault(self.capturing, []).append("set")
 
@@ -491,3 +491,31 @@ def test_torch_cond_outside_a_capture_is_left_to_torch():
     with _cgraw_mode():
         out = torch.cond(x.sum() > 0, lambda v: v + 1, lambda v: v - 1, (x,))
     assert torch.equal(out, x + 1 if x.sum() > 0 else x - 1)
+
+
+def test_set_condition_kernel_is_compiled_with_rdc_and_without_it_if_refused(monkeypatch):
+    d = FakeDriver(monkeypatch)
+    asked = []
+
+    def function(ordinal, name, source, options):
+        asked.append(options)
+        if options:
+            raise _cuda.make_error(_cuda.CUresult.CUDA_ERROR_INVALID_IMAGE, "cuModuleLoadData")
+        return ("F", name, options)
+
+    monkeypatch.setattr(_k, "function", function)
+    cgraw.while_loop(lambda x: x.sum() < 0, lambda x: (x,), (torch.ones(2),))
+    assert asked[0][0] == "-rdc=true" and asked[1] == ()
+    assert [c[0] for c in d.calls].count("set") == 2
+
+
+def test_capture_refusal_inside_a_body_names_the_body_rules(monkeypatch):
+    FakeDriver(monkeypatch)
+
+    def body(x):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    with pytest.raises(CaptureError) as ei:
+        cgraw.while_loop(lambda x: x.sum() < 0, body, (torch.ones(2),))
+    assert ei.value.name == "CONDITIONAL_BODY_FAILED" and "no host synchronisation" in ei.value.hint
+    assert "event" in ei.value.hint
