@@ -519,3 +519,23 @@ def test_capture_refusal_inside_a_body_names_the_body_rules(monkeypatch):
         cgraw.while_loop(lambda x: x.sum() < 0, body, (torch.ones(2),))
     assert ei.value.name == "CONDITIONAL_BODY_FAILED" and "no host synchronisation" in ei.value.hint
     assert "event" in ei.value.hint
+
+
+def test_the_node_table_shows_conditional_nodes(monkeypatch):
+    """``print(graph)`` of a graph whose second node is a conditional one (type 13), node queries faked."""
+    from cgraw.runtime.graph import Graph
+
+    T = _cuda.NodeType
+    types_of = {1: T.CU_GRAPH_NODE_TYPE_KERNEL, 2: T.CU_GRAPH_NODE_TYPE_CONDITIONAL}
+    monkeypatch.setattr(_cuda, "graph_get_nodes", lambda g: [1, 2])
+    monkeypatch.setattr(_cuda, "graph_get_edges", lambda g: [(1, 2)])
+    monkeypatch.setattr(_cuda, "graph_node_get_type", lambda n: types_of[n])
+    monkeypatch.setattr(_cuda, "graph_kernel_node_get_params", lambda n: types.SimpleNamespace(
+        func=0, kern=0, gridDimX=1, gridDimY=1, gridDimZ=1, blockDimX=1, blockDimY=1, blockDimZ=1, sharedMemBytes=0))
+    monkeypatch.setattr(_cuda, "kernel_get_name", lambda k: "cgraw_set_condition")
+    g = Graph._pending(types.SimpleNamespace(ordinal=0), None, None)
+    g._graph, g._exec, g.num_nodes = "G", "E", 2
+    assert int(T.CU_GRAPH_NODE_TYPE_CONDITIONAL) == 13
+    assert [n.type for n in g.nodes()] == ["KERNEL", "CONDITIONAL"]
+    text = str(g)
+    assert "NODE 1: CONDITIONAL" in text and "after: NODE 0" in text and "cgraw_set_condition" in text
