@@ -15,9 +15,9 @@ Host path, the rules the device path has too:
   shapes and dtypes (``ControlFlowError`` names the first difference);
 - a predicate is a boolean or integer scalar (a one-element array, nonzero is true), read on the
   host each time (a synchronisation on the device's stream, as ``bool(t)`` is);
-- ``cond`` runs only the branch taken, so only that branch's result is checked (that it is a
-  structure of arrays and scalars); the device path captures both branches and checks that their
-  results agree.
+- ``cond`` runs only the branch taken and returns its result as it is: the other branch does
+  not run, so nothing is compared; the device path captures both branches and checks that their
+  results agree (structure, frameworks, shapes, dtypes; device arrays only).
 """
 
 from __future__ import annotations
@@ -88,9 +88,9 @@ def cond(pred, true_fn, false_fn, operands=()):
     bool picks the branch at once, also inside a capture). Both branches return the same
     structure of arrays with the same shapes and dtypes.
 
-    Outside a capture only the branch taken runs, and only its result is checked (a structure of
-    arrays and scalars). Inside ``cgraw.capture()`` or a graphed function's recording both
-    branches are captured, their results are checked against each other, and the call becomes an
+    Outside a capture only the branch taken runs, and its result is returned unchecked. Inside
+    ``cgraw.capture()`` or a graphed function's recording both branches are captured, their
+    results are checked against each other, and the call becomes an
     IF conditional node with two bodies (two IF nodes, the second on the negated predicate, on
     drivers before 12.8); the result lives in buffers the graph writes from either branch.
 
@@ -106,9 +106,7 @@ def cond(pred, true_fn, false_fn, operands=()):
     if cap is not None and ops_of(pred) is not None:
         return nodes.cond(cap, pred, true_fn, false_fn, tuple(operands))
     fn = true_fn if truth(pred, "pred") else false_fn
-    out = fn(*operands)
-    plan.flatten(out)  # a structure of leaves: anything else raises in flatten's callers
-    return out
+    return fn(*operands)
 
 
 def truth(p, who: str) -> bool:
