@@ -68,6 +68,7 @@ def while_loop(cond_fn, body_fn, carried):
     cap = _capture.active()
     if cap is not None:
         return nodes.while_loop(cap, cond_fn, body_fn, spec, leaves, paths)
+    nodes.preload(leaves)
     leaves = [_copy(x) for x in leaves]
     expected = (spec, [describe(x) for x in leaves], paths)
     values = plan.unflatten(spec, leaves)
@@ -105,6 +106,7 @@ def cond(pred, true_fn, false_fn, operands=()):
     cap = _capture.active()
     if cap is not None and ops_of(pred) is not None:
         return nodes.cond(cap, pred, true_fn, false_fn, tuple(operands))
+    nodes.preload([pred])
     fn = true_fn if truth(pred, "pred") else false_fn
     return fn(*operands)
 

@@ -224,13 +224,32 @@ def _device_predicate(p, who: str, ordinal: int):
     return p
 
 
-def _set_condition(ordinal: int, handle, pred, negate: bool, s) -> None:
-    """Launch the set-condition kernel on ``s``: ``handle`` gets ``pred`` (negated with ``negate``).
-    Compiled with ``kernels.options()`` (relocatable device code); if NVRTC or the module load
-    refuses that, once more without them (the source declares what it calls)."""
+def set_condition_kernel(ordinal: int):
+    """The set-condition kernel on device ``ordinal`` (the current context), compiled with
+    ``kernels.options()`` (relocatable device code); if NVRTC or the module load refuses that,
+    once more without them (the source declares what it calls)."""
     try:
-        func = _k.function(ordinal, K.SET_CONDITION, K.source, K.options())
+        return _k.function(ordinal, K.SET_CONDITION, K.source, K.options())
     except CudaError:
-        func = _k.function(ordinal, K.SET_CONDITION, K.source, ())
+        return _k.function(ordinal, K.SET_CONDITION, K.source, ())
+
+
+def preload(values) -> None:
+    """Load the set-condition kernel for the device of the first device array in ``values``, outside
+    any capture (the host path calls it: a graphed function's warm-up then leaves the capture that
+    follows no module to load). Never raises: the capture path reports a failure itself."""
+    for x in values:
+        ops = ops_of(x)
+        if ops is not None and ops.device(x) >= 0:
+            try:
+                set_condition_kernel(ops.device(x))
+            except Exception:  # noqa: BLE001 - a preload only; the capture path raises the real error
+                pass
+            return
+
+
+def _set_condition(ordinal: int, handle, pred, negate: bool, s) -> None:
+    """Launch the set-condition kernel on ``s``: ``handle`` gets ``pred`` (negated with ``negate``)."""
+    func = set_condition_kernel(ordinal)
     ptr = ops_of(pred).ptr(pred)
     _k.launch(func, 1, 1, (_cond.conditional_handle_value(handle), ptr, 1 if negate else 0), _SET_TYPES, s)

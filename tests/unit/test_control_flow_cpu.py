@@ -13,7 +13,7 @@ import pytest
 import cgraw
 from cgraw import _cuda
 from cgraw._cuda import conditional as _cond, kernels as _k
-from cgraw.control import kernels as K, plan
+from cgraw.control import kernels as K, nodes, plan
 from cgraw.errors import CaptureError, ControlFlowError
 from cgraw.runtime import capture as _capture
 
@@ -539,3 +539,37 @@ def test_the_node_table_shows_conditional_nodes(monkeypatch):
     assert [n.type for n in g.nodes()] == ["KERNEL", "CONDITIONAL"]
     text = str(g)
     assert "NODE 1: CONDITIONAL" in text and "after: NODE 0" in text and "cgraw_set_condition" in text
+
+
+def test_the_host_path_preloads_the_kernel_for_device_arrays_only(monkeypatch):
+    loaded = []
+    monkeypatch.setattr(nodes, "set_condition_kernel", lambda ordinal: loaded.append(ordinal))
+    cgraw.while_loop(lambda x: x.sum() < 0, lambda x: (x,), (torch.ones(2),))  # a CPU tensor: device -1
+    assert loaded == []
+
+    class OnDevice:
+        """A torch tensor as ``Ops`` sees one on device 3."""
+
+    from cgraw.trees import frameworks
+
+    class _Ops(type(frameworks.TORCH)):
+        def device(self, t):
+            return 3
+
+    monkeypatch.setattr(frameworks, "_registered", [])
+    frameworks.register(OnDevice, _Ops())
+    try:
+        nodes.preload([1, OnDevice(), OnDevice()])
+    finally:
+        frameworks._registered.clear()
+        frameworks._by_type.clear()
+    assert loaded == [3]
+
+
+def test_preload_never_raises(monkeypatch):
+    def fail(ordinal):
+        raise _cuda.make_error(_cuda.CUresult.CUDA_ERROR_INVALID_IMAGE, "cuModuleLoadData")
+
+    monkeypatch.setattr(nodes, "set_condition_kernel", fail)
+    monkeypatch.setattr(nodes, "ops_of", lambda x: types.SimpleNamespace(device=lambda x: 0))
+    nodes.preload([object()])
