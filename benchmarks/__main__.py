@@ -15,7 +15,8 @@ the frameworks' seeds costs a call, allocator, eager overhead), then which CuPy 
 capture records (cupy_coverage: a table, not timings) and CuPy-only loops, then training steps
 (autograd through graphed functions against whole-step graphs, make_graphed_callables and
 reduce-overhead), then graphed calls from 1, 2 and 8 threads (throughput and memory against eager
-and one serialised tree), then zero-copy inputs (rebind; last, because it rewrites kernel
+and one serialised tree), then control flow on the device (a conjugate-gradient solve in one
+launch against a host loop of per-iteration graphs and eager), then zero-copy inputs (rebind; last, because it rewrites kernel
 arguments of live graphs, and a sticky CUDA error there would fail every later part of the process).
 ``--only PART[,PART]`` runs those parts of the full run (in this order).
 
@@ -53,6 +54,7 @@ PARTS = {
     "cupy_loops": ("benchmarks.cupy_loops", []),
     "training": ("benchmarks.training", []),
     "threads": ("benchmarks.threads", []),
+    "control_flow": ("benchmarks.control_flow", []),
     "rebind": ("benchmarks.rebind", []),
 }
 

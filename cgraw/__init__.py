@@ -10,6 +10,7 @@ from cgraw.errors import (
     AllocatorError,
     CaptureError,
     CgrawError,
+    ControlFlowError,
     CudaError,
     CudaUnavailableError,
     InvalidFree,
@@ -36,6 +37,7 @@ from cgraw.runtime.memory import DevicePool
 from cgraw.runtime.stream import Event, Stream
 from cgraw.dlpack.tensor import Tensor, from_dlpack
 from cgraw.trees.config import config
+from cgraw.control.flow import cond, while_loop
 
 __version__ = "0.1.0"
 
@@ -43,6 +45,7 @@ __all__ = [
     "AllocatorError",
     "CaptureError",
     "CgrawError",
+    "ControlFlowError",
     "CudaError",
     "CudaUnavailableError",
     "Device",
@@ -61,6 +64,7 @@ __all__ = [
     "Tensor",
     "TreeError",
     "capture",
+    "cond",
     "config",
     "from_dlpack",
     "graphed",
@@ -71,6 +75,7 @@ __all__ = [
     "reset",
     "tree_text",
     "unsafe",
+    "while_loop",
 ]
 
 _SEEDING = ("graphs draw from torch's and CuPy's own generators, as eager code does: seed them with "

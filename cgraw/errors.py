@@ -18,6 +18,7 @@ __all__ = [
     "AllocatorError",
     "CaptureError",
     "CgrawError",
+    "ControlFlowError",
     "CudaError",
     "CudaUnavailableError",
     "InvalidFree",
@@ -77,6 +78,13 @@ class OutOfMemoryError(CudaError, MemoryError):
     It is a ``MemoryError``, so ``except MemoryError`` catches it; a pool turns it into
     ``PoolExhausted`` with the pool's figures, chained to this error.
     """
+
+
+class ControlFlowError(CgrawError, ValueError):
+    """``cgraw.while_loop`` or ``cgraw.cond`` was given functions or values that break its rules:
+    a body whose result differs from the carried values (structure, shape or dtype), branches
+    whose results differ, or a predicate that is not a boolean scalar. The message names the
+    value and the difference."""
 
 
 class TreeError(CgrawError, RuntimeError):

@@ -9,6 +9,8 @@
 #         smoke  tools.sanitize_smoke under compute-sanitizer memcheck (about 1 min)
 #         memcheck  the whole "gpu and not slow" tier under compute-sanitizer memcheck
 #         threads  python -m benchmarks.allocator_threads (about 1 min)
+#         control  tools.probes.conditional_probe (each piece of device control flow in turn), then
+#                tests/gpu/test_control_flow.py and the control-flow guide's examples (about 1 min)
 #         bench  python -m benchmarks --full, all parts, then the plots (CGRAW_BENCH_ARGS replaces --full: e.g.
 #                "--only models,graphed", or "" for the quick run)
 #         parallel  every non-slow tier at once on one GPU (about 6 min on the H200; each tier stops
@@ -141,6 +143,15 @@ if has memcheck; then
   timeout ${CGRAW_MEMCHECK_TIMEOUT:-420} $SANITIZE $PYTEST -m "gpu and not slow" "$@" > "$OUT/memcheck.log" 2>&1
   summary="$summary
 $(stamp "GPU tier under memcheck" $? $t "$(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/memcheck.log" | tail -n 2 | tr '\n' ' ' | cut -c1-250)")"
+fi
+if has control; then
+  t=$(date +%s); timeout 200 python3 -m tools.probes.conditional_probe > "$OUT/conditional_probe.log" 2>&1
+  summary="$summary
+$(stamp "conditional probe" $? $t "$(tail -n 1 "$OUT/conditional_probe.log" | cut -c1-200)")"
+  t=$(date +%s); timeout 300 $PYTEST --timeout=120 -m gpu tests/gpu/test_control_flow.py \
+    tests/gpu/test_readme.py -k "control_flow or control-flow" "$@" > "$OUT/control_flow.log" 2>&1
+  summary="$summary
+$(stamp "control flow" $? $t "$(tail -n 1 "$OUT/control_flow.log" | cut -c1-200)")"
 fi
 if has threads; then
   t=$(date +%s); timeout 200 python3 -m benchmarks.allocator_threads > "$OUT/threads.log" 2>&1

@@ -12,6 +12,8 @@ shaped like either major version. The calls every hot path makes (``cuGraphLaunc
   when edges carry data (programmatic dependent launch), so on 12.x the edge-aware ``_v3`` /
   ``_v2`` are used. A CUDA 12.0-12.2 driver lacks those: the first call then falls back to the
   plain name for good, its result widened to 13.x's shape.
+- ``cuGraphAddNode``: 13.x takes edge data (``(graph, deps, edge_data, n, params)``), 12.x's
+  plain name does not (``(graph, deps, n, params)``); ``graph_add_node`` takes 12.x's arguments.
 - ``cuda.bindings.utils.get_cuda_native_handle`` does not exist in 12.8 (no ``utils`` module);
   the handle types' ``int()`` is their native value there.
 """
@@ -85,5 +87,17 @@ def select(drv, utils, version: str) -> SimpleNamespace:
         capture_info=_edge_aware(drv, major, "cuStreamGetCaptureInfo", "cuStreamGetCaptureInfo_v3", 5),
         # (err, from, to, edge_data, n) on every version
         graph_get_edges=_edge_aware(drv, major, "cuGraphGetEdges", "cuGraphGetEdges_v2", 3),
+        # (graph, deps, n, params) on every version
+        graph_add_node=_add_node(drv, major),
         native_handle=native_handle,
     )
+
+
+def _add_node(drv, major: int):
+    plain = getattr(drv, "cuGraphAddNode", None)
+    if major >= 13 or major == 0:
+        def call(graph, deps, n, params):
+            return plain(graph, deps, None, n, params)
+        call.__name__ = "cuGraphAddNode"
+        return call
+    return plain

@@ -16,8 +16,8 @@ from cuda.bindings import driver as drv
 from cgraw.errors import CudaError
 
 _lock = threading.Lock()
-_images: dict[tuple[str, str], bytes] = {}  # (arch, name) -> cubin or PTX
-_functions: dict[tuple[int, str], object] = {}  # (context, name) -> CUfunction
+_images: dict[tuple, bytes] = {}  # (arch, name, options) -> cubin or PTX
+_functions: dict[tuple, object] = {}  # (context, name, options) -> CUfunction
 _modules: list = []  # loaded modules stay loaded for the process (kernels of live graphs use them)
 
 ARG_PTR = ctypes.c_uint64
@@ -79,9 +79,10 @@ def multiprocessor_count(device_ordinal: int) -> int:
                                               device_get(device_ordinal)), "cuDeviceGetAttribute"))
 
 
-def compile_image(source: str, name: str, arch: tuple[int, int]) -> bytes:
+def compile_image(source: str, name: str, arch: tuple[int, int], options: tuple = ()) -> bytes:
     """Compile ``source`` for ``arch``: a cubin when NVRTC knows the architecture, else PTX for
-    the newest one it knows (the driver JIT-compiles it at load)."""
+    the newest one it knows (the driver JIT-compiles it at load). ``options``: more NVRTC options
+    (``-rdc=true`` for the set-condition kernels, ``cgraw.control.kernels``)."""
     nvrtc = _nvrtc()
     major, minor = arch
     supported = None
@@ -97,7 +98,8 @@ def compile_image(source: str, name: str, arch: tuple[int, int]) -> bytes:
     prog = _nvrtc_check(nvrtc, nvrtc.nvrtcCreateProgram(source.encode(), (name + ".cu").encode(), 0, [], []),
                         "nvrtcCreateProgram")
     try:
-        opts = [f"--gpu-architecture={target}".encode(), b"--std=c++17", b"-default-device"]
+        opts = [f"--gpu-architecture={target}".encode(), b"--std=c++17", b"-default-device",
+                *(o.encode() if isinstance(o, str) else o for o in options)]
         _nvrtc_check(nvrtc, nvrtc.nvrtcCompileProgram(prog, len(opts), opts), "nvrtcCompileProgram", prog)
         if cubin:
             size = _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
@@ -115,28 +117,30 @@ def compile_image(source: str, name: str, arch: tuple[int, int]) -> bytes:
             pass
 
 
-def function(device_ordinal: int, name: str, source_for) -> object:
+def function(device_ordinal: int, name: str, source_for, options: tuple = ()) -> object:
     """The loaded ``CUfunction`` ``name`` on the current context of ``device_ordinal``;
-    ``source_for(name)`` gives its source the first time it is needed on this architecture."""
+    ``source_for(name)`` gives its source the first time it is needed on this architecture,
+    compiled with the extra NVRTC ``options``."""
     from cgraw._cuda import check, ctx_get_current, native
 
     ctx = native(ctx_get_current())
-    f = _functions.get((ctx, name))
+    options = tuple(options)
+    f = _functions.get((ctx, name, options))
     if f is not None:
         return f
     with _lock:
-        f = _functions.get((ctx, name))
+        f = _functions.get((ctx, name, options))
         if f is not None:
             return f
         arch = compute_capability(device_ordinal)
-        key = (f"{arch[0]}{arch[1]}", name)
+        key = (f"{arch[0]}{arch[1]}", name, options)
         image = _images.get(key)
         if image is None:
-            image = _images[key] = compile_image(source_for(name), name, arch)
+            image = _images[key] = compile_image(source_for(name), name, arch, options)
         module = check(drv.cuModuleLoadData(image), "cuModuleLoadData")
         _modules.append(module)
         f = check(drv.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
-        _functions[(ctx, name)] = f
+        _functions[(ctx, name, options)] = f
         return f
 
 

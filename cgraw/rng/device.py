@@ -151,3 +151,21 @@ def arenas() -> list[tuple[int, int]]:
     """``(base, bytes)`` of every arena of generator records."""
     with _lock:
         return [(b, rng.SOURCE_BYTES * RECORDS) for bases in _arenas.values() for b in bases]
+
+
+class RngAdapter:
+    """A random-number router in a capture's adapter list (``runtime.capture``; no streams of its own)."""
+
+    __slots__ = ("router",)
+
+    def __init__(self, router):
+        self.router = router
+
+    def producer_streams(self) -> list[int]:
+        return []
+
+    def enter(self) -> None:
+        self.router.enter()
+
+    def exit(self, failed: bool = False) -> None:
+        self.router.exit()

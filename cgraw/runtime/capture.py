@@ -39,6 +39,11 @@ def capturing() -> bool:
     return getattr(_tls, "active", None) is not None
 
 
+def active() -> "capture | None":
+    """The ``cgraw.capture()`` (or graph-tree recording) running on this thread, or None."""
+    return getattr(_tls, "active", None)
+
+
 class capture:
     """Context manager that records the work of its block into a ``Graph``.
 
@@ -130,7 +135,7 @@ class capture:
         self.graph = Graph._pending(dev, pool, stream)
         self._adapters = self._make_adapters(pool, stream)
         self._rng = self._rng_routers(dev.ordinal, stream) if self.random and self._adapters else []
-        self._adapters += [_RngAdapter(r) for r in self._rng]
+        self._adapters += [rng_device.RngAdapter(r) for r in self._rng]
 
         # Work queued before the capture (inputs being written) must finish before the graph's
         # first node: the capture stream waits on the legacy stream and the frameworks' current streams.
@@ -257,6 +262,10 @@ class capture:
 
     # ------------------------------------------------------------------ helpers
 
+    def random_draws(self) -> int:
+        """Random-number draws captured so far (``cgraw.control`` refuses them in loop bodies)."""
+        return sum(r.stream.calls for r in self._rng)
+
     def _device(self) -> Device:
         if self.device is None:
             if self.pool is not None:
@@ -377,24 +386,6 @@ class capture:
                                 "make the capture stream wait on each side stream (an event, or "
                                 "torch.cuda.current_stream().wait_stream(side)) before the block ends")
         return e if isinstance(e, CaptureError) else CaptureError(e.call, e.code, e.name, e.description, e.hint)
-
-
-class _RngAdapter:
-    """A random-number router in the capture's adapter list (no streams of its own)."""
-
-    __slots__ = ("router",)
-
-    def __init__(self, router):
-        self.router = router
-
-    def producer_streams(self) -> list[int]:
-        return []
-
-    def enter(self) -> None:
-        self.router.enter()
-
-    def exit(self, failed: bool = False) -> None:
-        self.router.exit()
 
 
 def _has_unjoined_work(stream) -> bool:

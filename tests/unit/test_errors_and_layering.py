@@ -91,17 +91,18 @@ LAYER = {
     "cgraw.errors": 1, "cgraw._cuda.defer": 1, "cgraw._cuda": 1, "cgraw._cuda.compat": 1, "cgraw._cuda.graphs": 1,
     "cgraw.dlpack.structs": 1, "cgraw.dlpack.capsules": 1, "cgraw._cuda.kernels": 1,
     "cgraw.interop.torch.private_api": 1, "cgraw.rng.plan": 1, "cgraw.rng.kernels": 1,
-    "cgraw.rebind.scan": 1,
+    "cgraw.rebind.scan": 1, "cgraw._cuda.conditional": 1, "cgraw.control.plan": 1, "cgraw.control.kernels": 1,
     "cgraw.runtime.device": 2, "cgraw.runtime.stream": 3, "cgraw.rng.device": 3,
     "cgraw.runtime.memory": 4, "cgraw.rebind.ranges": 4, "cgraw.dlpack.tensor": 5,
     "cgraw.runtime.graph": 6, "cgraw.trees.frameworks": 6, "cgraw.trees.arrays": 6, "cgraw.trees.buckets": 6, "cgraw.trees.calls": 6, "cgraw.trees.input_plan": 6, "cgraw.trees.recording": 6,
     "cgraw.trees.nodes": 6, "cgraw.trees.config": 6, "cgraw.trees.outputs": 6, "cgraw.trees.pool": 6, "cgraw.trees.manager": 6, "cgraw.trees.autograd": 6,
     "cgraw.interop": 7, "cgraw.interop.cupy.blas": 7, "cgraw.interop.torch.partitions": 7,
     "cgraw.runtime.capture": 8, "cgraw.trees.cuda_backend": 8, "cgraw.rebind.proof": 8, "cgraw.trees.warmup": 8,
+    "cgraw.control.flow": 8, "cgraw.control.nodes": 8, "cgraw.control.hops": 8,
     "cgraw.trees.graphed": 9, "cgraw.trees.callables": 9, "cgraw.interop.torch.backend": 9,
     "cgraw": 99,
     # the subpackages' __init__ modules hold their docstring only
-    "cgraw.runtime": 1, "cgraw.dlpack": 1, "cgraw.rng": 1, "cgraw.rebind": 1, "cgraw.trees": 1,
+    "cgraw.runtime": 1, "cgraw.dlpack": 1, "cgraw.rng": 1, "cgraw.rebind": 1, "cgraw.trees": 1, "cgraw.control": 1,
     "cgraw.interop.torch": 7, "cgraw.interop.cupy": 7,
 }
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-IMPORTABLE = ("tools.call_walk", "tools.probes.pool_probe", "tools.probes.rebind_probe", "tools.probes.rebind_resnet_probe",
+IMPORTABLE = ("tools.call_walk", "tools.probes.pool_probe", "tools.probes.conditional_probe", "tools.probes.rebind_probe", "tools.probes.rebind_resnet_probe",
               "tools.sanitize_smoke", "tools.diag.pytest_diag")  # rng_probe runs its checks on import
 
 

@@ -11,7 +11,9 @@ modes run the operator with the mode off, as torch's protocol requires (its eage
 that no mode is active), and hand it every body wrapped so that the body runs with the mode pushed
 again: the ops of a body are observed and routed exactly as the same ops outside it. An operator
 that reads a device predicate on the host (eager ``torch.cond``, ``while_loop``) is a host
-synchronisation: a capture fails on it and the graphed function runs eagerly with that reason.
+synchronisation: a capture fails on it and the graphed function runs eagerly with that reason,
+unless a handler registered by name (``register_higher_order``: ``cgraw.control.flow`` registers
+``cond`` and ``while_loop``, which become conditional nodes inside a capture) takes the call.
 
 torch.compile: ``ignore_compile_internals()`` is True, so Dynamo compiles frames while the modes
 are on the stack (torch 2.11's ``convert_frame`` skips a frame when
@@ -32,6 +34,14 @@ import sys
 from cgraw.interop.torch import private_api
 
 _base: list = [None]
+_handlers: dict = {}  # higher-order operator name -> handler(args, kwargs, reenter); set at import
+
+
+def register_higher_order(name: str, handler) -> None:
+    """Let ``handler(args, kwargs, reenter)`` run the higher-order operator ``name`` when it reaches
+    one of cgraw's modes. ``reenter(fn)`` is ``fn`` run with the mode pushed again; the handler
+    returns the operator's result, or ``NotImplemented`` to leave the call to torch."""
+    _handlers[name] = handler
 
 
 class _Reentering:
@@ -83,6 +93,11 @@ def _make_base():
 
         def run_higher_order(self, func, args, kwargs):
             """Run higher-order operator ``func`` below this mode, its bodies under it."""
+            handler = _handlers.get(func.name()) if _handlers else None
+            if handler is not None:
+                out = handler(args, kwargs or {}, lambda fn: body(fn, self))
+                if out is not NotImplemented:
+                    return out
             return func(*(body(a, self) for a in args), **{k: body(v, self) for k, v in (kwargs or {}).items()})
 
     return CgrawMode

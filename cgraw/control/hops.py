@@ -1,0 +1,57 @@
+"""torch's ``torch.cond`` and ``torch._higher_order_ops.while_loop`` inside captures: the same
+conditional nodes as ``cgraw.cond`` and ``cgraw.while_loop``.
+
+Layer L8 (beside ``control.nodes``): the handlers are registered with cgraw's torch dispatch modes
+(``interop.torch.modes.register_higher_order``), which every capture that routes torch's random
+numbers pushes. A call is taken only inside a running capture, with a CUDA predicate on the
+capture's device and CUDA tensors for the operands or carried values; anything else is left to
+torch (eagerly, which reads the predicate on the host: a capture then fails with that reason, and
+a graphed function runs eagerly). ``while_loop``'s ``additional_inputs`` are passed to both
+functions after the carried values, as torch does.
+"""
+
+from __future__ import annotations
+
+from cgraw.control import nodes, plan
+from cgraw.interop.torch import modes as _modes
+from cgraw.runtime import capture as _capture
+from cgraw.trees.frameworks import TORCH, ops_of
+
+
+def install() -> None:
+    """Register the handlers (once; idempotent)."""
+    _modes.register_higher_order("cond", torch_cond)
+    _modes.register_higher_order("while_loop", torch_while_loop)
+
+
+def _on_device(values, ordinal: int) -> bool:
+    return all(ops_of(v) is TORCH and v.get_device() == ordinal for v in values)
+
+
+def torch_cond(args, kwargs, reenter):
+    """``cond(pred, true_fn, false_fn, operands)`` as IF node(s), or ``NotImplemented``."""
+    cap = _capture.active()
+    if cap is None or kwargs or len(args) != 4:
+        return NotImplemented
+    pred, true_fn, false_fn, operands = args
+    ordinal = cap.graph.device.ordinal
+    if not _on_device([pred], ordinal) or not _on_device(plan.flatten(tuple(operands))[1], ordinal):
+        return NotImplemented
+    return nodes.cond(cap, pred, reenter(true_fn), reenter(false_fn), tuple(operands))
+
+
+def torch_while_loop(args, kwargs, reenter):
+    """``while_loop(cond_fn, body_fn, carried_inputs, additional_inputs)`` as a WHILE node, or
+    ``NotImplemented``."""
+    cap = _capture.active()
+    if cap is None or kwargs or len(args) not in (3, 4):
+        return NotImplemented
+    cond_fn, body_fn, carried = args[:3]
+    extra = tuple(args[3]) if len(args) == 4 else ()
+    ordinal = cap.graph.device.ordinal
+    spec, leaves, paths = plan.flatten(tuple(carried), "carried_inputs")
+    if not _on_device(leaves, ordinal) or not _on_device(plan.flatten(extra)[1], ordinal):
+        return NotImplemented
+    cond_fn, body_fn = reenter(cond_fn), reenter(body_fn)
+    return nodes.while_loop(cap, lambda *c: cond_fn(*c, *extra), lambda *c: body_fn(*c, *extra),
+                            spec, leaves, paths)
