@@ -30,7 +30,8 @@ LEAF = ("t",)  # the spec of a tensor leaf
 SINGLE = object()  # the output spec of a function returning one tensor
 
 
-def _is_module(x) -> bool:
+def is_module(x) -> bool:
+    """Whether ``x`` is a ``torch.nn.Module`` (False without torch)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.nn.Module)
 
@@ -88,7 +89,7 @@ def flatten(a, leaves, key, kinds, ptrs, ops_list, forced):
     if t is dict:
         key.append((dict, tuple(a)))
         return ("dict", dict, tuple(a), [flatten(v, leaves, key, kinds, ptrs, ops_list, forced) for v in a.values()])
-    if _is_module(a):
+    if is_module(a):
         key.append(("module", a))  # the module itself: equal only to itself, kept alive by the key
         n0 = len(leaves)
         for x in list(a.parameters()) + list(a.buffers()):
@@ -315,4 +316,4 @@ class NoType:
 
 
 __all__ = ["CUPY", "EAGER", "LEAF", "SINGLE", "STATIC", "TORCH", "TREE", "Ops", "argument_objects", "flatten", "is_torch",
-           "names_inputs", "ops_of", "out_spec", "rebuild", "register", "replace_leaves", "unflatten"]
+           "is_module", "names_inputs", "ops_of", "out_spec", "rebuild", "register", "replace_leaves", "unflatten"]

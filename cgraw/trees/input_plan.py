@@ -10,17 +10,25 @@ Layer L6: pure Python over ``arrays``. ``calls.inspect`` classifies each call; t
   written input is among them.
 - ``unseen_eager``: a warm-up read in place an input that is now eager (warm up again).
 - ``declared_mutations``: the eager leaves of the positions a function declared in ``mutates``.
+- Python state (``python_state``, ``changed_argument``): a replay runs the device work of a call
+  and none of its Python, so a function that reassigns an attribute of an argument object, or
+  grows, shrinks or refills a list or dict it was given (a transformers ``DynamicCache`` growing
+  by ``torch.cat``), would leave those changes undone on every replay. The tree compares a
+  snapshot of what the arguments reach before and after a warm-up.
 """
 
 from __future__ import annotations
 
 import operator
 
-from cgraw.trees.arrays import EAGER, STATIC
+import enum
+import math
+
+from cgraw.trees.arrays import EAGER, STATIC, is_module, ops_of
 from cgraw.errors import SkipCall
 
-__all__ = ["SHARED", "InputPlan", "KeyMark", "check_shared_writes", "declared_mutations", "moved", "shared_memory",
-           "unseen_eager"]
+__all__ = ["SHARED", "InputPlan", "KeyMark", "changed_argument", "check_shared_writes", "declared_mutations", "moved",
+           "python_state", "shared_memory", "state_change_verdict", "unseen_eager"]
 
 
 class KeyMark:
@@ -106,3 +114,73 @@ def declared_mutations(fn, call) -> tuple:
     return tuple(j for i in fn.mutates if i < len(spans)
                  for j in range(spans[i][0], sum(spans[i])) if kinds[j] == EAGER)
 
+
+
+_PLAIN = (int, float, bool, str, bytes, complex, type(None))
+_DEPTH = 6  # levels of attributes and items a snapshot follows
+_WIDTH = 256  # items of one list or dict it follows (more: its length and identity only)
+
+
+def python_state(args, kwargs) -> list | None:
+    """One snapshot per argument of the Python state it reaches (arrays and modules by identity,
+    plain values by value, lists, tuples, dicts and objects' attributes followed), or None when
+    the call passes nothing but arrays (nothing to compare)."""
+    values = list(args) + list(kwargs.values())
+    if all(ops_of(a) is not None for a in values):
+        return None
+    return [_snapshot(a, _DEPTH, set()) for a in values]
+
+
+def _snapshot(x, depth: int, seen: set):
+    t = type(x)
+    if t in _PLAIN:
+        return (t, x) if t is not float or not math.isnan(x) else (t, "nan")
+    if ops_of(x) is not None or is_module(x) or isinstance(x, (enum.Enum, type)) or callable(x):
+        return ("id", id(x))
+    if t.__module__ == "torch":  # torch.Size, dtypes, devices: values
+        return (t, x)
+    if depth == 0 or id(x) in seen:
+        return ("id", id(x))
+    seen.add(id(x))
+    if isinstance(x, (list, tuple)):
+        items = x if len(x) <= _WIDTH else ()
+        return (t, id(x), len(x), tuple(_snapshot(v, depth - 1, seen) for v in items))
+    if isinstance(x, dict):
+        items = list(x.items()) if len(x) <= _WIDTH else []
+        return (t, id(x), len(x), tuple((k, _snapshot(v, depth - 1, seen)) for k, v in items))
+    attrs = getattr(x, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return ("id", id(x))
+    return (t, id(x), tuple((k, _snapshot(v, depth - 1, seen)) for k, v in list(attrs.items())))
+
+
+def changed_argument(before, args, kwargs) -> str | None:
+    """Which argument a call changed the Python state of (``before``: its ``python_state``), as
+    the reason its replays cannot run it; None when none changed."""
+    if before is None:
+        return None
+    after = python_state(args, kwargs)
+    names = [f"argument {i}" for i in range(len(args))] + [f"argument {k!r}" for k in kwargs]
+    values = list(args) + list(kwargs.values())
+    for name, value, b, a in zip(names, values, before, after or ()):
+        if a != b:
+            return (f"it changes the Python state of its {name} ({type(value).__name__}): an attribute, list or "
+                    "dict reached from it was reassigned or resized, which a replay (the device work alone) "
+                    "would not redo; pass state the function updates in place (a StaticCache), or keep "
+                    "this function eager")
+    return None
+
+
+def state_change_verdict(fn, skip: str | None, why: str | None) -> tuple[str | None, bool]:
+    """What follows a warm-up of ``fn`` that changed an argument's Python state (``why``, from
+    ``changed_argument``; ``skip``: the warm-up's own skip reason, which comes first):
+    ``(skip reason, warm up again)``. The first time the node warms up again at its next call
+    (state made lazily on first use, a cache filled once); the second time the function runs
+    eagerly from now on (its ``unsafe_reason``), for every input signature."""
+    if skip is not None or why is None:
+        return skip, False
+    fn.python_state_changes = getattr(fn, "python_state_changes", 0) + 1
+    if fn.python_state_changes < 2:
+        return None, True
+    fn.unsafe_reason = why
+    return why, False

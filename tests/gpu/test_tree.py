@@ -260,6 +260,52 @@ def test_a_plain_object_argument_set_anew_matches_eager():
         torch.testing.assert_close(f(x, s), x * scale + 1.0)
 
 
+def test_a_function_growing_a_list_argument_matches_eager_and_runs_eagerly():
+    """A function appending to a list it is given (as a DynamicCache grows): a replay would not
+    append, so the function runs eagerly after its second warm-up, with the reason reported."""
+
+    def f(x, log):
+        y = x * 2.0
+        log.append(y.sum())
+        return y
+
+    g = cgraw.graphed(f)
+    mine, ref = [], []
+    for _ in range(6):
+        cgraw.mark_step_begin()
+        x = trand(256)
+        torch.testing.assert_close(g(x, mine), f(x, ref))
+    assert len(mine) == len(ref) == 6
+    torch.testing.assert_close(torch.stack(mine), torch.stack(ref))
+    assert _stats(g).recordings == 0 and "Python state" in cgraw.report()
+
+
+def test_a_returned_argument_object_is_the_callers_on_every_replay():
+    """A step returning the state object it was given (a decode step returning its cache): each
+    replay returns the caller's object, and the step replays."""
+
+    class Cache:
+        def __init__(self):
+            self.keys = torch.zeros(16, 8, device="cuda")
+            self.length = torch.zeros((), dtype=torch.long, device="cuda")
+
+    def step(tok, cache):
+        cache.keys.index_copy_(0, cache.length.view(1), tok.view(1, 8))
+        cache.length.add_(1)
+        return {"total": cache.keys.sum(0), "cache": cache}
+
+    g = cgraw.graphed(step)
+    mine, ref = Cache(), Cache()
+    for _ in range(8):
+        cgraw.mark_step_begin()
+        tok = trand(8)
+        out, want = g(tok, mine), step(tok, ref)
+        assert out["cache"] is mine
+        torch.testing.assert_close(out["total"], want["total"])
+    torch.testing.assert_close(mine.keys, ref.keys)
+    assert _stats(g).recordings == 1 and _stats(g).replays >= 5
+
+
 def test_a_tensor_returned_twice_is_one_object_on_every_call():
     def twice(x):
         y = x * 2.0

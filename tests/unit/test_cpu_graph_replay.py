@@ -408,3 +408,52 @@ def test_a_returned_object_that_is_not_an_argument_still_runs_eagerly_with_the_r
         same(f(x).t, x * 2.0)
     assert counts(mgr, f)[1] == 0
     assert any("cannot take apart" in (n.skip_reason or "") for n in mgr.nodes())
+
+
+def test_a_function_growing_a_list_argument_runs_eagerly_with_the_reason(mgr):
+    """``f(x, log)`` appending to ``log`` (as a transformers ``DynamicCache`` grows by
+    ``torch.cat``): a replay runs the device work alone and would not append, so after a second
+    warm-up that changes the argument the function runs eagerly, with results and list equal to
+    eager's."""
+
+    def f(x, log):
+        y = x * 2.0
+        log.append(y.sum())
+        return y
+
+    mine, ref = [], []
+    g = TorchFn(f, mgr)
+    for _ in range(6):
+        mgr.mark_step_begin()
+        x = torch.randn(4)
+        same(g(x, mine), f(x, ref))
+    assert len(mine) == len(ref) == 6
+    for a, b in zip(mine, ref):
+        same(a, b)
+    assert counts(mgr, g)[1:3] == (0, 0)
+    assert "changes the Python state of its argument 1 (list)" in g.unsafe_reason
+
+
+def test_an_attribute_set_on_the_first_call_only_still_lets_the_function_replay(mgr):
+    """State an argument gets on first use (a buffer made lazily, as a ``StaticCache`` makes its
+    tensors at its first update) changes it once: the node warms up again, then records and
+    replays, equal to eager."""
+
+    class Lazy:
+        buf = None
+
+    def f(x, state):
+        if state.buf is None:
+            state.buf = torch.zeros(4)
+        state.buf.add_(x)
+        return state.buf * 2.0
+
+    mine, ref = Lazy(), Lazy()
+    g = TorchFn(f, mgr)
+    for _ in range(6):
+        mgr.mark_step_begin()
+        x = torch.randn(4)
+        same(g(x, mine), f(x, ref))
+        same(mine.buf, ref.buf)
+    warmups, recordings, replays, eager = counts(mgr, g)
+    assert (warmups, recordings, eager) == (2, 1, 0) and replays >= 3

@@ -106,3 +106,32 @@ def test_a_static_cache_decode_step_returning_the_model_output_replays_and_equal
         assert torch.equal(decode(f), ref)
         st = mgr.stats[f.fn_id]
         assert (st.recordings, st.eager_calls) == (1, 0) and st.replays >= 8, [n.skip_reason for n in mgr.nodes()]
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_generate_with_a_graphed_forward_gives_eagers_tokens(cache, monkeypatch):
+    """``model.generate()`` with ``model.forward`` graphed. With a ``StaticCache`` the decode step
+    records and replays. With the default ``DynamicCache`` each step grows the cache in Python
+    (``torch.cat`` into new tensors), which a replay would not redo: the forward runs eagerly with
+    that reason, and the tokens are eager's in both cases."""
+    with cpu_tree(monkeypatch, CpuGraphBackend) as mgr:
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(vocab_size=V, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       hidden_size=32, intermediate_size=64, max_position_embeddings=64,
+                                       bos_token_id=0, eos_token_id=1, pad_token_id=0)
+        model = transformers.LlamaForCausalLM(cfg).eval()
+        prompt = _ids(1, 5, 3)
+        kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        if cache == "static":
+            kw["cache_implementation"] = "static"
+        with torch.no_grad():
+            ref = model.generate(prompt, **kw)
+            f = TorchFn(model.forward, mgr)
+            model.forward = f
+            got = model.generate(prompt, **kw)
+        assert torch.equal(got, ref)
+        st = mgr.stats[f.fn_id]
+        if cache == "static":
+            assert st.recordings == 1 and st.replays >= 8 and st.eager_calls == 0
+        else:
+            assert st.recordings == 0 and "DynamicCache" in f.unsafe_reason
