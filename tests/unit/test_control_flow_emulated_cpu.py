@@ -10,14 +10,15 @@ ran at capture time (the branch taken, the iteration count) cannot leak into the
 
 from __future__ import annotations
 
-import cpu_graph
 import pytest
-from control_flow_fakes import FakeDriver
-
-import cgraw
-from cgraw.control import nodes
 
 torch = pytest.importorskip("torch")
+
+import cpu_graph  # noqa: E402
+from control_flow_fakes import FakeDriver  # noqa: E402
+
+import cgraw  # noqa: E402
+from cgraw.control import nodes  # noqa: E402
 
 
 class Emulator(FakeDriver):
