@@ -66,7 +66,7 @@ class CompileCpuBackend(CpuTorchBackend):
     outputs), where a capture computes nothing, and the first replay runs it again. Inductor's
     backward partitions write into their inputs (the saved activations AOT autograd donates to the
     backward: ``buf15 = relu; del relu  # reuse``), so the recording puts back what its run wrote
-    there, as if it had computed nothing."""
+    there, and the random-number generator's state, as if it had computed nothing."""
 
     def __init__(self):
         super().__init__()
@@ -76,7 +76,9 @@ class CompileCpuBackend(CpuTorchBackend):
     def record(self, fn, call, warm):
         in_place = [(t, t.detach().clone()) for j, t in enumerate(call.leaves)
                     if call.kinds[j] != EAGER and isinstance(t, torch.Tensor)]
+        rng = torch.get_rng_state()
         rec = super().record(fn, call, warm)
+        torch.set_rng_state(rng)
         with torch.no_grad():
             for t, before in in_place:
                 t.data.copy_(before)  # no version counter moves (a forward saved the parameters)
@@ -129,6 +131,9 @@ def cpu_partitions(monkeypatch):
     h = Harness()
     monkeypatch.setattr(scheduler.Scheduler, "should_partition", should_partition)
     monkeypatch.setattr(graphed_mod, "_new_tree", h.factory)
+    # a partition without tensor arguments (a function drawing random numbers) is on the current
+    # CUDA device; here every tensor is on "device 0"
+    monkeypatch.setattr(graphed_mod, "_device_of", lambda args, kwargs: 0)
     before = (calls._tensor[0], calls._tensor[1], calls._kernel[0])
     ops = list(torch._inductor.config.custom_should_partition_ops) + [CACHE_KEY]
     graphed_mod.reset()
