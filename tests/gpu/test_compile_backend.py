@@ -30,10 +30,14 @@ TOL = {"rtol": 1e-4, "atol": 1e-4}  # Inductor's fused kernels against eager's, 
 def fresh_dynamo():
     torch._dynamo.reset()
     graphed_mod.forget_without_graphs()
-    with full_fp32():
-        yield
-    torch._dynamo.reset()
-    graphed_mod.forget_without_graphs()
+    torch._logging.set_logs(recompiles=True)  # a failure's captured log says why a frame recompiled
+    try:
+        with full_fp32():
+            yield
+    finally:
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+        graphed_mod.forget_without_graphs()
 
 
 def _partitions(prefix: str) -> dict:
@@ -43,10 +47,18 @@ def _partitions(prefix: str) -> dict:
 
 
 def _assert_replayed(parts: dict, calls: int = CALLS):
-    assert parts, "no partition ran as a graphed function"
+    assert parts, "no partition ran as a graphed function\n" + _diagnosis()
     for name, s in parts.items():
-        assert s.eager_calls == 0 and not s.skip_reasons, (name, s.skip_reasons)
-        assert s.recordings >= 1 and s.replays >= calls - 2, (name, s)
+        assert s.eager_calls == 0 and not s.skip_reasons, (name, s.skip_reasons, _diagnosis())
+        assert s.recordings >= 1 and s.replays >= calls - 2, (name, s, _diagnosis())
+
+
+def _diagnosis() -> str:
+    """What a failure needs to be understood from a log: cgraw's report and dynamo's compiles."""
+    import io
+
+    return (graphed_mod.report(file=io.StringIO()) + f"\ndynamo: {dict(torch._dynamo.utils.counters['stats'])}"
+            + f", recompiles: {dict(torch._dynamo.utils.counters['recompiles'])}")
 
 
 def _mlp(d_in=64, d_hidden=128, d_out=32):
