@@ -585,3 +585,70 @@ def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(inductor, mo
     parts = inductor.partitions("steps [")
     assert list(parts) == ["steps [0/0] inference/partition 0 of 1"], parts  # one compile
     _assert_replayed(parts, 6)
+
+
+def _cut_model(kind: str):
+    import torch
+
+    if not hasattr(torch.ops.cgrawcpu, "host_scale"):
+        @torch.library.custom_op("cgrawcpu::host_scale", mutates_args=(), tags=(torch._C.Tag.cudagraph_unsafe,),
+                                 schema="(Tensor x) -> Tensor")
+        def host_scale(x):
+            return x * 2.0
+
+        @host_scale.register_fake
+        def _(x):
+            return torch.empty_like(x)
+
+    class CutModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a = torch.nn.Linear(16, 32)
+            self.b = torch.nn.Linear(32, 8)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            if kind == "unsafe_op":
+                h = torch.ops.cgrawcpu.host_scale(h) + 1.0
+            elif kind == "item":
+                if h.sum().item() < 0:  # never: dynamo breaks the graph at .item()
+                    h = -h
+            elif kind == "nonzero":
+                h = h * ((h >= 0).nonzero().shape[0] / h.numel())
+            return torch.tanh(self.b(h))
+
+    return CutModel()
+
+
+@pytest.mark.parametrize("kind", ["unsafe_op", "item", "nonzero"])
+def test_a_cut_in_the_middle_leaves_both_sides_graphed(inductor, kind):
+    """The GPU test of the same name on the CPU: Inductor cuts around a ``cudagraph_unsafe`` op (the
+    harness keeps that cut), dynamo breaks the graph at ``.item()`` and ``nonzero``; the pieces on
+    both sides replay. After ``.item()`` the resumed frame guards on the value read: its first
+    compile runs once, its second from then on."""
+    import re
+
+    import torch
+
+    m = _cut_model(kind)
+    c = inductor.compile(m, name=f"cut_{kind}")
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(4, 16)
+            torch.testing.assert_close(c(x), m(x))
+    parts = inductor.partitions(f"cut_{kind} [")
+    compiles: dict = {}
+    for name, s in parts.items():
+        frame, compile_ = (int(v) for v in re.search(r"\[(\d+)/(\d+)\]", name).groups())
+        compiles.setdefault(frame, {}).setdefault(compile_, {})[name] = s
+    assert len(compiles) == (1 if kind == "unsafe_op" else 2), parts
+    for by_compile in compiles.values():
+        last = max(by_compile)
+        for name, s in by_compile[last].items():
+            assert s.eager_calls == 0 and s.recordings == 1 and s.replays == 6 - last - 2, (name, s)
+    if kind == "unsafe_op":
+        assert sorted(parts) == ["cut_unsafe_op [0/0] inference/partition 0 of 2",
+                                 "cut_unsafe_op [0/0] inference/partition 1 of 2"]
+    if kind == "item":
+        assert len(compiles[1]) == 2, parts  # the value read is guarded, then symbolic
