@@ -544,25 +544,56 @@ def test_a_decode_loop_fed_its_own_token_replays_every_step(inductor):
     _assert_replayed(parts, steps)
 
 
-def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(inductor, monkeypatch):
-    """dynamo guards the frame on torch.nn.Module's registration hooks when its code assigns a
-    module attribute (a buffer here; transformers' Llama decode step too). A tree installs its
-    hooks (module assignments, ``interop.torch.observe``) when it is made: at the first
-    partition's call, after the guards were built, so the second call recompiled the frame and
-    the first compile's partition ran once (Llama decoding: "2 partitions, 1 recorded"). The
-    backend installs them before dynamo builds the guards."""
+@pytest.fixture
+def no_module_hooks(monkeypatch):
+    """As in a process where no tree is made yet: none of cgraw's module registration hooks installed."""
     import collections
 
     import torch
 
     from cgraw.interop.torch import observe
 
-    # as in a process where no tree is made yet: no registration hook of cgraw's installed
     module = torch.nn.modules.module
     for name in ("_global_buffer_registration_hooks", "_global_module_registration_hooks",
                  "_global_parameter_registration_hooks"):
         monkeypatch.setattr(module, name, collections.OrderedDict())
     monkeypatch.setattr(observe, "_hooks_installed", [False])
+
+
+def test_the_llama_decode_step_compiles_once_and_replays(no_module_hooks, inductor, monkeypatch):
+    """The benchmark's transformers Llama decode step with a ``StaticCache``, on the CPU: one dynamo
+    compile (it was two: the step assigns module attributes, see the test below), its partition
+    replays every step after the recording, and the tokens equal eager's."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from benchmarks import models
+
+    monkeypatch.setattr(models, "DEVICE", "cpu")
+    monkeypatch.setattr(models, "LLAMA_NEW", 8)
+    wl = models._build("llama_decode")
+    cache = wl.new_cache()
+    compiled = inductor.compile(wl.step, name="llama", dynamic=False)
+
+    def call(tok, pos):
+        return compiled(tok, pos, cache).clone()
+
+    for _ in range(2):
+        tokens = models._decode(call, wl.prefill(cache), wl.positions, collect=True)
+        assert tokens == wl.reference_tokens()
+    parts = inductor.partitions("llama [")
+    assert list(parts) == ["llama [0/0] inference/partition 0 of 1"], parts
+    _assert_replayed(parts, 2 * 8)
+
+
+def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(no_module_hooks, inductor):
+    """dynamo guards the frame on torch.nn.Module's registration hooks when its code assigns a
+    module attribute (a buffer here; transformers' Llama decode step too). A tree installs its
+    hooks (module assignments, ``interop.torch.observe``) when it is made: at the first
+    partition's call, after the guards were built, so the second call recompiled the frame and
+    the first compile's partition ran once (Llama decoding: "2 partitions, 1 recorded"). The
+    backend installs them before dynamo builds the guards."""
+    import torch
 
     class Steps(torch.nn.Module):
         def __init__(self):
