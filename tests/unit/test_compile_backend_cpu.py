@@ -565,8 +565,6 @@ def test_the_llama_decode_step_compiles_once_and_replays(no_module_hooks, induct
     compile (it was two: the step assigns module attributes, see the test below), its partition
     replays every step after the recording, and the tokens equal eager's."""
     pytest.importorskip("transformers")
-    import torch
-
     from benchmarks import models
 
     monkeypatch.setattr(models, "DEVICE", "cpu")
