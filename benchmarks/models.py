@@ -566,20 +566,32 @@ def _text(exc: BaseException, limit: int = 1500) -> str:
 
 class Partitions:
     """The graphed partitions of ``torch.compile(backend="cgraw")`` code named ``name``: their
-    stats, summed (replays: the fewest of any partition, so one per call that replayed them all)."""
+    stats, summed (replays: the fewest of any partition, so one per call that replayed them all).
+    Only the partitions of each dynamo frame's last compile count (names ``<name> [frame/compile]
+    ...``): a frame recompiled stops calling its earlier compile's partitions; ``compiles`` says
+    how many each frame had."""
 
     def __init__(self, name: str):
         self.prefix = f"{name} ["
 
     def stats(self, mgr) -> dict | None:
+        import re
+
         parts = [s for s in list(mgr.stats.values()) if s.name.startswith(self.prefix) and "/partition " in s.name]
         if not parts:
             return None
+        ids = {id(s): tuple(int(v) for v in m.groups()) if (m := re.search(r"\[(\d+)/(\d+)\]", s.name)) else (-1, 0)
+               for s in parts}
+        last: dict = {}
+        for frame, compile_ in ids.values():
+            last[frame] = max(last.get(frame, 0), compile_)
+        parts = [s for s in parts if ids[id(s)][1] == last[ids[id(s)][0]]]
         skips: dict = {}
         for s in parts:
             for r, n in s.skip_reasons.items():
                 skips[f"{s.name}: {r}"] = n
-        return {"partitions": len(parts), "warmups": sum(s.warmups for s in parts),
+        return {"partitions": len(parts), "compiles": {str(f): n + 1 for f, n in sorted(last.items())},
+                "warmups": sum(s.warmups for s in parts),
                 "recordings": sum(s.recordings for s in parts), "rerecords": sum(s.rerecords for s in parts),
                 "replays": min(s.replays for s in parts), "eager_calls": sum(s.eager_calls for s in parts),
                 "skip_reasons": skips, "rerecord_reasons": [r for s in parts for r in s.rerecord_reasons[-3:]]}

@@ -41,9 +41,8 @@ So ``f(x)``, then ``g(x)`` in a loop with its outputs dropped, records ``g`` at 
 While outputs stay alive, calls of a function that is not a root extend the path, up to
 ``config.path_repeat_limit``.
 
-Threads. A tree belongs to the thread that made it (``cgraw.graphed`` keeps one per thread and
-device), with its own generations, pool and capture stream. Trees grow (warm-ups, recordings,
-dropped recordings) under one process-wide ``RecordingLock``; replays take no lock. A backward is
+Threads. A tree belongs to the thread that made it, with its own generations, pool and capture
+stream; trees grow under one process-wide ``RecordingLock``, replays take no lock. A backward is
 a node of its forward's tree, run from autograd's thread (``TreeAutograd.call_backward``).
 """
 
@@ -67,6 +66,7 @@ from cgraw.trees.config import config
 log = logging.getLogger("cgraw")
 _ref = weakref.ref
 
+WRITES_KEPT = "it writes, in place, an output of the ending generation it gets as an input (h = f(h))"
 SERIAL = tree_nodes.RecordingLock()  # the lock every tree grows under, unless it is given its own
 
 
@@ -144,14 +144,12 @@ class TreeManager(TreeAutograd, TreePool):
         return self._call(fn, args, kwargs)
 
     def _call_in_new_step(self, fn, args, kwargs):
-        """Begin a generation, then the call; eagerly when a function writing its inputs gets an
-        output of the ending generation (``h = f(h)``): a replay's copy back would land on its own output."""
+        """Begin a generation, then the call; ``_call`` runs it eagerly where it writes in place an output
+        of the ending generation it gets (``kept``: their ids): its replay writes the new output there."""
         deferred = self._begin_step(args)
         try:
-            if deferred and getattr(fn, "writes_inputs", False):
-                return self._eager_call(fn, "it writes an input that is an output of the ending generation "
-                                        "(h = f(h)), where the replay writes its own outputs", args, kwargs)
-            return self._call(fn, args, kwargs)
+            kept = {id(t) for _, t in deferred} if deferred and getattr(fn, "writes_inputs", False) else None
+            return self._call(fn, args, kwargs, kept)
         finally:
             if deferred:
                 self.backend.end_generation(deferred, None)
@@ -169,7 +167,7 @@ class TreeManager(TreeAutograd, TreePool):
         self._end_generation(handed)
         return keep
 
-    def _call(self, fn, args, kwargs):
+    def _call(self, fn, args, kwargs, kept=None):
         if fn.unsafe_reason is not None:
             return self._eager_call(fn, fn.unsafe_reason, args, kwargs)
         try:
@@ -179,6 +177,8 @@ class TreeManager(TreeAutograd, TreePool):
         parent = self.current
         siblings = self.roots if parent is None else parent.children
         node = siblings.get((fn.fn_id, call.key))
+        if kept and node is not None and node.warm and any(id(call.leaves[j]) in kept for j in node.warm.mutated):
+            return self._eager_call(fn, WRITES_KEPT, args, kwargs)  # its copy back would overwrite the new output
         if node is not None and node.state is NodeState.RECORDED:  # the hot path: replay
             rec, plan = node.recording, node.plan
             reason = None

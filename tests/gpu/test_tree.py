@@ -338,6 +338,25 @@ def test_a_state_written_in_place_and_fed_back_matches_eager():
         torch.testing.assert_close(h, ref)
 
 
+def test_a_cache_written_in_place_with_the_previous_output_fed_back_replays():
+    """``h = f(h, cache)`` with ``f`` writing ``cache``, not ``h``: every call after the recording
+    replays, and every result and the cache equal eager's."""
+
+    def f(h, cache):
+        cache.add_(h)
+        return cache * 0.5 + h
+
+    g = cgraw.graphed(f)
+    h, cache = trand(256), trand(256)
+    ref_h, ref_cache = h.clone(), cache.clone()
+    for _ in range(6):
+        h, ref_h = g(h, cache), f(ref_h, ref_cache)
+        torch.testing.assert_close(h, ref_h)
+        torch.testing.assert_close(cache, ref_cache)
+    st = _stats(g)
+    assert (st.recordings, st.replays, st.eager_calls) == (1, 4, 0), st
+
+
 def test_cupy_graphed_and_mixed():
     def body(a):
         return cp.tanh(a) * 2.0 + a

@@ -422,3 +422,26 @@ def test_the_two_branch_eager_memory_program_runs_and_equals_eager_on_the_cpu(tm
     child = json.loads(out.read_text())["children"]["two_branch_eager/eager"]
     assert child["result_checked"] is True and child["steps_bitwise_equal_to_eager"] == 4
     assert child["branches_taken"] == {"f2": 2, "f3": 2}
+
+
+def test_backend_partitions_count_each_frames_last_compile():
+    """A frame dynamo compiled twice stops calling its first compile's partition: the figures are
+    those of the last compile's (the Llama decode step read "0 replays" from the first one's)."""
+    from benchmarks.models import Partitions
+
+    from cgraw.trees.nodes import FunctionStats
+
+    def st(name, warmups, recordings, replays):
+        s = FunctionStats(name)
+        s.warmups, s.recordings, s.replays = warmups, recordings, replays
+        return s
+
+    stats = [st("bench [0/0] inference/partition 0 of 1", 1, 0, 0),
+             st("bench [0/1] inference/partition 0 of 1", 1, 1, 318),
+             st("bench [1/0] inference/partition 0 of 2", 1, 1, 300),
+             st("bench [1/0] inference/partition 1 of 2", 1, 1, 299),
+             st("other [0/0] inference/partition 0 of 1", 1, 0, 0)]
+    mgr = types.SimpleNamespace(stats={i: s for i, s in enumerate(stats)})
+    got = Partitions("bench").stats(mgr)
+    assert got["partitions"] == 3 and got["compiles"] == {"0": 2, "1": 1}
+    assert (got["warmups"], got["recordings"], got["replays"]) == (3, 3, 299)

@@ -1,8 +1,10 @@
 """CPU tier: the decisions of ``torch.compile(m, backend="cgraw")``: options, names, what runs
 without graphs and why, the entry point, and the partition wrapper's list-argument adaptation
-(with a fake graphed function). The torch part runs on torch's CPU build, where Inductor cuts no
-partition: the hook's installation and the fallback are checked there, the graphs on the GPU
-(tests/gpu/test_compile_backend.py)."""
+(with a fake graphed function). On torch's CPU build Inductor cuts no partition: the hook's
+installation and the fallback are checked there as it is; the last part runs the whole partition
+path on the CPU through ``tests/helpers/compile_cpu.py`` (CPU nodes count as graphable, the
+partitions are graphed functions of trees over the CPU stand-in backend). The graphs themselves
+are checked on the GPU (tests/gpu/test_compile_backend.py)."""
 
 from __future__ import annotations
 
@@ -369,3 +371,313 @@ def test_inference_graphs_never_wait_for_a_backward():
     for _ in range(3):
         assert p([1.0, 2.0, 1]) == (3.0,)
     assert len(gf.calls) == 3 and notes == []
+
+
+# ---------------------------------------------------------------- the partition path on the CPU
+
+
+@pytest.fixture
+def inductor(monkeypatch):
+    pytest.importorskip("torch")
+    from compile_cpu import cpu_partitions
+
+    with cpu_partitions(monkeypatch) as h:
+        yield h
+
+
+def _assert_replayed(parts: dict, calls: int):
+    assert parts, "no partition ran as a graphed function"
+    for name, s in parts.items():
+        assert s.eager_calls == 0 and not s.skip_reasons, (name, s.skip_reasons)
+        assert s.recordings == 1 and s.replays == calls - 2, (name, s)
+
+
+def test_cpu_partitions_replay_and_equal_eager(inductor):
+    import torch
+
+    m = _mlp()
+    c = inductor.compile(m, name="mlp")
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(3, 8)
+            torch.testing.assert_close(c(x), m(x))
+    parts = inductor.partitions("mlp [")
+    assert list(parts) == ["mlp [0/0] inference/partition 0 of 1"]
+    _assert_replayed(parts, 6)
+    assert "mlp [0/0] inference/partition 0 of 1: 1 recording(s)" in graphed_mod.report()
+    assert not any(k.startswith("mlp [") for k in graphed_mod.without_graphs())
+
+
+def test_cpu_training_step_graphs_forward_and_backward(inductor):
+    import torch
+
+    m, ref = _mlp(), _mlp()
+    c = inductor.compile(m, name="train")
+    opt, ref_opt = (torch.optim.SGD(p.parameters(), lr=0.05, momentum=0.9) for p in (m, ref))
+    for _ in range(6):
+        x, y = torch.randn(3, 8), torch.randn(3, 4)
+        for o, run in ((opt, c), (ref_opt, ref)):
+            o.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(run(x), y).backward()
+            o.step()
+        for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q)
+    parts = inductor.partitions("train [")
+    assert sorted(parts) == ["train [0/0] backward/partition 0 of 1", "train [0/0] forward/partition 0 of 1"]
+    _assert_replayed(parts, 6)
+
+
+def _cnn():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, stride=2, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_a_backward_reads_saved_activations_with_the_strides_the_forward_gave_them(inductor, layout):
+    """Inductor lays a convolution's output out ``channels_last`` on the CPU (and on the GPU for
+    training), where eager's is contiguous. Once a partition wrapper is installed its
+    ``post_compile`` returns before it reports the forward's output strides to AOT autograd, so the
+    backward was compiled for eager's strides of the saved activations and its stride assertion
+    failed at the first backward (the ResNet-18 training step); the backend reports them itself."""
+    import torch
+
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    m, ref = _cnn().to(memory_format=fmt), _cnn().to(memory_format=fmt)
+    opt, ref_opt = (torch.optim.SGD(p.parameters(), lr=0.05) for p in (m, ref))
+    with torch._inductor.config.patch(force_disable_caches=True):  # a cached backward would hide the compile
+        c = inductor.compile(m, name="cnn")
+        for _ in range(4):
+            x, y = torch.randn(4, 3, 8, 8).to(memory_format=fmt), torch.randn(4, 4)
+            for o, run in ((opt, c), (ref_opt, ref)):
+                o.zero_grad(set_to_none=True)
+                torch.nn.functional.mse_loss(run(x), y).backward()
+                o.step()
+            for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+                torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    parts = inductor.partitions("cnn [")
+    assert any(" backward/partition" in n for n in parts), parts
+    _assert_replayed(parts, 4)
+
+
+def test_gradient_accumulation_from_a_warm_cache_equals_eager(inductor):
+    """A second compile of the same training graph (another process, or after ``torch._dynamo.reset()``)
+    was served by AOT autograd's cache, whose hit applies the partition wrapper without saying
+    which graph is the forward: the second micro-batch's forward was graphed, began a generation
+    and overwrote the first one's saved activations (gradients off by 0.5 here), and the pieces
+    were named without their phase. The backend's compiles run with that cache off."""
+    import torch
+
+    for attempt in range(2):  # the second compile finds the first one's cache entries
+        torch._dynamo.reset()
+        m, ref = _mlp(), _mlp()
+        c = inductor.compile(m, name=f"accum{attempt}")
+        for _ in range(3):
+            xs, ys = [torch.randn(3, 8) for _ in range(2)], [torch.randn(3, 4) for _ in range(2)]
+            grads = []
+            for run, model in ((c, m), (ref, ref)):
+                model.zero_grad(set_to_none=True)
+                sum(torch.nn.functional.mse_loss(run(x), y) for x, y in zip(xs, ys)).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+            for g, r in zip(*grads, strict=True):
+                torch.testing.assert_close(g, r)
+        parts = inductor.partitions(f"accum{attempt} [")
+        assert sorted(parts) == [f"accum{attempt} [0/0] backward/partition 0 of 1",
+                                 f"accum{attempt} [0/0] forward/partition 0 of 1"], parts
+        assert parts[f"accum{attempt} [0/0] backward/partition 0 of 1"].replays >= 1
+
+
+class _Decoder:
+    """A decode step in the style of Llama with a static key-value cache: the new key and value are
+    written into preallocated buffers at the position given as a tensor, attention reads the
+    cache up to it, and the next token is the argmax."""
+
+    def __new__(cls, d=16, max_len=16, vocab=32):
+        import torch
+
+        class Decoder(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.emb = torch.nn.Embedding(vocab, d)
+                self.qkv = torch.nn.Linear(d, 3 * d)
+                self.out = torch.nn.Linear(d, vocab)
+                self.register_buffer("k_cache", torch.zeros(1, max_len, d))
+                self.register_buffer("v_cache", torch.zeros(1, max_len, d))
+
+            def forward(self, tok, pos):
+                q, k, v = self.qkv(self.emb(tok)).chunk(3, dim=-1)
+                self.k_cache.index_copy_(1, pos, k)
+                self.v_cache[:, pos] = v
+                att = (q @ self.k_cache.transpose(1, 2)) / d ** 0.5
+                att = att.masked_fill(torch.arange(max_len) > pos, float("-inf")).softmax(-1)
+                return self.out(att @ self.v_cache).argmax(-1)
+
+        return Decoder()
+
+
+def test_a_decode_loop_fed_its_own_token_replays_every_step(inductor):
+    """``tok = step(tok, pos)`` with the step writing its key-value cache in place: the token is
+    an output of the ending generation, the written inputs are the caches. Each step after the
+    recording replays (it ran eagerly every other step: a call fed its previous output was taken
+    for ``h = f(h)`` whatever input it wrote), and every token equals eager's."""
+    import torch
+
+    m, ref = _Decoder(), _Decoder()
+    c = inductor.compile(m, name="decode")
+    steps = 12
+    with torch.no_grad():
+        tok = torch.tensor([[3]])
+        for i in range(steps):
+            pos = torch.tensor([i])
+            want = ref(tok, pos)  # eager on the same token
+            tok = c(tok, pos)  # fed its own previous output
+            assert torch.equal(tok, want), i
+        torch.testing.assert_close(m.k_cache, ref.k_cache)
+        torch.testing.assert_close(m.v_cache, ref.v_cache)
+    parts = inductor.partitions("decode [")
+    assert len(parts) == 1, parts
+    _assert_replayed(parts, steps)
+
+
+@pytest.fixture
+def no_module_hooks(monkeypatch):
+    """As in a process where no tree is made yet: none of cgraw's module registration hooks installed."""
+    import collections
+
+    import torch
+
+    from cgraw.interop.torch import observe
+
+    module = torch.nn.modules.module
+    for name in ("_global_buffer_registration_hooks", "_global_module_registration_hooks",
+                 "_global_parameter_registration_hooks"):
+        monkeypatch.setattr(module, name, collections.OrderedDict())
+    monkeypatch.setattr(observe, "_hooks_installed", [False])
+
+
+def test_the_llama_decode_step_compiles_once_and_replays(no_module_hooks, inductor, monkeypatch):
+    """The benchmark's transformers Llama decode step with a ``StaticCache``, on the CPU: one dynamo
+    compile (it was two: the step assigns module attributes, see the test below), its partition
+    replays every step after the recording, and the tokens equal eager's."""
+    pytest.importorskip("transformers")
+    from benchmarks import models
+
+    monkeypatch.setattr(models, "DEVICE", "cpu")
+    monkeypatch.setattr(models, "LLAMA_NEW", 8)
+    wl = models._build("llama_decode")
+    cache = wl.new_cache()
+    compiled = inductor.compile(wl.step, name="llama", dynamic=False)
+
+    def call(tok, pos):
+        return compiled(tok, pos, cache).clone()
+
+    for _ in range(2):
+        tokens = models._decode(call, wl.prefill(cache), wl.positions, collect=True)
+        assert tokens == wl.reference_tokens()
+    parts = inductor.partitions("llama [")
+    assert list(parts) == ["llama [0/0] inference/partition 0 of 1"], parts
+    _assert_replayed(parts, 2 * 8)
+
+
+def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(no_module_hooks, inductor):
+    """dynamo guards the frame on torch.nn.Module's registration hooks when its code assigns a
+    module attribute (a buffer here; transformers' Llama decode step too). A tree installs its
+    hooks (module assignments, ``interop.torch.observe``) when it is made: at the first
+    partition's call, after the guards were built, so the second call recompiled the frame and
+    the first compile's partition ran once (Llama decoding: "2 partitions, 1 recorded"). The
+    backend installs them before dynamo builds the guards."""
+    import torch
+
+    class Steps(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(8, 8)
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, x):
+            self.seen = self.seen + 1  # a buffer assigned, not written in place
+            return self.lin(x) * self.seen
+
+    m, ref = Steps(), Steps()
+    c = inductor.compile(m, name="steps")
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(2, 8)
+            torch.testing.assert_close(c(x), ref(x))
+    torch.testing.assert_close(m.seen, ref.seen)
+    parts = inductor.partitions("steps [")
+    assert list(parts) == ["steps [0/0] inference/partition 0 of 1"], parts  # one compile
+    _assert_replayed(parts, 6)
+
+
+def _cut_model(kind: str):
+    import torch
+
+    if not hasattr(torch.ops.cgrawcpu, "host_scale"):
+        @torch.library.custom_op("cgrawcpu::host_scale", mutates_args=(), tags=(torch._C.Tag.cudagraph_unsafe,),
+                                 schema="(Tensor x) -> Tensor")
+        def host_scale(x):
+            return x * 2.0
+
+        @host_scale.register_fake
+        def _(x):
+            return torch.empty_like(x)
+
+    class CutModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a = torch.nn.Linear(16, 32)
+            self.b = torch.nn.Linear(32, 8)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            if kind == "unsafe_op":
+                h = torch.ops.cgrawcpu.host_scale(h) + 1.0
+            elif kind == "item":
+                if h.sum().item() < 0:  # never: dynamo breaks the graph at .item()
+                    h = -h
+            elif kind == "nonzero":
+                h = h * ((h >= 0).nonzero().shape[0] / h.numel())
+            return torch.tanh(self.b(h))
+
+    return CutModel()
+
+
+@pytest.mark.parametrize("kind", ["unsafe_op", "item", "nonzero"])
+def test_a_cut_in_the_middle_leaves_both_sides_graphed(inductor, kind):
+    """The GPU test of the same name on the CPU: Inductor cuts around a ``cudagraph_unsafe`` op (the
+    harness keeps that cut), dynamo breaks the graph at ``.item()`` and ``nonzero``; the pieces on
+    both sides replay. After ``.item()`` the resumed frame guards on the value read: its first
+    compile runs once, its second from then on."""
+    import re
+
+    import torch
+
+    m = _cut_model(kind)
+    c = inductor.compile(m, name=f"cut_{kind}")
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(4, 16)
+            torch.testing.assert_close(c(x), m(x))
+    parts = inductor.partitions(f"cut_{kind} [")
+    compiles: dict = {}
+    for name, s in parts.items():
+        frame, compile_ = (int(v) for v in re.search(r"\[(\d+)/(\d+)\]", name).groups())
+        compiles.setdefault(frame, {}).setdefault(compile_, {})[name] = s
+    assert len(compiles) == (1 if kind == "unsafe_op" else 2), parts
+    for by_compile in compiles.values():
+        last = max(by_compile)
+        for name, s in by_compile[last].items():
+            assert s.eager_calls == 0 and s.recordings == 1 and s.replays == 6 - last - 2, (name, s)
+    if kind == "unsafe_op":
+        assert sorted(parts) == ["cut_unsafe_op [0/0] inference/partition 0 of 2",
+                                 "cut_unsafe_op [0/0] inference/partition 1 of 2"]
+    if kind == "item":
+        assert len(compiles[1]) == 2, parts  # the value read is guarded, then symbolic

@@ -337,8 +337,8 @@ def test_a_call_whose_input_dtypes_its_caller_guarantees_classifies_as_the_gener
     (``inputs_guarded``: the torch.compile backend's partitions) takes a shorter path through
     ``calls.inspect``: its Call equals the generic path's in every field but the key, for
     parameters (static), tree outputs and eager tensors, followed by the partition's sizes as ints.
-    Its key still tells apart what selects another recording: an eager tensor's shape and strides,
-    a size argument, grad mode."""
+    Its key still tells apart what selects another recording: a tensor's shape and strides, a
+    size argument, grad mode; not a tensor's kind."""
     import random
 
     torch = torch_mod
@@ -395,6 +395,7 @@ def test_a_call_whose_input_dtypes_its_caller_guarantees_classifies_as_the_gener
     assert key(x, w, 4) != key(torch.randn(5, 3).as_subclass(OnDevice0), w, 4)  # an eager tensor's shape
     assert key(x, w, 4) != key(torch.randn(3, 4).as_subclass(OnDevice0).t(), w, 4)  # its strides
     assert key(x, w, 4) != key(x, w, 5)  # a partition's size argument
+    assert key(x, w, 4) == key(x, torch.randn(3, 3).as_subclass(OnDevice0), 4)  # a parameter, then a tensor like it
     with torch.no_grad():
         without_grad = key(x, w, 4)
     with torch.enable_grad():

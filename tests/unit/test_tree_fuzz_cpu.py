@@ -300,3 +300,23 @@ def test_a_root_function_writing_its_argument_fed_its_previous_output_matches_ea
         for _ in range(4):  # warm-up, recording, then replays: h is the previous generation's output
             h, ref = g(h), f(ref)
         same(h, ref, "h = f(h)")  # eager 16.0; cgraw: 6.0 (its input plus one, copied back over it)
+
+
+def test_a_root_function_writing_a_state_and_fed_its_previous_output_replays(monkeypatch):
+    """``h = f(h, cache)`` with ``f`` writing ``cache`` in place, not ``h`` (a decoder writing its
+    key-value cache, fed its previous token): the copy back of ``cache`` lands on ``cache``, not where
+    the replay writes its new output, so every call after the recording replays and matches eager."""
+    def f(h, cache):
+        cache.add_(h)
+        return cache * 0.5 + h
+
+    with cpu_tree(monkeypatch, CpuGraphBackend) as mgr:
+        g = TorchFn(f, mgr)
+        h, cache = torch.ones(4), torch.zeros(4)
+        ref_h, ref_cache = h.clone(), cache.clone()
+        for _ in range(6):
+            h, ref_h = g(h, cache), f(ref_h, ref_cache)
+            same(h, ref_h, "h")
+            same(cache, ref_cache, "cache")
+        st = mgr.stats[g.fn_id]
+        assert (st.warmups, st.recordings, st.replays, st.eager_calls) == (1, 1, 4, 0), st

@@ -17,12 +17,19 @@ How Inductor's partition hook works (torch 2.9 to 2.13; read in ``torch/_inducto
   partition_index))`` through the generated module's ``recursively_apply_fns``; it is never looked
   up at call time. So it is installed only while this backend's compiles run (``installed``) and
   put back afterwards: other ``torch.compile`` users of the process never see it.
+- With a wrapper installed, ``post_compile`` returns right after applying it, skipping the report
+  of the graph's output strides to AOT autograd (its backward then assumes eager's strides for
+  saved activations Inductor laid out otherwise) and the realignment of misaligned inputs;
+  ``finish_post_compile`` does both once ``inner_compile`` returns.
 - The generated ``call`` invokes a partition as ``partition_i(args)``: one list of tensors, then
   the partition's symbolic sizes as ints, which the partition unpacks and clears
   (``args.clear()``) so that its inputs can die early; it returns a tuple of outputs.
 - AOT autograd compiles the backward later than the forward when it can (lazy lowering); torch
   re-applies config patches there through the inner compile function, so the wrapper is
   installed inside ``inner_compile`` too, not only around ``compile_fx``.
+- AOT autograd's cache, on a hit, post-compiles the forward and the backward without calling
+  ``inner_compile``: nothing tells the wrapper which graph it wraps. The backend's compiles run
+  with it off (``compile_graph``); Inductor's FX graph cache still serves inside ``inner_compile``.
 - Inductor's FX graph cache keys on its config but not on the wrapper: an entry a compile
   without it made holds no partition functions. The backend's compiles name a marker in
   ``custom_should_partition_ops`` (an op that does not exist, so nothing is cut there) to key
@@ -34,11 +41,13 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from cgraw.interop.torch import private_api
+from cgraw.interop.torch import observe, private_api
 
 # Inductor settings every compile of the backend runs with
 PATCHES = {"triton.cudagraphs": False, "graph_partition": True}
-CACHE_MARKER = "cgraw::partition_wrapper"  # names no op: keys the FX graph cache's entries apart
+# names no op: keys the FX graph cache's entries apart; its version changes when what the backend's
+# compiles cache changes (2: a forward's output strides reach its backward, ``finish_post_compile``)
+CACHE_MARKER = "cgraw::partition_wrapper_2"
 _lock = threading.Lock()  # guards the process-wide hook while a compile installs or restores it
 
 
@@ -183,11 +192,31 @@ class Wrapping:
             before, self.phase.value = getattr(self.phase, "value", None), phase
             try:
                 with installed(self):
-                    return inner_compile(gm, example_inputs, **kwargs)
+                    compiled = inner_compile(gm, example_inputs, **kwargs)
             finally:
                 self.phase.value = before
+            finish_post_compile(compiled, example_inputs, kwargs.get("cudagraphs"))
+            return compiled
 
         return compile_with_wrapper
+
+
+def finish_post_compile(compiled, example_inputs, ran_cudagraphs) -> None:
+    """What ``CompiledFxGraph.post_compile`` leaves undone once a partition wrapper is installed (it
+    applies the wrapper and returns): it reports the graph's output strides to AOT autograd, which
+    compiles the backward for the strides the forward's saved activations really have (Inductor
+    may give a convolution's output ``channels_last`` where eager's is contiguous: without them the
+    backward assumes eager's, and Inductor's stride assertion fails or a kernel reads them as laid
+    out otherwise), and it wraps the graph to realign misaligned inputs. Done here, after the
+    compile, within AOT autograd's collection of the strides."""
+    if getattr(compiled, "recursively_apply_fns", None) is None or getattr(compiled, "output_strides", None) is None:
+        return  # not a graph Inductor generated with partitions
+    ctx = private_api.private("torch._guards.TracingContext").try_get()
+    if ctx is not None and ctx.output_strides is not None and not ctx.output_strides:
+        private_api.private("torch._inductor.utils.set_tracing_context_output_strides")(example_inputs, compiled)
+    if ran_cudagraphs is not None and not ran_cudagraphs:
+        realign = private_api.private("torch._inductor.output_code.maybe_realign_inputs")
+        realign(ran_cudagraphs, compiled, compiled.inputs_to_check, compiled.mutated_input_idxs)
 
 
 def _in_backward():
@@ -252,9 +281,18 @@ def compile_graph(gm, example_inputs, wrapping: Wrapping, patches: dict):
     """``gm`` compiled by Inductor under ``patches``, its partitions wrapped by ``wrapping``."""
     compile_fx = private_api.private("torch._inductor.compile_fx.compile_fx")
     inner = private_api.private("torch._inductor.compile_fx.compile_fx_inner")
-    # installed around the whole compile too: an AOT autograd cache hit loads (post-compiles) the
-    # forward and backward without calling inner_compile
-    with installed(wrapping):
+    aot_config = private_api.private("torch._functorch.config")
+    # the hooks a tree installs when it is made (interop.torch.observe: module assignments) are
+    # installed before dynamo builds the frame's guards, which hold the registration hooks of
+    # torch.nn.Module as they are (a frame that assigns a module attribute reads them): made at
+    # the first partition's call, they would fail the guard at the second and recompile the frame
+    observe.install_module_hooks()
+    # AOT autograd's cache off: a hit applies the wrapper without inner_compile, so a partition would
+    # not know whether it is a training graph's forward (whose second call before a backward must
+    # run as compiled, ``PENDING``), a backward or an inference graph. Inductor's own (FX graph)
+    # cache still serves, inside inner_compile.
+    aot_cache = {"enable_autograd_cache": False} if hasattr(aot_config, "enable_autograd_cache") else {}
+    with installed(wrapping), aot_config.patch(**aot_cache):
         return compile_fx(gm, example_inputs, inner_compile=wrapping.inner(inner), config_patches=patches)
 
 
@@ -265,4 +303,4 @@ def plain_compile(gm, example_inputs, extra: dict | None):
 
 
 __all__ = ["CACHE_MARKER", "PATCHES", "PENDING", "Home", "Runtime", "Wrapping", "adapt", "check", "compile_graph", "config_patches",
-           "graph_body", "installed", "plain_compile"]
+           "finish_post_compile", "graph_body", "installed", "plain_compile"]

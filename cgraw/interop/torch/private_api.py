@@ -207,6 +207,14 @@ NEEDED_ELSEWHERE = {
         "wrapping each of Inductor's graph partitions in a graphed function (backend='cgraw')",
     "torch._inductor.compile_fx.compile_fx": "compiling a dynamo graph with Inductor (backend='cgraw')",
     "torch._inductor.compile_fx.compile_fx_inner": "Inductor's per-graph compile, run with the partition wrapper",
+    "torch._functorch.config":
+        "turning AOT autograd's cache off for the backend's compiles (its hits apply the partition wrapper "
+        "without saying which graph is the forward and which the backward)",
+    "torch._guards.TracingContext": "where AOT autograd collects a forward's output strides for its backward",
+    "torch._inductor.utils.set_tracing_context_output_strides":
+        "reporting a partitioned graph's output strides, which Inductor skips once a partition wrapper is installed",
+    "torch._inductor.output_code.maybe_realign_inputs":
+        "realigning a partitioned graph's misaligned inputs, which Inductor skips once a partition wrapper is installed",
 }
 # torch._inductor.config keys the backend sets (``inductor_config_keys``)
 INDUCTOR_CONFIG = {
