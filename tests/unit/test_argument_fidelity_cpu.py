@@ -211,16 +211,47 @@ def test_a_nan_argument_replays(mgr):
     assert st.replays >= 1 and len(mgr.roots) == 1, (st.warmups, st.recordings, len(mgr.roots))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "arrays.flatten keys a plain object as (type, the object itself, its attributes), and the "
-    "object equals only itself: an equal settings object made anew per call never matches, so "
-    "every call adds a node (holding the object) and warms up, never replaying"))
 def test_a_plain_object_made_anew_per_call_with_the_same_attributes_replays(mgr):
     f = TorchFn(lambda x, s: x * s.scale, mgr)
     for _ in range(4):
         x = torch.randn(3)
         torch.testing.assert_close(f(x, _Settings(2.0)), x * 2.0)
     assert mgr.stats[f.fn_id].replays >= 1 and len(mgr.roots) == 1
+
+
+def test_a_plain_object_holding_nested_values_made_anew_per_call_replays(mgr):
+    inner = collections.namedtuple("inner", "lo hi")
+
+    class Cfg:
+        def __init__(self):
+            self.dims = {"lo": -1.0, "hi": 1.0}
+            self.sub = _Settings(0.5)
+            self.kind = torch.float32
+            self.bounds = inner(-1.0, 1.0)
+
+    f = TorchFn(lambda x, c: (x * c.sub.scale).clamp(c.dims["lo"], c.dims["hi"]).to(c.kind), mgr)
+    for _ in range(4):
+        x = torch.randn(3)
+        torch.testing.assert_close(f(x, Cfg()), (x * 0.5).clamp(-1.0, 1.0))
+    assert mgr.stats[f.fn_id].replays >= 1 and len(mgr.roots) == 1
+
+
+def test_a_list_attribute_of_a_plain_object_changed_in_place_selects_another_recording(monkeypatch):
+    """The CPU graph emulator replays the ops with the Python float baked in, as a graph does: an
+    attribute list written in place must not replay the recording made with its old contents."""
+    from cpu_graph import CpuGraphBackend
+
+    with cpu_tree(monkeypatch, CpuGraphBackend) as m:
+        s = _Settings(1.0)
+        f = TorchFn(lambda x, s: x + s.offsets[0], m)
+        for _ in range(3):
+            x = torch.randn(3)
+            torch.testing.assert_close(f(x, s), x + 0.5)
+        s.offsets[0] = 0.9
+        for _ in range(3):
+            x = torch.randn(3)
+            torch.testing.assert_close(f(x, s), x + 0.9)
+        assert m.stats[f.fn_id].replays >= 2
 
 
 def test_keyword_arguments_reach_the_function_in_the_callers_order(mgr):
