@@ -217,7 +217,8 @@ class CudaBackend(TorchAutograd):
         if rec.out_spec is SINGLE and call.bucket is None and rec.out_kinds[0] is OWNED:
             rec.alias0 = rec.out_alias[0]
         rec.bucket, rec.padded = call.bucket, call.padded
-        rec.out_rows = buckets.out_rows(out_leaves, call.bucket) if call.bucket is not None else []
+        rec.out_rows = ([i for i in buckets.out_rows(out_leaves, call.bucket) if rec.out_kinds[i] is OWNED]
+                        if call.bucket is not None else [])  # inputs and closure tensors are returned whole
         rec.keep = (list(placeholders.values()), out)
         # only storages in torch's MemPool take part in its checkpoints: a torch view of CuPy
         # memory (torch.from_dlpack) has a DLPack deleter and lives in cgraw's own pool
@@ -286,7 +287,8 @@ class CudaBackend(TorchAutograd):
         leaves, kinds, ops = call.leaves, call.kinds, call.ops
         by_base = {}
         for j, ph in placeholders.items():
-            if call.bucket is None and ops[j].key(ph)[1] == ops[j].key(leaves[j])[1]:  # the caller's layout
+            # the caller's layout; a padded one has the bucket's rows: only itself is the caller's input
+            if j in call.padded or ops[j].key(ph)[1] == ops[j].key(leaves[j])[1]:
                 by_base[ops[j].base_ptr(ph)] = (j, ph)
         for j, t in enumerate(leaves):
             if kinds[j] != EAGER:
@@ -299,7 +301,7 @@ class CudaBackend(TorchAutograd):
             hit = by_base.get(b)
             if hit is not None:
                 j, base = hit
-                if ops[j] is o and o.view_of(leaves[j], t, base) is not None:
+                if ops[j] is o and (t is base if j in call.padded else o.view_of(leaves[j], t, base) is not None):
                     out.append(InputAlias(j, t, base, o))
                     continue
             out.append(OWNED if in_pool(b) else EXTERNAL)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from cgraw import _cuda
 from cgraw.runtime import stream as _streams
 from cgraw.trees.arrays import SINGLE, TORCH, unflatten
+from cgraw.trees.frameworks import retyped_view
 from cgraw.trees.nodes import ModeRewarm, Rewarm
 
 OWNED, EXTERNAL = "owned", "external"  # output kinds; an input alias is an InputAlias
@@ -80,27 +81,36 @@ class InputRebind:
 
 
 class InputAlias:
-    """An output that is input ``j`` or a view of it: rebuilt from the caller's input each call."""
+    """An output that is input ``j`` or a view of it: rebuilt from the caller's input each call.
+    ``dtype``: torch, a view of it as another dtype (``x.view(torch.int32)``, ``x.real``), whose
+    ``delta`` counts bytes, else None and ``delta`` counts elements; CuPy: the output's dtype,
+    ``delta`` in bytes."""
 
-    __slots__ = ("j", "same", "torch", "shape", "stride", "delta")
+    __slots__ = ("j", "same", "torch", "shape", "stride", "delta", "dtype")
 
     def __init__(self, j: int, out, base, ops):
         self.j = j
         self.same = out is base
         self.torch = ops is TORCH
+        self.dtype = None
         if self.torch:
             self.shape, self.stride = tuple(out.shape), tuple(out.stride())
             self.delta = out.storage_offset() - base.storage_offset()
+            if out.dtype != base.dtype:
+                self.dtype = out.dtype
+                self.delta = out.storage_offset() * out.element_size() - base.storage_offset() * base.element_size()
         else:
-            self.shape, self.stride = out.shape, out.strides
+            self.shape, self.stride, self.dtype = out.shape, out.strides, out.dtype
             self.delta = ops.ptr(out) - ops.ptr(base)
 
     def rebuild(self, leaf):
         if self.same:
             return leaf
         if self.torch:
+            if self.dtype is not None:
+                return retyped_view(leaf, self.dtype, self.shape, self.stride, self.delta)
             return leaf.as_strided(self.shape, self.stride, leaf.storage_offset() + self.delta)
-        return type(leaf)(self.shape, leaf.dtype, leaf.data + self.delta, self.stride)
+        return type(leaf)(self.shape, self.dtype, leaf.data + self.delta, self.stride)
 
 
 class Recording:

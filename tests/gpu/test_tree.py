@@ -260,6 +260,60 @@ def test_a_plain_object_argument_set_anew_matches_eager():
         torch.testing.assert_close(f(x, s), x * scale + 1.0)
 
 
+def test_a_plain_object_made_anew_per_call_replays_and_matches_eager():
+    """A settings object made anew per call with equal attributes (a list among them) replays the
+    recording; one whose list holds another value selects another recording."""
+
+    class Settings:
+        def __init__(self, shift):
+            self.scale = 2.0
+            self.shifts = [shift]
+
+    def body(x, s):
+        return x * s.scale + s.shifts[0]
+
+    f = cgraw.graphed(body)
+    for shift in (1.0, 1.0, 1.0, 1.0, 5.0, 5.0, 5.0):
+        x = trand(1024)
+        torch.testing.assert_close(f(x, Settings(shift)), body(x, Settings(shift)))
+    assert _stats(f).replays >= 3
+
+
+def test_an_output_viewing_an_input_as_another_dtype_is_the_callers_memory():
+    """``x.view(torch.int32)`` and ``torch.view_as_real(z)`` returned: on every call they view the
+    caller's input (same address, eager's values), and stay valid after the next step."""
+
+    def body(x, z):
+        return x * 2.0, x.view(torch.int32), torch.view_as_real(z)
+
+    f = cgraw.graphed(body)
+    for _ in range(5):
+        x, z = trand(64), torch.randn(32, dtype=torch.complex64, device="cuda")
+        y, bits, zr = f(x, z)
+        want = body(x, z)
+        torch.testing.assert_close(y, want[0])
+        assert bits.data_ptr() == x.data_ptr() and torch.equal(bits, want[1])
+        assert zr.data_ptr() == z.data_ptr() and torch.equal(zr, want[2])
+        cgraw.mark_step_begin()
+        assert torch.equal(bits, x.view(torch.int32))  # the caller's memory: never poisoned
+
+
+def test_under_padding_buckets_returned_inputs_and_closure_tensors_are_eagers():
+    """Under ``pad_buckets`` an input returned as it is (padded or not) is the caller's tensor,
+    and a closure tensor with the bucket's rows is returned whole, not cut to the call's rows."""
+    table = trand(8, 4)
+
+    def body(x, scale):
+        return x * scale, x, scale, table
+
+    f = cgraw.graphed(body, pad_buckets=(8,))
+    for n in (3, 3, 3, 5, 5, 5):
+        x, scale = trand(n, 4), trand(())
+        y, same_x, same_scale, t = f(x, scale)
+        torch.testing.assert_close(y, x * scale)
+        assert same_x is x and same_scale is scale and t is table
+
+
 def test_a_tensor_returned_twice_is_one_object_on_every_call():
     def twice(x):
         y = x * 2.0

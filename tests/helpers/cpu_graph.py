@@ -308,10 +308,10 @@ class CpuGraphBackend(CpuTorchBackend):
         recording made (OWNED), or anything else (EXTERNAL)."""
         base = _storage_ptr(t)
         for j, ph in rec.placeholders.items():
-            if _storage_ptr(ph) == base and ph.dtype == t.dtype:
+            if _storage_ptr(ph) == base and TORCH.view_of(call.leaves[j], t, ph) is not None:
                 return InputAlias(j, t, ph, TORCH)
         for j, leaf, _ in rec.fixed:
-            if _storage_ptr(leaf) == base and leaf.dtype == t.dtype:
+            if _storage_ptr(leaf) == base and TORCH.view_of(leaf, t, leaf) is not None:
                 return InputAlias(j, t, leaf, TORCH)
         return OWNED if rec.graph.made(t) else EXTERNAL
 

@@ -342,23 +342,69 @@ def test_an_output_that_is_a_conjugate_or_negative_view_of_an_input_keeps_its_va
     assert torch.equal(out.detach(), want)  # the placeholder holds x on every replay: the view's values follow
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Ops.view_of refuses a view of an input with another dtype (x.view(torch.int32), x.real, "
-    "torch.view_as_real(x)), so CudaBackend._output_kinds hands it out as an OWNED alias of the "
-    "placeholder: it does not share the caller's memory as eager's view does (writes to it miss x, "
-    "the next replay overwrites it, and it is poisoned when the generation ends)"))
-def test_an_output_that_views_an_input_as_another_dtype_shares_the_callers_memory(dev0):
-    x = torch.randn(4)
+_RETYPED = {
+    "int32": (lambda: torch.randn(4, 6), lambda t: t.view(torch.int32)),
+    "int32-rows": (lambda: torch.randn(4, 6), lambda t: t[1:].view(torch.int32)[:, 2:]),
+    "uint8": (lambda: torch.randn(4, 6), lambda t: t.view(torch.uint8)),
+    "half-pairs": (lambda: torch.randn(4, 6), lambda t: t.view(torch.float16)),
+    "float64": (lambda: torch.randn(4, 6), lambda t: t.view(torch.float64)),
+    "real": (lambda: torch.randn(5, dtype=torch.complex64), lambda t: t.real),
+    "imag": (lambda: torch.randn(5, dtype=torch.complex64), lambda t: t.imag),
+    "view_as_real": (lambda: torch.randn(5, dtype=torch.complex64), torch.view_as_real),
+    "view_as_complex": (lambda: torch.randn(5, 2), torch.view_as_complex),
+    "offset-real": (lambda: torch.randn(9, dtype=torch.complex128)[3:], lambda t: t.real[1:]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_RETYPED))
+def test_an_output_that_views_an_input_as_another_dtype_shares_the_callers_memory(dev0, name):
+    """``CudaBackend._output_kinds`` hands such an output out as an ``InputAlias``: rebuilt over
+    the caller's input of each call, it is eager's view of that input (values, layout, memory)."""
+    make, view = _RETYPED[name]
+    x = make()
     call = calls.inspect(_PLAIN, (x,), {}, {}, 0)
     ph = TORCH.clone_layout(x)
-    (kind,) = _output_kinds(call, {0: ph}, [ph.view(torch.int32)])
+    (kind,) = _output_kinds(call, {0: ph}, [view(ph)])
     assert isinstance(kind, InputAlias)
+    for _ in range(2):
+        y = make()  # another call's input, at another address
+        got, want = kind.rebuild(y), view(y)
+        assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride())
+        assert got.data_ptr() == want.data_ptr()
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "CudaBackend._output_kinds matches outputs against placeholders only when call.bucket is None: "
-    "under pad_buckets an input returned as it is (padded or not) is handed out as an OWNED alias "
-    "of the recording's placeholder, not as the caller's tensor eager returns"))
+def test_a_real_view_of_a_complex_input_that_requires_grad_carries_its_gradient(dev0):
+    x = torch.randn(5, dtype=torch.complex64)
+    call = calls.inspect(_PLAIN, (x,), {}, {}, 0)
+    ph = TORCH.clone_layout(x)
+    (kind,) = _output_kinds(call, {0: ph}, [torch.view_as_real(ph)])
+    y = torch.randn(5, dtype=torch.complex64, requires_grad=True)
+    g = torch.randn(5, 2)
+    (kind.rebuild(y) * g).sum().backward()
+    got, y.grad = y.grad, None
+    (torch.view_as_real(y) * g).sum().backward()
+    torch.testing.assert_close(got, y.grad)
+
+
+def test_a_returned_int_view_of_an_input_is_written_through_as_eager(monkeypatch):
+    """The emulator's replay hands the view out over the caller's input: a write through it
+    reaches the input, and it stays valid after the next step, as eager's does."""
+    from cpu_graph import CpuGraphBackend
+
+    with cpu_tree(monkeypatch, CpuGraphBackend) as m:
+        f = TorchFn(lambda x: (x * 2, x.view(torch.int32)), m)
+        for _ in range(4):
+            x = torch.randn(6)
+            y, bits = f(x)
+            torch.testing.assert_close(y, x * 2)
+            assert bits.data_ptr() == x.data_ptr()
+            bits[0] = 0
+            assert x[0].item() == 0.0
+            m.mark_step_begin()
+            assert torch.equal(bits, x.view(torch.int32))  # not poisoned: it is the caller's memory
+
+
 def test_under_padding_buckets_an_input_returned_as_it_is_is_the_callers_tensor(dev0):
     f = cgraw.graphed(lambda x, scale: (x * scale, scale), pad_buckets=(4, 8))
     x, scale = torch.randn(3, 2), torch.tensor(2.0)
