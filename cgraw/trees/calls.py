@@ -19,7 +19,9 @@ calls it for every call; backends only read what it decides.
 - padding buckets (``cgraw.trees.buckets``): the bucket a call is recorded under, part of its key.
 - grad mode (``use_grad_mode``): with autograd recording, the key gains ``(GRAD, indices of the
   leaves that require grad)``, so calls under ``torch.no_grad()`` select recordings of their own
-  (``cgraw.trees.autograd``). Without a probe installed, keys are what they were.
+  (``cgraw.trees.autograd``). Otherwise (grad disabled, or no probe installed) it gains
+  ``(REQUIRES_GRAD, those indices)`` when a leaf requires grad: a function may branch on
+  ``x.requires_grad`` under ``no_grad`` too, and its recording's placeholder requires grad then.
 - the settings that choose kernels (``use_kernel_state``: autocast, TF32, deterministic
   algorithms, the default dtype, inference mode, cuDNN and attention flags; see
   ``interop.torch.kernel_state``): the key ends with an id of their current values, so a call made under
@@ -36,7 +38,7 @@ from cgraw.trees.arrays import EAGER, LEAF, STATIC, TORCH, TREE, NoType, flatten
 from cgraw.trees.frameworks import CONJ_NEG
 from cgraw.errors import SkipCall
 
-__all__ = ["EAGER", "GRAD", "SHARED", "STATIC", "TREE", "Call", "InputPlan", "check_shared_writes",
+__all__ = ["EAGER", "GRAD", "REQUIRES_GRAD", "SHARED", "STATIC", "TREE", "Call", "InputPlan", "check_shared_writes",
            "declared_mutations", "grad_enabled", "inspect", "learn_kernel_groups", "mark_static", "moved",
            "shared_memory", "unseen_eager", "use_grad_mode", "use_kernel_state"]
 
@@ -64,6 +66,16 @@ class _SharedMark:
 
 
 SHARED = _SharedMark()  # heads the key entry of a call whose eager inputs share memory with other inputs
+
+
+class _RequiresMark:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "REQUIRES_GRAD"
+
+
+REQUIRES_GRAD = _RequiresMark()  # heads the key entry of the leaves that require grad, with grad disabled
 
 
 def mark_static(x):
@@ -227,6 +239,10 @@ def inspect(fn, args, kwargs, tree_outputs, device: int) -> Call:
     if p is not None and p():
         call.grad = True
         call.key = call.key + (_grad_entry(leaves, kinds),)
+    else:
+        req = tuple(j for j, t in enumerate(leaves) if getattr(t, "requires_grad", False))
+        if req:
+            call.key = call.key + ((REQUIRES_GRAD, req),)
     ks = _kernel[0]
     if ks is not None:
         call.key = call.key + (ks.state(getattr(fn, "kernel_getters", None) or _kernel[1]),)
@@ -285,6 +301,13 @@ def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
     grad = probe is not None and probe()
     if grad:  # one tensor that does not require grad: the shared entry, without the general scan
         parts.append(_NO_LEAF_GRAD if n == 1 and not args[0].requires_grad else _grad_entry(args, kinds))
+    elif n == 1:
+        if args[0].requires_grad:
+            parts.append((REQUIRES_GRAD, (0,)))
+    else:
+        req = tuple(j for j, a in enumerate(args) if a.requires_grad)
+        if req:
+            parts.append((REQUIRES_GRAD, req))
     ks = _kernel[0]
     if ks is not None:
         parts.append(ks.state(getattr(fn, "kernel_getters", None) or _kernel[1]))

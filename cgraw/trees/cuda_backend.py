@@ -87,12 +87,13 @@ class CudaBackend(TorchAutograd):
             if kinds[j] == EAGER and _node_bytes(call, j) != ops[j].nbytes(leaves[j]):
                 raise SkipCall("skipping cudagraphs due to mutated inputs (an eager input whose elements have "
                                "gaps or overlaps between them)")
-        # a backward inside the function differentiates with respect to the placeholders of the
-        # eager inputs that require grad: they are autograd leaves too (the warm-up made sure the
-        # function leaves their .grad as it found it, calls.py keys inputs already holding one apart)
-        leaf_grad = [j for j, t in enumerate(leaves) if warm.runs_backward and kinds[j] == EAGER
+        # a backward inside the function differentiates with respect to the placeholders of the eager
+        # inputs that require grad: autograd leaves too (the warm-up saw it leave .grad as it was);
+        # with grad disabled they require grad too: a function may read x.requires_grad
+        no_grad = not call.grad and self._torch is not None and not self._torch.is_grad_enabled()
+        leaf_grad = [j for j, t in enumerate(leaves) if (warm.runs_backward or no_grad) and kinds[j] == EAGER
                      and getattr(t, "requires_grad", False)]
-        if any(leaves[j].grad is not None for j in leaf_grad):
+        if warm.runs_backward and any(leaves[j].grad is not None for j in leaf_grad):
             raise SkipCall("an eager input's .grad holds a gradient that a backward inside the function adds to")
         # An eager input living in the tree's own pool (h = f(h) across a new branch: the previous
         # step's output) may sit in blocks the checkpoint restore just freed, where this

@@ -314,6 +314,21 @@ def test_under_padding_buckets_returned_inputs_and_closure_tensors_are_eagers():
         assert same_x is x and same_scale is scale and t is table
 
 
+def test_a_branch_on_requires_grad_under_no_grad_matches_eager():
+    """Under ``torch.no_grad()`` an input that requires grad still says so: the recording's
+    placeholder requires grad too, and calls whose inputs do not select their own recording."""
+
+    def body(x):
+        return x * (2.0 if x.requires_grad else 3.0)
+
+    f = cgraw.graphed(body)
+    with torch.no_grad():
+        for requires in (True, True, True, False, False, False, True):
+            x = trand(256).requires_grad_(requires)
+            torch.testing.assert_close(f(x), body(x))
+    assert _stats(f).replays >= 3
+
+
 def test_a_tensor_returned_twice_is_one_object_on_every_call():
     def twice(x):
         y = x * 2.0

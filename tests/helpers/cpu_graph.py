@@ -52,7 +52,7 @@ from cgraw.interop.torch import observe
 from cgraw.trees.arrays import EAGER, TORCH, out_spec, replace_leaves, unflatten
 from cgraw.trees.nodes import ModeRewarm, Rewarm, Warm
 from cgraw.trees.recording import EXTERNAL, OWNED, InputAlias
-from torch_cpu_backend import CpuTorchBackend
+from torch_cpu_backend import CpuTorchBackend, placeholders
 
 aten = torch.ops.aten
 
@@ -281,7 +281,7 @@ class CpuGraphBackend(CpuTorchBackend):
         self.log.append(("record", fn.name))
         rec = GraphRecording(self, fn)
         leaves, kinds = call.leaves, call.kinds
-        rec.placeholders = {j: t.detach().clone() for j, t in enumerate(leaves) if kinds[j] == EAGER}
+        rec.placeholders = placeholders(call)
         rec.fixed = [(j, t, t.data_ptr()) for j, t in enumerate(leaves) if kinds[j] != EAGER]
         args, kwargs = replace_leaves(call.arg_specs, call.kwarg_specs, leaves, rec.placeholders)
         try:

@@ -61,6 +61,14 @@ class TorchFn:
         return self.mgr.call(self, args, kwargs)
 
 
+def placeholders(call) -> dict:
+    """As ``cuda_backend.CudaBackend.record``: a copy of each eager input, requiring grad where the
+    input does while grad is disabled (the function sees ``x.requires_grad`` as eager's does)."""
+    no_grad = not call.grad and not torch.is_grad_enabled()
+    return {j: t.detach().clone().requires_grad_(no_grad and t.requires_grad)
+            for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER}
+
+
 class CpuRecording:
     def __init__(self, backend, fn):
         self.backend, self.fn, self.name = backend, fn, fn.name
@@ -129,7 +137,7 @@ class CpuTorchBackend(TorchAutograd):
     def record(self, fn, call, warm):
         self.log.append(("record", fn.name))
         rec = CpuRecording(self, fn)
-        rec.placeholders = {j: t.detach().clone() for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER}
+        rec.placeholders = placeholders(call)
         grad = call.grad and not warm.runs_backward
         saved: list = []
         rec.subs = capture_inputs(call, rec.placeholders) if grad else rec.placeholders

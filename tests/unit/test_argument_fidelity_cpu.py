@@ -438,16 +438,28 @@ def test_a_parameter_subclass_argument_is_a_static_input(dev0):
     assert call.kinds == [calls.STATIC, calls.EAGER]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a placeholder never requires grad (CpuTorchBackend and CudaBackend.record: empty_layout; "
-    "requires_grad_ only for a backward inside the function), and under no_grad the key leaves "
-    "requires_grad out: a function that branches on x.requires_grad takes the other branch in "
-    "the recording than eager takes"))
 def test_an_input_that_requires_grad_is_seen_requiring_grad_under_no_grad(mgr):
     f = TorchFn(lambda x: x * (2.0 if x.requires_grad else 3.0), mgr)
     for _ in range(3):
         x = torch.randn(4).requires_grad_()
         torch.testing.assert_close(f(x), x.detach() * 2.0)
+
+
+def test_calls_whose_inputs_do_and_do_not_require_grad_under_no_grad_select_their_own_recordings(monkeypatch):
+    """On the CPU graph emulator (the branch is Python, taken once at record time, as on the GPU)."""
+    from cpu_graph import CpuGraphBackend
+
+    def fn(x, y):
+        return x * (2.0 if x.requires_grad else 3.0) + (1.0 if y.requires_grad else 0.0)
+
+    with cpu_tree(monkeypatch, CpuGraphBackend) as m:
+        f = TorchFn(fn, m)
+        for rx, ry in [(True, False)] * 3 + [(False, False)] * 3 + [(False, True)] * 3 + [(True, False)]:
+            x, y = torch.randn(4).requires_grad_(rx), torch.randn(4).requires_grad_(ry)
+            out = f(x, y)
+            torch.testing.assert_close(out, fn(x, y))
+            assert not out.requires_grad
+        assert m.stats[f.fn_id].replays >= 4
 
 
 # ---------------------------------------------------------------------- outputs: divergences
