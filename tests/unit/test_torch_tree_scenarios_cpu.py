@@ -456,3 +456,21 @@ def test_hooks_on_one_calls_output_do_not_reach_the_next_calls_output(ttree):
     torch.testing.assert_close(inp.grad, 5 * 2 * inp.detach())
     gc.collect()
 
+
+
+@torch_only
+def test_a_double_backward_through_a_replayed_forward_reaches_its_input(ttree):
+    """``g = autograd.grad(f(x).sum(), x, create_graph=True)``, then ``autograd.grad(g.sum(), x)``:
+    the recomputed backward of a recorded forward differentiates from ``x`` itself, so the second
+    derivative reaches ``x`` as eager's does (it ended at a detached copy: "not used in the graph")."""
+    import torch
+
+    f = tfn(ttree, lambda x: x.sin() * 2.0, name="sin2")
+    for _ in range(5):
+        x = torch.randn(6, requires_grad=True)
+        (g,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), x)
+        torch.testing.assert_close(g, 2.0 * x.detach().cos())
+        torch.testing.assert_close(gg, -2.0 * x.detach().sin())
+        ttree.mark_step_begin()
+    assert ttree.stats[f.fn_id].recordings == 1

@@ -271,14 +271,18 @@ class _Link:
         torch = sys.modules["torch"]
         info, call = self.info, self.call
         leaves = self.kept if self.kept is not None else call.leaves
-        subs = {j: leaves[j].detach().requires_grad_() for j in info.leaves}
+        create = torch.is_grad_enabled()
+        # differentiable (create_graph, double backward): from the caller's inputs themselves, so
+        # the gradients' own graph reaches them, as eager's does; else from detached aliases
+        subs = {j: leaves[j] if create and leaves[j] is call.leaves[j] else leaves[j].detach().requires_grad_()
+                for j in info.leaves}
         args, kwargs = replace_leaves(call.arg_specs, call.kwarg_specs, leaves, subs)
         with torch.enable_grad():
             out = self.fn(*args, **kwargs)
         flat: list = []
         out_spec(out, flat)
         return torch.autograd.grad([flat[i] for i in info.out_idx], [subs[j] for j in info.leaves] + info.params,
-                                   grads, create_graph=torch.is_grad_enabled(), allow_unused=True)
+                                   grads, create_graph=create, allow_unused=True)
 
 
 def copied_out(grads) -> tuple:
