@@ -88,6 +88,9 @@ def flatten(a, leaves, key, kinds, ptrs, ops_list, forced):
     if t is dict:
         key.append((dict, tuple(a)))
         return ("dict", dict, tuple(a), [flatten(v, leaves, key, kinds, ptrs, ops_list, forced) for v in a.values()])
+    if _is_torch_value(t):  # torch.Size: torch's pytree would hand it back as a plain tuple
+        key.append(_value(a))
+        return ("v", a)
     if _is_module(a):
         key.append(("module", a))  # the module itself: equal only to itself, kept alive by the key
         n0 = len(leaves)
@@ -185,7 +188,7 @@ def _by_value(v, depth: int):
             return (t, frozenset(_by_value(x, depth + 1) for x in v))
         if t is dict:
             return (t, tuple((_by_value(k, depth + 1), _by_value(x, depth + 1)) for k, x in v.items()))
-        if isinstance(v, enum.Enum) or (t.__module__ == "torch" and t.__name__ in _TORCH_VALUES):
+        if isinstance(v, enum.Enum) or _is_torch_value(t):
             return (t, v)
         if (t.__hash__ is object.__hash__ and not callable(v) and hasattr(v, "__dict__")
                 and ops_of(v) is None and not _is_module(v)):
@@ -194,6 +197,11 @@ def _by_value(v, depth: int):
 
 
 _TORCH_VALUES = frozenset({"dtype", "device", "Size", "layout", "memory_format"})
+
+
+def _is_torch_value(t: type) -> bool:
+    """Whether ``t`` is one of torch's immutable value types (``torch.Size``, ``torch.dtype``...)."""
+    return t.__module__ == "torch" and t.__name__ in _TORCH_VALUES
 
 
 def rebuild(spec, it):
@@ -268,6 +276,8 @@ def _out_spec(x, leaves):
         return ("seq", t, [_out_spec(v, leaves) for v in x])
     if t is dict:
         return ("dict", dict, tuple(x), [_out_spec(v, leaves) for v in x.values()])
+    if _is_torch_value(t):
+        return ("v", x)
     node = _pytree_node(t)
     if node is not None:
         children, context = node.flatten_fn(x)

@@ -236,6 +236,21 @@ def test_a_plain_object_holding_nested_values_made_anew_per_call_replays(mgr):
     assert mgr.stats[f.fn_id].replays >= 1 and len(mgr.roots) == 1
 
 
+def test_a_torch_size_argument_and_output_stay_torch_sizes(mgr):
+    """torch's pytree flattens a ``torch.Size`` and gives back a plain tuple: a function that
+    receives or returns one gets a ``torch.Size``, as in eager."""
+    def fn(x, size):
+        return x.sum() + (1.0 if isinstance(size, torch.Size) else 0.0), size, x.shape
+
+    f = TorchFn(fn, mgr)
+    for _ in range(4):
+        x = torch.randn(3, 2)
+        out, size, shape = f(x, torch.Size([2, 5]))
+        torch.testing.assert_close(out, x.sum() + 1.0)
+        assert type(size) is torch.Size and size == (2, 5) and type(shape) is torch.Size and shape == (3, 2)
+    assert mgr.stats[f.fn_id].replays >= 1
+
+
 def test_keyword_arguments_reach_the_function_in_the_callers_order(mgr):
     f = TorchFn(lambda **kw: torch.stack(list(kw.values())), mgr)
     for _ in range(3):
