@@ -48,13 +48,15 @@ WRITES = {
 }
 # outputs of one function (the last computed value always comes first)
 OUTS = ("value", "arg", "arg_t", "arg_rows", "value_rows", "value_sum", "again")
+# and views of another dtype (a separate test, so the seeds above keep their programs)
+BITS = OUTS + ("arg_bits", "arg_rows_bits", "value_bits")
 
 
 def same(a, b, what):
     torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
 
 
-def make_fn(rng, nargs, name):
+def make_fn(rng, nargs, name, out_kinds=OUTS):
     """A random function of ``nargs`` N x N tensors; ``fn.writes``: the arguments it writes."""
     body, computed, views_of = [], [], {}  # views_of: env index -> the argument it views
     nvals = nargs
@@ -87,7 +89,7 @@ def make_fn(rng, nargs, name):
         nvals += 1
     outs = [("value", computed[-1])]
     for _ in range(rng.randint(0, 2)):
-        k = rng.choice(OUTS)
+        k = rng.choice(out_kinds)
         outs.append((k, rng.randrange(nargs) if k.startswith("arg") else rng.choice(computed)))
 
     def fn(*args):
@@ -114,6 +116,12 @@ def make_fn(rng, nargs, name):
                 res.append(args[i].t())
             elif k == "arg_rows":
                 res.append(args[i][1:3])
+            elif k == "arg_bits":
+                res.append(args[i].view(torch.int32))
+            elif k == "arg_rows_bits":
+                res.append(args[i][1:3].view(torch.int16))
+            elif k == "value_bits":
+                res.append(env[i].view(torch.int32))
             elif k == "value_rows":
                 res.append(env[i][1:])
             elif k == "value_sum":
@@ -162,10 +170,10 @@ def _sp(t):
     return t.untyped_storage().data_ptr()
 
 
-def run_seed(mgr, seed):
+def run_seed(mgr, seed, out_kinds=OUTS):
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    fns = [make_fn(rng, rng.randint(1, 3), f"f{k}") for k in range(rng.randint(2, 4))]
+    fns = [make_fn(rng, rng.randint(1, 3), f"f{k}", out_kinds) for k in range(rng.randint(2, 4))]
     graphed = [TorchFn(f, mgr) for f in fns]
     script = make_script(rng, fns)
     marks = rng.random() < 0.6
@@ -189,6 +197,9 @@ def run_seed(mgr, seed):
             return "fresh"
         return "owned" if any(g.made(t) for g in backend.graphs) else "eager"
 
+    def usable(t):
+        return t.real.shape == (N, N) and t.real.dtype == torch.float32
+
     def fresh(tag):
         x = torch.randn(N, N)
         fresh_keep.append(x)
@@ -205,8 +216,8 @@ def run_seed(mgr, seed):
             fn = fns[fi]
             args: list[Twin] = []
             for p, src in enumerate(srcs):
-                live = [t for t in step_outs if not ended(t)]
-                old = [t for t in held if not ended(t)]
+                live = [t for t in step_outs if not ended(t) and usable(t)]
+                old = [t for t in held if not ended(t) and usable(t)]
                 if src[0] == "out" and live:
                     a = live[src[1] % len(live)]
                 elif src[0] == "held" and old:
@@ -252,7 +263,7 @@ def run_seed(mgr, seed):
                     same(t.real, t.ref, f"{where}: held tensor {t.what}")
             if not drop:
                 for k, (g, w) in enumerate(zip(got, want)):
-                    if g.shape == (N, N) and valid[k]:
+                    if valid[k]:  # held and compared; arguments only of N x N float32 (usable)
                         step_outs.append(Twin(g, w, origin_of(g), f"s{step}c{c}o{k}", mgr.generation))
             del got, want
         held = [t for t in held + step_outs if not ended(t)]
@@ -272,6 +283,14 @@ SEEDS = list(range(40))
 def test_random_programs_of_graphed_functions_match_eager_bitwise(monkeypatch, seed):
     with cpu_tree(monkeypatch, CpuGraphBackend) as mgr:
         run_seed(mgr, seed)
+
+
+@pytest.mark.parametrize("seed", range(100, 124))
+def test_random_programs_returning_views_of_other_dtypes_match_eager_bitwise(monkeypatch, seed):
+    """Outputs viewing an input (or a value) as another dtype (``x.view(torch.int32)``): eager's
+    view of the caller's input, written through by the functions that write it."""
+    with cpu_tree(monkeypatch, CpuGraphBackend) as mgr:
+        run_seed(mgr, seed, BITS)
 
 
 def test_the_fuzz_replays_most_calls_and_runs_few_eagerly(monkeypatch):
