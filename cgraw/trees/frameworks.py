@@ -81,6 +81,10 @@ class Ops:
         when the framework cannot tell; it does not keep ``t`` alive."""
         return None
 
+    def version(self, t) -> int | None:
+        """A count that every in-place write to ``t`` raises, or None when the framework keeps none."""
+        return None
+
 
 CONJ_NEG = ("a conjugate or negative view input (x.conj(), torch._neg_view): a recording copies its memory, "
             "not its values; call .resolve_conj() or .resolve_neg() first")
@@ -114,6 +118,9 @@ class _TorchOps(Ops):
 
     def users(self, t):
         return private_api.storage_users(t)
+
+    def version(self, t) -> int | None:
+        return private_api.version(t)
 
     def base_ptr(self, t) -> int:
         """Start of the allocation ``t`` views."""

@@ -348,6 +348,24 @@ def test_a_double_backward_through_a_graphed_forward_matches_eager():
         cgraw.mark_step_begin()
 
 
+def test_an_input_written_with_unchanged_values_at_warm_up_reaches_the_caller_later():
+    """``x.clamp_(min=0)`` warmed up on positive values leaves them as they were, but its version
+    counter moves: the recording copies the input back, so later calls clamp the caller's tensor."""
+
+    def body(x):
+        x.clamp_(min=0.0)
+        return x * 2.0
+
+    f = cgraw.graphed(body)
+    for i in range(6):
+        x = trand(512).abs() if i == 0 else trand(512)
+        ref = x.clone()
+        want = body(ref)
+        torch.testing.assert_close(f(x), want)
+        torch.testing.assert_close(x, ref)
+    assert _stats(f).replays >= 3
+
+
 def test_a_tensor_returned_twice_is_one_object_on_every_call():
     def twice(x):
         y = x * 2.0

@@ -19,7 +19,7 @@ import contextlib
 
 import torch
 
-from cgraw.trees.arrays import EAGER, out_spec, replace_leaves, unflatten
+from cgraw.trees.arrays import EAGER, TORCH, out_spec, replace_leaves, unflatten
 from cgraw.interop.torch.autograd import TorchAutograd, capture_inputs, grad_info, run_saving
 from cgraw.trees.nodes import Warm, next_fn_id
 
@@ -126,10 +126,12 @@ class CpuTorchBackend(TorchAutograd):
 
     def warmup(self, fn, call, args, kwargs):
         self.log.append(("warmup", fn.name))
-        before = {j: t.detach().clone() for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER}
+        before = {j: (t.detach().clone(), TORCH.version(t)) for j, t in enumerate(call.leaves)
+                  if call.kinds[j] == EAGER}
         w = Warm(fn.fn(*args, **kwargs))
-        # as the CUDA backend: the eager inputs the function wrote, compared by content
-        w.mutated = tuple(j for j, t in before.items() if not torch.equal(t, call.leaves[j].detach()))
+        # as the CUDA backend: the eager inputs the function wrote, by content and version count
+        w.mutated = tuple(j for j, (t, v) in before.items()
+                          if not torch.equal(t, call.leaves[j].detach()) or TORCH.version(call.leaves[j]) != v)
         w.external = tuple(getattr(fn, "params", ()))
         w.runs_backward = getattr(fn, "is_backward", False)
         return w

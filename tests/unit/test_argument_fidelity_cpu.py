@@ -459,6 +459,48 @@ def test_calls_whose_inputs_do_and_do_not_require_grad_under_no_grad_select_thei
         assert m.stats[f.fn_id].replays >= 4
 
 
+@pytest.mark.parametrize("warm, write", [
+    (lambda: torch.rand(6), lambda x: x.clamp_(min=0.0)),  # positive at warm-up: nothing to clamp
+    (lambda: torch.zeros(6), lambda x: x.mul_(0.5)),  # zeros at warm-up: zeros again
+    (lambda: torch.rand(6), lambda x: x[2:4].abs_()),  # through a view, positive at warm-up
+], ids=["clamp-positive", "scale-zeros", "view-abs-positive"])
+def test_an_input_written_with_its_own_values_at_warm_up_reaches_the_caller_later(monkeypatch, warm, write):
+    """The warm-up finds the write by the input's version counter, not only by its contents: the
+    recording copies the input back, so a later call whose write changes values reaches the caller
+    (on the CPU graph emulator, which replays the ops as a graph does)."""
+    from cpu_graph import CpuGraphBackend
+
+    def fn(x):
+        write(x)
+        return x * 2.0
+
+    with cpu_tree(monkeypatch, CpuGraphBackend) as m:
+        f = TorchFn(fn, m)
+        for i in range(5):
+            x = warm() if i == 0 else torch.randn(6)
+            ref = x.clone()
+            want = fn(ref)
+            torch.testing.assert_close(f(x), want)
+            torch.testing.assert_close(x, ref)
+        assert m.stats[f.fn_id].replays >= 2
+
+
+@pytest.mark.parametrize("write, expected", [
+    (lambda x: x.clamp_(min=0.0), (0,)),  # its values as they were, its version count moved
+    (lambda x: x.add_(1.0), (0,)),  # its values changed
+    (lambda x: x.clone().clamp_(min=0.0), ()),  # a copy written: the input is not
+], ids=["same-values", "new-values", "copy"])
+def test_the_cuda_backends_warm_up_finds_the_inputs_written(dev0, write, expected):
+    """``warmup.run`` (the CUDA backend's warm-up, outside the pool here) on a positive input."""
+    from cgraw.trees import warmup
+
+    f = cgraw.graphed(lambda x: write(x) * 2.0)
+    x = torch.rand(5)
+    call = calls.inspect(f, (x,), {}, {}, 0)
+    backend = types.SimpleNamespace(_torch=torch, _tts=None, warm_in_pool=False)
+    assert tuple(warmup.run(backend, f, call, (x,), {}).mutated) == expected
+
+
 # ---------------------------------------------------------------------- outputs: divergences
 
 

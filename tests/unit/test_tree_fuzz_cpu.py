@@ -37,9 +37,8 @@ REDUCE = {  # a reduction broadcast back to N x N (a dense result, never an expa
     "total": lambda a: a + a.sum() * 0.1,
 }
 VIEWS = {"t": lambda a: a.t(), "reshape": lambda a: a.reshape(N * N).view(N, N) if a.is_contiguous() else a.t().t()}
-# In-place writes that change (almost) any input. The guide, "Mutation": "An eager input that the
-# warm-up changed (compared by content) is copied back after each replay; `graphed(fn, mutates=(0,))`
-# declares one the comparison cannot see." So no plain `mul_(0.5)`: a warm-up on zeros sees no write.
+# In-place writes that change (almost) any input. The guide, "Mutation": an eager input the warm-up
+# wrote (its contents or its version counter changed) is copied back after each replay.
 WRITES = {
     "mul_": lambda a, v: a.mul_(0.5).add_(0.375),
     "add_": lambda a, v: a.add_(v).add_(1.0),

@@ -167,6 +167,16 @@ def global_state_guard():
     return getattr(guards, "GlobalStateGuard", None)
 
 
+def version(t) -> int | None:
+    """``t._version``: its version counter, which every in-place write through it or a view of it
+    bumps (even one that leaves its values as they were); None for an inference tensor, which
+    has none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def storage_users(t):
     """A callable counting the references to ``t``'s storage (every tensor over it, views and
     ``.detach()`` aliases included), through a weak reference to the storage, as torch's trees
