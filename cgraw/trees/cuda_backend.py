@@ -10,7 +10,8 @@ declared in ``mutates``) are copied back by a memcpy node at the end of the grap
 Outputs are classified at record time: memory the recording allocated in the tree's pool is
 *owned* (aliased per call, poisoned when its generation ends); an output that is an input or a
 view of one is rebuilt from the caller's input on every call (as eager returns it); any other
-tensor (a parameter, a closure buffer) is returned as is. Only owned memory is ever poisoned.
+tensor (a parameter, a closure buffer) is returned as is, a view of one made anew per call
+(``recording.output_kinds``). Only owned memory is ever poisoned.
 
 Tensors a function reads through its closure (found by the warm-up's observer,
 ``interop.torch.observe``) are kept alive by the recording and their addresses checked on every call
@@ -36,7 +37,7 @@ from cgraw.interop.torch.autograd import NoRebind, TorchAutograd, capture_inputs
 from cgraw.interop.torch.kernel_state import kernel_state
 from cgraw.interop.torch.checkpoints import TorchTreeState
 from cgraw.runtime.memory import DevicePool
-from cgraw.trees.recording import EXTERNAL, OWNED, InputAlias, InputCopy, Recording, repeated_leaves
+from cgraw.trees.recording import OWNED, InputCopy, Recording, output_kinds, repeated_leaves
 from cgraw.trees.nodes import Warm
 from cgraw.trees.config import config, grad_probe
 
@@ -283,30 +284,8 @@ class CudaBackend(TorchAutograd):
         return rec.input_notes
 
     def _output_kinds(self, call: Call, placeholders: dict, out_leaves: list) -> list:
-        """Per output: OWNED (recorded in the tree's pool), an ``InputAlias`` (input ``j`` or a
-        view of it, rebuilt from the caller's input each call) or EXTERNAL (returned as is)."""
-        leaves, kinds, ops = call.leaves, call.kinds, call.ops
-        by_base = {}
-        for j, ph in placeholders.items():
-            # the caller's layout; a padded one has the bucket's rows: only itself is the caller's input
-            if j in call.padded or ops[j].key(ph)[1] == ops[j].key(leaves[j])[1]:
-                by_base[ops[j].base_ptr(ph)] = (j, ph)
-        for j, t in enumerate(leaves):
-            if kinds[j] != EAGER:
-                by_base.setdefault(ops[j].base_ptr(t), (j, t))
-        in_pool = self._pool_owner()
-        out = []
-        for t in out_leaves:
-            o = ops_of(t)
-            b = o.base_ptr(t)
-            hit = by_base.get(b)
-            if hit is not None:
-                j, base = hit
-                if ops[j] is o and (t is base if j in call.padded else o.view_of(leaves[j], t, base) is not None):
-                    out.append(InputAlias(j, t, base, o))
-                    continue
-            out.append(OWNED if in_pool(b) else EXTERNAL)
-        return out
+        """``recording.output_kinds`` of a recording in this tree's pool."""
+        return output_kinds(call, placeholders, out_leaves, self._pool_owner())
 
     def _pool_owner(self):
         """``ptr -> bool``: whether memory lies in the tree's pool (cgraw's part or torch's) now."""

@@ -13,7 +13,8 @@ generators' step of a recording that draws random numbers) and through the memcp
   addresses that pointed into its placeholder, rewritten to the caller's address before a launch
   only when it changed (``rebind.proof`` proves it at record time).
 - ``InputAlias``: an output that is an input or a view of one, rebuilt from the caller's input
-  on every call (as eager returns it).
+  on every call (as eager returns it); ``ClosureView``: one that views a closure tensor, made
+  anew on every call; ``output_kinds`` tells them apart from the recording's own outputs.
 - ``Recording``: the graph, its copies, its outputs (owned by the tree's pool: aliased per call
   and poisoned when the generation ends; or returned as they are) and what keeps them alive.
 """
@@ -22,7 +23,8 @@ from __future__ import annotations
 
 from cgraw import _cuda
 from cgraw.runtime import stream as _streams
-from cgraw.trees.arrays import SINGLE, TORCH, unflatten
+from cgraw.interop.torch import private_api
+from cgraw.trees.arrays import EAGER, SINGLE, TORCH, ops_of, unflatten
 from cgraw.trees.frameworks import retyped_view
 from cgraw.trees.nodes import ModeRewarm, Rewarm
 
@@ -113,6 +115,54 @@ class InputAlias:
         return type(leaf)(self.shape, self.dtype, leaf.data + self.delta, self.stride)
 
 
+class ClosureView:
+    """An output that is a view of a tensor the function reads through its closure (a parameter's
+    row, ``weight.T``): a new view of that tensor on every call, as eager makes one. The
+    recording's own view object, handed out on every call, would carry what a caller attaches to
+    it (a hook, ``retain_grad``) into later calls."""
+
+    __slots__ = ("base", "shape", "stride", "offset")
+
+    def __init__(self, out, base):
+        self.base = base  # kept alive by the recording, as its other closure tensors
+        self.shape, self.stride, self.offset = tuple(out.shape), tuple(out.stride()), out.storage_offset()
+
+    def rebuild(self, _leaf=None):
+        return self.base.as_strided(self.shape, self.stride, self.offset)
+
+
+def output_kinds(call, placeholders: dict, out_leaves: list, in_pool) -> list:
+    """Per output of a recording of ``call``: OWNED (memory of the tree's pool: ``in_pool(ptr)``),
+    an ``InputAlias`` (input ``j`` or a view of it, rebuilt from the caller's input each call), a
+    ``ClosureView`` or EXTERNAL (any other tensor, returned as it is)."""
+    leaves, kinds, ops = call.leaves, call.kinds, call.ops
+    by_base = {}
+    for j, ph in placeholders.items():
+        # the caller's layout; a padded one has the bucket's rows: only itself is the caller's input
+        if j in call.padded or ops[j].key(ph)[1] == ops[j].key(leaves[j])[1]:
+            by_base[ops[j].base_ptr(ph)] = (j, ph)
+    for j, t in enumerate(leaves):
+        if kinds[j] != EAGER:
+            by_base.setdefault(ops[j].base_ptr(t), (j, t))
+    out = []
+    for t in out_leaves:
+        o = ops_of(t)
+        b = o.base_ptr(t)
+        hit = by_base.get(b)
+        if hit is not None:
+            j, base = hit
+            if ops[j] is o and (t is base if j in call.padded else o.view_of(leaves[j], t, base) is not None):
+                out.append(InputAlias(j, t, base, o))
+                continue
+        if in_pool(b):
+            out.append(OWNED)
+            continue
+        base = private_api.view_base(t) if o is TORCH else None
+        same = base is not None and base.dtype == t.dtype and not (t.is_conj() or t.is_neg())
+        out.append(ClosureView(t, base) if same else EXTERNAL)
+    return out
+
+
 class Recording:
     """A recorded tree node, everything its replays need, precomputed at record time."""
 
@@ -132,7 +182,7 @@ class Recording:
         "slow_in",  # [(leaf index, placeholder)]: non-contiguous eager inputs, copied eagerly
         "copy_slow",  # copy_slow(rec, call, rows or None): copies them on the replay's stream
         "out_leaves",  # the recording's output arrays, flattened
-        "out_kinds",  # per output leaf: OWNED, EXTERNAL or an InputAlias
+        "out_kinds",  # per output leaf: OWNED, EXTERNAL, an InputAlias or a ClosureView
         "out_alias",  # per output leaf: the bound alias maker of an OWNED one (t.detach, a.view), else None
         "out_spec",  # arrays.out_spec of the output structure
         "out_same",  # [(i, first)]: output leaf i is output leaf first (a function returning (y, y))
@@ -275,6 +325,8 @@ class Recording:
                 outs.append(alias())
             elif k is EXTERNAL:
                 outs.append(t)
+            elif type(k) is ClosureView:
+                outs.append(k.rebuild())
             else:
                 outs.append(k.rebuild(call.leaves[k.j]))
         for i, first in self.out_same:  # one object returned twice is one object, as eager returns it

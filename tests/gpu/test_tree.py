@@ -366,6 +366,30 @@ def test_an_input_written_with_unchanged_values_at_warm_up_reaches_the_caller_la
     assert _stats(f).replays >= 3
 
 
+def test_a_hook_on_a_returned_view_of_a_parameter_stays_with_its_call():
+    """A model returning ``weight.T`` (tied weights): a hook registered on each step's returned
+    view scales that step's gradient only, as in eager (the view is made anew on every call)."""
+    lin = torch.nn.Linear(16, 8).cuda()
+
+    def body(x):
+        return lin(x), lin.weight.T
+
+    f = cgraw.graphed(body)
+    for _ in range(5):
+        x = trand(4, 16)
+        y, wt = f(x)
+        wt.register_hook(lambda g: g * 3.0)
+        (y.sum() + wt.sum()).backward()
+        got = lin.weight.grad.clone()
+        lin.weight.grad = None
+        y_ref, wt_ref = body(x)
+        wt_ref.register_hook(lambda g: g * 3.0)
+        (y_ref.sum() + wt_ref.sum()).backward()
+        torch.testing.assert_close(got, lin.weight.grad)
+        lin.weight.grad = None
+        cgraw.mark_step_begin()
+
+
 def test_a_tensor_returned_twice_is_one_object_on_every_call():
     def twice(x):
         y = x * 2.0

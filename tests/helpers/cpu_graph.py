@@ -51,7 +51,7 @@ from cgraw.errors import SkipCall
 from cgraw.interop.torch import observe
 from cgraw.trees.arrays import EAGER, TORCH, out_spec, replace_leaves, unflatten
 from cgraw.trees.nodes import ModeRewarm, Rewarm, Warm
-from cgraw.trees.recording import EXTERNAL, OWNED, InputAlias
+from cgraw.trees.recording import EXTERNAL, OWNED, ClosureView, InputAlias
 from torch_cpu_backend import CpuTorchBackend, placeholders
 
 aten = torch.ops.aten
@@ -304,8 +304,9 @@ class CpuGraphBackend(CpuTorchBackend):
         return rec
 
     def _out_kind(self, rec, call, t):
-        """``cuda_backend._output_kinds``: an input or a view of one (``InputAlias``), memory the
-        recording made (OWNED), or anything else (EXTERNAL)."""
+        """``recording.output_kinds``: an input or a view of one (``InputAlias``), memory the
+        recording made (OWNED), a view of a closure tensor (``ClosureView``), or anything else
+        (EXTERNAL)."""
         base = _storage_ptr(t)
         for j, ph in rec.placeholders.items():
             if _storage_ptr(ph) == base and TORCH.view_of(call.leaves[j], t, ph) is not None:
@@ -313,7 +314,12 @@ class CpuGraphBackend(CpuTorchBackend):
         for j, leaf, _ in rec.fixed:
             if _storage_ptr(leaf) == base and TORCH.view_of(leaf, t, leaf) is not None:
                 return InputAlias(j, t, leaf, TORCH)
-        return OWNED if rec.graph.made(t) else EXTERNAL
+        if rec.graph.made(t):
+            return OWNED
+        base = t._base  # a view of a closure tensor: made anew per call (recording.ClosureView)
+        if base is not None and base.dtype == t.dtype and not (t.is_conj() or t.is_neg()):
+            return ClosureView(t, base)
+        return EXTERNAL
 
     def first_replay(self, rec, call):
         if not isinstance(rec, GraphRecording):
@@ -340,6 +346,8 @@ class CpuGraphBackend(CpuTorchBackend):
                 outs.append(t.detach())
             elif k is EXTERNAL:
                 outs.append(t)
+            elif isinstance(k, ClosureView):
+                outs.append(k.rebuild())
             else:
                 outs.append(k.rebuild(call.leaves[k.j]))
         return unflatten(rec.spec, iter(outs)), [outs[i] for i in rec.owned_idx]

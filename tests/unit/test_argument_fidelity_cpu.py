@@ -514,6 +514,56 @@ def test_an_output_object_holding_tensors_is_not_handed_out_again_unchanged():
     assert spec[0] != "v" and leaves == [y]
 
 
+def test_a_view_of_a_closure_parameter_is_a_new_view_on_every_call(dev0):
+    """``recording.output_kinds``: an output viewing a tensor outside the tree's pool (a closure
+    parameter's ``weight.T``) is made anew per call, as eager's is: a hook a caller registers on
+    one call's view does not reach the next call's gradient."""
+    from cgraw.trees.recording import ClosureView, output_kinds
+
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    x = torch.randn(3)
+    call = calls.inspect(_PLAIN, (x,), {}, {}, 0)
+    ph = TORCH.clone_layout(x)
+    with torch.enable_grad():
+        (kind,) = output_kinds(call, {0: ph}, [w.T], lambda ptr: ptr == ph.data_ptr())
+        assert isinstance(kind, ClosureView)
+        first, second = kind.rebuild(), kind.rebuild()
+        assert first is not second and torch.equal(first, w.T) and first.data_ptr() == w.data_ptr()
+        first.register_hook(lambda g: g * 10.0)
+        first.sum().backward()
+        torch.testing.assert_close(w.grad, torch.full((4, 3), 10.0))
+        w.grad = None
+        second.sum().backward()
+        torch.testing.assert_close(w.grad, torch.ones(4, 3))
+
+
+def test_views_of_a_closure_parameter_are_eagers_views_on_every_replay(monkeypatch):
+    """torch's trees: test_alias_of_parameter, test_aliasing_static_ref, on the CPU graph emulator."""
+    from cpu_graph import CpuGraphBackend
+
+    class AliasMod(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.param = torch.nn.Parameter(torch.rand(5, 5))
+
+        def forward(self, x):
+            return self.param[0], self.param, self.param + x, self.param.T
+
+    mod = AliasMod()
+    with cpu_tree(monkeypatch, CpuGraphBackend) as m:
+        f = TorchFn(lambda x: mod(x), m)
+        before = None
+        for _ in range(4):
+            x = torch.rand(5, 5)
+            row, param, plus, t = f(x)
+            assert param is mod.param and row.data_ptr() == t.data_ptr() == mod.param.data_ptr()
+            for got, want in zip((row, plus, t), (mod.param[0], mod.param + x, mod.param.T)):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+            assert before is None or (row is not before[0] and t is not before[1])
+            before = (row, t)
+        assert m.stats[f.fn_id].replays >= 2
+
+
 def test_the_same_tensor_returned_twice_is_one_object():
     """The CUDA backend notes output leaves that are one object (``repeated_leaves``), and a
     replay hands that object out once for all of them, as eager returns it."""

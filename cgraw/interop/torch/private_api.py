@@ -167,6 +167,11 @@ def global_state_guard():
     return getattr(guards, "GlobalStateGuard", None)
 
 
+def view_base(t):
+    """``t._base``: the tensor ``t`` is a view of, or None."""
+    return t._base
+
+
 def version(t) -> int | None:
     """``t._version``: its version counter, which every in-place write through it or a view of it
     bumps (even one that leaves its values as they were); None for an inference tensor, which
