@@ -31,6 +31,7 @@ calls it for every call; backends only read what it decides.
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 from cgraw.trees import buckets
@@ -40,7 +41,7 @@ from cgraw.errors import SkipCall
 
 __all__ = ["EAGER", "GRAD", "REQUIRES_GRAD", "SHARED", "STATIC", "TREE", "Call", "InputPlan", "check_shared_writes",
            "declared_mutations", "grad_enabled", "inspect", "learn_kernel_groups", "mark_static", "moved",
-           "shared_memory", "unseen_eager", "use_grad_mode", "use_kernel_state"]
+           "shared_memory", "unseen_eager", "use_grad_mode", "use_kernel_state", "warm_up"]
 
 _static_ids: dict[int, object] = {}  # id(array) -> weakref, filled by mark_static
 _tensor = [NoType, NoType]  # [torch.Tensor, torch.nn.Parameter] once torch is loaded: the exact-type fast path
@@ -391,3 +392,40 @@ def declared_mutations(fn, call: Call) -> tuple:
     return tuple(j for i in fn.mutates if i < len(spans)
                  for j in range(spans[i][0], sum(spans[i])) if kinds[j] == EAGER)
 
+
+
+ARGUMENT_WRITTEN = ("it changes an argument in place (a list's or a dict's items, an object's attributes: "
+                    "args.clear(), d['k'] = v, obj.n += 1); a replay runs no Python, so the change would not happen")
+
+
+def warm_up(warmup, fn, call: Call, args, kwargs):
+    """``warmup(fn, call, args, kwargs)`` (a backend's), which also notes, as a reason to run the
+    function eagerly (``Warm.skip``), what no warm-up of a backend sees: that it changed a
+    container or object argument in place (not a module's state, which has checks of its own)."""
+    before = _python_state(args, kwargs)
+    w = warmup(fn, call, args, kwargs)
+    if before is not None and w.skip is None:
+        try:
+            after = _python_state(args, kwargs)
+        except SkipCall:
+            after = None
+        if after != before:
+            w.skip = ARGUMENT_WRITTEN
+    return w
+
+
+def _python_state(args, kwargs):
+    """The arguments' structure as a key (``arrays.flatten``) and their array leaves' identities;
+    None for plain tensor arguments or a module argument (nothing to compare)."""
+    T, P = _tensor
+    if not kwargs and all(type(a) is T or type(a) is P for a in args):
+        return None
+    torch = sys.modules.get("torch")
+    values = list(args) + list(kwargs.values())
+    if torch is not None and any(isinstance(a, torch.nn.Module) for a in values):
+        return None
+    leaves: list = []
+    key: list = list(kwargs)
+    for a in values:
+        flatten(a, leaves, key, [], [], [], None)
+    return key, [id(t) for t in leaves]

@@ -56,7 +56,7 @@ import weakref
 from cgraw.trees import nodes as tree_nodes
 from cgraw.trees.autograd import BUSY, AutogradBook, TreeAutograd, promotion_note
 from cgraw.trees.calls import (TREE, InputPlan, declared_mutations, grad_enabled, inspect, learn_kernel_groups, moved,
-                               unseen_eager, check_shared_writes)
+                               unseen_eager, check_shared_writes, warm_up)
 from cgraw.errors import CgrawError, SkipCall, TreeError
 from cgraw.trees.outputs import PathOutputs, memory_in_use
 from cgraw.trees.pool import UNKNOWN, TreePool
@@ -309,7 +309,7 @@ class TreeManager(TreeAutograd, TreePool):
             # (torch's trees restore before warm-ups too); else a new branch raises the pool's peak
             self._restore_to(parent)
         try:
-            w = self.backend.warmup(fn, call, args, kwargs)
+            w = warm_up(self.backend.warmup, fn, call, args, kwargs)
         except BaseException:
             self.pool_state = UNKNOWN  # it may have left blocks in the pool
             raise

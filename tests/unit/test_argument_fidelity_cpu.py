@@ -251,6 +251,53 @@ def test_a_torch_size_argument_and_output_stay_torch_sizes(mgr):
     assert mgr.stats[f.fn_id].replays >= 1
 
 
+def _clears(args):
+    x = args[0]
+    args.clear()  # torch's cudagraphify convention: the callee frees its inputs
+    return x + 1
+
+
+def _notes(d):
+    d["seen"] = d.get("seen", 0) + 1
+    return d["x"] * 2
+
+
+def _counts(x, s):
+    s.calls = getattr(s, "calls", 0) + 1
+    return x * s.scale
+
+
+@pytest.mark.parametrize("fn, make, check", [
+    (_clears, lambda: ([torch.randn(3)],), lambda args: args[0] == []),
+    (_notes, lambda: ({"x": torch.randn(3)},), lambda args: args[0]["seen"] == 1),
+    (_counts, lambda: (torch.randn(3), _Settings(2.0)), lambda args: args[1].calls == 1),
+], ids=["list-cleared", "dict-item-set", "attribute-counted"])
+def test_a_function_changing_an_argument_in_place_runs_eagerly_with_the_reason(monkeypatch, fn, make, check):
+    """A replay runs no Python: the change would not happen. The warm-up sees it (the arguments'
+    key and leaves differ after the call), and every call runs eagerly (on the CPU graph emulator)."""
+    from cpu_graph import CpuGraphBackend
+
+    with cpu_tree(monkeypatch, CpuGraphBackend) as m:
+        f = TorchFn(fn, m)
+        for _ in range(4):
+            args = make()
+            f(*args)
+            assert check(args)
+        st = m.stats[f.fn_id]
+        assert st.replays == 0 and "changes an argument in place" in next(iter(st.skip_reasons))
+
+
+def test_a_function_reading_container_and_object_arguments_keeps_replaying(monkeypatch):
+    from cpu_graph import CpuGraphBackend
+
+    with cpu_tree(monkeypatch, CpuGraphBackend) as m:
+        f = TorchFn(lambda xs, d, s: xs[0] * d["k"] + s.scale, m)
+        for _ in range(4):
+            x = torch.randn(3)
+            torch.testing.assert_close(f([x], {"k": 2.0}, _Settings(1.0)), x * 2.0 + 1.0)
+        assert m.stats[f.fn_id].replays == 2
+
+
 def test_keyword_arguments_reach_the_function_in_the_callers_order(mgr):
     f = TorchFn(lambda **kw: torch.stack(list(kw.values())), mgr)
     for _ in range(3):
