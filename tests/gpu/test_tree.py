@@ -390,6 +390,24 @@ def test_a_hook_on_a_returned_view_of_a_parameter_stays_with_its_call():
         cgraw.mark_step_begin()
 
 
+def test_a_function_clearing_its_list_argument_runs_eagerly_and_matches_eager():
+    """torch's cudagraphify convention (``args.clear()`` inside the callee): a replay would run no
+    Python and leave the caller's list full, so every call runs eagerly, with the reason."""
+
+    def body(args):
+        x = args[0]
+        args.clear()
+        return x * 2.0
+
+    f = cgraw.graphed(body)
+    for _ in range(4):
+        x = trand(64)
+        args = [x]
+        torch.testing.assert_close(f(args), x * 2.0)
+        assert args == []
+    assert _stats(f).replays == 0 and "changes an argument in place" in cgraw.report()
+
+
 def test_a_tensor_returned_twice_is_one_object_on_every_call():
     def twice(x):
         y = x * 2.0
