@@ -401,9 +401,15 @@ ARGUMENT_WRITTEN = ("it changes an argument in place (a list's or a dict's items
 def warm_up(warmup, fn, call: Call, args, kwargs):
     """``warmup(fn, call, args, kwargs)`` (a backend's), which also notes, as a reason to run the
     function eagerly (``Warm.skip``), what no warm-up of a backend sees: that it changed a
-    container or object argument in place (not a module's state, which has checks of its own)."""
+    container or object argument in place (not a module's state, which has checks of its own);
+    under padding buckets, what its outputs tell of the rows (``buckets.warm_rows``)."""
     before = _python_state(args, kwargs)
     w = warmup(fn, call, args, kwargs)
+    if call.bucket is not None and w.skip is None:
+        try:
+            w.rows = buckets.warm_rows(call.rows, w.out)
+        except SkipCall:
+            pass  # an output no graph can hand out: the warm-up says so itself
     if before is not None and w.skip is None:
         try:
             after = _python_state(args, kwargs)

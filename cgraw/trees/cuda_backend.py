@@ -150,7 +150,7 @@ class CudaBackend(TorchAutograd):
                 h.clear()
             raise SkipCall(reason)
         try:
-            self._finish_recording(rec, g, call, placeholders, mutated, out)
+            self._finish_recording(rec, g, call, placeholders, warm, out)
         except BaseException as exc:
             g.close()
             if isinstance(exc, SkipCall):
@@ -171,8 +171,8 @@ class CudaBackend(TorchAutograd):
             rec.spans = self._tts.spans(list(rec.keep[0]) + [rec.out_leaves[i] for i in rec.owned_idx] + saved)
         return rec
 
-    def _finish_recording(self, rec: Recording, g, call: Call, placeholders: dict, mutated, out) -> None:
-        leaves, kinds, ops = call.leaves, call.kinds, call.ops
+    def _finish_recording(self, rec: Recording, g, call: Call, placeholders: dict, warm: Warm, out) -> None:
+        leaves, kinds, ops, mutated = call.leaves, call.kinds, call.ops, warm.mutated
         rec.graph = g
         rec.exec_, rec.ordinal = g.exec_handle(), g.device.ordinal
         rec.rng_sync = None if g.rng is None else g.rng.sync
@@ -219,7 +219,8 @@ class CudaBackend(TorchAutograd):
         if rec.out_spec is SINGLE and call.bucket is None and rec.out_kinds[0] is OWNED:
             rec.alias0 = rec.out_alias[0]
         rec.bucket, rec.padded = call.bucket, call.padded
-        rec.out_rows = ([i for i in buckets.out_rows(out_leaves, call.bucket) if rec.out_kinds[i] is OWNED]
+        rec.out_rows = ([i for i in buckets.out_rows(out_leaves, call.bucket, warm.rows, rec.out_spec)
+                         if rec.out_kinds[i] is OWNED]
                         if call.bucket is not None else [])  # inputs and closure tensors are returned whole
         rec.keep = (list(placeholders.values()), out)
         # only storages in torch's MemPool take part in its checkpoints: a torch view of CuPy

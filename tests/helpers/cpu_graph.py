@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_flatten
 
 from cgraw.errors import SkipCall
 from cgraw.interop.torch import observe
+from cgraw.trees import buckets
 from cgraw.trees.arrays import EAGER, TORCH, out_spec, replace_leaves, unflatten
 from cgraw.trees.nodes import ModeRewarm, Rewarm, Warm
 from cgraw.trees.recording import EXTERNAL, OWNED, ClosureView, InputAlias
@@ -282,6 +283,10 @@ class CpuGraphBackend(CpuTorchBackend):
         rec = GraphRecording(self, fn)
         leaves, kinds = call.leaves, call.kinds
         rec.placeholders = placeholders(call)
+        for j in call.padded:  # padding buckets: the bucket's rows, the call's copied in (cuda_backend.record)
+            t = leaves[j]
+            ph = rec.placeholders[j] = torch.zeros((call.bucket, *t.shape[1:]), dtype=t.dtype)
+            ph[:call.rows].copy_(t)
         rec.fixed = [(j, t, t.data_ptr()) for j, t in enumerate(leaves) if kinds[j] != EAGER]
         args, kwargs = replace_leaves(call.arg_specs, call.kwarg_specs, leaves, rec.placeholders)
         try:
@@ -294,6 +299,8 @@ class CpuGraphBackend(CpuTorchBackend):
         rec.spec = out_spec(out, rec.out_leaves)
         rec.out_kinds = [self._out_kind(rec, call, t) for t in rec.out_leaves]
         rec.owned_idx = [i for i, k in enumerate(rec.out_kinds) if k is OWNED]
+        rec.out_rows = ([i for i in buckets.out_rows(rec.out_leaves, call.bucket, warm.rows, rec.spec)
+                         if rec.out_kinds[i] is OWNED] if call.bucket is not None else [])
         rec.out_ptrs = [rec.out_leaves[i].data_ptr() for i in rec.owned_idx]
         rec.mutated = [j for j in warm.mutated if kinds[j] == EAGER]
         rec.external = tuple(warm.external)
@@ -309,6 +316,8 @@ class CpuGraphBackend(CpuTorchBackend):
         (EXTERNAL)."""
         base = _storage_ptr(t)
         for j, ph in rec.placeholders.items():
+            if j in call.padded and _storage_ptr(ph) == base:  # the tree's memory on the GPU
+                return InputAlias(j, t, ph, TORCH) if t is ph else OWNED
             if _storage_ptr(ph) == base and TORCH.view_of(call.leaves[j], t, ph) is not None:
                 return InputAlias(j, t, ph, TORCH)
         for j, leaf, _ in rec.fixed:
@@ -333,12 +342,14 @@ class CpuGraphBackend(CpuTorchBackend):
         for j, leaf, ptr in rec.fixed:  # the tree promised these are where the recording read them
             if call.leaves[j].data_ptr() != ptr:
                 raise CannotEmulate(f"input {j} of {rec.name} (read in place) moved; a graph reads its old address")
+        n = call.rows
         with torch.no_grad():
             for j, ph in rec.placeholders.items():
-                ph.copy_(call.leaves[j])
+                (ph[:n] if j in call.padded else ph).copy_(call.leaves[j])
             rec.graph.replay()
             for j in rec.mutated:  # the graph's copy-back nodes
-                call.leaves[j].copy_(rec.placeholders[j])
+                ph = rec.placeholders[j]
+                call.leaves[j].copy_(ph[:n] if j in call.padded else ph)
         rec.replays += 1
         outs = []
         for t, k in zip(rec.out_leaves, rec.out_kinds):
@@ -350,6 +361,8 @@ class CpuGraphBackend(CpuTorchBackend):
                 outs.append(k.rebuild())
             else:
                 outs.append(k.rebuild(call.leaves[k.j]))
+        for i in rec.out_rows:  # padding buckets: the call's rows of the bucket's
+            outs[i] = outs[i][:n]
         return unflatten(rec.spec, iter(outs)), [outs[i] for i in rec.owned_idx]
 
     def discard(self, rec):

@@ -459,6 +459,57 @@ def test_under_padding_buckets_an_input_returned_as_it_is_is_the_callers_tensor(
     assert isinstance(kind, InputAlias) and kind.rebuild(scale) is scale
 
 
+_W = torch.randn(4, 5)
+
+
+@pytest.mark.parametrize("fn, replays", [
+    (lambda x: (x @ _W, x, _W), True),  # rows in the first dimension, an input, a closure tensor
+    (lambda x: (x * 2.0, x.shape[0]), False),  # a Python value that follows the rows
+    (lambda x: (x * 2.0).t(), False),  # rows in the second dimension, the first is the bucket's size
+    (lambda x: x @ _W[:, :4], True),  # (rows, 4): 4, the bucket, is also its second dimension
+], ids=["rowwise", "row-count", "transposed", "square"])
+def test_under_padding_buckets_every_call_returns_eagers_shapes_and_values(monkeypatch, fn, replays):
+    """The CPU graph emulator with padding (as ``cuda_backend``): the outputs to cut back to the
+    call's rows are those whose first dimension followed the rows between the warm-up (3 rows) and
+    the recording (the bucket's 4); a Python value or another dimension that followed them runs the
+    function eagerly, with the reason."""
+    from cpu_graph import CpuGraphBackend
+
+    class PadFn(TorchFn):
+        pad_buckets = (4, 8)
+        plain = False
+
+    def check(got, want):
+        got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+        for g, w in zip(got, want, strict=True):
+            if isinstance(w, torch.Tensor):
+                assert g.shape == w.shape
+                torch.testing.assert_close(g, w)
+            else:
+                assert g == w
+
+    with cpu_tree(monkeypatch, CpuGraphBackend) as m:
+        f = PadFn(fn, m)
+        for n in (3, 3, 3, 2, 4, 3):
+            x = torch.randn(n, 4)
+            check(f(x), fn(x))
+        st = m.stats[f.fn_id]
+        assert (st.replays >= 3) == replays, (st.replays, st.skip_reasons)
+        assert replays or "pad_buckets" in next(iter(st.skip_reasons))
+
+
+def test_bucket_output_rows_follow_the_warm_up_shapes():
+    from cgraw.trees import buckets
+
+    outs = [torch.empty(4, 3), torch.empty(4, 4), torch.empty(5)]
+    assert buckets.out_rows(outs, 4) == [0, 1]  # without a warm-up: every first dimension of 4
+    assert buckets.out_rows(outs, 4, (2, [(2, 3), (4, 4), (5,)], [])) == [0]
+    with pytest.raises(SkipCall, match="cannot be cut back"):
+        buckets.out_rows(outs, 4, (2, [(2, 3), (4, 2), (5,)], []))
+    with pytest.raises(SkipCall, match="Python value"):
+        buckets.out_rows(outs[:1], 4, (2, [(2, 3)], [2]), ("seq", tuple, [("t",), ("v", 4)]))
+
+
 def test_a_tensor_subclass_argument_runs_eagerly_with_the_reason(dev0):
     """A subclass with behaviour of its own would run as a plain tensor in a recording (its
     placeholder is plain): such a call runs eagerly, with the reason; a parameter subclass is a
