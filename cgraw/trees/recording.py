@@ -115,6 +115,26 @@ class InputAlias:
         return type(leaf)(self.shape, self.dtype, leaf.data + self.delta, self.stride)
 
 
+class RowsView(InputAlias):
+    """Under padding buckets, a view of padded input ``j`` whose first dimension is its rows
+    (``x[:, 1:]``, ``x[:, 0]``, ``x.unsqueeze(1)``): rebuilt over the caller's rows."""
+
+    __slots__ = ()
+
+    def rebuild(self, leaf):
+        return leaf.as_strided((leaf.shape[0],) + self.shape[1:], self.stride, leaf.storage_offset() + self.delta)
+
+
+def rows_view(t, base, leaf) -> bool:
+    """Whether ``t``, a torch view of ``base`` (the bucket's placeholder of contiguous padded input
+    ``leaf``), keeps its rows in its first dimension and each of its rows in one of ``base``'s (a
+    ``RowsView``)."""
+    if t.dtype != base.dtype or t.is_conj() or t.is_neg() or not t.dim() or not leaf.is_contiguous():
+        return False
+    delta = t.storage_offset() - base.storage_offset()
+    return t.shape[0] == base.shape[0] and t.stride(0) == base.stride(0) and 0 <= delta < base.stride(0)
+
+
 class ClosureView:
     """An output that is a view of a tensor the function reads through its closure (a parameter's
     row, ``weight.T``): a new view of that tensor on every call, as eager makes one. The
@@ -133,8 +153,8 @@ class ClosureView:
 
 def output_kinds(call, placeholders: dict, out_leaves: list, in_pool) -> list:
     """Per output of a recording of ``call``: OWNED (memory of the tree's pool: ``in_pool(ptr)``),
-    an ``InputAlias`` (input ``j`` or a view of it, rebuilt from the caller's input each call), a
-    ``ClosureView`` or EXTERNAL (any other tensor, returned as it is)."""
+    an ``InputAlias`` (input ``j`` or a view of it, rebuilt from the caller's input each call; a
+    ``RowsView`` of a padded one), a ``ClosureView`` or EXTERNAL (any other tensor, returned as it is)."""
     leaves, kinds, ops = call.leaves, call.kinds, call.ops
     by_base = {}
     for j, ph in placeholders.items():
@@ -153,6 +173,9 @@ def output_kinds(call, placeholders: dict, out_leaves: list, in_pool) -> list:
             j, base = hit
             if ops[j] is o and (t is base if j in call.padded else o.view_of(leaves[j], t, base) is not None):
                 out.append(InputAlias(j, t, base, o))
+                continue
+            if ops[j] is o and o is TORCH and j in call.padded and rows_view(t, base, leaves[j]):
+                out.append(RowsView(j, t, base, o))
                 continue
         if in_pool(b):
             out.append(OWNED)

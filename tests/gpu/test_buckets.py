@@ -110,3 +110,22 @@ def test_outputs_whose_rows_are_not_their_first_dimension_run_eagerly_and_match_
                 else:
                     assert g == r
         assert (_stats(f).replays > 0) == replays
+
+
+def test_a_row_view_of_a_padded_input_is_the_callers_memory():
+    """``x[:, 1:]`` returned under ``pad_buckets``: eager's view of the caller's ``x`` on every call
+    (same address, written through), valid after the next step."""
+
+    def body(x):
+        return x * 2.0, x[:, 1:]
+
+    f = cgraw.graphed(body, pad_buckets=(8,))
+    for n in (5, 5, 5, 3, 8, 6):
+        x = torch.randn(n, 16, device="cuda")
+        y, v = f(x)
+        torch.testing.assert_close(y, x * 2.0)
+        assert v.shape == (n, 15) and v.data_ptr() == x[:, 1:].data_ptr()
+        cgraw.mark_step_begin()
+        v.fill_(1.0)
+        assert bool((x[:, 1:] == 1.0).all())
+    assert _stats(f).replays >= 3

@@ -52,7 +52,7 @@ from cgraw.interop.torch import observe
 from cgraw.trees import buckets
 from cgraw.trees.arrays import EAGER, TORCH, out_spec, replace_leaves, unflatten
 from cgraw.trees.nodes import ModeRewarm, Rewarm, Warm
-from cgraw.trees.recording import EXTERNAL, OWNED, ClosureView, InputAlias
+from cgraw.trees.recording import EXTERNAL, OWNED, ClosureView, InputAlias, RowsView, rows_view
 from torch_cpu_backend import CpuTorchBackend, placeholders
 
 aten = torch.ops.aten
@@ -317,7 +317,9 @@ class CpuGraphBackend(CpuTorchBackend):
         base = _storage_ptr(t)
         for j, ph in rec.placeholders.items():
             if j in call.padded and _storage_ptr(ph) == base:  # the tree's memory on the GPU
-                return InputAlias(j, t, ph, TORCH) if t is ph else OWNED
+                if t is ph:
+                    return InputAlias(j, t, ph, TORCH)
+                return RowsView(j, t, ph, TORCH) if rows_view(t, ph, call.leaves[j]) else OWNED
             if _storage_ptr(ph) == base and TORCH.view_of(call.leaves[j], t, ph) is not None:
                 return InputAlias(j, t, ph, TORCH)
         for j, leaf, _ in rec.fixed:

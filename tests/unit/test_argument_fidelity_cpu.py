@@ -498,6 +498,29 @@ def test_under_padding_buckets_every_call_returns_eagers_shapes_and_values(monke
         assert replays or "pad_buckets" in next(iter(st.skip_reasons))
 
 
+@pytest.mark.parametrize("view", [
+    lambda x: x[:, 1:], lambda x: x[:, 0], lambda x: x.unsqueeze(1), lambda x: x.view(x.shape[0], 2, 2),
+], ids=["columns", "column", "unsqueeze", "split-rows"])
+def test_under_padding_buckets_a_row_view_of_an_input_is_the_callers_memory(monkeypatch, view):
+    """As eager's view: written through to the input, and not poisoned when the generation ends."""
+    from cpu_graph import CpuGraphBackend
+
+    class PadFn(TorchFn):
+        pad_buckets = (4, 8)
+        plain = False
+
+    with cpu_tree(monkeypatch, CpuGraphBackend) as m:
+        f = PadFn(lambda x: (x * 2.0, view(x)), m)
+        for n in (3, 3, 3, 2, 4, 3):
+            x = torch.randn(n, 4)
+            y, v = f(x)
+            want = view(x)
+            assert v.shape == want.shape and v.stride() == want.stride() and v.data_ptr() == want.data_ptr()
+            torch.testing.assert_close(y, x * 2.0)
+            assert not any(v is p for p in m.backend.poisoned)
+        assert m.stats[f.fn_id].replays >= 3
+
+
 def test_bucket_output_rows_follow_the_warm_up_shapes():
     from cgraw.trees import buckets
 
