@@ -408,6 +408,32 @@ def test_a_function_clearing_its_list_argument_runs_eagerly_and_matches_eager():
     assert _stats(f).replays == 0 and "changes an argument in place" in cgraw.report()
 
 
+def test_a_module_passed_as_an_argument_trains_as_eager():
+    """``f(model, x)``: the module's parameters get eager's gradients on every call (recorded and
+    replayed ones included), and two outputs' separate backwards run as eager's."""
+    lin = torch.nn.Linear(16, 8).cuda()
+    ref = torch.nn.Linear(16, 8).cuda()
+    ref.load_state_dict(lin.state_dict())
+
+    def body(mod, x):
+        y = mod(x)
+        return torch.tanh(y), y * 3.0
+
+    f = cgraw.graphed(body)
+    for _ in range(5):
+        x = trand(4, 16)
+        a, b = f(lin, x)
+        a.sum().backward()
+        b.sum().backward()
+        a_ref, b_ref = body(ref, x)
+        a_ref.sum().backward()
+        b_ref.sum().backward()
+        torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+        torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
+        cgraw.mark_step_begin()
+    assert _stats(f).replays >= 2
+
+
 def test_a_tensor_returned_twice_is_one_object_on_every_call():
     def twice(x):
         y = x * 2.0
