@@ -415,9 +415,8 @@ def test_a_module_passed_as_an_argument_trains_as_eager():
     ref = torch.nn.Linear(16, 8).cuda()
     ref.load_state_dict(lin.state_dict())
 
-    def body(mod, x):
-        y = mod(x)
-        return torch.tanh(y), y * 3.0
+    def body(mod, x):  # two outputs with graphs of their own: each backward runs its own
+        return torch.tanh(mod(x)), mod(x * 2.0) * 3.0
 
     f = cgraw.graphed(body)
     for _ in range(5):
