@@ -37,7 +37,7 @@ from cgraw.interop.torch.autograd import NoRebind, TorchAutograd, capture_inputs
 from cgraw.interop.torch.kernel_state import kernel_state
 from cgraw.interop.torch.checkpoints import TorchTreeState
 from cgraw.runtime.memory import DevicePool
-from cgraw.trees.recording import OWNED, InputCopy, Recording, output_kinds, repeated_leaves
+from cgraw.trees.recording import OWNED, InputCopy, Recording, output_kinds, repeated_leaves, tree_views
 from cgraw.trees.nodes import Warm
 from cgraw.trees.config import config, grad_probe
 
@@ -212,6 +212,7 @@ class CudaBackend(TorchAutograd):
         rec.out_alias = [ops_of(t).alias_maker(t) if k is OWNED else None
                          for t, k in zip(out_leaves, rec.out_kinds)]
         rec.owned_idx = [i for i, k in enumerate(rec.out_kinds) if k is OWNED]
+        rec.tree_views = tree_views(call, rec.out_kinds)
         rec.out_same = repeated_leaves(out_leaves)
         owned = [out_leaves[i] for i in rec.owned_idx]
         rec.out_ptrs = [p for p in (ops_of(t).ptr(t) for t in owned) if p]

@@ -24,7 +24,7 @@ from __future__ import annotations
 from cgraw import _cuda
 from cgraw.runtime import stream as _streams
 from cgraw.interop.torch import private_api
-from cgraw.trees.arrays import EAGER, SINGLE, TORCH, ops_of, unflatten
+from cgraw.trees.arrays import EAGER, SINGLE, TORCH, TREE, ops_of, unflatten
 from cgraw.trees.frameworks import retyped_view
 from cgraw.trees.nodes import ModeRewarm, Rewarm
 
@@ -151,6 +151,13 @@ class ClosureView:
         return self.base.as_strided(self.shape, self.stride, self.offset)
 
 
+def tree_views(call, out_kinds) -> tuple:
+    """Indices of the outputs that view (not are) a tree-output input of ``call``: the tree's
+    memory, which the next generation overwrites, so they are handed out as owned ones are."""
+    return tuple(i for i, k in enumerate(out_kinds)
+                 if isinstance(k, InputAlias) and not k.same and call.kinds[k.j] == TREE)
+
+
 def output_kinds(call, placeholders: dict, out_leaves: list, in_pool) -> list:
     """Per output of a recording of ``call``: OWNED (memory of the tree's pool: ``in_pool(ptr)``),
     an ``InputAlias`` (input ``j`` or a view of it, rebuilt from the caller's input each call; a
@@ -210,6 +217,7 @@ class Recording:
         "out_spec",  # arrays.out_spec of the output structure
         "out_same",  # [(i, first)]: output leaf i is output leaf first (a function returning (y, y))
         "owned_idx",  # indices of the OWNED outputs
+        "tree_views",  # indices of the outputs viewing a tree-output input: handed out, poisoned, as OWNED ones
         "out_ptrs",  # data pointers of the OWNED outputs (tree-output inputs of later calls)
         "users",  # [(users, baseline)] of the OWNED outputs' memory (frameworks.Ops.users): in use while above
         "alias0",  # one owned output, unpadded: its bound alias maker (the fastest replay)
@@ -240,7 +248,7 @@ class Recording:
         self.in_pool = self.stage = None
         self.staged = []
         self.out_leaves, self.out_kinds, self.out_alias, self.out_same = [], [], [], ()
-        self.owned_idx, self.out_ptrs, self.users = [], [], []
+        self.owned_idx, self.out_ptrs, self.users, self.tree_views = [], [], [], ()
         self.out_spec = self.alias0 = self.bucket = None
         self.padded = frozenset()
         self.out_rows = []
@@ -314,7 +322,10 @@ class Recording:
             o = alias0()
             return o, (o,)
         outs = self._outputs(call)
-        return unflatten(self.out_spec, iter(outs)), [outs[i] for i in self.owned_idx]
+        owned = [outs[i] for i in self.owned_idx]
+        if self.tree_views:
+            owned += [outs[i] for i in self.tree_views]
+        return unflatten(self.out_spec, iter(outs)), owned
 
     def _replay_padded(self, call):
         """``replay`` of a padding-bucket recording: the padded inputs' copy nodes also get this
@@ -337,6 +348,8 @@ class Recording:
         for i in self.out_rows:
             outs[i] = outs[i][:n]
         owned = [outs[i] for i in self.owned_idx]
+        if self.tree_views:
+            owned += [outs[i] for i in self.tree_views]
         if self.out_spec is SINGLE:
             return outs[0], owned
         return unflatten(self.out_spec, iter(outs)), owned

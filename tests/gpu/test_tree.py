@@ -433,6 +433,23 @@ def test_a_module_passed_as_an_argument_trains_as_eager():
     assert _stats(f).replays >= 2
 
 
+def test_a_view_of_a_tree_output_returned_by_the_next_function_raises_once_overwritten():
+    """``v = g(f(x))[1]`` is ``y[1:]`` of f's output ``y``, in the tree's memory: read after the
+    next step it raises the overwritten-output error instead of showing the next step's values."""
+    f = cgraw.graphed(lambda x: x * 2.0)
+    g = cgraw.graphed(lambda y: (y + 1.0, y[1:]))
+    kept = None
+    for i in range(5):
+        x = trand(64)
+        a, v = g(f(x))
+        torch.testing.assert_close(v, (x * 2.0)[1:])
+        if i == 3:
+            kept = v
+        cgraw.mark_step_begin()
+    with pytest.raises(RuntimeError, match="overwritten by a subsequent run"):
+        kept.sum()
+
+
 def test_a_tensor_returned_twice_is_one_object_on_every_call():
     def twice(x):
         y = x * 2.0

@@ -52,7 +52,7 @@ from cgraw.interop.torch import observe
 from cgraw.trees import buckets
 from cgraw.trees.arrays import EAGER, TORCH, out_spec, replace_leaves, unflatten
 from cgraw.trees.nodes import ModeRewarm, Rewarm, Warm
-from cgraw.trees.recording import EXTERNAL, OWNED, ClosureView, InputAlias, RowsView, rows_view
+from cgraw.trees.recording import EXTERNAL, OWNED, ClosureView, InputAlias, RowsView, rows_view, tree_views
 from torch_cpu_backend import CpuTorchBackend, placeholders
 
 aten = torch.ops.aten
@@ -365,7 +365,8 @@ class CpuGraphBackend(CpuTorchBackend):
                 outs.append(k.rebuild(call.leaves[k.j]))
         for i in rec.out_rows:  # padding buckets: the call's rows of the bucket's
             outs[i] = outs[i][:n]
-        return unflatten(rec.spec, iter(outs)), [outs[i] for i in rec.owned_idx]
+        owned = [outs[i] for i in rec.owned_idx + list(tree_views(call, rec.out_kinds))]  # recording.replay
+        return unflatten(rec.spec, iter(outs)), owned
 
     def discard(self, rec):
         rec.discarded = True

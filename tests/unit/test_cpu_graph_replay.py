@@ -360,3 +360,22 @@ def test_outputs_returned_twice_or_as_views_of_each_other_follow_each_replay(mgr
         assert c is x
     rec = [n.recording for n in mgr.nodes() if n.state is NodeState.RECORDED]
     assert len(rec) == 1 and isinstance(rec[0], GraphRecording)
+
+
+def test_a_view_of_a_tree_output_returned_by_the_next_function_is_invalidated_with_it(mgr):
+    """``y = f(x); a, v = g(y)`` with ``v = y[0]``, a view of f's output in the tree's memory: the
+    next generation overwrites it, so it is handed out (poisoned when the generation ends) as
+    g's own outputs are, never read stale."""
+    f = TorchFn(lambda x: x * 2.0, mgr)
+    g = TorchFn(lambda y: (y + 1.0, y[1:]), mgr)
+    kept = []
+    for _ in range(5):
+        x = torch.randn(4)
+        y = f(x)
+        a, v = g(y)
+        same(v, (x * 2.0)[1:])
+        kept.append((v, (x * 2.0)[1:]))
+        mgr.mark_step_begin()
+        for old, want in kept:
+            assert any(old is p for p in mgr.backend.poisoned) or torch.equal(old, want)
+    assert mgr.stats[g.fn_id].replays >= 2
