@@ -306,9 +306,10 @@ def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
         if args[0].requires_grad:
             parts.append((REQUIRES_GRAD, (0,)))
     else:
-        req = tuple(j for j, a in enumerate(args) if a.requires_grad)
-        if req:
-            parts.append((REQUIRES_GRAD, req))
+        for a in args:  # a loop, no generator: none requires grad in the common case
+            if a.requires_grad:
+                parts.append((REQUIRES_GRAD, tuple(j for j, b in enumerate(args) if b.requires_grad)))
+                break
     ks = _kernel[0]
     if ks is not None:
         parts.append(ks.state(getattr(fn, "kernel_getters", None) or _kernel[1]))
