@@ -35,7 +35,7 @@ import sys
 import weakref
 
 from cgraw.trees import buckets
-from cgraw.trees.arrays import EAGER, LEAF, STATIC, TORCH, TREE, NoType, flatten
+from cgraw.trees.arrays import EAGER, LEAF, STATIC, TORCH, TREE, NoType, flatten, out_spec
 from cgraw.trees.frameworks import CONJ_NEG
 from cgraw.errors import SkipCall
 
@@ -49,34 +49,21 @@ _grad_mode: list = [None]  # [a probe: does autograd record now?] (torch.is_grad
 _kernel: list = [None, ()]  # [interop.torch.kernel_state.KernelState, its getters of every group], or [None, ()]
 
 
-class _GradMark:
-    __slots__ = ()
+class _Mark:
+    """A key entry's head, equal only to itself."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
 
     def __repr__(self) -> str:
-        return "GRAD"
+        return self.name
 
 
-GRAD = _GradMark()  # heads the key entry of a call made with grad enabled: equal to no other key entry
-
-
-class _SharedMark:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "SHARED"
-
-
-SHARED = _SharedMark()  # heads the key entry of a call whose eager inputs share memory with other inputs
-
-
-class _RequiresMark:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "REQUIRES_GRAD"
-
-
-REQUIRES_GRAD = _RequiresMark()  # heads the key entry of the leaves that require grad, with grad disabled
+GRAD = _Mark("GRAD")  # heads the key entry of a call made with grad enabled
+SHARED = _Mark("SHARED")  # heads the key entry of a call whose eager inputs share memory with other inputs
+REQUIRES_GRAD = _Mark("REQUIRES_GRAD")  # heads the key entry of the leaves that require grad, with grad disabled
 
 
 def mark_static(x):
@@ -402,10 +389,14 @@ ARGUMENT_WRITTEN = ("it changes an argument in place (a list's or a dict's items
 def warm_up(warmup, fn, call: Call, args, kwargs):
     """``warmup(fn, call, args, kwargs)`` (a backend's), which also notes, as a reason to run the
     function eagerly (``Warm.skip``), what no warm-up of a backend sees: that it changed a
-    container or object argument in place (not a module's state, which has checks of its own);
-    under padding buckets, what its outputs tell of the rows (``buckets.warm_rows``)."""
+    container or object argument in place (not a module's state, which has checks of its own), or
+    that called with grad disabled it returned outputs that require grad (``_grad_inside``); under
+    padding buckets, what its outputs tell of the rows (``buckets.warm_rows``)."""
     before = _python_state(args, kwargs)
     w = warmup(fn, call, args, kwargs)
+    torch = sys.modules.get("torch")
+    if w.skip is None and torch is not None and not torch.is_grad_enabled():
+        w.skip = _grad_inside(call, w.out)
     if call.bucket is not None and w.skip is None:
         try:
             w.rows = buckets.warm_rows(call.rows, w.out)
@@ -419,6 +410,24 @@ def warm_up(warmup, fn, call: Call, args, kwargs):
         if after != before:
             w.skip = ARGUMENT_WRITTEN
     return w
+
+
+GRAD_INSIDE = ("its outputs require grad although grad mode is off at the call (torch.enable_grad() "
+               "inside): a recording made with grad off hands out outputs without autograd's graph")
+
+
+def _grad_inside(call: Call, out) -> str | None:
+    """``GRAD_INSIDE`` when a call made with grad disabled returned a tensor that autograd made
+    (it requires grad and has a ``grad_fn``) and that is not one of its inputs, else None (a
+    parameter, or an input returned as it is, keeps requiring grad, and a replay returns it)."""
+    leaves: list = []
+    try:
+        out_spec(out, leaves)
+    except SkipCall:
+        return None
+    ins = {id(t) for t in call.leaves}
+    made = [t for t in leaves if getattr(t, "grad_fn", None) is not None and id(t) not in ins]
+    return GRAD_INSIDE if made else None
 
 
 def _python_state(args, kwargs):

@@ -622,6 +622,25 @@ def test_the_cuda_backends_warm_up_finds_the_inputs_written(dev0, write, expecte
     assert tuple(warmup.run(backend, f, call, (x,), {}).mutated) == expected
 
 
+def test_a_function_turning_grad_on_inside_a_no_grad_call_runs_eagerly_with_the_reason(mgr):
+    """``torch.enable_grad()`` inside, called under ``no_grad``: eager's output requires grad and
+    its backward reaches the input; a recording made with grad off would hand out a detached one."""
+    def fn(x):
+        with torch.enable_grad():
+            return x * 2.0
+
+    f = TorchFn(fn, mgr)
+    for _ in range(4):
+        x = torch.randn(3, requires_grad=True)
+        y = f(x)
+        assert y.requires_grad
+        with torch.enable_grad():
+            y.sum().backward()
+        torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+    st = mgr.stats[f.fn_id]
+    assert st.replays == 0 and "grad mode is off at the call" in next(iter(st.skip_reasons))
+
+
 # ---------------------------------------------------------------------- outputs: divergences
 
 
