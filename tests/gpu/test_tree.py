@@ -450,6 +450,25 @@ def test_a_view_of_a_tree_output_returned_by_the_next_function_raises_once_overw
         kept.sum()
 
 
+def test_grad_turned_on_inside_a_no_grad_call_matches_eager():
+    """``torch.enable_grad()`` inside a function called under ``no_grad``: its output requires grad
+    and its backward reaches the input, on every call (such calls run eagerly, with the reason)."""
+
+    def body(x):
+        with torch.enable_grad():
+            return torch.sin(x) * 2.0
+
+    f = cgraw.graphed(body)
+    for _ in range(4):
+        x = trand(128).requires_grad_()
+        with torch.no_grad():
+            y = f(x)
+        assert y.requires_grad
+        y.sum().backward()
+        torch.testing.assert_close(x.grad, 2.0 * torch.cos(x.detach()))
+    assert "grad mode is off at the call" in cgraw.report()
+
+
 def test_a_tensor_returned_twice_is_one_object_on_every_call():
     def twice(x):
         y = x * 2.0
