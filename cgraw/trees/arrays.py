@@ -89,6 +89,9 @@ def flatten(a, leaves, key, kinds, ptrs, ops_list, forced):
     if t is dict:
         key.append((dict, tuple(a)))
         return ("dict", dict, tuple(a), [flatten(v, leaves, key, kinds, ptrs, ops_list, forced) for v in a.values()])
+    if _is_torch_value(t):  # torch.Size: torch's pytree would hand it back as a plain tuple
+        key.append(_value(a))
+        return ("v", a)
     if is_module(a):
         key.append(("module", a))  # the module itself: equal only to itself, kept alive by the key
         n0 = len(leaves)
@@ -124,9 +127,10 @@ def flatten(a, leaves, key, kinds, ptrs, ops_list, forced):
     except TypeError:
         raise SkipCall(f"an argument of type {t.__name__} is neither a tensor, a container nor hashable") from None
     if t.__hash__ is object.__hash__ and not callable(a) and hasattr(a, "__dict__"):
-        # a plain object equals only itself: its attributes by value, so that one set anew selects
-        # another recording, as a changed scalar argument does
-        key.append((t, (a, _attributes(a))))
+        # a plain object equals only itself: keyed by its attributes' values instead, so that one
+        # set anew selects another recording and an equal one made anew per call replays (what
+        # the recording's Python read of it, it read of an equal object)
+        key.append((t, _attributes(a, 0)))
     else:
         key.append(_value(a))
     return ("v", a)
@@ -162,10 +166,43 @@ class _Same:
         return id(self.v)
 
 
-def _attributes(a) -> tuple:
-    """``a``'s attributes, as a key part: numbers, strings and None by type and value, anything
-    else (a tensor, a list, another object) by identity."""
-    return tuple((name, _value(v) if type(v) in _VALUES else _Same(v)) for name, v in sorted(vars(a).items()))
+_DEPTH = 4  # how deep nested containers and plain objects of an attribute are keyed by value
+
+
+def _attributes(a, depth: int) -> tuple:
+    """``a``'s attributes, as a key part, by ``_by_value``."""
+    return tuple((name, _by_value(v, depth)) for name, v in sorted(vars(a).items()))
+
+
+def _by_value(v, depth: int):
+    """An attribute's key part: numbers, strings, None, enums and torch's dtypes and devices by
+    type and value; tuples (namedtuples too), lists, sets, dicts and plain objects by their items' key parts (a list
+    changed in place selects another recording); anything else (a tensor, a module, a function,
+    what lies deeper than ``_DEPTH``) by identity."""
+    t = type(v)
+    if t in _VALUES:
+        return _value(v)
+    if depth < _DEPTH:
+        if t is tuple or t is list or _is_namedtuple(v):
+            return (t, tuple(_by_value(x, depth + 1) for x in v))
+        if t is set or t is frozenset:
+            return (t, frozenset(_by_value(x, depth + 1) for x in v))
+        if t is dict:
+            return (t, tuple((_by_value(k, depth + 1), _by_value(x, depth + 1)) for k, x in v.items()))
+        if isinstance(v, enum.Enum) or _is_torch_value(t):
+            return (t, v)
+        if (t.__hash__ is object.__hash__ and not callable(v) and hasattr(v, "__dict__")
+                and ops_of(v) is None and not is_module(v)):
+            return (t, _attributes(v, depth + 1))
+    return _Same(v)
+
+
+_TORCH_VALUES = frozenset({"dtype", "device", "Size", "layout", "memory_format"})
+
+
+def _is_torch_value(t: type) -> bool:
+    """Whether ``t`` is one of torch's immutable value types (``torch.Size``, ``torch.dtype``...)."""
+    return t.__module__ == "torch" and t.__name__ in _TORCH_VALUES
 
 
 def rebuild(spec, it, objects=None):
@@ -265,6 +302,8 @@ def _out_spec(x, leaves, ids=None):
         return ("seq", t, [_out_spec(v, leaves, ids) for v in x])
     if t is dict:
         return ("dict", dict, tuple(x), [_out_spec(v, leaves, ids) for v in x.values()])
+    if _is_torch_value(t):
+        return ("v", x)
     node = _pytree_node(t)
     if node is not None:
         children, context = node.flatten_fn(x)

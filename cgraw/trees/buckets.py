@@ -15,7 +15,8 @@ Layer L6: pure logic over duck-typed torch tensors and CuPy arrays (``shape``, s
 
 from __future__ import annotations
 
-from cgraw.trees.arrays import ops_of
+from cgraw.errors import SkipCall
+from cgraw.trees.arrays import ops_of, out_spec
 
 
 def check(buckets) -> tuple[int, ...]:
@@ -76,8 +77,47 @@ def empty_rows(t, rows: int):
     return ops_of(t).empty((rows, *tuple(t.shape)[1:]), t)
 
 
-def out_rows(out_leaves, bucket: int) -> list[int]:
-    """Indices of the outputs to cut back to the call's rows: tensors whose leading dimension is
-    the bucket."""
-    return [i for i, t in enumerate(out_leaves)
-            if hasattr(t, "shape") and len(t.shape) >= 1 and t.shape[0] == bucket]
+def warm_rows(rows: int, out) -> tuple:
+    """What a warm-up's result ``out``, made eagerly from ``rows`` rows, tells a recording of its
+    bucket: ``(rows, the shapes of its array leaves, its other values)``."""
+    leaves: list = []
+    spec = out_spec(out, leaves)
+    return rows, [tuple(t.shape) for t in leaves], _values(spec)
+
+
+def out_rows(out_leaves, bucket: int, warm=None, spec=None) -> list[int]:
+    """Indices of the outputs to cut back to the call's rows. ``warm``: ``warm_rows`` of the warm-up
+    (made from another row count than the bucket's): the outputs whose first dimension followed the
+    rows, all else equal; a Python value or another dimension that followed them raises
+    ``SkipCall`` (a replay would return the bucket's). Else the tensors whose first dimension is the
+    bucket. ``spec``: the recording's ``out_spec``."""
+    if warm is None or warm[0] == bucket:
+        return [i for i, t in enumerate(out_leaves)
+                if hasattr(t, "shape") and len(t.shape) >= 1 and t.shape[0] == bucket]
+    n, shapes, values = warm
+    if len(shapes) != len(out_leaves) or (spec is not None and _values(spec) != values):
+        raise SkipCall("under pad_buckets it returns a Python value that follows the row count (x.shape[0]), "
+                       "which a replay would return as recorded, for the bucket's rows")
+    cut = []
+    for i, (w, t) in enumerate(zip(shapes, out_leaves)):
+        r = tuple(t.shape)
+        if r == w:
+            continue
+        if len(r) == len(w) and r[0] == bucket and w[0] == n and r[1:] == w[1:]:
+            cut.append(i)
+            continue
+        raise SkipCall(f"under pad_buckets output {i} has shape {r} for the bucket's {bucket} rows and {w} "
+                       f"for {n}: its rows are not (only) its first dimension, so it cannot be cut back")
+    return cut
+
+
+def _values(spec) -> list:
+    """The plain values (``("v", x)``) in an output spec, depth first."""
+    if isinstance(spec, tuple) and spec and spec[0] == "v":
+        return [spec[1]]
+    found: list = []
+    if isinstance(spec, (tuple, list)):
+        for s in spec:
+            if isinstance(s, (tuple, list)):
+                found.extend(_values(s))
+    return found

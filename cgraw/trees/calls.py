@@ -19,7 +19,9 @@ calls it for every call; backends only read what it decides.
 - padding buckets (``cgraw.trees.buckets``): the bucket a call is recorded under, part of its key.
 - grad mode (``use_grad_mode``): with autograd recording, the key gains ``(GRAD, indices of the
   leaves that require grad)``, so calls under ``torch.no_grad()`` select recordings of their own
-  (``cgraw.trees.autograd``). Without a probe installed, keys are what they were.
+  (``cgraw.trees.autograd``). Otherwise (grad disabled, or no probe installed) it gains
+  ``(REQUIRES_GRAD, those indices)`` when a leaf requires grad: a function may branch on
+  ``x.requires_grad`` under ``no_grad`` too, and its recording's placeholder requires grad then.
 - the settings that choose kernels (``use_kernel_state``: autocast, TF32, deterministic
   algorithms, the default dtype, inference mode, cuDNN and attention flags; see
   ``interop.torch.kernel_state``): the key ends with an id of their current values, so a call made under
@@ -38,7 +40,7 @@ from cgraw.trees.frameworks import CONJ_NEG
 from cgraw.trees.input_plan import SHARED, KeyMark, shared_memory
 from cgraw.errors import SkipCall
 
-__all__ = ["GUARDED", "EAGER", "GRAD", "SHARED", "STATIC", "TREE", "Call", "grad_enabled", "inspect",
+__all__ = ["EAGER", "GRAD", "GUARDED", "REQUIRES_GRAD", "SHARED", "STATIC", "TREE", "Call", "grad_enabled", "inspect",
            "learn_kernel_groups", "mark_static", "shared_memory", "use_grad_mode", "use_kernel_state"]
 
 _static_ids: dict[int, object] = {}  # id(array) -> weakref, filled by mark_static
@@ -50,6 +52,7 @@ _kernel: list = [None, ()]  # [interop.torch.kernel_state.KernelState, its gette
 
 GRAD = KeyMark("GRAD")  # heads the key entry of a call made with grad enabled: equal to no other key entry
 GUARDED = KeyMark("GUARDED")  # heads the key of a call of a function whose caller guarantees its inputs' dtypes
+REQUIRES_GRAD = KeyMark("REQUIRES_GRAD")  # heads the key entry of the leaves that require grad, with grad disabled
 
 
 def mark_static(x):
@@ -221,7 +224,9 @@ def _inspect_general(fn, args, kwargs, tree_outputs, device: int) -> Call:
 
 def _key_tail(fn, call: Call, leaves, kinds, ptrs) -> None:
     """End ``call``'s key with the entries that do not describe one argument: inputs sharing
-    memory (a function writing its inputs), grad mode, the settings that choose kernels."""
+    memory (a function writing its inputs), grad mode, the settings that choose kernels. With grad
+    disabled, which leaves require grad (a function may branch on it), but not for a function
+    whose inputs are guarded (compiled code, which never reads it)."""
     if len(leaves) > 1 and getattr(fn, "writes_inputs", False):
         pairs = shared_memory(leaves, kinds, ptrs, call.ops)
         if pairs:
@@ -230,6 +235,10 @@ def _key_tail(fn, call: Call, leaves, kinds, ptrs) -> None:
     if p is not None and p():
         call.grad = True
         call.key = call.key + (_grad_entry(leaves, kinds),)
+    elif not fn.inputs_guarded:
+        req = tuple(j for j, t in enumerate(leaves) if getattr(t, "requires_grad", False))
+        if req:
+            call.key = call.key + ((REQUIRES_GRAD, req),)
     ks = _kernel[0]
     if ks is not None:
         call.key = call.key + (_settings_id(ks, getattr(fn, "kernel_getters", None) or _kernel[1]),)
@@ -250,6 +259,7 @@ def _settings_id(ks, getters) -> int:
 
 _PLAIN: dict[int, tuple] = {}  # n -> (ops, arg spans, arg specs) of n plain tensor arguments (shared, read-only)
 _ONE = ((TORCH,), ((0, 1),), (LEAF,))  # _PLAIN[1]
+_ONE_REQUIRES_GRAD = (REQUIRES_GRAD, (0,))  # the key entry of one tensor that requires grad, with grad disabled
 
 
 def _inspect_tensor(fn, args, tree_outputs, device: int) -> Call:
@@ -279,9 +289,12 @@ def _inspect_tensor(fn, args, tree_outputs, device: int) -> Call:
     part = (a.shape, a.stride(), a.dtype)
     if grad:
         entry = _NO_LEAF_GRAD if not a.requires_grad else _grad_entry(args, kinds)
-        key = (part, entry) if sid is None else (part, entry, sid)
     else:
+        entry = _ONE_REQUIRES_GRAD if a.requires_grad else None
+    if entry is None:
         key = (part,) if sid is None else (part, sid)
+    else:
+        key = (part, entry) if sid is None else (part, entry, sid)
     call = Call(key, [a], kinds, [p], *_ONE)
     call.grad = grad
     return call
@@ -336,6 +349,14 @@ def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
     grad = probe is not None and probe()
     if grad:  # one tensor that does not require grad: the shared entry, without the general scan
         parts.append(_NO_LEAF_GRAD if n == 1 and not args[0].requires_grad else _grad_entry(args, kinds))
+    elif n == 1:
+        if args[0].requires_grad:
+            parts.append(_ONE_REQUIRES_GRAD)
+    else:
+        for a in args:  # a loop, no generator: none requires grad in the common case
+            if a.requires_grad:
+                parts.append((REQUIRES_GRAD, tuple(j for j, b in enumerate(args) if b.requires_grad)))
+                break
     ks = _kernel[0]
     if ks is not None:
         parts.append(_settings_id(ks, getattr(fn, "kernel_getters", None) or _kernel[1]))

@@ -10,7 +10,8 @@ declared in ``mutates``) are copied back by a memcpy node at the end of the grap
 Outputs are classified at record time: memory the recording allocated in the tree's pool is
 *owned* (aliased per call, poisoned when its generation ends); an output that is an input or a
 view of one is rebuilt from the caller's input on every call (as eager returns it); any other
-tensor (a parameter, a closure buffer) is returned as is. Only owned memory is ever poisoned.
+tensor (a parameter, a closure buffer) is returned as is, a view of one made anew per call
+(``recording.output_kinds``). Only owned memory is ever poisoned.
 
 Tensors a function reads through its closure (found by the warm-up's observer,
 ``interop.torch.observe``) are kept alive by the recording and their addresses checked on every call
@@ -36,7 +37,7 @@ from cgraw.interop.torch.autograd import NoRebind, TorchAutograd, capture_inputs
 from cgraw.interop.torch.kernel_state import kernel_state
 from cgraw.interop.torch.checkpoints import TorchTreeState
 from cgraw.runtime.memory import DevicePool
-from cgraw.trees.recording import EXTERNAL, OWNED, InputAlias, InputCopy, Recording, repeated_leaves
+from cgraw.trees.recording import OWNED, InputCopy, Recording, output_kinds, repeated_leaves, tree_views
 from cgraw.trees.nodes import Warm
 from cgraw.trees.config import config, grad_probe
 
@@ -87,12 +88,13 @@ class CudaBackend(TorchAutograd):
             if kinds[j] == EAGER and _node_bytes(call, j) != ops[j].nbytes(leaves[j]):
                 raise SkipCall("skipping cudagraphs due to mutated inputs (an eager input whose elements have "
                                "gaps or overlaps between them)")
-        # a backward inside the function differentiates with respect to the placeholders of the
-        # eager inputs that require grad: they are autograd leaves too (the warm-up made sure the
-        # function leaves their .grad as it found it, calls.py keys inputs already holding one apart)
-        leaf_grad = [j for j, t in enumerate(leaves) if warm.runs_backward and kinds[j] == EAGER
+        # a backward inside the function differentiates with respect to the placeholders of the eager
+        # inputs that require grad: autograd leaves too (the warm-up saw it leave .grad as it was);
+        # with grad disabled they require grad too: a function may read x.requires_grad
+        no_grad = not call.grad and self._torch is not None and not self._torch.is_grad_enabled()
+        leaf_grad = [j for j, t in enumerate(leaves) if (warm.runs_backward or no_grad) and kinds[j] == EAGER
                      and getattr(t, "requires_grad", False)]
-        if any(leaves[j].grad is not None for j in leaf_grad):
+        if warm.runs_backward and any(leaves[j].grad is not None for j in leaf_grad):
             raise SkipCall("an eager input's .grad holds a gradient that a backward inside the function adds to")
         # An eager input living in the tree's own pool (h = f(h) across a new branch: the previous
         # step's output) may sit in blocks the checkpoint restore just freed, where this
@@ -148,7 +150,7 @@ class CudaBackend(TorchAutograd):
                 h.clear()
             raise SkipCall(reason)
         try:
-            self._finish_recording(rec, g, call, placeholders, mutated, out)
+            self._finish_recording(rec, g, call, placeholders, warm, out)
         except BaseException as exc:
             g.close()
             if isinstance(exc, SkipCall):
@@ -169,8 +171,8 @@ class CudaBackend(TorchAutograd):
             rec.spans = self._tts.spans(list(rec.keep[0]) + [rec.out_leaves[i] for i in rec.owned_idx] + saved)
         return rec
 
-    def _finish_recording(self, rec: Recording, g, call: Call, placeholders: dict, mutated, out) -> None:
-        leaves, kinds, ops = call.leaves, call.kinds, call.ops
+    def _finish_recording(self, rec: Recording, g, call: Call, placeholders: dict, warm: Warm, out) -> None:
+        leaves, kinds, ops, mutated = call.leaves, call.kinds, call.ops, warm.mutated
         rec.graph = g
         rec.exec_, rec.ordinal = g.exec_handle(), g.device.ordinal
         rec.rng_sync = None if g.rng is None else g.rng.sync
@@ -211,6 +213,7 @@ class CudaBackend(TorchAutograd):
         rec.out_alias = [ops_of(t).alias_maker(t) if k is OWNED else None
                          for t, k in zip(out_leaves, rec.out_kinds)]
         rec.owned_idx = [i for i, k in enumerate(rec.out_kinds) if k is OWNED]
+        rec.tree_views = tree_views(call, rec.out_kinds)
         rec.out_same = repeated_leaves(out_leaves)
         owned = [out_leaves[i] for i in rec.owned_idx]
         rec.out_ptrs = [p for p in (ops_of(t).ptr(t) for t in owned) if p]
@@ -218,7 +221,9 @@ class CudaBackend(TorchAutograd):
         if rec.out_spec is SINGLE and call.bucket is None and rec.out_kinds[0] is OWNED:
             rec.alias0 = rec.out_alias[0]
         rec.bucket, rec.padded = call.bucket, call.padded
-        rec.out_rows = buckets.out_rows(out_leaves, call.bucket) if call.bucket is not None else []
+        rec.out_rows = ([i for i in buckets.out_rows(out_leaves, call.bucket, warm.rows, rec.out_spec)
+                         if rec.out_kinds[i] is OWNED]
+                        if call.bucket is not None else [])  # inputs and closure tensors are returned whole
         rec.keep = (list(placeholders.values()), out)
         # only storages in torch's MemPool take part in its checkpoints: a torch view of CuPy
         # memory (torch.from_dlpack) has a DLPack deleter and lives in cgraw's own pool
@@ -282,29 +287,8 @@ class CudaBackend(TorchAutograd):
         return rec.input_notes
 
     def _output_kinds(self, call: Call, placeholders: dict, out_leaves: list) -> list:
-        """Per output: OWNED (recorded in the tree's pool), an ``InputAlias`` (input ``j`` or a
-        view of it, rebuilt from the caller's input each call) or EXTERNAL (returned as is)."""
-        leaves, kinds, ops = call.leaves, call.kinds, call.ops
-        by_base = {}
-        for j, ph in placeholders.items():
-            if call.bucket is None and ops[j].key(ph)[1] == ops[j].key(leaves[j])[1]:  # the caller's layout
-                by_base[ops[j].base_ptr(ph)] = (j, ph)
-        for j, t in enumerate(leaves):
-            if kinds[j] != EAGER:
-                by_base.setdefault(ops[j].base_ptr(t), (j, t))
-        in_pool = self._pool_owner()
-        out = []
-        for t in out_leaves:
-            o = ops_of(t)
-            b = o.base_ptr(t)
-            hit = by_base.get(b)
-            if hit is not None:
-                j, base = hit
-                if ops[j] is o and o.view_of(leaves[j], t, base) is not None:
-                    out.append(InputAlias(j, t, base, o))
-                    continue
-            out.append(OWNED if in_pool(b) else EXTERNAL)
-        return out
+        """``recording.output_kinds`` of a recording in this tree's pool."""
+        return output_kinds(call, placeholders, out_leaves, self._pool_owner())
 
     def _pool_owner(self):
         """``ptr -> bool``: whether memory lies in the tree's pool (cgraw's part or torch's) now."""

@@ -81,6 +81,10 @@ class Ops:
         when the framework cannot tell; it does not keep ``t`` alive."""
         return None
 
+    def version(self, t) -> int | None:
+        """A count that every in-place write to ``t`` raises, or None when the framework keeps none."""
+        return None
+
 
 CONJ_NEG = ("a conjugate or negative view input (x.conj(), torch._neg_view): a recording copies its memory, "
             "not its values; call .resolve_conj() or .resolve_neg() first")
@@ -114,6 +118,9 @@ class _TorchOps(Ops):
 
     def users(self, t):
         return private_api.storage_users(t)
+
+    def version(self, t) -> int | None:
+        return private_api.version(t)
 
     def base_ptr(self, t) -> int:
         """Start of the allocation ``t`` views."""
@@ -178,10 +185,13 @@ class _TorchOps(Ops):
     def view_of(self, leaf, out, base):
         """``out`` viewed ``base`` (a placeholder, or the leaf at record time); the same view of
         ``leaf``, which has ``base``'s layout. None when the view cannot be carried over."""
-        if out.dtype != base.dtype or leaf.dtype != base.dtype or out.is_conj() or out.is_neg():
+        if leaf.dtype != base.dtype or out.is_conj() or out.is_neg():
             return None  # a conjugate or negative view's bit would be lost by as_strided
         if out is base:
             return leaf
+        if out.dtype != base.dtype:  # x.view(torch.int32), x.real, torch.view_as_real(x)
+            delta = out.storage_offset() * out.element_size() - base.storage_offset() * base.element_size()
+            return retyped_view(leaf, out.dtype, out.shape, out.stride(), delta)
         delta = out.storage_offset() - base.storage_offset()
         return leaf.as_strided(out.shape, out.stride(), leaf.storage_offset() + delta)
 
@@ -265,13 +275,30 @@ class _CupyOps(Ops):
         return t.view
 
     def view_of(self, leaf, out, base):
-        if out.dtype != base.dtype:
-            return None
         if out is base:
             return leaf
         cupy = sys.modules["cupy"]
         return cupy.ndarray(out.shape, out.dtype, leaf.data + (int(out.data.ptr) - int(base.data.ptr)),
                             out.strides)
+
+
+def retyped_view(leaf, dtype, shape, stride, delta: int):
+    """A view of ``leaf``'s memory as ``dtype`` with ``shape`` and ``stride`` (in ``dtype``'s
+    elements), starting ``delta`` bytes after ``leaf``'s first element: an output that viewed an
+    input as another dtype, rebuilt over the caller's input. A view of ``leaf`` (it shares its
+    memory and version counter); complex and real reinterpretations keep autograd's graph, as
+    ``torch.view_as_real`` does."""
+    torch = sys.modules["torch"]
+    size = leaf.element_size()
+    flat = leaf.as_strided((leaf.untyped_storage().nbytes() // size,), (1,), 0)  # the whole storage
+    if flat.is_complex() and dtype == flat.real.dtype:
+        typed = torch.view_as_real(flat).reshape(-1)
+    elif dtype.is_complex and torch.empty(0, dtype=dtype).real.dtype == flat.dtype:
+        typed = torch.view_as_complex(flat[:flat.numel() // 2 * 2].view(-1, 2))
+    else:
+        raw = flat.view(torch.uint8)
+        typed = raw[:raw.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+    return typed.as_strided(shape, stride, (leaf.storage_offset() * size + delta) // dtype.itemsize)
 
 
 def span_elements(shape, strides) -> int:
@@ -361,4 +388,5 @@ def is_torch(x) -> bool:
     return ops_of(x) is TORCH
 
 
-__all__ = ["CUPY", "TORCH", "Ops", "is_torch", "layout_offset", "may_overlap", "ops_of", "register", "span_elements"]
+__all__ = ["CUPY", "TORCH", "Ops", "is_torch", "layout_offset", "may_overlap", "ops_of", "register", "retyped_view",
+           "span_elements"]

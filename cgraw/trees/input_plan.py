@@ -9,6 +9,8 @@ Layer L6: pure Python over ``arrays``. ``calls.inspect`` classifies each call; t
   (an entry headed by ``SHARED``), and ``check_shared_writes`` refuses to record such a call when a
   written input is among them.
 - ``unseen_eager``: a warm-up read in place an input that is now eager (warm up again).
+- ``warm_up``: a backend's warm-up, with what the tree learns around it (below, and grad turned on
+  inside a call made without it; the rows of a padded call's outputs).
 - ``declared_mutations``: the eager leaves of the positions a function declared in ``mutates``.
 - Python state (``python_state``, ``changed_argument``): a replay runs the device work of a call
   and none of its Python, so a function that reassigns an attribute of an argument object, or
@@ -23,12 +25,14 @@ import operator
 
 import enum
 import math
+import sys
 
-from cgraw.trees.arrays import EAGER, STATIC, is_module, ops_of
+from cgraw.trees import buckets
+from cgraw.trees.arrays import EAGER, STATIC, is_module, ops_of, out_spec
 from cgraw.errors import SkipCall
 
 __all__ = ["SHARED", "InputPlan", "KeyMark", "changed_argument", "check_shared_writes", "declared_mutations", "moved",
-           "python_state", "shared_memory", "state_change_verdict", "unseen_eager"]
+           "python_state", "shared_memory", "state_change_verdict", "unseen_eager", "warm_up"]
 
 
 class KeyMark:
@@ -164,10 +168,10 @@ def changed_argument(before, args, kwargs) -> str | None:
     values = list(args) + list(kwargs.values())
     for name, value, b, a in zip(names, values, before, after or ()):
         if a != b:
-            return (f"it changes the Python state of its {name} ({type(value).__name__}): an attribute, list or "
-                    "dict reached from it was reassigned or resized, which a replay (the device work alone) "
-                    "would not redo; pass state the function updates in place (a StaticCache), or keep "
-                    "this function eager")
+            return (f"it changes the Python state of its {name} ({type(value).__name__}) in place (an attribute, "
+                    "list or dict reached from it was reassigned or resized: args.clear(), d['k'] = v, obj.n += 1, "
+                    "a DynamicCache growing), which a replay would not redo: it runs no Python; pass state the "
+                    "function updates in place (a StaticCache), or keep this function eager")
     return None
 
 
@@ -184,3 +188,42 @@ def state_change_verdict(fn, skip: str | None, why: str | None) -> tuple[str | N
         return None, True
     fn.unsafe_reason = why
     return why, False
+
+
+def warm_up(warmup, fn, call, args, kwargs):
+    """``warmup(fn, call, args, kwargs)`` (a backend's), which also notes what no backend's warm-up
+    sees, as a reason to run the function eagerly (``Warm.skip``): that called with grad disabled
+    it returned outputs that require grad (``_grad_inside``), or that it changed the Python state
+    of an argument (``python_state``; ``Warm.again``: warm up once more first, see
+    ``state_change_verdict``); under padding buckets, what its outputs tell of the rows
+    (``buckets.warm_rows``)."""
+    before = python_state(args, kwargs)
+    w = warmup(fn, call, args, kwargs)
+    torch = sys.modules.get("torch")
+    if w.skip is None and torch is not None and not torch.is_grad_enabled():
+        w.skip = _grad_inside(call, w.out)
+    if call.bucket is not None and w.skip is None:
+        try:
+            w.rows = buckets.warm_rows(call.rows, w.out)
+        except SkipCall:
+            pass  # an output no graph can hand out: the warm-up says so itself
+    w.skip, w.again = state_change_verdict(fn, w.skip, changed_argument(before, args, kwargs))
+    return w
+
+
+GRAD_INSIDE = ("its outputs require grad although grad mode is off at the call (torch.enable_grad() "
+               "inside): a recording made with grad off hands out outputs without autograd's graph")
+
+
+def _grad_inside(call, out) -> str | None:
+    """``GRAD_INSIDE`` when a call made with grad disabled returned a tensor that autograd made
+    (it requires grad and has a ``grad_fn``) and that is not one of its inputs, else None (a
+    parameter, or an input returned as it is, keeps requiring grad, and a replay returns it)."""
+    leaves: list = []
+    try:
+        out_spec(out, leaves)
+    except SkipCall:
+        return None
+    ins = {id(t) for t in call.leaves}
+    made = [t for t in leaves if getattr(t, "grad_fn", None) is not None and id(t) not in ins]
+    return GRAD_INSIDE if made else None

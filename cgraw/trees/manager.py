@@ -55,8 +55,7 @@ import weakref
 from cgraw.trees import nodes as tree_nodes
 from cgraw.trees.autograd import BUSY, AutogradBook, TreeAutograd, promotion_note
 from cgraw.trees.calls import TREE, grad_enabled, inspect, learn_kernel_groups
-from cgraw.trees.input_plan import (InputPlan, changed_argument, check_shared_writes, declared_mutations, moved,
-                                    python_state, state_change_verdict, unseen_eager)
+from cgraw.trees.input_plan import InputPlan, check_shared_writes, declared_mutations, moved, unseen_eager, warm_up
 from cgraw.errors import CgrawError, SkipCall, TreeError
 from cgraw.trees.outputs import PathOutputs, memory_in_use
 from cgraw.trees.pool import UNKNOWN, TreePool
@@ -304,13 +303,11 @@ class TreeManager(TreeAutograd, TreePool):
             # an in-pool warm-up reuses what other branches' recordings hold, as a recording does
             # (torch's trees restore before warm-ups too); else a new branch raises the pool's peak
             self._restore_to(parent)
-        before = python_state(args, kwargs)
         try:
-            w = self.backend.warmup(fn, call, args, kwargs)
+            w = warm_up(self.backend.warmup, fn, call, args, kwargs)
         except BaseException:
             self.pool_state = UNKNOWN  # it may have left blocks in the pool
             raise
-        w.skip, again = state_change_verdict(fn, w.skip, changed_argument(before, args, kwargs))
         if w.in_pool:
             self.pool_state = UNKNOWN
             if w.stash is not None:
@@ -336,7 +333,7 @@ class TreeManager(TreeAutograd, TreePool):
             node.skip_reason = w.skip
             self._note_skip(fn, st, w.skip)
         out, w.out, w.handed = w.out, None, ()  # the node keeps what the warm-up learned, not its result
-        if again:
+        if w.again:
             node.warm = None  # warm up again at the next call
         return out
 

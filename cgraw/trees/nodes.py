@@ -173,7 +173,7 @@ class Warm:
     function must run eagerly from now on (or None), and what else a recording must know."""
 
     __slots__ = ("out", "mutated", "skip", "external", "epoch", "runs_backward", "mode_epoch", "in_pool",
-                 "handed", "stash", "groups", "kinds")
+                 "handed", "stash", "groups", "kinds", "rows", "again")
 
     def __init__(self, out, mutated=(), skip=None, external=(), epoch=-1, runs_backward=False, mode_epoch=0):
         self.out = out
@@ -188,6 +188,8 @@ class Warm:
         self.stash = None  # why blocks it left in the pool are held beyond its outputs (lazily made state), or None
         self.groups = None  # groups of kernel-choosing settings the ops it ran depend on (calls.learn_kernel_groups), or None
         self.kinds = None  # the kinds of the call it ran for (calls.EAGER, STATIC, TREE), set by the tree
+        self.rows = None  # padding buckets: what its outputs tell of the rows (buckets.warm_rows), or None
+        self.again = False  # it changed an argument's Python state for the first time: warm up once more
 
 
 class Replayable(Protocol):

@@ -13,7 +13,8 @@ generators' step of a recording that draws random numbers) and through the memcp
   addresses that pointed into its placeholder, rewritten to the caller's address before a launch
   only when it changed (``rebind.proof`` proves it at record time).
 - ``InputAlias``: an output that is an input or a view of one, rebuilt from the caller's input
-  on every call (as eager returns it).
+  on every call (as eager returns it); ``ClosureView``: one that views a closure tensor, made
+  anew on every call; ``output_kinds`` tells them apart from the recording's own outputs.
 - ``Recording``: the graph, its copies, its outputs (owned by the tree's pool: aliased per call
   and poisoned when the generation ends; or returned as they are) and what keeps them alive.
 """
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 from cgraw import _cuda
 from cgraw.runtime import stream as _streams
-from cgraw.trees.arrays import SINGLE, TORCH, argument_objects, unflatten
+from cgraw.interop.torch import private_api
+from cgraw.trees.arrays import EAGER, SINGLE, TORCH, TREE, argument_objects, ops_of, unflatten
+from cgraw.trees.frameworks import retyped_view
 from cgraw.trees.nodes import ModeRewarm, Rewarm
 
 OWNED, EXTERNAL = "owned", "external"  # output kinds; an input alias is an InputAlias
@@ -80,27 +83,114 @@ class InputRebind:
 
 
 class InputAlias:
-    """An output that is input ``j`` or a view of it: rebuilt from the caller's input each call."""
+    """An output that is input ``j`` or a view of it: rebuilt from the caller's input each call.
+    ``dtype``: torch, a view of it as another dtype (``x.view(torch.int32)``, ``x.real``), whose
+    ``delta`` counts bytes, else None and ``delta`` counts elements; CuPy: the output's dtype,
+    ``delta`` in bytes."""
 
-    __slots__ = ("j", "same", "torch", "shape", "stride", "delta")
+    __slots__ = ("j", "same", "torch", "shape", "stride", "delta", "dtype")
 
     def __init__(self, j: int, out, base, ops):
         self.j = j
         self.same = out is base
         self.torch = ops is TORCH
+        self.dtype = None
         if self.torch:
             self.shape, self.stride = tuple(out.shape), tuple(out.stride())
             self.delta = out.storage_offset() - base.storage_offset()
+            if out.dtype != base.dtype:
+                self.dtype = out.dtype
+                self.delta = out.storage_offset() * out.element_size() - base.storage_offset() * base.element_size()
         else:
-            self.shape, self.stride = out.shape, out.strides
+            self.shape, self.stride, self.dtype = out.shape, out.strides, out.dtype
             self.delta = ops.ptr(out) - ops.ptr(base)
 
     def rebuild(self, leaf):
         if self.same:
             return leaf
         if self.torch:
+            if self.dtype is not None:
+                return retyped_view(leaf, self.dtype, self.shape, self.stride, self.delta)
             return leaf.as_strided(self.shape, self.stride, leaf.storage_offset() + self.delta)
-        return type(leaf)(self.shape, leaf.dtype, leaf.data + self.delta, self.stride)
+        return type(leaf)(self.shape, self.dtype, leaf.data + self.delta, self.stride)
+
+
+class RowsView(InputAlias):
+    """Under padding buckets, a view of padded input ``j`` whose first dimension is its rows
+    (``x[:, 1:]``, ``x[:, 0]``, ``x.unsqueeze(1)``): rebuilt over the caller's rows."""
+
+    __slots__ = ()
+
+    def rebuild(self, leaf):
+        return leaf.as_strided((leaf.shape[0],) + self.shape[1:], self.stride, leaf.storage_offset() + self.delta)
+
+
+def rows_view(t, base, leaf) -> bool:
+    """Whether ``t``, a torch view of ``base`` (the bucket's placeholder of contiguous padded input
+    ``leaf``), keeps its rows in its first dimension and each of its rows in one of ``base``'s (a
+    ``RowsView``)."""
+    if t.dtype != base.dtype or t.is_conj() or t.is_neg() or not t.dim() or not leaf.is_contiguous():
+        return False
+    delta = t.storage_offset() - base.storage_offset()
+    return t.shape[0] == base.shape[0] and t.stride(0) == base.stride(0) and 0 <= delta < base.stride(0)
+
+
+class ClosureView:
+    """An output that is a view of a tensor the function reads through its closure (a parameter's
+    row, ``weight.T``): a new view of that tensor on every call, as eager makes one. The
+    recording's own view object, handed out on every call, would carry what a caller attaches to
+    it (a hook, ``retain_grad``) into later calls."""
+
+    __slots__ = ("base", "shape", "stride", "offset")
+
+    def __init__(self, out, base):
+        self.base = base  # kept alive by the recording, as its other closure tensors
+        self.shape, self.stride, self.offset = tuple(out.shape), tuple(out.stride()), out.storage_offset()
+
+    def rebuild(self, _leaf=None):
+        return self.base.as_strided(self.shape, self.stride, self.offset)
+
+
+def tree_views(call, out_kinds) -> tuple:
+    """Indices of the outputs that view (not are) a tree-output input of ``call``: the tree's
+    memory, which the next generation overwrites, so they are handed out as owned ones are."""
+    return tuple(i for i, k in enumerate(out_kinds)
+                 if isinstance(k, InputAlias) and not k.same and call.kinds[k.j] == TREE)
+
+
+def output_kinds(call, placeholders: dict, out_leaves: list, in_pool) -> list:
+    """Per output of a recording of ``call``: OWNED (memory of the tree's pool: ``in_pool(ptr)``),
+    an ``InputAlias`` (input ``j`` or a view of it, rebuilt from the caller's input each call; a
+    ``RowsView`` of a padded one), a ``ClosureView`` or EXTERNAL (any other tensor, returned as it is)."""
+    leaves, kinds, ops = call.leaves, call.kinds, call.ops
+    by_base = {}
+    for j, ph in placeholders.items():
+        # the caller's layout; a padded one has the bucket's rows: only itself is the caller's input
+        if j in call.padded or ops[j].key(ph)[1] == ops[j].key(leaves[j])[1]:
+            by_base[ops[j].base_ptr(ph)] = (j, ph)
+    for j, t in enumerate(leaves):
+        if kinds[j] != EAGER:
+            by_base.setdefault(ops[j].base_ptr(t), (j, t))
+    out = []
+    for t in out_leaves:
+        o = ops_of(t)
+        b = o.base_ptr(t)
+        hit = by_base.get(b)
+        if hit is not None:
+            j, base = hit
+            if ops[j] is o and (t is base if j in call.padded else o.view_of(leaves[j], t, base) is not None):
+                out.append(InputAlias(j, t, base, o))
+                continue
+            if ops[j] is o and o is TORCH and j in call.padded and rows_view(t, base, leaves[j]):
+                out.append(RowsView(j, t, base, o))
+                continue
+        if in_pool(b):
+            out.append(OWNED)
+            continue
+        base = private_api.view_base(t) if o is TORCH else None
+        same = base is not None and base.dtype == t.dtype and not (t.is_conj() or t.is_neg())
+        out.append(ClosureView(t, base) if same else EXTERNAL)
+    return out
 
 
 class Recording:
@@ -122,12 +212,13 @@ class Recording:
         "slow_in",  # [(leaf index, placeholder)]: non-contiguous eager inputs, copied eagerly
         "copy_slow",  # copy_slow(rec, call, rows or None): copies them on the replay's stream
         "out_leaves",  # the recording's output arrays, flattened
-        "out_kinds",  # per output leaf: OWNED, EXTERNAL or an InputAlias
+        "out_kinds",  # per output leaf: OWNED, EXTERNAL, an InputAlias or a ClosureView
         "out_alias",  # per output leaf: the bound alias maker of an OWNED one (t.detach, a.view), else None
         "out_spec",  # arrays.out_spec of the output structure
         "out_args",  # whether it hands out the call's own argument objects (arrays.names_inputs)
         "out_same",  # [(i, first)]: output leaf i is output leaf first (a function returning (y, y))
         "owned_idx",  # indices of the OWNED outputs
+        "tree_views",  # indices of the outputs viewing a tree-output input: handed out, poisoned, as OWNED ones
         "out_ptrs",  # data pointers of the OWNED outputs (tree-output inputs of later calls)
         "users",  # [(users, baseline)] of the OWNED outputs' memory (frameworks.Ops.users): in use while above
         "alias0",  # one owned output, unpadded: its bound alias maker (the fastest replay)
@@ -158,7 +249,7 @@ class Recording:
         self.in_pool = self.stage = None
         self.staged = []
         self.out_leaves, self.out_kinds, self.out_alias, self.out_same = [], [], [], ()
-        self.owned_idx, self.out_ptrs, self.users = [], [], []
+        self.owned_idx, self.out_ptrs, self.users, self.tree_views = [], [], [], ()
         self.out_spec = self.alias0 = self.bucket = None
         self.out_args = False
         self.padded = frozenset()
@@ -233,8 +324,11 @@ class Recording:
             o = alias0()
             return o, (o,)
         outs = self._outputs(call)
+        owned = [outs[i] for i in self.owned_idx]
+        if self.tree_views:
+            owned += [outs[i] for i in self.tree_views]
         objects = argument_objects(call.arg_specs, call.kwarg_specs) if self.out_args else None
-        return unflatten(self.out_spec, iter(outs), objects), [outs[i] for i in self.owned_idx]
+        return unflatten(self.out_spec, iter(outs), objects), owned
 
     def _replay_padded(self, call):
         """``replay`` of a padding-bucket recording: the padded inputs' copy nodes also get this
@@ -257,6 +351,8 @@ class Recording:
         for i in self.out_rows:
             outs[i] = outs[i][:n]
         owned = [outs[i] for i in self.owned_idx]
+        if self.tree_views:
+            owned += [outs[i] for i in self.tree_views]
         if self.out_spec is SINGLE:
             return outs[0], owned
         objects = argument_objects(call.arg_specs, call.kwarg_specs) if self.out_args else None
@@ -269,6 +365,8 @@ class Recording:
                 outs.append(alias())
             elif k is EXTERNAL:
                 outs.append(t)
+            elif type(k) is ClosureView:
+                outs.append(k.rebuild())
             else:
                 outs.append(k.rebuild(call.leaves[k.j]))
         for i, first in self.out_same:  # one object returned twice is one object, as eager returns it

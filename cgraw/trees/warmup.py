@@ -188,7 +188,7 @@ class PoolWarmup:
 
 def run(backend, fn, call, args, kwargs) -> Warm:
     """Run ``fn`` eagerly for ``backend`` (a ``cuda_backend.CudaBackend``), inside its pool where
-    ``usable``; report which eager inputs it mutated (compared by content), the tensors it reads
+    ``usable``; report which eager inputs it mutated (by content and version count), the tensors it reads
     through its closure, whether it ran a backward pass, a reason to skip it, if any, and what it
     left in the pool (``PoolWarmup.settle``)."""
     ops = call.ops
@@ -285,14 +285,21 @@ def _grads_left(call, before: list) -> str | None:
 
 
 def _copies(call) -> list:
-    """Host copies of the eager inputs, to tell afterwards which ones the function wrote. In host
-    memory: device copies the size of every eager input stayed cached by torch (or, made in the
-    pool, raised its high-water mark) after the warm-up (``benchmarks/memory.py``)."""
-    return [(j, call.ops[j].snapshot(t)) for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER]
+    """Host copies and version counts of the eager inputs, to tell afterwards which ones the
+    function wrote. In host memory: device copies the size of every eager input stayed cached by
+    torch (or, made in the pool, raised its high-water mark) after the warm-up
+    (``benchmarks/memory.py``)."""
+    return [(j, call.ops[j].snapshot(t), call.ops[j].version(t)) for j, t in enumerate(call.leaves)
+            if call.kinds[j] == EAGER]
 
 
 def _mutated(call, copies: list) -> tuple:
-    return tuple(j for j, copy in copies if not call.ops[j].same(copy, call.leaves[j]))
+    """The eager inputs the function wrote: their contents changed, or their version count did (a
+    write of the values they held, ``x.clamp_(min=0)`` on positive values, changes the caller's
+    input on a later call)."""
+    ops, leaves = call.ops, call.leaves
+    return tuple(j for j, copy, v in copies
+                 if not ops[j].same(copy, leaves[j]) or (v is not None and ops[j].version(leaves[j]) != v))
 
 
 def _same(x):

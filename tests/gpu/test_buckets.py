@@ -83,3 +83,49 @@ def test_noncontiguous_padded_input_and_overwritten_output():
     with pytest.raises(RuntimeError, match="overwritten by a subsequent run"):
         kept.sum()
     assert _stats(f).recordings == 1 and _stats(f).replays == 2
+
+
+def test_outputs_whose_rows_are_not_their_first_dimension_run_eagerly_and_match_eager():
+    """An output with the rows in its second dimension (``y.t()``), a returned ``x.shape[0]`` and
+    an output whose shape does not follow the rows: every call returns eager's shapes and values."""
+    w = torch.randn(16, 8, device="cuda")
+
+    def transposed(x):
+        return (x @ w).t()
+
+    def counted(x):
+        return x @ w, x.shape[0], w.sum(dim=1)
+
+    for body, replays in ((transposed, False), (counted, False)):
+        f = cgraw.graphed(body, pad_buckets=(8,))
+        cgraw.mark_step_begin()
+        for n in (5, 5, 5, 3, 8, 6):
+            x = torch.randn(n, 16, device="cuda")
+            got, ref = f(x), body(x)
+            got, ref = (got, ref) if isinstance(ref, tuple) else ((got,), (ref,))
+            for g, r in zip(got, ref):
+                if isinstance(r, torch.Tensor):
+                    assert g.shape == r.shape
+                    torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+                else:
+                    assert g == r
+        assert (_stats(f).replays > 0) == replays
+
+
+def test_a_row_view_of_a_padded_input_is_the_callers_memory():
+    """``x[:, 1:]`` returned under ``pad_buckets``: eager's view of the caller's ``x`` on every call
+    (same address, written through), valid after the next step."""
+
+    def body(x):
+        return x * 2.0, x[:, 1:]
+
+    f = cgraw.graphed(body, pad_buckets=(8,))
+    for n in (5, 5, 5, 3, 8, 6):
+        x = torch.randn(n, 16, device="cuda")
+        y, v = f(x)
+        torch.testing.assert_close(y, x * 2.0)
+        assert v.shape == (n, 15) and v.data_ptr() == x[:, 1:].data_ptr()
+        cgraw.mark_step_begin()
+        v.fill_(1.0)
+        assert bool((x[:, 1:] == 1.0).all())
+    assert _stats(f).replays >= 3

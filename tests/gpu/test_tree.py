@@ -306,6 +306,215 @@ def test_a_returned_argument_object_is_the_callers_on_every_replay():
     assert _stats(g).recordings == 1 and _stats(g).replays >= 5
 
 
+def test_a_plain_object_made_anew_per_call_replays_and_matches_eager():
+    """A settings object made anew per call with equal attributes (a list among them) replays the
+    recording; one whose list holds another value selects another recording."""
+
+    class Settings:
+        def __init__(self, shift):
+            self.scale = 2.0
+            self.shifts = [shift]
+
+    def body(x, s):
+        return x * s.scale + s.shifts[0]
+
+    f = cgraw.graphed(body)
+    for shift in (1.0, 1.0, 1.0, 1.0, 5.0, 5.0, 5.0):
+        x = trand(1024)
+        torch.testing.assert_close(f(x, Settings(shift)), body(x, Settings(shift)))
+    assert _stats(f).replays >= 3
+
+
+def test_an_output_viewing_an_input_as_another_dtype_is_the_callers_memory():
+    """``x.view(torch.int32)`` and ``torch.view_as_real(z)`` returned: on every call they view the
+    caller's input (same address, eager's values), and stay valid after the next step."""
+
+    def body(x, z):
+        return x * 2.0, x.view(torch.int32), torch.view_as_real(z)
+
+    f = cgraw.graphed(body)
+    for _ in range(5):
+        x, z = trand(64), torch.randn(32, dtype=torch.complex64, device="cuda")
+        y, bits, zr = f(x, z)
+        want = body(x, z)
+        torch.testing.assert_close(y, want[0])
+        assert bits.data_ptr() == x.data_ptr() and torch.equal(bits, want[1])
+        assert zr.data_ptr() == z.data_ptr() and torch.equal(zr, want[2])
+        cgraw.mark_step_begin()
+        assert torch.equal(bits, x.view(torch.int32))  # the caller's memory: never poisoned
+
+
+def test_under_padding_buckets_returned_inputs_and_closure_tensors_are_eagers():
+    """Under ``pad_buckets`` an input returned as it is (padded or not) is the caller's tensor,
+    and a closure tensor with the bucket's rows is returned whole, not cut to the call's rows."""
+    table = trand(8, 4)
+
+    def body(x, scale):
+        return x * scale, x, scale, table
+
+    f = cgraw.graphed(body, pad_buckets=(8,))
+    for n in (3, 3, 3, 5, 5, 5):
+        x, scale = trand(n, 4), trand(())
+        y, same_x, same_scale, t = f(x, scale)
+        torch.testing.assert_close(y, x * scale)
+        assert same_x is x and same_scale is scale and t is table
+
+
+def test_a_branch_on_requires_grad_under_no_grad_matches_eager():
+    """Under ``torch.no_grad()`` an input that requires grad still says so: the recording's
+    placeholder requires grad too, and calls whose inputs do not select their own recording."""
+
+    def body(x):
+        return x * (2.0 if x.requires_grad else 3.0)
+
+    f = cgraw.graphed(body)
+    with torch.no_grad():
+        for requires in (True, True, True, False, False, False, True):
+            x = trand(256).requires_grad_(requires)
+            torch.testing.assert_close(f(x), body(x))
+    assert _stats(f).replays >= 3
+
+
+def test_a_double_backward_through_a_graphed_forward_matches_eager():
+    """The second derivative through a replayed forward reaches its input (the recomputed
+    backward differentiates from the input itself)."""
+
+    def body(x):
+        return torch.sin(x) * 2.0
+
+    f = cgraw.graphed(body)
+    for _ in range(5):
+        x = trand(128).requires_grad_()
+        (g,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), x)
+        (g_ref,) = torch.autograd.grad(body(x).sum(), x, create_graph=True)
+        (gg_ref,) = torch.autograd.grad(g_ref.sum(), x)
+        torch.testing.assert_close(g, g_ref)
+        torch.testing.assert_close(gg, gg_ref)
+        cgraw.mark_step_begin()
+
+
+def test_an_input_written_with_unchanged_values_at_warm_up_reaches_the_caller_later():
+    """``x.clamp_(min=0)`` warmed up on positive values leaves them as they were, but its version
+    counter moves: the recording copies the input back, so later calls clamp the caller's tensor."""
+
+    def body(x):
+        x.clamp_(min=0.0)
+        return x * 2.0
+
+    f = cgraw.graphed(body)
+    for i in range(6):
+        x = trand(512).abs() if i == 0 else trand(512)
+        ref = x.clone()
+        want = body(ref)
+        torch.testing.assert_close(f(x), want)
+        torch.testing.assert_close(x, ref)
+    assert _stats(f).replays >= 3
+
+
+def test_a_hook_on_a_returned_view_of_a_parameter_stays_with_its_call():
+    """A model returning ``weight.T`` (tied weights): a hook registered on each step's returned
+    view scales that step's gradient only, as in eager (the view is made anew on every call)."""
+    lin = torch.nn.Linear(16, 8).cuda()
+
+    def body(x):
+        return lin(x), lin.weight.T
+
+    f = cgraw.graphed(body)
+    for _ in range(5):
+        x = trand(4, 16)
+        y, wt = f(x)
+        wt.register_hook(lambda g: g * 3.0)
+        (y.sum() + wt.sum()).backward()
+        got = lin.weight.grad.clone()
+        lin.weight.grad = None
+        y_ref, wt_ref = body(x)
+        wt_ref.register_hook(lambda g: g * 3.0)
+        (y_ref.sum() + wt_ref.sum()).backward()
+        torch.testing.assert_close(got, lin.weight.grad)
+        lin.weight.grad = None
+        cgraw.mark_step_begin()
+
+
+def test_a_function_clearing_its_list_argument_runs_eagerly_and_matches_eager():
+    """torch's cudagraphify convention (``args.clear()`` inside the callee): a replay would run no
+    Python and leave the caller's list full, so every call runs eagerly, with the reason."""
+
+    def body(args):
+        x = args[0]
+        args.clear()
+        return x * 2.0
+
+    f = cgraw.graphed(body)
+    for _ in range(4):
+        x = trand(64)
+        args = [x]
+        torch.testing.assert_close(f(args), x * 2.0)
+        assert args == []
+    assert _stats(f).replays == 0 and "changes the Python state of its argument" in cgraw.report()
+
+
+def test_a_module_passed_as_an_argument_trains_as_eager():
+    """``f(model, x)``: the module's parameters get eager's gradients on every call (recorded and
+    replayed ones included), and two outputs' separate backwards run as eager's."""
+    lin = torch.nn.Linear(16, 8).cuda()
+    ref = torch.nn.Linear(16, 8).cuda()
+    ref.load_state_dict(lin.state_dict())
+
+    def body(mod, x):  # two outputs with graphs of their own: each backward runs its own
+        return torch.tanh(mod(x)), mod(x * 2.0) * 3.0
+
+    f = cgraw.graphed(body)
+    for _ in range(5):
+        x = trand(4, 16)
+        a, b = f(lin, x)
+        a.sum().backward()
+        b.sum().backward()
+        a_ref, b_ref = body(ref, x)
+        a_ref.sum().backward()
+        b_ref.sum().backward()
+        torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+        torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
+        cgraw.mark_step_begin()
+    assert _stats(f).replays >= 2
+
+
+def test_a_view_of_a_tree_output_returned_by_the_next_function_raises_once_overwritten():
+    """``v = g(f(x))[1]`` is ``y[1:]`` of f's output ``y``, in the tree's memory: read after the
+    next step it raises the overwritten-output error instead of showing the next step's values."""
+    f = cgraw.graphed(lambda x: x * 2.0)
+    g = cgraw.graphed(lambda y: (y + 1.0, y[1:]))
+    kept = None
+    for i in range(5):
+        x = trand(64)
+        a, v = g(f(x))
+        torch.testing.assert_close(v, (x * 2.0)[1:])
+        if i == 3:
+            kept = v
+        cgraw.mark_step_begin()
+    with pytest.raises(RuntimeError, match="overwritten by a subsequent run"):
+        kept.sum()
+
+
+def test_grad_turned_on_inside_a_no_grad_call_matches_eager():
+    """``torch.enable_grad()`` inside a function called under ``no_grad``: its output requires grad
+    and its backward reaches the input, on every call (such calls run eagerly, with the reason)."""
+
+    def body(x):
+        with torch.enable_grad():
+            return torch.sin(x) * 2.0
+
+    f = cgraw.graphed(body)
+    for _ in range(4):
+        x = trand(128).requires_grad_()
+        with torch.no_grad():
+            y = f(x)
+        assert y.requires_grad
+        y.sum().backward()
+        torch.testing.assert_close(x.grad, 2.0 * torch.cos(x.detach()))
+    assert "grad mode is off at the call" in cgraw.report()
+
+
 def test_a_tensor_returned_twice_is_one_object_on_every_call():
     def twice(x):
         y = x * 2.0

@@ -49,10 +49,11 @@ from torch.utils._pytree import tree_flatten
 
 from cgraw.errors import SkipCall
 from cgraw.interop.torch import observe
+from cgraw.trees import buckets
 from cgraw.trees.arrays import EAGER, TORCH, argument_objects, out_spec, replace_leaves, unflatten
 from cgraw.trees.nodes import ModeRewarm, Rewarm, Warm
-from cgraw.trees.recording import EXTERNAL, OWNED, InputAlias
-from torch_cpu_backend import CpuTorchBackend
+from cgraw.trees.recording import EXTERNAL, OWNED, ClosureView, InputAlias, RowsView, rows_view, tree_views
+from torch_cpu_backend import CpuTorchBackend, placeholders
 
 aten = torch.ops.aten
 
@@ -306,7 +307,11 @@ class CpuGraphBackend(CpuTorchBackend):
         self.log.append(("record", fn.name))
         rec = GraphRecording(self, fn)
         leaves, kinds = call.leaves, call.kinds
-        rec.placeholders = {j: t.detach().clone() for j, t in enumerate(leaves) if kinds[j] == EAGER}
+        rec.placeholders = placeholders(call)
+        for j in call.padded:  # padding buckets: the bucket's rows, the call's copied in (cuda_backend.record)
+            t = leaves[j]
+            ph = rec.placeholders[j] = torch.zeros((call.bucket, *t.shape[1:]), dtype=t.dtype)
+            ph[:call.rows].copy_(t)
         rec.fixed = [(j, t, t.data_ptr()) for j, t in enumerate(leaves) if kinds[j] != EAGER]
         args, kwargs = replace_leaves(call.arg_specs, call.kwarg_specs, leaves, rec.placeholders)
         try:
@@ -319,6 +324,8 @@ class CpuGraphBackend(CpuTorchBackend):
         rec.spec = out_spec(out, rec.out_leaves, argument_objects(call.arg_specs, call.kwarg_specs))
         rec.out_kinds = [self._out_kind(rec, call, t) for t in rec.out_leaves]
         rec.owned_idx = [i for i, k in enumerate(rec.out_kinds) if k is OWNED]
+        rec.out_rows = ([i for i in buckets.out_rows(rec.out_leaves, call.bucket, warm.rows, rec.spec)
+                         if rec.out_kinds[i] is OWNED] if call.bucket is not None else [])
         rec.out_ptrs = [rec.out_leaves[i].data_ptr() for i in rec.owned_idx]
         rec.mutated = [j for j in warm.mutated if kinds[j] == EAGER]
         rec.external = tuple(warm.external)
@@ -329,16 +336,26 @@ class CpuGraphBackend(CpuTorchBackend):
         return rec
 
     def _out_kind(self, rec, call, t):
-        """``cuda_backend._output_kinds``: an input or a view of one (``InputAlias``), memory the
-        recording made (OWNED), or anything else (EXTERNAL)."""
+        """``recording.output_kinds``: an input or a view of one (``InputAlias``), memory the
+        recording made (OWNED), a view of a closure tensor (``ClosureView``), or anything else
+        (EXTERNAL)."""
         base = _storage_ptr(t)
         for j, ph in rec.placeholders.items():
-            if _storage_ptr(ph) == base and ph.dtype == t.dtype:
+            if j in call.padded and _storage_ptr(ph) == base:  # the tree's memory on the GPU
+                if t is ph:
+                    return InputAlias(j, t, ph, TORCH)
+                return RowsView(j, t, ph, TORCH) if rows_view(t, ph, call.leaves[j]) else OWNED
+            if _storage_ptr(ph) == base and TORCH.view_of(call.leaves[j], t, ph) is not None:
                 return InputAlias(j, t, ph, TORCH)
         for j, leaf, _ in rec.fixed:
-            if _storage_ptr(leaf) == base and leaf.dtype == t.dtype:
+            if _storage_ptr(leaf) == base and TORCH.view_of(leaf, t, leaf) is not None:
                 return InputAlias(j, t, leaf, TORCH)
-        return OWNED if rec.graph.made(t) else EXTERNAL
+        if rec.graph.made(t):
+            return OWNED
+        base = t._base  # a view of a closure tensor: made anew per call (recording.ClosureView)
+        if base is not None and base.dtype == t.dtype and not (t.is_conj() or t.is_neg()):
+            return ClosureView(t, base)
+        return EXTERNAL
 
     def first_replay(self, rec, call):
         if not isinstance(rec, GraphRecording):
@@ -352,12 +369,14 @@ class CpuGraphBackend(CpuTorchBackend):
         for j, leaf, ptr in rec.fixed:  # the tree promised these are where the recording read them
             if call.leaves[j].data_ptr() != ptr:
                 raise CannotEmulate(f"input {j} of {rec.name} (read in place) moved; a graph reads its old address")
+        n = call.rows
         with torch.no_grad():
             for j, ph in rec.placeholders.items():
-                ph.copy_(call.leaves[j])
+                (ph[:n] if j in call.padded else ph).copy_(call.leaves[j])
             rec.graph.replay()
             for j in rec.mutated:  # the graph's copy-back nodes
-                call.leaves[j].copy_(rec.placeholders[j])
+                ph = rec.placeholders[j]
+                call.leaves[j].copy_(ph[:n] if j in call.padded else ph)
         rec.replays += 1
         outs = []
         for t, k in zip(rec.out_leaves, rec.out_kinds):
@@ -365,9 +384,14 @@ class CpuGraphBackend(CpuTorchBackend):
                 outs.append(t.detach())
             elif k is EXTERNAL:
                 outs.append(t)
+            elif isinstance(k, ClosureView):
+                outs.append(k.rebuild())
             else:
                 outs.append(k.rebuild(call.leaves[k.j]))
-        return unflatten(rec.spec, iter(outs), argument_objects(call.arg_specs, call.kwarg_specs)), [outs[i] for i in rec.owned_idx]
+        for i in rec.out_rows:  # padding buckets: the call's rows of the bucket's
+            outs[i] = outs[i][:n]
+        owned = [outs[i] for i in rec.owned_idx + list(tree_views(call, rec.out_kinds))]  # recording.replay
+        return unflatten(rec.spec, iter(outs), argument_objects(call.arg_specs, call.kwarg_specs)), owned
 
     def discard(self, rec):
         rec.discarded = True

@@ -20,7 +20,7 @@ import contextlib
 import torch
 
 from cgraw.errors import SkipCall
-from cgraw.trees.arrays import EAGER, argument_objects, out_spec, replace_leaves, unflatten
+from cgraw.trees.arrays import EAGER, TORCH, argument_objects, out_spec, replace_leaves, unflatten
 from cgraw.interop.torch.autograd import TorchAutograd, capture_inputs, grad_info, run_saving
 from cgraw.trees.nodes import Warm, next_fn_id
 
@@ -61,6 +61,14 @@ class TorchFn:
 
     def __call__(self, *args, **kwargs):
         return self.mgr.call(self, args, kwargs)
+
+
+def placeholders(call) -> dict:
+    """As ``cuda_backend.CudaBackend.record``: a copy of each eager input, requiring grad where the
+    input does while grad is disabled (the function sees ``x.requires_grad`` as eager's does)."""
+    no_grad = not call.grad and not torch.is_grad_enabled()
+    return {j: t.detach().clone().requires_grad_(no_grad and t.requires_grad)
+            for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER}
 
 
 class CpuRecording:
@@ -120,10 +128,12 @@ class CpuTorchBackend(TorchAutograd):
 
     def warmup(self, fn, call, args, kwargs):
         self.log.append(("warmup", fn.name))
-        before = {j: t.detach().clone() for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER}
+        before = {j: (t.detach().clone(), TORCH.version(t)) for j, t in enumerate(call.leaves)
+                  if call.kinds[j] == EAGER}
         w = Warm(fn.fn(*args, **kwargs))
-        # as the CUDA backend: the eager inputs the function wrote, compared by content
-        w.mutated = tuple(j for j, t in before.items() if not torch.equal(t, call.leaves[j].detach()))
+        # as the CUDA backend: the eager inputs the function wrote, by content and version count
+        w.mutated = tuple(j for j, (t, v) in before.items()
+                          if not torch.equal(t, call.leaves[j].detach()) or TORCH.version(call.leaves[j]) != v)
         w.external = tuple(getattr(fn, "params", ()))
         w.runs_backward = getattr(fn, "is_backward", False)
         try:
@@ -135,7 +145,7 @@ class CpuTorchBackend(TorchAutograd):
     def record(self, fn, call, warm):
         self.log.append(("record", fn.name))
         rec = CpuRecording(self, fn)
-        rec.placeholders = {j: t.detach().clone() for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER}
+        rec.placeholders = placeholders(call)
         grad = call.grad and not warm.runs_backward
         saved: list = []
         rec.subs = capture_inputs(call, rec.placeholders) if grad else rec.placeholders

@@ -211,16 +211,92 @@ def test_a_nan_argument_replays(mgr):
     assert st.replays >= 1 and len(mgr.roots) == 1, (st.warmups, st.recordings, len(mgr.roots))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "arrays.flatten keys a plain object as (type, the object itself, its attributes), and the "
-    "object equals only itself: an equal settings object made anew per call never matches, so "
-    "every call adds a node (holding the object) and warms up, never replaying"))
 def test_a_plain_object_made_anew_per_call_with_the_same_attributes_replays(mgr):
     f = TorchFn(lambda x, s: x * s.scale, mgr)
     for _ in range(4):
         x = torch.randn(3)
         torch.testing.assert_close(f(x, _Settings(2.0)), x * 2.0)
     assert mgr.stats[f.fn_id].replays >= 1 and len(mgr.roots) == 1
+
+
+def test_a_plain_object_holding_nested_values_made_anew_per_call_replays(mgr):
+    inner = collections.namedtuple("inner", "lo hi")
+
+    class Cfg:
+        def __init__(self):
+            self.dims = {"lo": -1.0, "hi": 1.0}
+            self.sub = _Settings(0.5)
+            self.kind = torch.float32
+            self.bounds = inner(-1.0, 1.0)
+
+    f = TorchFn(lambda x, c: (x * c.sub.scale).clamp(c.dims["lo"], c.dims["hi"]).to(c.kind), mgr)
+    for _ in range(4):
+        x = torch.randn(3)
+        torch.testing.assert_close(f(x, Cfg()), (x * 0.5).clamp(-1.0, 1.0))
+    assert mgr.stats[f.fn_id].replays >= 1 and len(mgr.roots) == 1
+
+
+def test_a_torch_size_argument_and_output_stay_torch_sizes(mgr):
+    """torch's pytree flattens a ``torch.Size`` and gives back a plain tuple: a function that
+    receives or returns one gets a ``torch.Size``, as in eager."""
+    def fn(x, size):
+        return x.sum() + (1.0 if isinstance(size, torch.Size) else 0.0), size, x.shape
+
+    f = TorchFn(fn, mgr)
+    for _ in range(4):
+        x = torch.randn(3, 2)
+        out, size, shape = f(x, torch.Size([2, 5]))
+        torch.testing.assert_close(out, x.sum() + 1.0)
+        assert type(size) is torch.Size and size == (2, 5) and type(shape) is torch.Size and shape == (3, 2)
+    assert mgr.stats[f.fn_id].replays >= 1
+
+
+def _clears(args):
+    x = args[0]
+    args.clear()  # torch's cudagraphify convention: the callee frees its inputs
+    return x + 1
+
+
+def _notes(d):
+    d["seen"] = d.get("seen", 0) + 1
+    return d["x"] * 2
+
+
+def _counts(x, s):
+    s.calls = getattr(s, "calls", 0) + 1
+    return x * s.scale
+
+
+@pytest.mark.parametrize("fn, make, check", [
+    (_clears, lambda: ([torch.randn(3)],), lambda args: args[0] == []),
+    (_notes, lambda: ({"x": torch.randn(3)},), lambda args: args[0]["seen"] == 1),
+    (_counts, lambda: (torch.randn(3), _Settings(2.0)), lambda args: args[1].calls == 1),
+], ids=["list-cleared", "dict-item-set", "attribute-counted"])
+def test_a_function_changing_an_argument_in_place_runs_eagerly_with_the_reason(monkeypatch, fn, make, check):
+    """A replay runs no Python: the change would not happen. The warm-up sees it (a snapshot of
+    what the arguments reach differs after the call); after a second warm-up that sees it, every
+    call runs eagerly (on the CPU graph emulator)."""
+    from cpu_graph import CpuGraphBackend
+
+    with cpu_tree(monkeypatch, CpuGraphBackend) as m:
+        f = TorchFn(fn, m)
+        for _ in range(4):
+            args = make()
+            f(*args)
+            assert check(args)
+        st = m.stats[f.fn_id]
+        assert st.replays == 0 and "changes the Python state of its argument" in next(iter(st.skip_reasons))
+
+
+def test_a_function_reading_container_and_object_arguments_keeps_replaying(monkeypatch):
+    from cpu_graph import CpuGraphBackend
+
+    with cpu_tree(monkeypatch, CpuGraphBackend) as m:
+        f = TorchFn(lambda xs, d, s: xs[0] * d["k"] + s.scale, m)
+        for _ in range(4):
+            x = torch.randn(3)
+            torch.testing.assert_close(f([x], {"k": 2.0}, _Settings(1.0)), x * 2.0 + 1.0)
+        assert m.stats[f.fn_id].replays == 2
 
 
 def test_keyword_arguments_reach_the_function_in_the_callers_order(mgr):
@@ -311,23 +387,69 @@ def test_an_output_that_is_a_conjugate_or_negative_view_of_an_input_keeps_its_va
     assert torch.equal(out.detach(), want)  # the placeholder holds x on every replay: the view's values follow
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Ops.view_of refuses a view of an input with another dtype (x.view(torch.int32), x.real, "
-    "torch.view_as_real(x)), so CudaBackend._output_kinds hands it out as an OWNED alias of the "
-    "placeholder: it does not share the caller's memory as eager's view does (writes to it miss x, "
-    "the next replay overwrites it, and it is poisoned when the generation ends)"))
-def test_an_output_that_views_an_input_as_another_dtype_shares_the_callers_memory(dev0):
-    x = torch.randn(4)
+_RETYPED = {
+    "int32": (lambda: torch.randn(4, 6), lambda t: t.view(torch.int32)),
+    "int32-rows": (lambda: torch.randn(4, 6), lambda t: t[1:].view(torch.int32)[:, 2:]),
+    "uint8": (lambda: torch.randn(4, 6), lambda t: t.view(torch.uint8)),
+    "half-pairs": (lambda: torch.randn(4, 6), lambda t: t.view(torch.float16)),
+    "float64": (lambda: torch.randn(4, 6), lambda t: t.view(torch.float64)),
+    "real": (lambda: torch.randn(5, dtype=torch.complex64), lambda t: t.real),
+    "imag": (lambda: torch.randn(5, dtype=torch.complex64), lambda t: t.imag),
+    "view_as_real": (lambda: torch.randn(5, dtype=torch.complex64), torch.view_as_real),
+    "view_as_complex": (lambda: torch.randn(5, 2), torch.view_as_complex),
+    "offset-real": (lambda: torch.randn(9, dtype=torch.complex128)[3:], lambda t: t.real[1:]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_RETYPED))
+def test_an_output_that_views_an_input_as_another_dtype_shares_the_callers_memory(dev0, name):
+    """``CudaBackend._output_kinds`` hands such an output out as an ``InputAlias``: rebuilt over
+    the caller's input of each call, it is eager's view of that input (values, layout, memory)."""
+    make, view = _RETYPED[name]
+    x = make()
     call = calls.inspect(_PLAIN, (x,), {}, {}, 0)
     ph = TORCH.clone_layout(x)
-    (kind,) = _output_kinds(call, {0: ph}, [ph.view(torch.int32)])
+    (kind,) = _output_kinds(call, {0: ph}, [view(ph)])
     assert isinstance(kind, InputAlias)
+    for _ in range(2):
+        y = make()  # another call's input, at another address
+        got, want = kind.rebuild(y), view(y)
+        assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride())
+        assert got.data_ptr() == want.data_ptr()
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "CudaBackend._output_kinds matches outputs against placeholders only when call.bucket is None: "
-    "under pad_buckets an input returned as it is (padded or not) is handed out as an OWNED alias "
-    "of the recording's placeholder, not as the caller's tensor eager returns"))
+def test_a_real_view_of_a_complex_input_that_requires_grad_carries_its_gradient(dev0):
+    x = torch.randn(5, dtype=torch.complex64)
+    call = calls.inspect(_PLAIN, (x,), {}, {}, 0)
+    ph = TORCH.clone_layout(x)
+    (kind,) = _output_kinds(call, {0: ph}, [torch.view_as_real(ph)])
+    y = torch.randn(5, dtype=torch.complex64, requires_grad=True)
+    g = torch.randn(5, 2)
+    (kind.rebuild(y) * g).sum().backward()
+    got, y.grad = y.grad, None
+    (torch.view_as_real(y) * g).sum().backward()
+    torch.testing.assert_close(got, y.grad)
+
+
+def test_a_returned_int_view_of_an_input_is_written_through_as_eager(monkeypatch):
+    """The emulator's replay hands the view out over the caller's input: a write through it
+    reaches the input, and it stays valid after the next step, as eager's does."""
+    from cpu_graph import CpuGraphBackend
+
+    with cpu_tree(monkeypatch, CpuGraphBackend) as m:
+        f = TorchFn(lambda x: (x * 2, x.view(torch.int32)), m)
+        for _ in range(4):
+            x = torch.randn(6)
+            y, bits = f(x)
+            torch.testing.assert_close(y, x * 2)
+            assert bits.data_ptr() == x.data_ptr()
+            bits[0] = 0
+            assert x[0].item() == 0.0
+            m.mark_step_begin()
+            assert torch.equal(bits, x.view(torch.int32))  # not poisoned: it is the caller's memory
+
+
 def test_under_padding_buckets_an_input_returned_as_it_is_is_the_callers_tensor(dev0):
     f = cgraw.graphed(lambda x, scale: (x * scale, scale), pad_buckets=(4, 8))
     x, scale = torch.randn(3, 2), torch.tensor(2.0)
@@ -336,6 +458,80 @@ def test_under_padding_buckets_an_input_returned_as_it_is_is_the_callers_tensor(
     ph_x, ph_scale = TORCH.empty((4, 2), x), TORCH.empty_layout(scale)
     _, kind = _output_kinds(call, {0: ph_x, 1: ph_scale}, [ph_x * ph_scale, ph_scale])
     assert isinstance(kind, InputAlias) and kind.rebuild(scale) is scale
+
+
+_W = torch.randn(4, 5)
+
+
+@pytest.mark.parametrize("fn, replays", [
+    (lambda x: (x @ _W, x, _W), True),  # rows in the first dimension, an input, a closure tensor
+    (lambda x: (x * 2.0, x.shape[0]), False),  # a Python value that follows the rows
+    (lambda x: (x * 2.0).t(), False),  # rows in the second dimension, the first is the bucket's size
+    (lambda x: x @ _W[:, :4], True),  # (rows, 4): 4, the bucket, is also its second dimension
+], ids=["rowwise", "row-count", "transposed", "square"])
+def test_under_padding_buckets_every_call_returns_eagers_shapes_and_values(monkeypatch, fn, replays):
+    """The CPU graph emulator with padding (as ``cuda_backend``): the outputs to cut back to the
+    call's rows are those whose first dimension followed the rows between the warm-up (3 rows) and
+    the recording (the bucket's 4); a Python value or another dimension that followed them runs the
+    function eagerly, with the reason."""
+    from cpu_graph import CpuGraphBackend
+
+    class PadFn(TorchFn):
+        pad_buckets = (4, 8)
+        plain = False
+
+    def check(got, want):
+        got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+        for g, w in zip(got, want, strict=True):
+            if isinstance(w, torch.Tensor):
+                assert g.shape == w.shape
+                torch.testing.assert_close(g, w)
+            else:
+                assert g == w
+
+    with cpu_tree(monkeypatch, CpuGraphBackend) as m:
+        f = PadFn(fn, m)
+        for n in (3, 3, 3, 2, 4, 3):
+            x = torch.randn(n, 4)
+            check(f(x), fn(x))
+        st = m.stats[f.fn_id]
+        assert (st.replays >= 3) == replays, (st.replays, st.skip_reasons)
+        assert replays or "pad_buckets" in next(iter(st.skip_reasons))
+
+
+@pytest.mark.parametrize("view", [
+    lambda x: x[:, 1:], lambda x: x[:, 0], lambda x: x.unsqueeze(1), lambda x: x.view(x.shape[0], 2, 2),
+], ids=["columns", "column", "unsqueeze", "split-rows"])
+def test_under_padding_buckets_a_row_view_of_an_input_is_the_callers_memory(monkeypatch, view):
+    """As eager's view: written through to the input, and not poisoned when the generation ends."""
+    from cpu_graph import CpuGraphBackend
+
+    class PadFn(TorchFn):
+        pad_buckets = (4, 8)
+        plain = False
+
+    with cpu_tree(monkeypatch, CpuGraphBackend) as m:
+        f = PadFn(lambda x: (x * 2.0, view(x)), m)
+        for n in (3, 3, 3, 2, 4, 3):
+            x = torch.randn(n, 4)
+            y, v = f(x)
+            want = view(x)
+            assert v.shape == want.shape and v.stride() == want.stride() and v.data_ptr() == want.data_ptr()
+            torch.testing.assert_close(y, x * 2.0)
+            assert not any(v is p for p in m.backend.poisoned)
+        assert m.stats[f.fn_id].replays >= 3
+
+
+def test_bucket_output_rows_follow_the_warm_up_shapes():
+    from cgraw.trees import buckets
+
+    outs = [torch.empty(4, 3), torch.empty(4, 4), torch.empty(5)]
+    assert buckets.out_rows(outs, 4) == [0, 1]  # without a warm-up: every first dimension of 4
+    assert buckets.out_rows(outs, 4, (2, [(2, 3), (4, 4), (5,)], [])) == [0]
+    with pytest.raises(SkipCall, match="cannot be cut back"):
+        buckets.out_rows(outs, 4, (2, [(2, 3), (4, 2), (5,)], []))
+    with pytest.raises(SkipCall, match="Python value"):
+        buckets.out_rows(outs[:1], 4, (2, [(2, 3)], [2]), ("seq", tuple, [("t",), ("v", 4)]))
 
 
 def test_a_tensor_subclass_argument_runs_eagerly_with_the_reason(dev0):
@@ -361,16 +557,89 @@ def test_a_parameter_subclass_argument_is_a_static_input(dev0):
     assert call.kinds == [calls.STATIC, calls.EAGER]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a placeholder never requires grad (CpuTorchBackend and CudaBackend.record: empty_layout; "
-    "requires_grad_ only for a backward inside the function), and under no_grad the key leaves "
-    "requires_grad out: a function that branches on x.requires_grad takes the other branch in "
-    "the recording than eager takes"))
 def test_an_input_that_requires_grad_is_seen_requiring_grad_under_no_grad(mgr):
     f = TorchFn(lambda x: x * (2.0 if x.requires_grad else 3.0), mgr)
     for _ in range(3):
         x = torch.randn(4).requires_grad_()
         torch.testing.assert_close(f(x), x.detach() * 2.0)
+
+
+def test_calls_whose_inputs_do_and_do_not_require_grad_under_no_grad_select_their_own_recordings(monkeypatch):
+    """On the CPU graph emulator (the branch is Python, taken once at record time, as on the GPU)."""
+    from cpu_graph import CpuGraphBackend
+
+    def fn(x, y):
+        return x * (2.0 if x.requires_grad else 3.0) + (1.0 if y.requires_grad else 0.0)
+
+    with cpu_tree(monkeypatch, CpuGraphBackend) as m:
+        f = TorchFn(fn, m)
+        for rx, ry in [(True, False)] * 3 + [(False, False)] * 3 + [(False, True)] * 3 + [(True, False)]:
+            x, y = torch.randn(4).requires_grad_(rx), torch.randn(4).requires_grad_(ry)
+            out = f(x, y)
+            torch.testing.assert_close(out, fn(x, y))
+            assert not out.requires_grad
+        assert m.stats[f.fn_id].replays >= 4
+
+
+@pytest.mark.parametrize("warm, write", [
+    (lambda: torch.rand(6), lambda x: x.clamp_(min=0.0)),  # positive at warm-up: nothing to clamp
+    (lambda: torch.zeros(6), lambda x: x.mul_(0.5)),  # zeros at warm-up: zeros again
+    (lambda: torch.rand(6), lambda x: x[2:4].abs_()),  # through a view, positive at warm-up
+], ids=["clamp-positive", "scale-zeros", "view-abs-positive"])
+def test_an_input_written_with_its_own_values_at_warm_up_reaches_the_caller_later(monkeypatch, warm, write):
+    """The warm-up finds the write by the input's version counter, not only by its contents: the
+    recording copies the input back, so a later call whose write changes values reaches the caller
+    (on the CPU graph emulator, which replays the ops as a graph does)."""
+    from cpu_graph import CpuGraphBackend
+
+    def fn(x):
+        write(x)
+        return x * 2.0
+
+    with cpu_tree(monkeypatch, CpuGraphBackend) as m:
+        f = TorchFn(fn, m)
+        for i in range(5):
+            x = warm() if i == 0 else torch.randn(6)
+            ref = x.clone()
+            want = fn(ref)
+            torch.testing.assert_close(f(x), want)
+            torch.testing.assert_close(x, ref)
+        assert m.stats[f.fn_id].replays >= 2
+
+
+@pytest.mark.parametrize("write, expected", [
+    (lambda x: x.clamp_(min=0.0), (0,)),  # its values as they were, its version count moved
+    (lambda x: x.add_(1.0), (0,)),  # its values changed
+    (lambda x: x.clone().clamp_(min=0.0), ()),  # a copy written: the input is not
+], ids=["same-values", "new-values", "copy"])
+def test_the_cuda_backends_warm_up_finds_the_inputs_written(dev0, write, expected):
+    """``warmup.run`` (the CUDA backend's warm-up, outside the pool here) on a positive input."""
+    from cgraw.trees import warmup
+
+    f = cgraw.graphed(lambda x: write(x) * 2.0)
+    x = torch.rand(5)
+    call = calls.inspect(f, (x,), {}, {}, 0)
+    backend = types.SimpleNamespace(_torch=torch, _tts=None, warm_in_pool=False)
+    assert tuple(warmup.run(backend, f, call, (x,), {}).mutated) == expected
+
+
+def test_a_function_turning_grad_on_inside_a_no_grad_call_runs_eagerly_with_the_reason(mgr):
+    """``torch.enable_grad()`` inside, called under ``no_grad``: eager's output requires grad and
+    its backward reaches the input; a recording made with grad off would hand out a detached one."""
+    def fn(x):
+        with torch.enable_grad():
+            return x * 2.0
+
+    f = TorchFn(fn, mgr)
+    for _ in range(4):
+        x = torch.randn(3, requires_grad=True)
+        y = f(x)
+        assert y.requires_grad
+        with torch.enable_grad():
+            y.sum().backward()
+        torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+    st = mgr.stats[f.fn_id]
+    assert st.replays == 0 and "grad mode is off at the call" in next(iter(st.skip_reasons))
 
 
 # ---------------------------------------------------------------------- outputs: divergences
@@ -384,6 +653,56 @@ def test_an_output_object_holding_tensors_is_not_handed_out_again_unchanged():
     except SkipCall:
         return  # runs eagerly, with the reason: matches eager
     assert spec[0] != "v" and leaves == [y]
+
+
+def test_a_view_of_a_closure_parameter_is_a_new_view_on_every_call(dev0):
+    """``recording.output_kinds``: an output viewing a tensor outside the tree's pool (a closure
+    parameter's ``weight.T``) is made anew per call, as eager's is: a hook a caller registers on
+    one call's view does not reach the next call's gradient."""
+    from cgraw.trees.recording import ClosureView, output_kinds
+
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    x = torch.randn(3)
+    call = calls.inspect(_PLAIN, (x,), {}, {}, 0)
+    ph = TORCH.clone_layout(x)
+    with torch.enable_grad():
+        (kind,) = output_kinds(call, {0: ph}, [w.T], lambda ptr: ptr == ph.data_ptr())
+        assert isinstance(kind, ClosureView)
+        first, second = kind.rebuild(), kind.rebuild()
+        assert first is not second and torch.equal(first, w.T) and first.data_ptr() == w.data_ptr()
+        first.register_hook(lambda g: g * 10.0)
+        first.sum().backward()
+        torch.testing.assert_close(w.grad, torch.full((4, 3), 10.0))
+        w.grad = None
+        second.sum().backward()
+        torch.testing.assert_close(w.grad, torch.ones(4, 3))
+
+
+def test_views_of_a_closure_parameter_are_eagers_views_on_every_replay(monkeypatch):
+    """torch's trees: test_alias_of_parameter, test_aliasing_static_ref, on the CPU graph emulator."""
+    from cpu_graph import CpuGraphBackend
+
+    class AliasMod(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.param = torch.nn.Parameter(torch.rand(5, 5))
+
+        def forward(self, x):
+            return self.param[0], self.param, self.param + x, self.param.T
+
+    mod = AliasMod()
+    with cpu_tree(monkeypatch, CpuGraphBackend) as m:
+        f = TorchFn(lambda x: mod(x), m)
+        before = None
+        for _ in range(4):
+            x = torch.rand(5, 5)
+            row, param, plus, t = f(x)
+            assert param is mod.param and row.data_ptr() == t.data_ptr() == mod.param.data_ptr()
+            for got, want in zip((row, plus, t), (mod.param[0], mod.param + x, mod.param.T)):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+            assert before is None or (row is not before[0] and t is not before[1])
+            before = (row, t)
+        assert m.stats[f.fn_id].replays >= 2
 
 
 def test_the_same_tensor_returned_twice_is_one_object():

@@ -225,16 +225,18 @@ def test_a_python_float_argument_that_changes_selects_its_own_recording(mgr):
     assert st.variants == 2 and st.replays >= 4 and st.eager_calls == 0
 
 
-def test_a_change_inside_a_plain_object_attribute_is_not_seen_as_the_guide_says(mgr):
+def test_a_change_inside_a_plain_object_attribute_selects_another_recording_as_the_guide_says(mgr):
     f = TorchFn(lambda x, s: x * s.scale + s.offsets[0], mgr)
     s = shared._Settings(2.0)
     for _ in range(3):
         x = torch.randn(8)
         same(f(x, s), x * 2.0 + 0.5)
-    s.offsets[0] = 1.5  # an element changed in place: the recording keeps the number it read
-    x = torch.randn(8)
-    same(f(x, s), x * 2.0 + 0.5)
-    assert "a change inside an attribute (a list's element, a nested object's field) is\n  not seen" in GUIDE.read_text()
+    s.offsets[0] = 1.5  # an element changed in place: the attributes' values are the key
+    for _ in range(3):
+        x = torch.randn(8)
+        same(f(x, s), x * 2.0 + 1.5)
+    assert mgr.stats[f.fn_id].replays >= 2
+    assert "So `settings.scale = 3.0` or `settings.offsets[0] = 0.9`\n  selects another recording" in GUIDE.read_text()
 
 
 SCALE = 2.0  # a module global a graphed function reads
@@ -457,3 +459,22 @@ def test_an_attribute_set_on_the_first_call_only_still_lets_the_function_replay(
         same(mine.buf, ref.buf)
     warmups, recordings, replays, eager = counts(mgr, g)
     assert (warmups, recordings, eager) == (2, 1, 0) and replays >= 3
+
+
+def test_a_view_of_a_tree_output_returned_by_the_next_function_is_invalidated_with_it(mgr):
+    """``y = f(x); a, v = g(y)`` with ``v = y[0]``, a view of f's output in the tree's memory: the
+    next generation overwrites it, so it is handed out (poisoned when the generation ends) as
+    g's own outputs are, never read stale."""
+    f = TorchFn(lambda x: x * 2.0, mgr)
+    g = TorchFn(lambda y: (y + 1.0, y[1:]), mgr)
+    kept = []
+    for _ in range(5):
+        x = torch.randn(4)
+        y = f(x)
+        a, v = g(y)
+        same(v, (x * 2.0)[1:])
+        kept.append((v, (x * 2.0)[1:]))
+        mgr.mark_step_begin()
+        for old, want in kept:
+            assert any(old is p for p in mgr.backend.poisoned) or torch.equal(old, want)
+    assert mgr.stats[g.fn_id].replays >= 2

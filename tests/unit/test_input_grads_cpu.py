@@ -41,12 +41,16 @@ def test_an_input_holding_a_grad_has_a_key_of_its_own():
     assert _key(x, y) == fresh != held
 
 
-def test_no_grad_and_inputs_without_grad_keep_their_keys():
+def test_under_no_grad_the_key_notes_which_inputs_require_grad_but_not_their_grads():
+    """A function may branch on ``x.requires_grad`` under ``no_grad`` too; a held ``.grad`` is
+    read only by a backward, which does not run with grad disabled."""
     y = torch.randn(4, 3)
     with torch.no_grad():
         z = torch.randn(4, 3, requires_grad=True)
+        fresh = _key(z, y)
         z.grad = torch.ones_like(z)
-        assert _key(z, y) == _key(torch.randn(4, 3), y)  # grad mode off: nothing about grads in the key
+        assert _key(z, y) == fresh != _key(torch.randn(4, 3), y)
+        assert _key(torch.randn(4, 3), y) == _key(torch.randn(4, 3), y)
 
 
 def test_a_non_leaf_input_is_never_read_for_its_grad(recwarn):

@@ -456,3 +456,59 @@ def test_hooks_on_one_calls_output_do_not_reach_the_next_calls_output(ttree):
     torch.testing.assert_close(inp.grad, 5 * 2 * inp.detach())
     gc.collect()
 
+
+
+@torch_only
+def test_a_double_backward_through_a_replayed_forward_reaches_its_input(ttree):
+    """``g = autograd.grad(f(x).sum(), x, create_graph=True)``, then ``autograd.grad(g.sum(), x)``:
+    the recomputed backward of a recorded forward differentiates from ``x`` itself, so the second
+    derivative reaches ``x`` as eager's does (it ended at a detached copy: "not used in the graph")."""
+    import torch
+
+    f = tfn(ttree, lambda x: x.sin() * 2.0, name="sin2")
+    for _ in range(5):
+        x = torch.randn(6, requires_grad=True)
+        (g,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), x)
+        torch.testing.assert_close(g, 2.0 * x.detach().cos())
+        torch.testing.assert_close(gg, -2.0 * x.detach().sin())
+        ttree.mark_step_begin()
+    assert ttree.stats[f.fn_id].recordings == 1
+
+
+@torch_only
+def test_a_module_argument_gets_eagers_gradients_on_every_call(ttree):
+    """torch's trees: test_aliasing_static_ref's ``foo(mod, x)``. A module passed as an argument
+    reaches the function with its parameters inside it: a recording with grad enabled reads them
+    through the aliases its backward differentiates, so ``.grad`` accumulates as eager's (it got
+    nothing from the recorded calls)."""
+    import torch
+
+    lin, ref = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    ref.load_state_dict(lin.state_dict())
+    f = tfn(ttree, lambda mod, x: mod(x).tanh(), name="apply")
+    for _ in range(5):
+        x = torch.randn(4, 3)
+        f(lin, x).pow(2).sum().backward()
+        ref(x).tanh().pow(2).sum().backward()
+        torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+        torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
+        ttree.mark_step_begin()
+    assert ttree.stats[f.fn_id].replays >= 2
+
+
+@torch_only
+def test_separate_backwards_of_two_outputs_run_as_eagers_from_the_first_call(ttree):
+    """``a, b = f(x)`` with independent graphs; ``a.sum().backward()`` then ``b.sum().backward()``:
+    eager runs each graph once. The warm-up's outputs come out of a tap each, so the first
+    backward does not run (and free) ``b``'s eager graph."""
+    import torch
+
+    f = tfn(ttree, lambda x: (x * 2.0, x * 3.0), name="two")
+    for _ in range(4):
+        x = torch.randn(3, requires_grad=True)
+        a, b = f(x)
+        a.sum().backward()
+        b.sum().backward()
+        torch.testing.assert_close(x.grad, torch.full((3,), 5.0))
+        ttree.mark_step_begin()

@@ -37,9 +37,8 @@ REDUCE = {  # a reduction broadcast back to N x N (a dense result, never an expa
     "total": lambda a: a + a.sum() * 0.1,
 }
 VIEWS = {"t": lambda a: a.t(), "reshape": lambda a: a.reshape(N * N).view(N, N) if a.is_contiguous() else a.t().t()}
-# In-place writes that change (almost) any input. The guide, "Mutation": "An eager input that the
-# warm-up changed (compared by content) is copied back after each replay; `graphed(fn, mutates=(0,))`
-# declares one the comparison cannot see." So no plain `mul_(0.5)`: a warm-up on zeros sees no write.
+# In-place writes that change (almost) any input. The guide, "Mutation": an eager input the warm-up
+# wrote (its contents or its version counter changed) is copied back after each replay.
 WRITES = {
     "mul_": lambda a, v: a.mul_(0.5).add_(0.375),
     "add_": lambda a, v: a.add_(v).add_(1.0),
@@ -48,19 +47,24 @@ WRITES = {
 }
 # outputs of one function (the last computed value always comes first)
 OUTS = ("value", "arg", "arg_t", "arg_rows", "value_rows", "value_sum", "again")
+# and views of another dtype (a separate test, so the seeds above keep their programs)
+BITS = OUTS + ("arg_bits", "arg_rows_bits", "value_bits")
 
 
 def same(a, b, what):
     torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
 
 
-def make_fn(rng, nargs, name):
+KINDS = ["un", "un", "bin", "bin", "red", "view", "write"]
+
+
+def make_fn(rng, nargs, name, out_kinds=OUTS, kinds=KINDS):
     """A random function of ``nargs`` N x N tensors; ``fn.writes``: the arguments it writes."""
     body, computed, views_of = [], [], {}  # views_of: env index -> the argument it views
     nvals = nargs
     writes = set()
     for _ in range(rng.randint(1, 5)):
-        kind = rng.choice(["un", "un", "bin", "bin", "red", "view", "write"])
+        kind = rng.choice(kinds)
         i, j = rng.randrange(nvals), rng.randrange(nvals)
         if kind == "write":
             a = rng.randrange(nargs)
@@ -87,7 +91,7 @@ def make_fn(rng, nargs, name):
         nvals += 1
     outs = [("value", computed[-1])]
     for _ in range(rng.randint(0, 2)):
-        k = rng.choice(OUTS)
+        k = rng.choice(out_kinds)
         outs.append((k, rng.randrange(nargs) if k.startswith("arg") else rng.choice(computed)))
 
     def fn(*args):
@@ -114,6 +118,12 @@ def make_fn(rng, nargs, name):
                 res.append(args[i].t())
             elif k == "arg_rows":
                 res.append(args[i][1:3])
+            elif k == "arg_bits":
+                res.append(args[i].view(torch.int32))
+            elif k == "arg_rows_bits":
+                res.append(args[i][1:3].view(torch.int16))
+            elif k == "value_bits":
+                res.append(env[i].view(torch.int32))
             elif k == "value_rows":
                 res.append(env[i][1:])
             elif k == "value_sum":
@@ -162,10 +172,10 @@ def _sp(t):
     return t.untyped_storage().data_ptr()
 
 
-def run_seed(mgr, seed):
+def run_seed(mgr, seed, out_kinds=OUTS):
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    fns = [make_fn(rng, rng.randint(1, 3), f"f{k}") for k in range(rng.randint(2, 4))]
+    fns = [make_fn(rng, rng.randint(1, 3), f"f{k}", out_kinds) for k in range(rng.randint(2, 4))]
     graphed = [TorchFn(f, mgr) for f in fns]
     script = make_script(rng, fns)
     marks = rng.random() < 0.6
@@ -189,6 +199,9 @@ def run_seed(mgr, seed):
             return "fresh"
         return "owned" if any(g.made(t) for g in backend.graphs) else "eager"
 
+    def usable(t):
+        return t.real.shape == (N, N) and t.real.dtype == torch.float32
+
     def fresh(tag):
         x = torch.randn(N, N)
         fresh_keep.append(x)
@@ -205,8 +218,8 @@ def run_seed(mgr, seed):
             fn = fns[fi]
             args: list[Twin] = []
             for p, src in enumerate(srcs):
-                live = [t for t in step_outs if not ended(t)]
-                old = [t for t in held if not ended(t)]
+                live = [t for t in step_outs if not ended(t) and usable(t)]
+                old = [t for t in held if not ended(t) and usable(t)]
                 if src[0] == "out" and live:
                     a = live[src[1] % len(live)]
                 elif src[0] == "held" and old:
@@ -252,7 +265,7 @@ def run_seed(mgr, seed):
                     same(t.real, t.ref, f"{where}: held tensor {t.what}")
             if not drop:
                 for k, (g, w) in enumerate(zip(got, want)):
-                    if g.shape == (N, N) and valid[k]:
+                    if valid[k]:  # held and compared; arguments only of N x N float32 (usable)
                         step_outs.append(Twin(g, w, origin_of(g), f"s{step}c{c}o{k}", mgr.generation))
             del got, want
         held = [t for t in held + step_outs if not ended(t)]
@@ -272,6 +285,14 @@ SEEDS = list(range(40))
 def test_random_programs_of_graphed_functions_match_eager_bitwise(monkeypatch, seed):
     with cpu_tree(monkeypatch, CpuGraphBackend) as mgr:
         run_seed(mgr, seed)
+
+
+@pytest.mark.parametrize("seed", range(100, 124))
+def test_random_programs_returning_views_of_other_dtypes_match_eager_bitwise(monkeypatch, seed):
+    """Outputs viewing an input (or a value) as another dtype (``x.view(torch.int32)``): eager's
+    view of the caller's input, written through by the functions that write it."""
+    with cpu_tree(monkeypatch, CpuGraphBackend) as mgr:
+        run_seed(mgr, seed, BITS)
 
 
 def test_the_fuzz_replays_most_calls_and_runs_few_eagerly(monkeypatch):
@@ -320,3 +341,62 @@ def test_a_root_function_writing_a_state_and_fed_its_previous_output_replays(mon
             same(cache, ref_cache, "cache")
         st = mgr.stats[g.fn_id]
         assert (st.warmups, st.recordings, st.replays, st.eager_calls) == (1, 1, 4, 0), st
+
+
+# ---------------------------------------------------------------------- autograd
+
+
+def run_grad_seed(mgr, seed):
+    """Random functions without writes, called with inputs that require grad (fresh leaves, a
+    parameter, outputs of earlier calls), then one backward per step: every output and every
+    gradient equal eager's, step after step (warm-ups, recordings and replays)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    fns = [make_fn(rng, rng.randint(1, 3), f"g{k}", OUTS, KINDS[:-1]) for k in range(rng.randint(2, 3))]
+    graphed = [TorchFn(f, mgr) for f in fns]
+    script = [(fi, [rng.randrange(64) for _ in range(fns[fi].nargs)]) for fi in
+              (rng.randrange(len(fns)) for _ in range(rng.randint(2, 4)))]
+    w = torch.nn.Parameter(torch.randn(N, N))
+    w_ref = torch.nn.Parameter(w.detach().clone())
+    for step in range(5):
+        mgr.mark_step_begin()
+        fresh = [torch.randn(N, N, requires_grad=True) for _ in range(2)]
+        fresh_ref = [x.detach().clone().requires_grad_() for x in fresh]
+        pool = list(zip(fresh, fresh_ref)) + [(w, w_ref)]
+        held = []
+        for c, (fi, picks) in enumerate(script):
+            args = [pool[p % len(pool)] for p in picks]
+            where = f"seed {seed} step {step} call {c} ({fns[fi].__name__} {fns[fi].desc})"
+            got = graphed[fi](*[a for a, _ in args])
+            want = fns[fi](*[r for _, r in args])
+            got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+            for k, (g, r) in enumerate(zip(got, want, strict=True)):
+                same(g.detach(), r.detach(), f"{where}: output {k}")
+                assert g.requires_grad == r.requires_grad, where
+                if g.requires_grad:
+                    held.append((g, r))
+                    if g.shape == (N, N):
+                        pool.append((g, r))
+        if not held:
+            continue
+        sum((g * (k + 1)).sum() for k, (g, _) in enumerate(held)).backward()
+        sum((r * (k + 1)).sum() for k, (_, r) in enumerate(held)).backward()
+        for k, (x, r) in enumerate(list(zip(fresh, fresh_ref)) + [(w, w_ref)]):
+            assert (x.grad is None) == (r.grad is None), f"seed {seed} step {step}: leaf {k} grad"
+            if x.grad is not None:
+                torch.testing.assert_close(x.grad, r.grad, msg=lambda m: f"seed {seed} step {step}: leaf {k}: {m}")
+    return mgr
+
+
+@pytest.mark.parametrize("seed", range(200, 230))
+def test_random_programs_differentiated_every_step_match_eager(monkeypatch, seed):
+    from torch_cpu_backend import CpuTorchBackend
+
+    from cgraw.trees import config as tree_config
+
+    with cpu_tree(monkeypatch, CpuTorchBackend) as mgr, torch.enable_grad():
+        tree_config.grad_probe(torch.is_grad_enabled)
+        try:
+            run_grad_seed(mgr, seed)
+        finally:
+            tree_config.grad_probe(None)

@@ -26,7 +26,7 @@ import threading
 import weakref
 
 from cgraw.trees import nodes as tree_nodes
-from cgraw.trees.arrays import TREE, out_spec, replace_leaves, unflatten
+from cgraw.trees.arrays import STATIC, TREE, out_spec, replace_leaves, unflatten
 from cgraw.trees.autograd import BackwardPlan
 from cgraw.errors import CgrawError, SkipCall
 from cgraw.interop.torch import private_api
@@ -118,16 +118,22 @@ def _wrap_disable(graph) -> None:
 def capture_inputs(call, placeholders: dict) -> dict:
     """What a capture with grad enabled reads per leaf: placeholders (eager leaves) and detached
     aliases (leaves read in place) of the leaves that require grad, marked to require it, so
-    the capture's autograd graph starts at them and holds nothing of the caller's."""
+    the capture's autograd graph starts at them and holds nothing of the caller's. The aliases
+    are also read through (``subs[LEAF_ALIASES]``, for ``run_saving``): a module argument's
+    parameters reach the function through the module, not as arguments."""
     subs = dict(placeholders)
+    read = subs[LEAF_ALIASES] = {}
     for j, t in enumerate(call.leaves):
         if getattr(t, "requires_grad", False):
             s = placeholders.get(j)
             subs[j] = (t.detach() if s is None else s).requires_grad_()
+            if s is None:
+                read[id(t)] = subs[j]
     return subs
 
 
 ALIASES = "closure aliases"  # the key of ``subs`` under which ``run_saving`` leaves them
+LEAF_ALIASES = "leaf aliases"  # the key of ``subs`` under which ``capture_inputs`` leaves the leaves' ones
 
 
 def run_saving(fn, args, kwargs, saved: list, subs: dict, external=()):
@@ -142,6 +148,7 @@ def run_saving(fn, args, kwargs, saved: list, subs: dict, external=()):
     aliases' gradients go to the parameters through ``_Graphed``, outside any capture."""
     aliases = subs[ALIASES] = {id(t): t.detach().requires_grad_() for t in external
                                if getattr(t, "requires_grad", False)}
+    aliases.update(subs.get(LEAF_ALIASES, ()))
 
     def pack(x):
         saved.append(x)
@@ -272,14 +279,19 @@ class _Link:
         torch = sys.modules["torch"]
         info, call = self.info, self.call
         leaves = self.kept if self.kept is not None else call.leaves
-        subs = {j: leaves[j].detach().requires_grad_() for j in info.leaves}
+        create = torch.is_grad_enabled()
+        # differentiable (create_graph, double backward): from the caller's inputs themselves, so
+        # the gradients' own graph reaches them, as eager's does; else from detached aliases, but
+        # for static inputs (a module argument's parameters reach the function through the module)
+        subs = {j: leaves[j] if (create or call.kinds[j] == STATIC) and leaves[j] is call.leaves[j]
+                else leaves[j].detach().requires_grad_() for j in info.leaves}
         args, kwargs = replace_leaves(call.arg_specs, call.kwarg_specs, leaves, subs)
         with torch.enable_grad():
             out = self.fn(*args, **kwargs)
         flat: list = []
         out_spec(out, flat)
         return torch.autograd.grad([flat[i] for i in info.out_idx], [subs[j] for j in info.leaves] + info.params,
-                                   grads, create_graph=torch.is_grad_enabled(), allow_unused=True)
+                                   grads, create_graph=create, allow_unused=True)
 
 
 def copied_out(grads) -> tuple:
@@ -324,11 +336,19 @@ def _graphed_function():
     return cls
 
 
-def _apply(link, ins, outs) -> tuple:
+def _apply(link, ins, outs, first: bool = True) -> tuple:
     link.outs = outs
-    weakref.finalize(link, link.ticket.freed)  # the link dies with the autograd graph that holds it
-    link.ticket.data = weakref.ref(link)  # never strong: the finalizer holds the ticket
+    if first:
+        weakref.finalize(link, link.ticket.freed)  # the link dies with the autograd graph that holds it
+        link.ticket.data = weakref.ref(link)  # never strong: the finalizer holds the ticket
     return _graphed_function().apply(link, *ins)
+
+
+def _tap(link, outs) -> list:
+    """The outputs of an eager forward, each through an identity ``_Graphed`` of its own (all with
+    one link): a backward from one of them runs only its own eager graph, as eager's does (one
+    node over all of them ran, and freed, the others' graphs too)."""
+    return [_apply(link, [t], [t], first=k == 0)[0] for k, t in enumerate(outs)]
 
 
 class TorchAutograd:
@@ -354,8 +374,7 @@ class TorchAutograd:
             if not idx or (node is not None and node.warm is not None and node.warm.runs_backward):
                 ticket.never_needed()
                 return out
-            ins = [flat[i] for i in idx]
-            outs = _apply(_Link(self, ticket), ins, ins)
+            outs = _tap(_Link(self, ticket), [flat[i] for i in idx])
         else:
             info = rec.grad
             if info is None:

@@ -167,6 +167,21 @@ def global_state_guard():
     return getattr(guards, "GlobalStateGuard", None)
 
 
+def view_base(t):
+    """``t._base``: the tensor ``t`` is a view of, or None."""
+    return t._base
+
+
+def version(t) -> int | None:
+    """``t._version``: its version counter, which every in-place write through it or a view of it
+    bumps (even one that leaves its values as they were); None for an inference tensor, which
+    has none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def storage_users(t):
     """A callable counting the references to ``t``'s storage (every tensor over it, views and
     ``.detach()`` aliases included), through a weak reference to the storage, as torch's trees
