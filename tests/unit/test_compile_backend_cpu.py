@@ -549,7 +549,7 @@ def no_module_hooks(monkeypatch):
     """As in a process where no tree is made yet: none of cgraw's module registration hooks installed."""
     import collections
 
-    import torch
+    torch = pytest.importorskip("torch")
 
     from cgraw.interop.torch import observe
 
