@@ -147,6 +147,10 @@ def _value(v) -> tuple:
         return (t, struct.pack("<d", v))
     if t is complex:
         return (t, struct.pack("<dd", v.real, v.imag))
+    if isinstance(v, float):  # numpy.float64 and other float subclasses
+        return (t, struct.pack("<d", v))
+    if isinstance(v, complex):
+        return (t, struct.pack("<dd", v.real, v.imag))
     return (t, v)
 
 

@@ -20,6 +20,7 @@ import pathlib
 import enum
 import types
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -195,10 +196,11 @@ def test_an_output_that_is_an_input_or_a_view_of_one_is_rebuilt_from_the_callers
 # ---------------------------------------------------------------------- keys: divergences
 
 
-def test_negative_zero_argument_selects_its_own_recording(mgr):
+@pytest.mark.parametrize("zero", [float, np.float64], ids=["float", "numpy.float64"])
+def test_negative_zero_argument_selects_its_own_recording(mgr, zero):
     f = TorchFn(lambda x, s: torch.full_like(x, s), mgr)
     for s in (0.0, 0.0, -0.0):  # warm-up and recording with 0.0, then -0.0
-        out = f(torch.randn(3), s)
+        out = f(torch.randn(3), zero(s))
     assert torch.signbit(out).all()  # eager: torch.full_like(x, -0.0) is -0.0
 
 
