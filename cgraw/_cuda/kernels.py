@@ -54,7 +54,7 @@ def _nvrtc_check(nvrtc, result, call: str, prog=None):
         except Exception:
             name = str(err)
         raise CudaError(call, int(err), name, log or name,
-                        "cgraw compiles its random-number kernels with NVRTC; check that the NVRTC "
+                        "cgraw compiles its kernels (random numbers, set-condition) with NVRTC; check that the NVRTC "
                         "library of the installed CUDA runtime loads (libnvrtc)")
     return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
 
@@ -82,7 +82,7 @@ def multiprocessor_count(device_ordinal: int) -> int:
 def compile_image(source: str, name: str, arch: tuple[int, int], options: tuple = ()) -> bytes:
     """Compile ``source`` for ``arch``: a cubin when NVRTC knows the architecture, else PTX for
     the newest one it knows (the driver JIT-compiles it at load). ``options``: more NVRTC options
-    (``-rdc=true`` for the set-condition kernels, ``cgraw.control.kernels``)."""
+    (none for the set-condition kernel, ``cgraw.control.kernels``)."""
     nvrtc = _nvrtc()
     major, minor = arch
     supported = None
