@@ -28,11 +28,17 @@ ARG_F32 = ctypes.c_float
 
 
 def _nvrtc():
+    """``cuda.bindings.nvrtc``, its library loaded: cuda-bindings finds ``libnvrtc`` at the first
+    call (``cuda.pathfinder``), and a missing library raises ``CudaError`` here, not a loader error
+    from inside the first compile."""
     try:
         from cuda.bindings import nvrtc
-    except ImportError as e:  # pragma: no cover - cuda-bindings always ships it
-        raise CudaError("nvrtcCreateProgram", 0, "NVRTC_UNAVAILABLE", str(e),
-                        "install cuda-bindings with NVRTC (pip install cuda-python)") from e
+
+        nvrtc.nvrtcVersion()
+    except Exception as e:  # ImportError, or cuda.pathfinder's DynamicLibNotFoundError
+        raise CudaError("nvrtcVersion", 0, "NVRTC_UNAVAILABLE", str(e),
+                        "install the NVRTC library of the CUDA runtime (pip install nvidia-cuda-nvrtc, which "
+                        "CUDA builds of torch and CuPy bring), or put libnvrtc on the library path") from e
     return nvrtc
 
 

@@ -211,6 +211,19 @@ def test_set_condition_source_and_options():
     assert K.options() == ()
 
 
+def test_a_missing_nvrtc_library_is_a_cuda_error(monkeypatch):
+    """cuda-bindings loads libnvrtc at the first call; its loader error becomes ``CudaError``."""
+    from cuda.bindings import nvrtc
+
+    def missing():
+        raise RuntimeError('Failure finding "libnvrtc.so.13"')
+
+    monkeypatch.setattr(nvrtc, "nvrtcVersion", missing)
+    with pytest.raises(CudaError) as ei:
+        _k.compile_image(K.source(K.SET_CONDITION), K.SET_CONDITION, (9, 0), K.options())
+    assert ei.value.name == "NVRTC_UNAVAILABLE" and "libnvrtc" in str(ei.value)
+
+
 def test_conditional_handle_value_reads_the_binding_object():
     h = _cond.drv.CUgraphConditionalHandle(0x1234)
     assert _cond.conditional_handle_value(h) == 0x1234
