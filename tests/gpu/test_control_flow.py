@@ -168,9 +168,9 @@ def test_body_with_an_event_is_refused(pool):
 def test_loop_after_a_joined_fork_runs(pool):
     """The loop pauses the capture stream: work forked before it and joined back is fine."""
     x0 = trand(64)
+    side = torch.cuda.Stream()  # made outside the capture
     with cgraw.capture(pool=pool) as g:
         main = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
         side.wait_stream(main)
         with torch.cuda.stream(side):
             y = x0 * 2
@@ -187,9 +187,9 @@ def test_loop_after_a_joined_fork_runs(pool):
 def test_loop_after_an_unjoined_fork_is_refused(pool):
     """Pausing would end a capture with a side stream left unjoined: cgraw refuses first."""
     x0 = trand(64)
+    side = torch.cuda.Stream()  # made outside the capture
     with pytest.raises(cgraw.CaptureError) as ei:
         with cgraw.capture(pool=pool):
-            side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 x0 * 2

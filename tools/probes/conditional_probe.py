@@ -310,9 +310,9 @@ def cgraw_steps(p: Probe) -> None:
 
     def unjoined():
         x = torch.randn(8, device=dev)
+        side = torch.cuda.Stream()  # made outside the capture
         try:
             with cgraw.capture():
-                side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     x * 2
