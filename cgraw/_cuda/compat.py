@@ -14,6 +14,8 @@ shaped like either major version. The calls every hot path makes (``cuGraphLaunc
   plain name for good, its result widened to 13.x's shape.
 - ``cuGraphAddNode``: 13.x takes edge data (``(graph, deps, edge_data, n, params)``), 12.x's
   plain name does not (``(graph, deps, n, params)``); ``graph_add_node`` takes 12.x's arguments.
+  ``cuStreamUpdateCaptureDependencies`` likewise (13.x ``(stream, deps, edge_data, n, flags)``,
+  12.x ``(stream, deps, n, flags)``); ``update_capture_dependencies`` takes 12.x's arguments.
 - ``cuda.bindings.utils.get_cuda_native_handle`` does not exist in 12.8 (no ``utils`` module);
   the handle types' ``int()`` is their native value there.
 """
@@ -89,15 +91,23 @@ def select(drv, utils, version: str) -> SimpleNamespace:
         graph_get_edges=_edge_aware(drv, major, "cuGraphGetEdges", "cuGraphGetEdges_v2", 3),
         # (graph, deps, n, params) on every version
         graph_add_node=_add_node(drv, major),
+        # (stream, deps, n, flags) on every version
+        update_capture_dependencies=_without_edge_data(drv, major, "cuStreamUpdateCaptureDependencies"),
         native_handle=native_handle,
     )
 
 
 def _add_node(drv, major: int):
-    plain = getattr(drv, "cuGraphAddNode", None)
+    return _without_edge_data(drv, major, "cuGraphAddNode")
+
+
+def _without_edge_data(drv, major: int, name: str):
+    """``name`` called with 12.x's arguments (``(first, deps, n, last)``): on 13.x the edge data
+    (``None``: plain edges) goes between the dependencies and their count."""
+    plain = getattr(drv, name, None)
     if major >= 13 or major == 0:
-        def call(graph, deps, n, params):
-            return plain(graph, deps, None, n, params)
-        call.__name__ = "cuGraphAddNode"
+        def call(first, deps, n, last):
+            return plain(first, deps, None, n, last)
+        call.__name__ = name
         return call
     return plain

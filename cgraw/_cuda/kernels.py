@@ -28,11 +28,17 @@ ARG_F32 = ctypes.c_float
 
 
 def _nvrtc():
+    """``cuda.bindings.nvrtc``, its library loaded: cuda-bindings finds ``libnvrtc`` at the first
+    call (``cuda.pathfinder``), and a missing library raises ``CudaError`` here, not a loader error
+    from inside the first compile."""
     try:
         from cuda.bindings import nvrtc
-    except ImportError as e:  # pragma: no cover - cuda-bindings always ships it
-        raise CudaError("nvrtcCreateProgram", 0, "NVRTC_UNAVAILABLE", str(e),
-                        "install cuda-bindings with NVRTC (pip install cuda-python)") from e
+
+        nvrtc.nvrtcVersion()
+    except Exception as e:  # ImportError, or cuda.pathfinder's DynamicLibNotFoundError
+        raise CudaError("nvrtcVersion", 0, "NVRTC_UNAVAILABLE", str(e),
+                        "install the NVRTC library of the CUDA runtime (pip install nvidia-cuda-nvrtc, which "
+                        "CUDA builds of torch and CuPy bring), or put libnvrtc on the library path") from e
     return nvrtc
 
 
@@ -54,7 +60,7 @@ def _nvrtc_check(nvrtc, result, call: str, prog=None):
         except Exception:
             name = str(err)
         raise CudaError(call, int(err), name, log or name,
-                        "cgraw compiles its random-number kernels with NVRTC; check that the NVRTC "
+                        "cgraw compiles its kernels (random numbers, set-condition) with NVRTC; check that the NVRTC "
                         "library of the installed CUDA runtime loads (libnvrtc)")
     return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
 
@@ -82,7 +88,7 @@ def multiprocessor_count(device_ordinal: int) -> int:
 def compile_image(source: str, name: str, arch: tuple[int, int], options: tuple = ()) -> bytes:
     """Compile ``source`` for ``arch``: a cubin when NVRTC knows the architecture, else PTX for
     the newest one it knows (the driver JIT-compiles it at load). ``options``: more NVRTC options
-    (``-rdc=true`` for the set-condition kernels, ``cgraw.control.kernels``)."""
+    (none for the set-condition kernel, ``cgraw.control.kernels``)."""
     nvrtc = _nvrtc()
     major, minor = arch
     supported = None

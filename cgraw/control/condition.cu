@@ -1,7 +1,8 @@
 // The set-condition kernel of cgraw.while_loop and cgraw.cond (cgraw.control.kernels): one thread
 // reads the device predicate (one byte, nonzero: true) and sets the conditional node's handle.
-// Declared here rather than included, so NVRTC needs no CUDA include path; NVRTC's own builtin
-// declarations, where present, are the same.
+// NVRTC has cudaGraphConditionalHandle built in but not cudaGraphSetConditional, which is declared
+// here as cuda_device_runtime_api.h declares it (so no include path is needed; the typedef repeats
+// NVRTC's own, which C++ allows). Compiled without -rdc: the driver resolves the call at load.
 typedef __device_builtin__ unsigned long long cudaGraphConditionalHandle;
 extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(cudaGraphConditionalHandle handle,
                                                                       unsigned int value);

@@ -1,14 +1,19 @@
 """The CUDA C of the set-condition kernel (``condition.cu``) and the NVRTC options it needs.
 
 Layer L1 (pure): text and option lists only; ``cgraw.control.nodes`` compiles and launches it
-through ``cgraw._cuda.kernels``. ``cudaGraphSetConditional`` is a device-runtime function: NVRTC
-compiles calls to it with relocatable device code (``-rdc=true``). The file declares what it
-uses, so no header is needed; a CUDA include directory, when one is found, is passed as well.
+through ``cgraw._cuda.kernels``. ``cudaGraphSetConditional`` is a CUDA runtime builtin
+(``__cudart_builtin__``, declared in ``cuda_device_runtime_api.h``): compiled without relocatable
+device code, the cubin is an executable image whose reference to it the driver resolves when it
+loads the module, as it resolves ``vprintf`` for ``printf``. That is how cuda.core's tests
+(NVRTC, ``std=c++17``, ``arch=sm_XX``, a cubin) and CuPy's graph API (``RawModule``, NVRTC) build
+their set-condition kernels, and how PyTorch's ``CUDAGraph.cu`` is compiled. ``-rdc=true`` is
+wrong here: it makes a relocatable object (ELF type REL) that needs a link step with the device
+runtime library, which ``cuModuleLoadData`` does not do. NVRTC knows ``cudaGraphConditionalHandle``
+but not the function, so the file declares both, as cuda.core's tests do; no include path is needed.
 """
 
 from __future__ import annotations
 
-import os
 from importlib import resources
 
 SET_CONDITION = "cgraw_set_condition"
@@ -21,15 +26,7 @@ def source(name: str) -> str:
     return resources.files(__package__).joinpath("condition.cu").read_text()
 
 
-def include_dirs(environ=None, exists=os.path.isdir) -> list[str]:
-    """CUDA include directories: ``$CUDA_HOME/include``, ``$CUDA_PATH/include``, then
-    ``/usr/local/cuda/include``, those that exist (the first found is enough)."""
-    env = os.environ if environ is None else environ
-    candidates = [os.path.join(env[k], "include") for k in ("CUDA_HOME", "CUDA_PATH") if env.get(k)]
-    candidates.append("/usr/local/cuda/include")
-    return [d for d in candidates if exists(d)][:1]
-
-
-def options(environ=None, exists=os.path.isdir) -> tuple[str, ...]:
-    """The extra NVRTC options of the set-condition kernel."""
-    return ("-rdc=true", *(f"--include-path={d}" for d in include_dirs(environ, exists)))
+def options() -> tuple[str, ...]:
+    """The extra NVRTC options of the set-condition kernel: none (an executable cubin, no
+    relocatable device code, no include path)."""
+    return ()

@@ -4,17 +4,26 @@ Layer L8 (beside ``runtime.capture``, whose running capture it extends): driver 
 ``cgraw._cuda`` (``_cuda.conditional``, ``_cuda.kernels``), decisions from ``cgraw.control.plan``,
 arrays through graph trees' ``Ops`` (no framework import).
 
-One stream. A body is captured on the capture's own stream S, which is already torch's and
-CuPy's current stream, with cgraw's allocation routing and library routers bound to it: the
-capture of the enclosing graph G is ended (``cuStreamEndCapture`` returns G, still owned by the
-capture), S captures the body graph (``cuStreamBeginCaptureToGraph``), and then resumes capturing
-into G after the conditional node. The driver-call sequence of a loop on S:
+One stream. A node joins the running capture of the enclosing graph G on the capture's stream
+S as in CUDA's ``graphConditionalNodes`` sample, cuda.core's ``GraphBuilder``, PyTorch and CuPy:
+``cuStreamGetCaptureInfo(S)`` gives G and the stream's dependencies, ``cuGraphAddNode`` adds the
+node after them and ``cuStreamUpdateCaptureDependencies(S, [node])`` puts S's next work after it.
+A body is captured on S itself, which is torch's and CuPy's current stream, with cgraw's
+allocation routing and library routers (cuBLAS, cuSOLVER, cuSPARSE handles) bound to it: the
+capture of G pauses (``cuStreamEndCapture``: G stays the capture's), S captures the body graph
+(``cuStreamBeginCaptureToGraph``) and then resumes capturing into G after the node, as Warp's
+``capture_while`` pauses and resumes its stream (cuda.core, PyTorch and CuPy capture bodies on a
+new stream instead, which cgraw's routers would not follow). The driver-call sequence of a loop:
 
 1. the carried values are copied into buffers of the capture's pool (copy nodes in G), and
    ``cond_fn`` runs on them; its predicate is made a one-byte boolean on the device;
 2. ``cuGraphConditionalHandleCreate(G)``; the set-condition kernel (``control/condition.cu``,
-   NVRTC with ``-rdc=true``) is launched on S: the initial value;
-3. ``cuStreamEndCapture(S)``; ``cuGraphAddNode(G, deps, WHILE)`` gives the body graph B;
+   NVRTC, an executable cubin whose ``cudaGraphSetConditional`` the driver resolves at load) is
+   launched on S: the initial value;
+3. ``cuGraphAddNode(G, deps, WHILE)`` gives the body graph B;
+   ``cuStreamUpdateCaptureDependencies(S, [node])``; the pause refuses a side stream forked into
+   the capture and not joined (``cuStreamEndCapture`` would end the whole capture), then
+   ``cuStreamEndCapture(S)``;
 4. ``cuStreamBeginCaptureToGraph(S, B)``; ``body_fn`` runs on the buffers; its results are
    copied into them (``plan.copy_plan``: results that overlap another buffer are cloned first);
    ``cond_fn`` runs again and the set-condition kernel sets the next value; ``cuStreamEndCapture(S)``;
@@ -25,8 +34,9 @@ Allocations inside a body come from the capture's pool like any other in the cap
 same stream, so they are never handed to other work while the graph lives; the carried buffers
 are held by the returned arrays. A ``cond`` is the same with an IF node of two bodies (or two IF
 nodes, the second on the negated predicate), whose results are copied into buffers made by the
-first branch. Whatever fails, the enclosing capture is resumed before the error propagates, so
-``cgraw.capture()`` ends it and reports as for any failed capture.
+first branch. Whatever fails after the pause, the enclosing capture is resumed before the error
+propagates (before it, the capture never stopped), so ``cgraw.capture()`` ends it and reports as for
+any failed capture.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import math
 from cgraw import _cuda
 from cgraw._cuda import conditional as _cond, kernels as _k
 from cgraw.control import kernels as K, plan
-from cgraw.errors import CaptureError, ControlFlowError, CudaError
+from cgraw.errors import CaptureError, ControlFlowError
 from cgraw.trees.frameworks import ops_of
 
 _SET_TYPES = (_k.ARG_U64, _k.ARG_PTR, _k.ARG_U64)
@@ -117,22 +127,40 @@ def cond(cap, pred, true_fn, false_fn, operands: tuple):
 
 
 def _around_node(s, mode, ctx, nodes: list, bodies: list) -> None:
-    """End the capture on ``s``, add the conditional ``nodes`` (``(plan.Step, handle)``, each after
-    the previous), capture ``bodies`` (callables, one per body graph, in order) into their body
-    graphs on ``s``, and resume the enclosing capture after the last node, also on failure."""
+    """Add the conditional ``nodes`` (``(plan.Step, handle)``, each after the previous) to the graph
+    ``s`` captures, after its capture dependencies, and make the last one the stream's dependency;
+    then pause the capture, capture ``bodies`` (callables, one per body graph, in order) into their
+    body graphs on ``s``, and resume the enclosing capture after the last node, also on failure."""
     graph, deps = _cuda.stream_capture_graph(s)
+    after = list(deps)
+    body_graphs = []
+    for step, h in nodes:
+        node, graphs = _cond.graph_add_conditional_node(graph, after, h, step.kind, step.size, ctx)
+        after = [node]
+        body_graphs.extend(graphs)
+    _cond.stream_set_capture_dependencies(s, after)
+    _refuse_unjoined(graph, after)
     _cond.stream_end_capture_into(s)
-    resume = list(deps)
     try:
-        body_graphs = []
-        for step, h in nodes:
-            node, graphs = _cond.graph_add_conditional_node(graph, resume, h, step.kind, step.size, ctx)
-            resume = [node]
-            body_graphs.extend(graphs)
         for run, body_graph in zip(bodies, body_graphs):
             _capture_body(s, body_graph, mode, run)
     finally:
-        _cond.stream_begin_capture_to_graph(s, graph, resume, mode)
+        _cond.stream_begin_capture_to_graph(s, graph, after, mode)
+
+
+def _refuse_unjoined(graph, deps: list) -> None:
+    """Raise ``CaptureError`` (the capture still running) if ``graph`` has a leaf node other than
+    ``deps``: work forked to a side stream and not joined, which makes the pause's
+    ``cuStreamEndCapture`` fail with ``CUDA_ERROR_STREAM_CAPTURE_UNJOINED`` and end the capture."""
+    nodes = _cuda.graph_get_nodes(graph)
+    has_succ = {_cuda.native(a) for a, _ in _cuda.graph_get_edges(graph)}
+    mine = {_cuda.native(d) for d in deps}
+    if any(_cuda.native(n) not in has_succ and _cuda.native(n) not in mine for n in nodes):
+        raise CaptureError("cuStreamEndCapture", 0, "CONDITIONAL_AFTER_UNJOINED_FORK",
+                           "cgraw.while_loop and cgraw.cond pause the capture stream while they capture "
+                           "their bodies, and a side stream forked into the capture is not joined back",
+                           "join side streams before the loop or branch (the capture stream waits on "
+                           "them: torch.cuda.current_stream().wait_stream(side))")
 
 
 def _capture_body(s, body_graph, mode, run) -> None:
@@ -225,13 +253,9 @@ def _device_predicate(p, who: str, ordinal: int):
 
 
 def set_condition_kernel(ordinal: int):
-    """The set-condition kernel on device ``ordinal`` (the current context), compiled with
-    ``kernels.options()`` (relocatable device code); if NVRTC or the module load refuses that,
-    once more without them (the source declares what it calls)."""
-    try:
-        return _k.function(ordinal, K.SET_CONDITION, K.source, K.options())
-    except CudaError:
-        return _k.function(ordinal, K.SET_CONDITION, K.source, ())
+    """The set-condition kernel on device ``ordinal`` (the current context), compiled by NVRTC with
+    ``kernels.options()`` (an executable cubin; see ``cgraw.control.kernels``) and loaded once."""
+    return _k.function(ordinal, K.SET_CONDITION, K.source, K.options())
 
 
 def preload(values) -> None:

@@ -165,6 +165,43 @@ def test_body_with_an_event_is_refused(pool):
     assert pool.capture_stream.capture_status == 0
 
 
+def test_loop_after_a_joined_fork_runs(pool):
+    """The loop pauses the capture stream: work forked before it and joined back is fine."""
+    x0 = trand(64)
+    side = torch.cuda.Stream()  # made outside the capture
+    with cgraw.capture(pool=pool) as g:
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            y = x0 * 2
+        main.wait_stream(side)
+        (v,) = cgraw.while_loop(lambda v: v.abs().max() < 1000, lambda v: (v * 2,), (y,))
+    g.replay()
+    ref = x0 * 2
+    while ref.abs().max() < 1000:
+        ref = ref * 2
+    torch.cuda.synchronize()
+    assert torch.equal(v, ref)
+
+
+def test_loop_after_an_unjoined_fork_is_refused(pool):
+    """Pausing would end a capture with a side stream left unjoined: cgraw refuses first."""
+    x0 = trand(64)
+    side = torch.cuda.Stream()  # made outside the capture
+    with pytest.raises(cgraw.CaptureError) as ei:
+        with cgraw.capture(pool=pool):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                x0 * 2
+            cgraw.while_loop(lambda v: v.sum() < 0, lambda v: (v,), (x0,))
+    chain, e = [], ei.value
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    assert any(getattr(c, "name", "") == "CONDITIONAL_AFTER_UNJOINED_FORK" for c in chain), chain
+    assert pool.capture_stream.capture_status == 0
+
+
 def test_random_draws_in_a_loop_body_are_refused(pool):
     with pytest.raises(cgraw.CaptureError, match="would repeat on every iteration"):
         with cgraw.capture(pool=pool):

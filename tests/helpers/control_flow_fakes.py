@@ -19,7 +19,7 @@ class FakeDriver:
     """The ``_cuda`` functions the capture path calls (set with ``monkeypatch``), recording each
     call in ``calls`` and the graph the stream captures into in ``capturing``."""
 
-    def __init__(self, monkeypatch, version=12080, body_types=("KERNEL",)):
+    def __init__(self, monkeypatch, version=12080, body_types=("KERNEL",), unjoined=False):
         self.calls: list[tuple] = []
         self.capturing = "G"  # the outer capture's graph
         self.deps = {"G": ["n0"]}
@@ -27,6 +27,7 @@ class FakeDriver:
         self.nodes = 0
         self.draws = [0]
         self.body_types = body_types
+        self.unjoined = unjoined  # the outer graph has a leaf of a side stream not joined back
         dev = types.SimpleNamespace(ordinal=-1, context="ctx")
         self.cap = types.SimpleNamespace(graph=types.SimpleNamespace(device=dev, capture_stream=types.SimpleNamespace(
             handle="S")), mode="thread_local", random_draws=lambda: self.draws[0])
@@ -35,10 +36,13 @@ class FakeDriver:
         m.setattr(_cuda, "driver_get_version", lambda: version)
         m.setattr(_cuda, "stream_capture_graph", self.capture_graph)
         m.setattr(_cuda, "graph_get_nodes", lambda g: [f"{g}.n{i}" for i in range(len(self.body_types))])
+        m.setattr(_cuda, "graph_get_edges", self.edges)
+        m.setattr(_cuda, "native", lambda h: h)
         m.setattr(_cuda, "graph_node_get_type", lambda n: getattr(
             _cuda.NodeType, "CU_GRAPH_NODE_TYPE_" + self.body_types[int(n.rsplit("n", 1)[1])]))
         m.setattr(_cond, "graph_conditional_handle_create", self.handle_create)
         m.setattr(_cond, "graph_add_conditional_node", self.add_node)
+        m.setattr(_cond, "stream_set_capture_dependencies", self.set_deps)
         m.setattr(_cond, "stream_begin_capture_to_graph", self.begin)
         m.setattr(_cond, "stream_end_capture_into", self.end)
         m.setattr(_k, "function", lambda ordinal, name, source, options: ("F", name, options))
@@ -54,13 +58,24 @@ class FakeDriver:
         self.calls.append(("handle", graph, h))
         return h
 
+    def edges(self, g):
+        """Every node has a successor (nothing forked and left unjoined), unless ``unjoined``."""
+        if self.unjoined and g == "G":
+            return []
+        return [(f"{g}.n{i}", "next") for i in range(len(self.body_types))]
+
     def add_node(self, graph, deps, h, kind, size, ctx):
-        assert self.capturing is None, "a node is added while the stream captures nothing"
+        assert self.capturing == graph, "a node joins the graph the stream is capturing"
         self.nodes += 1
         node = f"c{self.nodes}"
         bodies = [f"B{self.nodes}.{i}" for i in range(size)]
         self.calls.append(("add", graph, tuple(deps), h, kind, size))
         return node, bodies
+
+    def set_deps(self, s, nodes):
+        assert s == "S" and self.capturing is not None
+        self.deps[self.capturing] = list(nodes)
+        self.calls.append(("deps", self.capturing, tuple(nodes)))
 
     def begin(self, s, graph, deps, mode):
         assert self.capturing is None

@@ -15,7 +15,7 @@ import cgraw
 from cgraw import _cuda
 from cgraw._cuda import conditional as _cond, kernels as _k
 from cgraw.control import kernels as K, nodes, plan
-from cgraw.errors import CaptureError, ControlFlowError
+from cgraw.errors import CaptureError, ControlFlowError, CudaError
 
 torch = pytest.importorskip("torch")
 
@@ -204,11 +204,24 @@ def test_set_condition_source_and_options():
     src = K.source(K.SET_CONDITION)
     assert 'extern "C" __global__ void cgraw_set_condition' in src and "cudaGraphSetConditional" in src
     assert "#include" not in src  # NVRTC needs no include path for it
+    assert "__cudart_builtin__ void cudaGraphSetConditional(" in src  # declared, as cuda.core's tests do
     with pytest.raises(KeyError):
         K.source("other")
-    assert K.options({}, lambda d: False) == ("-rdc=true",)
-    opts = K.options({"CUDA_HOME": "/opt/cuda"}, lambda d: True)
-    assert opts == ("-rdc=true", "--include-path=/opt/cuda/include")
+    # an executable cubin: -rdc=true makes a relocatable object that cuModuleLoadData cannot load
+    assert K.options() == ()
+
+
+def test_a_missing_nvrtc_library_is_a_cuda_error(monkeypatch):
+    """cuda-bindings loads libnvrtc at the first call; its loader error becomes ``CudaError``."""
+    from cuda.bindings import nvrtc
+
+    def missing():
+        raise RuntimeError('Failure finding "libnvrtc.so.13"')
+
+    monkeypatch.setattr(nvrtc, "nvrtcVersion", missing)
+    with pytest.raises(CudaError) as ei:
+        _k.compile_image(K.source(K.SET_CONDITION), K.SET_CONDITION, (9, 0), K.options())
+    assert ei.value.name == "NVRTC_UNAVAILABLE" and "libnvrtc" in str(ei.value)
 
 
 def test_conditional_handle_value_reads_the_binding_object():
@@ -229,6 +242,33 @@ def test_add_node_compat_shapes():
     assert seen == [("g", ["d"], None, 1, "p"), ("g", ["d"], 1, "p")]
 
 
+def test_update_capture_dependencies_compat_shapes():
+    """13.x: ``(stream, deps, edge_data, n, flags)``; 12.x: ``(stream, deps, n, flags)``."""
+    from cgraw._cuda import compat
+
+    seen = []
+    fake = types.SimpleNamespace(cuStreamUpdateCaptureDependencies=lambda *a: seen.append(a) or (0,),
+                                 cuGraphAddNode=None, cuStreamGetCaptureInfo=None, cuGraphGetEdges=None)
+    compat.select(fake, None, "13.5.0").update_capture_dependencies("s", ["n"], 1, 1)
+    compat.select(types.SimpleNamespace(**vars(fake), cuStreamGetCaptureInfo_v3=None, cuGraphGetEdges_v2=None),
+                  None, "12.9.0").update_capture_dependencies("s", ["n"], 1, 1)
+    assert seen == [("s", ["n"], None, 1, 1), ("s", ["n"], 1, 1)]
+
+
+def test_update_capture_dependencies_signature_of_the_installed_bindings():
+    """The installed ``cuStreamUpdateCaptureDependencies`` takes the arguments ``_compat`` passes."""
+    import cuda.bindings
+
+    from cgraw._cuda import compat
+
+    doc = (_cond.drv.cuStreamUpdateCaptureDependencies.__doc__ or "").strip()
+    if compat.bindings_major(cuda.bindings.__version__) >= 13:
+        assert doc.startswith("cuStreamUpdateCaptureDependencies(hStream, dependencies") and "dependencyData" in doc
+
+    flags = _cond.SET_CAPTURE_DEPENDENCIES
+    assert int(flags) == 1 and flags.name == "CU_STREAM_SET_CAPTURE_DEPENDENCIES"
+
+
 # --------------------------------------------------------------------------- the capture path, faked
 
 def test_capture_while_driver_call_sequence(monkeypatch):
@@ -239,8 +279,9 @@ def test_capture_while_driver_call_sequence(monkeypatch):
     assert d.calls == [
         ("handle", "G", 1001),
         ("set", "G", 1001, 0),           # the initial value, in the enclosing graph
+        ("add", "G", ("n0", "set"), 1001, "while", 1),  # joins the running capture after its deps
+        ("deps", "G", ("c1",)),          # cuStreamUpdateCaptureDependencies: next work after the node
         ("end", "G"),                    # the enclosing capture pauses
-        ("add", "G", ("n0", "set"), 1001, "while", 1),
         ("begin", "B1.0", ()),           # the body, on the same stream
         ("set", "B1.0", 1001, 0),        # the next value, at the end of the body
         ("end", "B1.0"),
@@ -349,9 +390,9 @@ def test_capture_nested_while_in_cond(monkeypatch):
         return cgraw.while_loop(lambda v: v.sum() < 10, lambda v: (v * 2,), (x,))[0]
 
     cgraw.cond(torch.tensor(True), t, lambda x: x + 0, (torch.ones(2),))
-    kinds = [(c[0], c[1]) for c in d.calls if c[0] in ("add", "begin", "end")]
-    assert kinds == [("end", "G"), ("add", "G"), ("begin", "B1.0"),       # the IF's then-body
-                     ("end", "B1.0"), ("add", "B1.0"), ("begin", "B2.0"),  # the WHILE inside it
+    kinds = [(c[0], c[1]) for c in d.calls if c[0] in ("add", "deps", "begin", "end")]
+    assert kinds == [("add", "G"), ("deps", "G"), ("end", "G"), ("begin", "B1.0"),  # the IF's then-body
+                     ("add", "B1.0"), ("deps", "B1.0"), ("end", "B1.0"), ("begin", "B2.0"),  # the WHILE in it
                      ("end", "B2.0"), ("begin", "B1.0"),
                      ("end", "B1.0"), ("begin", "B1.1"), ("end", "B1.1"),  # the else-body
                      ("begin", "G")]
@@ -428,20 +469,35 @@ def test_torch_cond_outside_a_capture_is_left_to_torch():
     assert torch.equal(out, x + 1 if x.sum() > 0 else x - 1)
 
 
-def test_set_condition_kernel_is_compiled_with_rdc_and_without_it_if_refused(monkeypatch):
+def test_set_condition_kernel_is_compiled_without_rdc_and_a_load_failure_propagates(monkeypatch):
     d = FakeDriver(monkeypatch)
     asked = []
 
     def function(ordinal, name, source, options):
         asked.append(options)
-        if options:
-            raise _cuda.make_error(_cuda.CUresult.CUDA_ERROR_INVALID_IMAGE, "cuModuleLoadData")
         return ("F", name, options)
 
     monkeypatch.setattr(_k, "function", function)
     cgraw.while_loop(lambda x: x.sum() < 0, lambda x: (x,), (torch.ones(2),))
-    assert asked[0][0] == "-rdc=true" and asked[1] == ()
+    assert asked and all(o == () for o in asked)  # never -rdc=true
     assert [c[0] for c in d.calls].count("set") == 2
+
+    def refused(ordinal, name, source, options):
+        raise _cuda.make_error(_cuda.CUresult.CUDA_ERROR_INVALID_IMAGE, "cuModuleLoadData")
+
+    monkeypatch.setattr(_k, "function", refused)
+    d.calls.clear()
+    with pytest.raises(CudaError, match="cuModuleLoadData"):
+        cgraw.while_loop(lambda x: x.sum() < 0, lambda x: (x,), (torch.ones(2),))
+    assert [c[0] for c in d.calls] == ["handle"] and d.capturing == "G"  # no node, the capture runs on
+
+
+def test_capture_after_an_unjoined_fork_is_refused_before_the_pause(monkeypatch):
+    d = FakeDriver(monkeypatch, unjoined=True)
+    with pytest.raises(CaptureError) as ei:
+        cgraw.while_loop(lambda x: x.sum() < 0, lambda x: (x,), (torch.ones(2),))
+    assert ei.value.name == "CONDITIONAL_AFTER_UNJOINED_FORK" and "wait_stream" in ei.value.hint
+    assert "end" not in [c[0] for c in d.calls] and d.capturing == "G"  # never paused: capture() ends it
 
 
 def test_capture_refusal_inside_a_body_names_the_body_rules(monkeypatch):

@@ -57,8 +57,11 @@ class Emulator(FakeDriver):
         self._start()
 
     def add_node(self, graph, deps, h, kind, size, ctx):
+        # the node joins the running capture: the ops recorded before it come first
         node, bodies = super().add_node(graph, deps, h, kind, size, ctx)
+        self._stop(graph)
         self.items[graph].append(("node", kind, h, bodies))
+        self._start()
         return node, bodies
 
     def set_condition(self, ordinal, handle, pred, negate, s):
