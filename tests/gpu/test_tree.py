@@ -515,6 +515,39 @@ def test_grad_turned_on_inside_a_no_grad_call_matches_eager():
     assert "grad mode is off at the call" in cgraw.report()
 
 
+def test_a_graphed_function_called_inside_another_matches_eager():
+    """``outer`` calls graphed ``inner``: inner runs inside outer's warm-up and recording (its work
+    is part of outer's graph), outer replays, and every call equals eager, with inner also called
+    on its own between steps."""
+    inner_fn = lambda x: x * 2.0 + 1.0  # noqa: E731
+    inner = cgraw.graphed(inner_fn)
+    outer = cgraw.graphed(lambda x: inner(x).relu() * 3.0)
+    for _ in range(6):
+        cgraw.mark_step_begin()
+        x = trand(512)
+        torch.testing.assert_close(outer(x), inner_fn(x).relu() * 3.0)
+        torch.testing.assert_close(inner(x), inner_fn(x))
+    assert _stats(outer).replays >= 3
+
+
+def test_a_graphed_function_called_inside_a_capture_matches_eager():
+    """A graphed function called inside ``cgraw.capture()``: the capture's replays compute what
+    eager does with the new contents of the captured input."""
+    inner_fn = lambda x: torch.tanh(x) * 2.0  # noqa: E731
+    inner = cgraw.graphed(inner_fn)
+    x = trand(512)
+    for _ in range(3):  # warm the function up and record it outside the capture
+        cgraw.mark_step_begin()
+        inner(x)
+    with cgraw.capture() as g:
+        y = inner(x) + 1.0
+    for _ in range(3):
+        x.copy_(trand(512))
+        g.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(y, inner_fn(x) + 1.0)
+
+
 def test_a_tensor_returned_twice_is_one_object_on_every_call():
     def twice(x):
         y = x * 2.0
