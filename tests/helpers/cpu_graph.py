@@ -14,7 +14,8 @@ again, in order, on the same tensor objects (fixed addresses):
   keeps its address);
 - in-place and ``out=`` ops (mutable schemas) run again on the recorded tensors;
 - views (``view``, ``t()``, slicing, ``detach``, ``split``...) are not run: the view objects of the
-  recording share the storage of their base, which never moves, so they read its new contents;
+  recording share the storage of their base, which never moves, so they read its new contents (an
+  op that may alias and copied instead, ``reshape`` under inference mode, runs again as a copy);
 - ``empty*`` factories are not run (a graph leaves such memory as it is);
 - Python scalars in op arguments stay as recorded: baked in, as in a graph's kernel arguments;
 - a recording computes nothing that outlives it, as a capture runs nothing: writes of in-place ops
@@ -77,6 +78,15 @@ def _tensors(x) -> list:
 
 def _storage_ptr(t) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def _aliases(out, args) -> bool:
+    """Whether every tensor ``out`` holds shares storage with a tensor of ``args``. Under inference
+    mode (autograd's keys excluded) ops such as ``reshape`` reach the recorder undecomposed: their
+    schema says they may alias, and they copy when they cannot view. A capture records the copy's
+    kernel, so a replay runs it again."""
+    ins = {_storage_ptr(t) for t in _tensors(args)}
+    return all(_storage_ptr(t) in ins for t in _tensors(out))
 
 
 _BY_INDEX = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
@@ -151,6 +161,8 @@ class GraphRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if any(not isinstance(x, torch.Tensor) and x is not None for x in tree_flatten(out)[0]):
             raise HostRead(f"{func} returned a Python value ({type(out).__name__}) to the host")
+        if kind == "view" and not _aliases(out, args):
+            kind = "copy"  # an op that views where it can and copies otherwise (reshape of an expanded tensor)
         for t in _tensors(out):
             self.made.add(id(t))
         self.ops.append(_Op(func, args, kwargs, out, kind))
@@ -183,7 +195,9 @@ class CpuGraph:
             if _storage_ptr(t) != ptr:
                 raise CannotEmulate(f"a tensor the recording read moved (storage 0x{ptr:x} -> "
                                     f"0x{_storage_ptr(t):x}): a graph would read its old address")
-        with torch.no_grad():
+        # a graph replays kernels, past every dispatch: autocast, active at a replay, casts nothing
+        # again (the ops logged are what autocast dispatched at the recording)
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
             for op in self.ops:
                 if op.kind == "view" or op.kind == "skip":
                     continue
@@ -279,7 +293,10 @@ class CpuGraphBackend(CpuTorchBackend):
     (owned), rebuilt from the caller's input (an input or a view of one), or as they are (a
     closure tensor returned). A call made with grad enabled that autograd records is recorded by
     ``CpuTorchBackend`` (Python runs again on its replays): the emulator leaves autograd out.
+    Calls are keyed as ``CudaBackend`` keys them (``keys_as_cuda``, see ``cpu_tree``).
     """
+
+    keys_as_cuda = True
 
     def __init__(self):
         super().__init__()

@@ -66,6 +66,24 @@ def test_a_replay_recomputes_every_op_from_the_new_contents_of_its_inputs():
     assert g.replays == 3
 
 
+def test_a_reshape_that_copies_under_inference_mode_runs_again_on_every_replay():
+    """Under inference mode ``reshape`` reaches the recorder whole (autograd, which decomposes it,
+    is off); of an expanded tensor it copies (transformers' ``repeat_kv``), and a replay runs that
+    copy again as a graph runs its kernel."""
+    x = torch.randn(2, 3, 4)
+
+    def f(x):
+        return x[:, None].expand(2, 2, 3, 4).reshape(4, 3, 4) * 2, x.reshape(6, 4)
+
+    with torch.inference_mode():
+        g, out = record(f, x)
+        for _ in range(3):
+            x.copy_(torch.randn(2, 3, 4))
+            g.replay()
+            for a, b in zip(out, f(x), strict=True):
+                same(a, b)
+
+
 def test_a_python_scalar_read_at_record_time_stays_baked_in():
     settings = {"scale": 2.0}
     x = torch.randn(5)

@@ -135,3 +135,32 @@ def test_generate_with_a_graphed_forward_gives_eagers_tokens(cache, monkeypatch)
             assert st.recordings == 1 and st.replays >= 8 and st.eager_calls == 0
         else:
             assert st.recordings == 0 and "DynamicCache" in f.unsafe_reason
+
+
+_AUTOCAST = {
+    "autocast_on_and_off": lambda i: torch.autocast("cpu", dtype=torch.bfloat16, enabled=(i // 2) % 2 == 1),
+    "autocast_dtype_flipped": lambda i: torch.autocast("cpu", dtype=torch.bfloat16 if (i // 2) % 2 else torch.float16),
+    "inference_mode_on_and_off": lambda i: torch.inference_mode((i // 2) % 2 == 1),
+}
+
+
+@pytest.mark.parametrize("settings", list(_AUTOCAST))
+def test_a_graphed_forward_under_settings_that_change_between_calls_equals_eager(settings, monkeypatch):
+    """Autocast switched on and off, its dtype changed, or inference mode toggled every two calls
+    around a graphed Llama forward: each setting selects a recording of its own (the logits are
+    bfloat16 under autocast, float32 without), as eager's kernels change with it."""
+    ctx = _AUTOCAST[settings]
+    with cpu_tree(monkeypatch, CpuGraphBackend) as mgr:
+        torch.manual_seed(0)
+        model = _llama().eval()
+        f = TorchFn(lambda x: model(x, use_cache=False), mgr)
+        for i in range(8):
+            x = _ids(2, 8, i)
+            with torch.no_grad(), ctx(i):
+                ref = model(x, use_cache=False)
+            with ctx(i):
+                got = f(x)
+            assert got.logits.dtype == ref.logits.dtype, f"call {i}"
+            _equal(got, ref, f"{settings} call {i}")
+        st = mgr.stats[f.fn_id]
+        assert (st.recordings, st.replays, st.eager_calls) == (2, 4, 0), [n.skip_reason for n in mgr.nodes()]
