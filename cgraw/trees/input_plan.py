@@ -179,13 +179,9 @@ def state_change_verdict(fn, skip: str | None, why: str | None) -> tuple[str | N
     """What follows a warm-up of ``fn`` that changed an argument's Python state (``why``, from
     ``changed_argument``; ``skip``: the warm-up's own skip reason, which comes first):
     ``(skip reason, warm up again)``. The first time the node warms up again at its next call
-    (state made lazily on first use, a cache filled once); the second time in a row the function
-    runs eagerly from now on (its ``unsafe_reason``), for every input signature. A warm-up that
-    changes nothing ends the row: ``generate()`` makes a new ``StaticCache`` per call, which its
-    prefill fills lazily, while its decode step, warmed up in between, changes nothing."""
+    (state made lazily on first use, a cache filled once); the second time the function runs
+    eagerly from now on (its ``unsafe_reason``), for every input signature."""
     if skip is not None or why is None:
-        if why is None and skip is None and getattr(fn, "python_state_changes", 0):
-            fn.python_state_changes = 0
         return skip, False
     fn.python_state_changes = getattr(fn, "python_state_changes", 0) + 1
     if fn.python_state_changes < 2:

@@ -217,30 +217,6 @@ def test_a_decode_step_returning_the_model_output_with_its_cache_replays():
     _assert_graphed(f, recordings=1, replays=new_tokens - 4)
 
 
-
-def test_generate_called_again_with_a_static_cache_keeps_replaying():
-    """``model.generate()`` three times with ``model.forward`` graphed and a static cache, on new
-    prompts: ``generate()`` makes a new ``StaticCache`` per call, which the prefill allocates (a
-    change of the cache's Python state, warmed up again), and the decode steps between prefills
-    change nothing, so they record and replay in every call, with eager's tokens."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   bos_token_id=0, eos_token_id=1, pad_token_id=0, attn_implementation="sdpa")
-    model = transformers.LlamaForCausalLM(cfg).cuda().eval()
-    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, cache_implementation="static")
-    prompts = [torch.randint(2, cfg.vocab_size, (1, 6), device="cuda") for _ in range(3)]
-    with torch.no_grad():
-        refs = [model.generate(p, **kw) for p in prompts]
-        f = cgraw.graphed(model.forward)
-        model.forward = f
-        for p, ref in zip(prompts, refs):
-            got = model.generate(p, **kw)
-            assert torch.equal(got, ref), (got, ref)
-    st = _assert_graphed(f, recordings=1, replays=3 * 8)
-    assert st.eager_calls == 0, cgraw.report()
-
 # ---------------------------------------------------------------- torchvision
 
 

@@ -78,20 +78,3 @@ def test_the_first_change_warms_up_again_and_the_second_makes_the_function_eager
     assert fn.unsafe_reason is None
     assert state_change_verdict(fn, None, "changed") == ("changed", False)
     assert fn.unsafe_reason == "changed"
-
-
-def test_a_warm_up_that_changes_nothing_ends_the_row_of_changes():
-    """A new ``StaticCache`` per ``generate()`` call, filled lazily by the prefill, with a decode
-    step warmed up in between that changes nothing: each prefill only warms up again, and the
-    function keeps its recordings."""
-    class Fn:
-        unsafe_reason = None
-
-    fn = Fn()
-    for _ in range(3):
-        assert state_change_verdict(fn, None, "changed") == (None, True)  # a prefill filling a new cache
-        assert state_change_verdict(fn, None, None) == (None, False)  # a decode step
-    assert fn.unsafe_reason is None
-    assert state_change_verdict(fn, None, "changed") == (None, True)
-    assert state_change_verdict(fn, None, "changed") == ("changed", False)  # two in a row
-    assert fn.unsafe_reason == "changed"
