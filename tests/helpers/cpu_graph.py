@@ -248,8 +248,10 @@ class _ClosureReads(TorchDispatchMode):
             i = id(t)
             if i not in self.made and i not in self.inputs and i not in self.seen:
                 self.seen[i] = weakref.ref(t)
-        for t in _tensors(out):
-            self.made.add(id(t))
+        ins = _tensors((args, kwargs))
+        for t in _tensors(out):  # as observe's: an in-place op returns its argument, not made here
+            if not any(t is a for a in ins):
+                self.made.add(id(t))
         return out
 
     def external(self, exclude) -> list:

@@ -362,6 +362,29 @@ def test_a_closure_buffer_updated_in_place_and_returned_matches_eager(mgr):
     assert counts(mgr, f)[2] >= 4
 
 
+def test_a_closure_buffer_written_in_place_then_given_new_storage_warms_up_again(mgr):
+    """A buffer the function only writes in place and reads (``self.acc.add_(x)``), then given new
+    storage between calls (``acc.data = ...``): the recording reads it by address, so the call
+    warms up again, as for a weight that moved, and matches eager."""
+    m, ref = torch.nn.Module(), torch.nn.Module()
+    m.register_buffer("acc", torch.zeros(3))
+    ref.register_buffer("acc", torch.zeros(3))
+
+    def step(mod, x):
+        mod.acc.add_(x)
+        return mod.acc * 2.0
+
+    f = TorchFn(lambda x: step(m, x), mgr)
+    for i in range(6):
+        if i == 3:
+            m.acc.data = torch.full((3,), 10.0)
+            ref.acc.data = torch.full((3,), 10.0)
+        x = torch.randn(3)
+        same(f(x), step(ref, x))
+        same(m.acc, ref.acc)
+    assert any("reads through its closure moved" in r for r in mgr.stats[f.fn_id].rerecord_reasons)
+
+
 def test_outputs_returned_twice_or_as_views_of_each_other_follow_each_replay(mgr):
     def dup(x):
         y = x * 20.0
