@@ -36,8 +36,10 @@ What it refuses while recording (``CannotEmulate``, or its subclass ``HostRead``
 - ops that swap a tensor's storage (``set_``, ``resize_``, ``resize_as_``);
 - higher-order operators (``torch.cond``...).
 
-Not seen: what bypasses torch's dispatcher (``.numpy()``, ``.tolist()`` of a CPU tensor,
-``data_ptr()``); such reads happen once, at record time, like every Python statement.
+A copy to the host that bypasses torch's dispatcher on the CPU (``.tolist()``, ``.numpy()``,
+``numpy.asarray(t)``, printing a tensor) is refused too (``HostRead``), as a capture refuses it.
+Not seen: ``data_ptr()`` and other reads of metadata; they happen once, at record time, like
+every Python statement.
 """
 
 from __future__ import annotations
@@ -220,13 +222,33 @@ def record(fn, *args, **kwargs):
     cuda = torch.cuda
     was = cuda.is_current_stream_capturing
     cuda.is_current_stream_capturing = lambda: True
+    T = torch.Tensor
+    copies = {name: T.__dict__.get(name) for name in _HOST_COPIES}
+    for name in _HOST_COPIES:
+        setattr(T, name, _refused(name))
     try:
         with rec:
             out = fn(*args, **kwargs)
     finally:
         cuda.is_current_stream_capturing = was
+        for name, m in copies.items():
+            if m is None:
+                delattr(T, name)
+            else:
+                setattr(T, name, m)
         rec.undo_writes()
     return CpuGraph(rec), out
+
+
+# copies of a tensor to the host that bypass the dispatcher on the CPU; of a device tensor they
+# synchronise with it, which a capture refuses
+_HOST_COPIES = ("tolist", "numpy", "__array__", "__repr__")
+
+
+def _refused(name):
+    def refused(self, *args, **kwargs):
+        raise HostRead(f"Tensor.{name}() copies a device tensor to the host")
+    return refused
 
 
 # ---------------------------------------------------------------------- the tree backend

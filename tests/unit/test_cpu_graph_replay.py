@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import pathlib
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -148,6 +149,16 @@ def test_what_the_emulator_cannot_replay_is_refused_with_a_reason():
     with pytest.raises(CannotEmulate, match="moved"):
         g.replay()
 
+
+
+@pytest.mark.parametrize("read", [
+    lambda y: y.tolist(), lambda y: y.numpy().sum(), lambda y: np.asarray(y), lambda y: f"{y!r}", lambda y: str(y),
+], ids=["tolist", "numpy", "asarray", "repr", "str"])
+def test_a_copy_to_the_host_that_bypasses_the_dispatcher_is_refused_as_a_capture_refuses_it(read):
+    x = torch.randn(4)
+    with pytest.raises(HostRead, match="to the host"):
+        record(lambda x: read(x * 2.0), x)
+    assert isinstance(x.tolist(), list) and repr(x).startswith("tensor")  # only while recording
 
 # ---------------------------------------------------------------------- through the tree
 

@@ -139,6 +139,30 @@ def test_generate_with_a_graphed_forward_gives_eagers_tokens(cache, monkeypatch)
             assert st.recordings == 0 and "DynamicCache" in f.unsafe_reason
 
 
+
+def test_a_pipeline_ending_in_python_post_processing_of_the_tokens_runs_eagerly_with_the_reason(monkeypatch):
+    """Embedding lookup, the model, argmax, then Python reading the tokens (``tolist()``, a copy to
+    the host, which a capture refuses): the call runs eagerly with that reason, and each call's
+    Python result is its own, not the first recording's."""
+    with cpu_tree(monkeypatch, CpuGraphBackend) as mgr:
+        torch.manual_seed(0)
+        model = _llama().eval()
+        emb = model.get_input_embeddings()
+
+        def pipeline(ids):
+            tok = model(inputs_embeds=emb(ids), use_cache=False).logits.argmax(-1)
+            return {"tokens": tok, "words": [" ".join(f"w{t}" for t in row) for row in tok.tolist()]}
+
+        f = TorchFn(pipeline, mgr)
+        for i in range(4):
+            x = _ids(2, 8, i)
+            with torch.no_grad():
+                ref = pipeline(x)
+            got = f(x)
+            assert torch.equal(got["tokens"], ref["tokens"]) and got["words"] == ref["words"], i
+        st = mgr.stats[f.fn_id]
+        assert st.replays == 0 and any("host" in r for r in st.skip_reasons), st.skip_reasons
+
 _AUTOCAST = {
     "autocast_on_and_off": lambda i: torch.autocast("cpu", dtype=torch.bfloat16, enabled=(i // 2) % 2 == 1),
     "autocast_dtype_flipped": lambda i: torch.autocast("cpu", dtype=torch.bfloat16 if (i // 2) % 2 else torch.float16),
