@@ -244,6 +244,31 @@ def test_inputs_sharing_memory_with_a_written_input_match_eager():
     assert "share memory" in cgraw.report()
 
 
+def test_a_closure_buffer_written_in_place_then_given_new_storage_matches_eager():
+    """A buffer the function only writes in place and reads (``self.acc.add_(x)``), given new
+    storage between calls (``acc.data = ...``): the call warms up again instead of replaying into
+    the old address."""
+    m = torch.nn.Module().cuda()
+    m.register_buffer("acc", torch.zeros(256, device="cuda"))
+    ref = torch.zeros(256, device="cuda")
+
+    def step(x):
+        m.acc.add_(x)
+        return m.acc * 2.0
+
+    f = cgraw.graphed(step)
+    for i in range(7):
+        if i == 4:
+            fresh = trand(256)
+            m.acc.data = fresh.clone()
+            ref = fresh.clone()
+        x = trand(256)
+        ref = ref + x
+        torch.testing.assert_close(f(x), ref * 2.0, rtol=0, atol=0)
+        torch.testing.assert_close(m.acc, ref, rtol=0, atol=0)
+    assert any("reads through its closure moved" in r for r in _stats(f).rerecord_reasons), cgraw.report()
+
+
 def test_a_plain_object_argument_set_anew_matches_eager():
     """An argument that is a plain object (equal only to itself): its attributes are part of the
     call's signature, so one set anew selects another recording instead of replaying the old value."""

@@ -14,7 +14,8 @@ again, in order, on the same tensor objects (fixed addresses):
   keeps its address);
 - in-place and ``out=`` ops (mutable schemas) run again on the recorded tensors;
 - views (``view``, ``t()``, slicing, ``detach``, ``split``...) are not run: the view objects of the
-  recording share the storage of their base, which never moves, so they read its new contents;
+  recording share the storage of their base, which never moves, so they read its new contents (an
+  op that may alias and copied instead, ``reshape`` under inference mode, runs again as a copy);
 - ``empty*`` factories are not run (a graph leaves such memory as it is);
 - Python scalars in op arguments stay as recorded: baked in, as in a graph's kernel arguments;
 - a recording computes nothing that outlives it, as a capture runs nothing: writes of in-place ops
@@ -35,8 +36,10 @@ What it refuses while recording (``CannotEmulate``, or its subclass ``HostRead``
 - ops that swap a tensor's storage (``set_``, ``resize_``, ``resize_as_``);
 - higher-order operators (``torch.cond``...).
 
-Not seen: what bypasses torch's dispatcher (``.numpy()``, ``.tolist()`` of a CPU tensor,
-``data_ptr()``); such reads happen once, at record time, like every Python statement.
+A copy to the host that bypasses torch's dispatcher on the CPU (``.tolist()``, ``.numpy()``,
+``numpy.asarray(t)``, printing a tensor) is refused too (``HostRead``), as a capture refuses it.
+Not seen: ``data_ptr()`` and other reads of metadata; they happen once, at record time, like
+every Python statement.
 """
 
 from __future__ import annotations
@@ -77,6 +80,15 @@ def _tensors(x) -> list:
 
 def _storage_ptr(t) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def _aliases(out, args) -> bool:
+    """Whether every tensor ``out`` holds shares storage with a tensor of ``args``. Under inference
+    mode (autograd's keys excluded) ops such as ``reshape`` reach the recorder undecomposed: their
+    schema says they may alias, and they copy when they cannot view. A capture records the copy's
+    kernel, so a replay runs it again."""
+    ins = {_storage_ptr(t) for t in _tensors(args)}
+    return all(_storage_ptr(t) in ins for t in _tensors(out))
 
 
 _BY_INDEX = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
@@ -151,6 +163,8 @@ class GraphRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if any(not isinstance(x, torch.Tensor) and x is not None for x in tree_flatten(out)[0]):
             raise HostRead(f"{func} returned a Python value ({type(out).__name__}) to the host")
+        if kind == "view" and not _aliases(out, args):
+            kind = "copy"  # an op that views where it can and copies otherwise (reshape of an expanded tensor)
         for t in _tensors(out):
             self.made.add(id(t))
         self.ops.append(_Op(func, args, kwargs, out, kind))
@@ -183,7 +197,9 @@ class CpuGraph:
             if _storage_ptr(t) != ptr:
                 raise CannotEmulate(f"a tensor the recording read moved (storage 0x{ptr:x} -> "
                                     f"0x{_storage_ptr(t):x}): a graph would read its old address")
-        with torch.no_grad():
+        # a graph replays kernels, past every dispatch: autocast, active at a replay, casts nothing
+        # again (the ops logged are what autocast dispatched at the recording)
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
             for op in self.ops:
                 if op.kind == "view" or op.kind == "skip":
                     continue
@@ -206,13 +222,33 @@ def record(fn, *args, **kwargs):
     cuda = torch.cuda
     was = cuda.is_current_stream_capturing
     cuda.is_current_stream_capturing = lambda: True
+    T = torch.Tensor
+    copies = {name: T.__dict__.get(name) for name in _HOST_COPIES}
+    for name in _HOST_COPIES:
+        setattr(T, name, _refused(name))
     try:
         with rec:
             out = fn(*args, **kwargs)
     finally:
         cuda.is_current_stream_capturing = was
+        for name, m in copies.items():
+            if m is None:
+                delattr(T, name)
+            else:
+                setattr(T, name, m)
         rec.undo_writes()
     return CpuGraph(rec), out
+
+
+# copies of a tensor to the host that bypass the dispatcher on the CPU; of a device tensor they
+# synchronise with it, which a capture refuses
+_HOST_COPIES = ("tolist", "numpy", "__array__", "__repr__")
+
+
+def _refused(name):
+    def refused(self, *args, **kwargs):
+        raise HostRead(f"Tensor.{name}() copies a device tensor to the host")
+    return refused
 
 
 # ---------------------------------------------------------------------- the tree backend
@@ -234,8 +270,10 @@ class _ClosureReads(TorchDispatchMode):
             i = id(t)
             if i not in self.made and i not in self.inputs and i not in self.seen:
                 self.seen[i] = weakref.ref(t)
-        for t in _tensors(out):
-            self.made.add(id(t))
+        ins = _tensors((args, kwargs))
+        for t in _tensors(out):  # as observe's: an in-place op returns its argument, not made here
+            if not any(t is a for a in ins):
+                self.made.add(id(t))
         return out
 
     def external(self, exclude) -> list:
@@ -279,7 +317,10 @@ class CpuGraphBackend(CpuTorchBackend):
     (owned), rebuilt from the caller's input (an input or a view of one), or as they are (a
     closure tensor returned). A call made with grad enabled that autograd records is recorded by
     ``CpuTorchBackend`` (Python runs again on its replays): the emulator leaves autograd out.
+    Calls are keyed as ``CudaBackend`` keys them (``keys_as_cuda``, see ``cpu_tree``).
     """
+
+    keys_as_cuda = True
 
     def __init__(self):
         super().__init__()

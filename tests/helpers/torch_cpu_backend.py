@@ -36,11 +36,34 @@ def cpu_tree(monkeypatch, backend_cls=None):
     """A ``TreeManager`` over ``backend_cls`` (``CpuTorchBackend``), CPU tensors on device 0, no grad."""
     from cgraw.trees.manager import TreeManager
 
-    with cpu_as_device0(monkeypatch), torch.no_grad():
+    with cpu_as_device0(monkeypatch), torch.no_grad(), keyed_as_cuda(getattr(backend_cls, "keys_as_cuda", False)):
         be = (backend_cls or CpuTorchBackend)()
         mgr = TreeManager(be)
         be.mgr = mgr
         yield mgr
+
+
+@contextlib.contextmanager
+def keyed_as_cuda(on: bool):
+    """What ``cuda_backend.CudaBackend`` sets once torch is loaded, for as long as the block runs
+    (when ``on``): parameters are static inputs, and grad mode and the settings that choose kernels
+    (autocast, inference mode, TF32...) join every call's key."""
+    if not on:
+        yield
+        return
+    from cgraw.interop.torch.kernel_state import kernel_state
+    from cgraw.trees import calls, config as tree_config
+
+    before = (calls._tensor[0], calls._tensor[1], calls._kernel[0], tree_config._grad_probe[0])
+    calls.use_torch(torch.Tensor, torch.nn.Parameter)
+    tree_config.grad_probe(torch.is_grad_enabled)
+    calls.use_kernel_state(kernel_state())
+    try:
+        yield
+    finally:
+        calls.use_torch(before[0], before[1])
+        calls.use_kernel_state(before[2])
+        tree_config.grad_probe(before[3])
 
 
 class TorchFn:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import pathlib
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -64,6 +65,24 @@ def test_a_replay_recomputes_every_op_from_the_new_contents_of_its_inputs():
         for a, b in zip(out, f(x), strict=True):
             same(a, b)
     assert g.replays == 3
+
+
+def test_a_reshape_that_copies_under_inference_mode_runs_again_on_every_replay():
+    """Under inference mode ``reshape`` reaches the recorder whole (autograd, which decomposes it,
+    is off); of an expanded tensor it copies (transformers' ``repeat_kv``), and a replay runs that
+    copy again as a graph runs its kernel."""
+    x = torch.randn(2, 3, 4)
+
+    def f(x):
+        return x[:, None].expand(2, 2, 3, 4).reshape(4, 3, 4) * 2, x.reshape(6, 4)
+
+    with torch.inference_mode():
+        g, out = record(f, x)
+        for _ in range(3):
+            x.copy_(torch.randn(2, 3, 4))
+            g.replay()
+            for a, b in zip(out, f(x), strict=True):
+                same(a, b)
 
 
 def test_a_python_scalar_read_at_record_time_stays_baked_in():
@@ -130,6 +149,16 @@ def test_what_the_emulator_cannot_replay_is_refused_with_a_reason():
     with pytest.raises(CannotEmulate, match="moved"):
         g.replay()
 
+
+
+@pytest.mark.parametrize("read", [
+    lambda y: y.tolist(), lambda y: y.numpy().sum(), lambda y: np.asarray(y), lambda y: f"{y!r}", lambda y: str(y),
+], ids=["tolist", "numpy", "asarray", "repr", "str"])
+def test_a_copy_to_the_host_that_bypasses_the_dispatcher_is_refused_as_a_capture_refuses_it(read):
+    x = torch.randn(4)
+    with pytest.raises(HostRead, match="to the host"):
+        record(lambda x: read(x * 2.0), x)
+    assert isinstance(x.tolist(), list) and repr(x).startswith("tensor")  # only while recording
 
 # ---------------------------------------------------------------------- through the tree
 
@@ -342,6 +371,29 @@ def test_a_closure_buffer_updated_in_place_and_returned_matches_eager(mgr):
         same(buf, ref)
         same(twice, ref * 2.0)
     assert counts(mgr, f)[2] >= 4
+
+
+def test_a_closure_buffer_written_in_place_then_given_new_storage_warms_up_again(mgr):
+    """A buffer the function only writes in place and reads (``self.acc.add_(x)``), then given new
+    storage between calls (``acc.data = ...``): the recording reads it by address, so the call
+    warms up again, as for a weight that moved, and matches eager."""
+    m, ref = torch.nn.Module(), torch.nn.Module()
+    m.register_buffer("acc", torch.zeros(3))
+    ref.register_buffer("acc", torch.zeros(3))
+
+    def step(mod, x):
+        mod.acc.add_(x)
+        return mod.acc * 2.0
+
+    f = TorchFn(lambda x: step(m, x), mgr)
+    for i in range(6):
+        if i == 3:
+            m.acc.data = torch.full((3,), 10.0)
+            ref.acc.data = torch.full((3,), 10.0)
+        x = torch.randn(3)
+        same(f(x), step(ref, x))
+        same(m.acc, ref.acc)
+    assert any("reads through its closure moved" in r for r in mgr.stats[f.fn_id].rerecord_reasons)
 
 
 def test_outputs_returned_twice_or_as_views_of_each_other_follow_each_replay(mgr):

@@ -211,3 +211,19 @@ def test_observer_notes_a_backward_inside_the_function():
     assert obs.backward
     obs, _ = _observe(lambda x: (x * w).sin().sum(), torch.randn(3))
     assert not obs.backward
+
+
+def test_observer_counts_a_closure_tensor_the_function_writes_in_place_as_external(monkeypatch):
+    """An in-place op returns its argument: a closure buffer the function writes and reads
+    (``self.acc.add_(x)``) was not made by the call, so it is external (its address is checked)."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the observer notes CUDA tensors
+    acc, w, x = torch.zeros(3), torch.ones(3), torch.ones(3)
+
+    def f(x):
+        acc.add_(x)
+        torch.mul(x, 2.0, out=w)
+        return acc * 2.0 + w
+
+    obs, out = _observe(f, x)
+    ext = obs.external([x, out])
+    assert any(t is acc for t in ext) and any(t is w for t in ext), ext

@@ -14,7 +14,7 @@ every aten and custom op below autograd, at no cost to later replays) cgraw lear
   the recording then routes allocations by stream, where autograd's device thread allocates;
 - ``external``: tensors the function read that are neither its arguments nor made during the
   call, and are still alive after it: closure tensors, such as a model's weights reached through
-  ``self``. A recording reads them by address, so cgraw keeps them alive and checks their
+  ``self``, or a buffer it writes in place (``self.count.add_(1)``). A recording reads them by address, so cgraw keeps them alive and checks their
   addresses on every call (``model.half()``, ``param.data = ...`` move them).
 
 The Observer is a ``interop.torch.modes.mode_base()`` mode: the bodies of higher-order operators
@@ -215,8 +215,9 @@ def _make_observer_class():
                     seen[i] = weakref.ref(t)
             outs: list = []
             _tensors(out, outs, T)
-            for t in outs:
-                created.add(id(t))
+            for t in outs:  # an in-place or out= op returns its argument: made before, not here
+                if not any(t is a for a in ins):
+                    created.add(id(t))
             # random numbers made on the CPU (every output on the CPU: torch.rand(3), bernoulli_ of
             # a CPU tensor); not a CUDA op that also returns its CPU seed and offset (sdpa's)
             if (self.cpu_random is None and seeded_tag is not None and seeded_tag in tags and outs
