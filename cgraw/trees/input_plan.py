@@ -170,8 +170,9 @@ def changed_argument(before, args, kwargs) -> str | None:
         if a != b:
             return (f"it changes the Python state of its {name} ({type(value).__name__}) in place (an attribute, "
                     "list or dict reached from it was reassigned or resized: args.clear(), d['k'] = v, obj.n += 1, "
-                    "a DynamicCache growing), which a replay would not redo: it runs no Python; pass state the "
-                    "function updates in place (a StaticCache), or keep this function eager")
+                    "a DynamicCache growing, a new StaticCache set up on first use), which a replay would not "
+                    "redo: it runs no Python; keep such state in tensors made once and updated in place (one "
+                    "StaticCache passed to every call or generate()), or keep this function eager")
     return None
 
 
