@@ -123,6 +123,7 @@ def declared_mutations(fn, call) -> tuple:
 _PLAIN = (int, float, bool, str, bytes, complex, type(None))
 _DEPTH = 6  # levels of attributes and items a snapshot follows
 _WIDTH = 256  # items of one list or dict it follows (more: its length and identity only)
+_BUDGET = 4096  # containers and objects one snapshot follows in all (more: by identity)
 
 
 def python_state(args, kwargs) -> list | None:
@@ -143,7 +144,7 @@ def _snapshot(x, depth: int, seen: set):
         return ("id", id(x))
     if t.__module__ == "torch":  # torch.Size, dtypes, devices: values
         return (t, x)
-    if depth == 0 or id(x) in seen:
+    if depth == 0 or id(x) in seen or len(seen) >= _BUDGET:
         return ("id", id(x))
     seen.add(id(x))
     if isinstance(x, (list, tuple)):

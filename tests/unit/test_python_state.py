@@ -78,3 +78,24 @@ def test_the_first_change_warms_up_again_and_the_second_makes_the_function_eager
     assert fn.unsafe_reason is None
     assert state_change_verdict(fn, None, "changed") == ("changed", False)
     assert fn.unsafe_reason == "changed"
+
+
+def _followed(snap) -> int:
+    """Containers and objects a snapshot followed (entries ``(type, id, ...)``)."""
+    if isinstance(snap, list):  # python_state's list of per-argument snapshots
+        return sum(_followed(s) for s in snap)
+    if not isinstance(snap, tuple):
+        return 0
+    own = 1 if len(snap) >= 3 and isinstance(snap[0], type) and isinstance(snap[1], int) else 0
+    return own + sum(_followed(s) for s in snap)
+
+
+def test_a_wide_and_deep_argument_is_snapshot_within_a_budget():
+    """A dict of 200 lists of 200 objects (40,000 objects and more inside them): the snapshot
+    follows at most ``_BUDGET`` of them, so a warm-up stays cheap, and a change among the first it
+    follows is still seen."""
+    from cgraw.trees import input_plan
+
+    wide = {k: [Obj() for _ in range(200)] for k in range(200)}
+    assert _followed(python_state((wide,), {})) <= input_plan._BUDGET
+    assert _changed(lambda d: d[0][0].items.append(1), wide) is not None
