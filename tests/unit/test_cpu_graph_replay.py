@@ -530,3 +530,20 @@ def test_a_view_of_a_tree_output_returned_by_the_next_function_is_invalidated_wi
         for old, want in kept:
             assert any(old is p for p in mgr.backend.poisoned) or torch.equal(old, want)
     assert mgr.stats[g.fn_id].replays >= 2
+
+
+def test_a_forward_hook_runs_only_when_the_function_runs_python(mgr):
+    """As the graph-trees guide says: a replay runs no Python, so a module's forward hook (one that
+    collects features) runs at the warm-up and the recording, not at the replays; the results are
+    eager's."""
+    lin = torch.nn.Linear(4, 4)
+    seen = []
+    lin.register_forward_hook(lambda m, i, o: seen.append(o))
+    f = TorchFn(lambda x: lin(x).relu(), mgr)
+    with torch.no_grad():
+        for _ in range(5):
+            mgr.mark_step_begin()
+            x = torch.randn(2, 4)
+            same(f(x), lin(x).relu())
+    assert counts(mgr, f)[:3] == (1, 1, 3)
+    assert len(seen) == 2 + 5  # the warm-up and the recording, then the eager references' five
