@@ -74,7 +74,7 @@ if has parallel; then
     pip install -q --no-deps --target /tmp/cb12 build/cb12/*.whl > "$L/cb12_pip.log" 2>&1
     PYTHONPATH=/tmp/cb12:. $P -m "gpu and not slow" ${CGRAW_CB12_FILES:-tests/gpu} > "$L/cb12.log" 2>&1 &
   fi
-  timeout 540 $SANITIZE $PYTEST -m "gpu and not slow and not third_party" ${CGRAW_MEMCHECK_FILES:-tests/gpu/test_rebind.py} \
+  timeout ${CGRAW_PARALLEL_TIMEOUT:-540} $SANITIZE $PYTEST -m "gpu and not slow and not third_party" ${CGRAW_MEMCHECK_FILES:-tests/gpu/test_rebind.py} \
     > "$L/memcheck.log" 2>&1 &
   wait
   # the replay path of a graphed call, module by module, and its host time on the GPU
