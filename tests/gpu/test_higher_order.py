@@ -75,15 +75,19 @@ def _tanh_scan(carry, row):
 # ---------------------------------------------------------------- torch.cond, while_loop, scan
 
 
-def test_cond_on_a_device_predicate_runs_eagerly_as_a_host_sync():
+def test_cond_on_a_device_predicate_is_graphed_as_a_conditional_node_and_equals_eager():
     def body(x):
         return torch.cond(x.sum() > 0, _true_branch, _false_branch, (x,)) + 1.0
 
     f = cgraw.graphed(body)
-    for _ in range(CALLS):  # the sign of the sum varies: both branches are taken
-        x = trand(256)
+    for _ in range(CALLS):  # the sign of the sum varies from call to call
+        x = trand(256) - 0.5
         torch.testing.assert_close(f(x), body(x), **TOL)
-    _assert_eager(f, "host synchronisation")
+    _assert_graphed(f)
+    for positive in (True, False):  # each branch on a replay
+        x = trand(256) - 0.5
+        x = x.abs() if positive else -x.abs()
+        torch.testing.assert_close(f(x), body(x), **TOL)
 
 
 def test_cond_on_a_host_predicate_is_graphed_and_its_branch_draws_fresh_numbers():
@@ -119,7 +123,7 @@ def test_cond_with_a_host_predicate_in_a_capture_draws_fresh_numbers_per_replay(
     assert g.rng is not None
 
 
-def test_while_loop_runs_eagerly_as_a_host_sync():
+def test_while_loop_is_graphed_as_a_conditional_node_and_equals_eager():
     def body(x):
         start = torch.zeros((), device=x.device, dtype=torch.int64)
         return torch._higher_order_ops.while_loop(_count_below_four, _tanh_step, (start, x))[1]
@@ -128,7 +132,7 @@ def test_while_loop_runs_eagerly_as_a_host_sync():
     for _ in range(CALLS):
         x = trand(128)
         torch.testing.assert_close(f(x), body(x), **TOL)
-    _assert_eager(f, "host synchronisation")
+    _assert_graphed(f)
 
 
 def test_scan_is_graphed_and_equals_eager():
