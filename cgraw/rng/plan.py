@@ -151,6 +151,35 @@ def rk_sync(states, device: int, src: Source, inc: int, make_state):
     return sync
 
 
+class TorchWarm:
+    """The host's side of a graphed function's warm-up that draws torch's numbers with cgraw's
+    kernels, as its replays will: ``begin(stream)`` makes the record follow generator ``gen`` (one
+    write when the mirror differs, as a replay's step), the warm-up's draws take their offsets
+    from 0 as a capture's do, the caller launches the device's advance, then ``end(inc)`` moves the
+    generator by ``inc`` as a replay does. So after the same seed, a warm-up draws the numbers a
+    replay of its recording would draw."""
+
+    __slots__ = ("gen", "pos", "source")
+
+    def __init__(self, gen, source: Source):
+        self.gen, self.source, self.pos = gen, source, -1
+
+    def begin(self, stream) -> None:
+        with STEP:
+            seed, pos = self.gen.initial_seed(), self.gen.get_offset()
+            if pos != self.source.pos or seed != self.source.seed:
+                self.source.set(stream, torch_base(seed), pos, seed)
+            self.pos = pos
+
+    def end(self, inc: int) -> None:
+        """After the device's advance of the record by ``inc`` was launched: the generator moves
+        on by ``inc`` from where it is (torch's own draws in the warm-up moved it too), the mirror
+        to where the record will be."""
+        with STEP:
+            self.gen.set_offset(advance(TORCH, self.gen.get_offset(), inc))
+            self.source.pos = advance(TORCH, self.pos, inc)
+
+
 class TorchUse:
     """A graph's draws from torch's CUDA generator ``gen``: ``draws`` offsets per replay."""
 

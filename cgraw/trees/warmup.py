@@ -30,7 +30,7 @@ from cgraw._cuda import defer
 from cgraw.trees.arrays import EAGER, TORCH, argument_objects, is_torch, ops_of, out_spec
 from cgraw.runtime.capture import event_on
 from cgraw.errors import SkipCall
-from cgraw.interop.torch import observe as _observe, autograd as torch_autograd, private_api
+from cgraw.interop.torch import observe as _observe, autograd as torch_autograd, private_api, rng as _torch_rng
 from cgraw.interop.torch.kernel_state import groups_of
 from cgraw.runtime.stream import Stream
 from cgraw.trees.nodes import Warm
@@ -210,7 +210,8 @@ def run(backend, fn, call, args, kwargs) -> Warm:
         grads = _input_grads(call)
         with torch_autograd.saving_hooks(pw.pack if pw else _same, unpacked), pw or _NULL:
             before = _copies(call)
-            with obs if obs is not None else _NULL:
+            # draws as the replays will draw them (the observer above sees every op)
+            with _warm_draws(backend, fn), obs if obs is not None else _NULL:
                 out = fn.fn(*args, **kwargs)
             mutated = _mutated(call, before)
             del before
@@ -249,6 +250,15 @@ def run(backend, fn, call, args, kwargs) -> Warm:
         w.in_pool, w.handed, w.stash = pw.settle(out_leaves, w.skip)
         backend.warm_in_pool = w.stash is None or w.skip is not None  # state kept beyond the call: never again
     return w
+
+
+def _warm_draws(backend, fn):
+    """torch's random numbers of the warm-up drawn as its replays will draw them
+    (``interop.torch.rng.WarmDraws``), once torch's CUDA is in use."""
+    dev = getattr(backend, "device", None)
+    if dev is None or not backend._torch.cuda.is_initialized():
+        return _NULL
+    return _torch_rng.WarmDraws(dev.ordinal, _observe.is_compiled(fn.fn))
 
 
 def cpu_output(out_leaves) -> str | None:

@@ -119,6 +119,33 @@ def test_torch_manual_seed_reproduces_warm_graphed_calls():
     assert _same([f(x).clone().cpu() for _ in range(3)], b)
 
 
+def test_torch_manual_seed_reproduces_a_graphed_functions_first_calls_warm_up_included():
+    """A program seeded once and run twice from the start draws the same numbers call by call:
+    the warm-up draws with cgraw's kernels at the offsets the recording takes, so it draws what a
+    replay from the same generator state draws (bitwise against the reference) and moves the
+    generator as a replay does."""
+    f = cgraw.graphed(_draws)
+
+    def run(seed, calls=4):
+        torch.manual_seed(seed)
+        return [_host(f(x)) for x in xs[:calls]]
+
+    torch.manual_seed(123)
+    xs = [trand(N) for _ in range(4)]
+    torch.manual_seed(9)
+    before = _gen().get_offset()
+    first = _host(f(xs[0]))  # the warm-up
+    assert _gen().get_offset() == before + 4 * 3  # three draws, as a replay moves it
+    _assert_bitwise(first[1], _reference(9, before, 0, N), "the warm-up's rand_like")
+    rest = [_host(f(x)) for x in xs[1:]]
+    assert _stats(f).warmups == 1 and _stats(f).replays >= 2
+    again = run(9)  # replays only, now
+    assert all(_same(a, b) for a, b in zip([first] + rest, again, strict=True))
+    assert _none_same(first[1:], again[1][1:])  # every call draws fresh numbers
+    assert all(_none_same(a[1:], b[1:]) for a, b in zip(again, run(10), strict=True))
+    _assert_replayed(f, 6)
+
+
 def test_graphed_calls_draw_at_the_generators_state_and_advance_it():
     """Bitwise: a replay's numbers are those of its key at torch's (seed, offset) before it; the
     offset moves by 4 per draw; back-to-back replays write no generator record."""

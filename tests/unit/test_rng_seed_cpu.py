@@ -153,6 +153,60 @@ def test_eager_draws_see_the_offset_replays_consume_and_replays_see_eager_draws(
     assert len({r[0][0] for r in replays}) == 4 and in_sync(src, g.record, gen)
 
 
+def warm_up(gen, src, record: Record, draws: int, eager_between: int = 0) -> list:
+    """A warm-up drawing with cgraw's kernels (``rng.TorchWarm``): the record follows the generator,
+    the draws read its key at offsets from 0, the device advances it, then the host moves the
+    generator; ``eager_between``: torch's own draws in the warm-up (a draw cgraw does not cover)."""
+    w = rng.TorchWarm(gen, src)
+    w.begin(9)
+    out = [(record.key, call) for call in range(draws)]
+    for _ in range(eager_between):
+        gen.eager()
+    inc = rng.increment(rng.TORCH, draws, 0)
+    record.advance(inc)
+    w.end(inc)
+    return out
+
+
+def test_a_warm_up_draws_what_a_replay_from_the_same_generator_state_draws():
+    gen = TorchGen()
+    g, src = torch_graph(gen, draws=3)
+
+    def run(seed):  # a warm-up, then replays of the recording
+        gen.manual_seed(seed)
+        return [warm_up(gen, src, g.record, 3)] + [g.replay() for _ in range(3)]
+
+    first = run(0)
+    assert in_sync(src, g.record, gen) and gen.offset == 48
+    gen.manual_seed(0)
+    assert [g.replay() for _ in range(4)] == first  # replays only: call by call, the warm-up's numbers too
+    assert len({c[0][0] for c in first}) == 4  # every call draws fresh numbers
+    assert run(1) != first and run(0) == first
+
+
+def test_a_warm_up_with_torchs_own_draws_leaves_the_mirror_true_and_the_generator_past_both():
+    gen = TorchGen()
+    g, src = torch_graph(gen, draws=2)
+    gen.manual_seed(4)
+    warm_up(gen, src, g.record, 2, eager_between=1)
+    assert gen.offset == 4 + 8  # torch's draw, then the warm-up's increment
+    assert src.pos == g.record.pos == 8 and rng.torch_base(src.seed) == g.record.base  # the mirror is the record
+    writes = src.writes
+    g.replay()  # the generator is not where the record is: the replay writes it first
+    assert src.writes == writes + 1 and in_sync(src, g.record, gen)
+
+
+def test_a_warm_up_that_draws_nothing_leaves_the_generator_where_it_was():
+    gen = TorchGen()
+    g, src = torch_graph(gen)
+    gen.manual_seed(2)
+    w = rng.TorchWarm(gen, src)
+    w.begin(9)
+    assert gen.offset == 0 and src.writes == 1 and src.pos == 0  # the record follows the generator
+    g.replay()
+    assert src.writes == 1 and in_sync(src, g.record, gen)
+
+
 def test_set_rng_state_and_fork_rng_restore_the_numbers():
     gen = TorchGen()
     g, _ = torch_graph(gen)

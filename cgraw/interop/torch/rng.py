@@ -36,6 +36,7 @@ while a capture routes (sdpa's backend, torch's generator state) are in ``intero
 from __future__ import annotations
 
 import sys
+import threading
 
 from cgraw import _cuda
 from cgraw.rng import plan as rng, device as rng_device
@@ -79,9 +80,10 @@ class TorchRng:
     """Routes torch's random numbers to ``stream`` (an ``rng.plan.RngStream``) during one capture;
     ``source`` is the generator record the draws read (``rng.plan.Source``)."""
 
-    def __init__(self, stream: rng.RngStream, source: rng.Source | None = None):
+    def __init__(self, stream: rng.RngStream, source: rng.Source | None = None, *, eager: bool = False):
         self.stream = stream
         self.source = source
+        self.eager = eager  # draws run now (a warm-up), not into a capture
         self._mode = None
         self.patch_sdpa = True  # F.scaled_dot_product_attention with dropout on the math backend (interop.torch.rng_patch)
 
@@ -95,7 +97,7 @@ class TorchRng:
         cls = _mode_cls[0]
         if cls is None:
             cls = _mode_cls[0] = _make_mode_class()
-        self._mode = cls(self.stream)
+        self._mode = cls(self.stream, self.eager)
         torch_rng_patch.install(self.stream, sdpa=self.patch_sdpa)
         try:
             self._mode.__enter__()
@@ -147,10 +149,11 @@ def _make_mode_class():
         return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
 
     class RngMode(torch_modes.mode_base()):
-        def __init__(self, stream: rng.RngStream):
+        def __init__(self, stream: rng.RngStream, eager: bool = False):
             super().__init__()
             self.rs = stream
             self.dev = stream.device
+            self.eager = eager  # a warm-up: what cgraw cannot draw is drawn by torch, never refused
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if self.is_higher_order(func):
@@ -158,10 +161,16 @@ def _make_mode_class():
             kwargs = kwargs or {}
             h = handlers.get(func.overloadpacket)
             if h is not None:
-                out = h(self, func, _bind(func, args, kwargs))
+                try:
+                    out = h(self, func, _bind(func, args, kwargs))
+                except CaptureError:
+                    if not self.eager:
+                        raise
+                    out = NotImplemented
                 if out is not NotImplemented:
                     return out
-            elif func.overloadpacket in sdpa and (_bind(func, args, kwargs).get("dropout_p") or 0) > 0:
+            elif (not self.eager and func.overloadpacket in sdpa
+                  and (_bind(func, args, kwargs).get("dropout_p") or 0) > 0):
                 raise not_covered(str(func), "its fused attention kernel draws its dropout from torch's "
                                   "generator; call it as torch.nn.functional.scaled_dot_product_attention "
                                   "(cgraw runs that on the math backend inside captures) or use nn.Dropout")
@@ -377,6 +386,40 @@ def _make_mode_class():
             if packet is not None and packet not in handlers:
                 handlers[packet] = inplace(dist, an, bn, ad, bd)
     return RngMode
+
+
+class WarmDraws:
+    """A graphed function's warm-up draws torch's random numbers on ``device`` with cgraw's kernels,
+    at the offsets its recording will take, and moves torch's generator as a replay does
+    (``rng.plan.TorchWarm``): after the same seed, the warm-up's numbers are those a replay of the
+    recording draws, so a sequence of calls repeats whether a call warmed up or replayed. A draw
+    cgraw does not cover, or one in a checkpointed region, is torch's own, as eagerly.
+    ``compiled``: leave ``F.scaled_dot_product_attention`` unpatched (as the recording of
+    torch.compile'd code does)."""
+
+    __slots__ = ("_cu", "_router", "_warm")
+
+    def __init__(self, device: int, compiled: bool = False):
+        torch = sys.modules["torch"]
+        thread = threading.get_ident()
+        self._cu = _cuda.stream_handle(torch.cuda.current_stream(device).cuda_stream)
+        src = rng_device.source(device, rng.TORCH, self._cu, thread)
+        self._warm = rng.TorchWarm(torch.cuda.default_generators[device], src)
+        self._router = TorchRng(rng.RngStream(src.slot, device, thread, rng.TORCH), src, eager=True)
+        self._router.patch_sdpa = not compiled
+
+    def __enter__(self) -> "WarmDraws":
+        self._warm.begin(self._cu)
+        self._router.enter()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._router.exit()
+        stream = self._router.stream
+        if stream.calls:
+            rng_device.advance(stream, self._cu)
+            self._warm.end(stream.increment)
+        return False
 
 
 def router(stream: rng.RngStream, source: rng.Source) -> TorchRng:
