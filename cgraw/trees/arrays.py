@@ -20,6 +20,7 @@ import dataclasses
 import enum
 import struct
 import sys
+import weakref
 
 from cgraw.errors import SkipCall
 from cgraw.trees.frameworks import CUPY, TORCH, Ops, is_torch, ops_of, register
@@ -155,19 +156,73 @@ def _value(v) -> tuple:
 
 
 class _Same:
-    """An attribute value in a key, equal only to itself and kept alive by the key (its address
-    cannot be reused by another value while the recording exists)."""
+    """An attribute value in a key, equal only to itself (by identity, hashed by its address). A
+    call's key holds it strongly; ``weaken_key`` makes a filed key hold it weakly where it can, so a
+    tree node keyed by it keeps nothing alive, and once it is gone the key equals no key again (a
+    new object at its reused address included)."""
 
-    __slots__ = ("v",)
+    __slots__ = ("v", "ref", "h")
 
     def __init__(self, v):
         self.v = v
+        self.ref = None  # a weak reference to it once weakened (then ``v`` is None)
+        self.h = id(v)
+
+    def target(self):
+        """The object, or None once a weakened key's object is gone."""
+        r = self.ref
+        return self.v if r is None else r()
 
     def __eq__(self, other):
-        return type(other) is _Same and other.v is self.v
+        if type(other) is not _Same:
+            return False
+        t = self.target()
+        return t is not None and t is other.target()
 
     def __hash__(self):
-        return id(self.v)
+        return self.h
+
+
+_deaths = [0]  # objects a weakened key named that are gone, counted by their references' callback
+
+
+def _gone(_ref) -> None:
+    _deaths[0] += 1
+
+
+def key_deaths() -> int:
+    """How many objects named by weakened keys are gone so far (a tree prunes when it grows)."""
+    return _deaths[0]
+
+
+def weaken_key(key) -> tuple:
+    """Make the identity parts of ``key`` (a call's key, about to be filed in a tree node) hold
+    their objects weakly, where the objects take weak references; return those references (each
+    dead once its object is gone: the key then matches no call). Idempotent."""
+    refs = []
+    todo = [key]
+    while todo:
+        x = todo.pop()
+        t = type(x)
+        if t is tuple or t is frozenset:
+            todo.extend(x)
+        elif t is _Same:
+            if x.ref is None:
+                try:
+                    x.ref = weakref.ref(x.v, _gone)
+                except TypeError:  # no weak references to it: the key keeps it, as before
+                    continue
+                x.v = None
+            refs.append(x.ref)
+    return tuple(refs)
+
+
+def names_dead(refs) -> bool:
+    """Whether any of a key's references (``weaken_key``) is dead."""
+    for r in refs:
+        if r() is None:
+            return True
+    return False
 
 
 _DEPTH = 4  # how deep nested containers and plain objects of an attribute are keyed by value
@@ -359,4 +414,5 @@ class NoType:
 
 
 __all__ = ["CUPY", "EAGER", "LEAF", "SINGLE", "STATIC", "TORCH", "TREE", "Ops", "argument_objects", "flatten", "is_torch",
-           "is_module", "names_inputs", "ops_of", "out_spec", "rebuild", "register", "replace_leaves", "unflatten"]
+           "is_module", "key_deaths", "names_dead", "names_inputs", "ops_of", "out_spec", "rebuild", "register",
+           "replace_leaves", "unflatten", "weaken_key"]

@@ -31,8 +31,9 @@ from cgraw.trees import buckets
 from cgraw.trees.arrays import EAGER, STATIC, is_module, ops_of, out_spec
 from cgraw.errors import SkipCall
 
-__all__ = ["SHARED", "InputPlan", "KeyMark", "changed_argument", "check_shared_writes", "declared_mutations", "moved",
-           "python_state", "shared_memory", "state_change_verdict", "unseen_eager", "warm_up"]
+__all__ = ["SHARED", "InputPlan", "KeyMark", "StateSnapshot", "changed_argument", "check_shared_writes",
+           "declared_mutations", "moved", "python_state", "shared_memory", "state_change_verdict", "unseen_eager",
+           "warm_up"]
 
 
 class KeyMark:
@@ -126,37 +127,50 @@ _WIDTH = 256  # items of one list or dict it follows (more: its length and ident
 _BUDGET = 4096  # containers and objects one snapshot follows in all (more: by identity)
 
 
-def python_state(args, kwargs) -> list | None:
+class StateSnapshot(list):
+    """``python_state``'s per-argument snapshots. It holds every object it names by address until
+    it is dropped, so that no object made during the call can take a named one's address (CPython
+    reuses a freed object's memory) and pass for it."""
+
+    __slots__ = ("held",)
+
+
+def python_state(args, kwargs) -> StateSnapshot | None:
     """One snapshot per argument of the Python state it reaches (arrays and modules by identity,
     plain values by value, lists, tuples, dicts and objects' attributes followed), or None when
     the call passes nothing but arrays (nothing to compare)."""
     values = list(args) + list(kwargs.values())
     if all(ops_of(a) is not None for a in values):
         return None
-    return [_snapshot(a, _DEPTH, set()) for a in values]
+    held: list = []
+    snap = StateSnapshot(_snapshot(a, _DEPTH, set(), held) for a in values)
+    snap.held = held
+    return snap
 
 
-def _snapshot(x, depth: int, seen: set):
+def _snapshot(x, depth: int, seen: set, held: list):
     t = type(x)
     if t in _PLAIN:
         return (t, x) if t is not float or not math.isnan(x) else (t, "nan")
     if ops_of(x) is not None or is_module(x) or isinstance(x, (enum.Enum, type)) or callable(x):
+        held.append(x)
         return ("id", id(x))
     if t.__module__ == "torch":  # torch.Size, dtypes, devices: values
         return (t, x)
+    held.append(x)  # named by its id below
     if depth == 0 or id(x) in seen or len(seen) >= _BUDGET:
         return ("id", id(x))
     seen.add(id(x))
     if isinstance(x, (list, tuple)):
         items = x if len(x) <= _WIDTH else ()
-        return (t, id(x), len(x), tuple(_snapshot(v, depth - 1, seen) for v in items))
+        return (t, id(x), len(x), tuple(_snapshot(v, depth - 1, seen, held) for v in items))
     if isinstance(x, dict):
         items = list(x.items()) if len(x) <= _WIDTH else []
-        return (t, id(x), len(x), tuple((k, _snapshot(v, depth - 1, seen)) for k, v in items))
+        return (t, id(x), len(x), tuple((k, _snapshot(v, depth - 1, seen, held)) for k, v in items))
     attrs = getattr(x, "__dict__", None)
     if not isinstance(attrs, dict):
         return ("id", id(x))
-    return (t, id(x), tuple((k, _snapshot(v, depth - 1, seen)) for k, v in list(attrs.items())))
+    return (t, id(x), tuple((k, _snapshot(v, depth - 1, seen, held)) for k, v in list(attrs.items())))
 
 
 def changed_argument(before, args, kwargs) -> str | None:

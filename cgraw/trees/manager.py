@@ -54,6 +54,7 @@ import weakref
 
 from cgraw.trees import nodes as tree_nodes
 from cgraw.trees.autograd import BUSY, AutogradBook, TreeAutograd, promotion_note
+from cgraw.trees.arrays import weaken_key
 from cgraw.trees.calls import TREE, grad_enabled, inspect, learn_kernel_groups
 from cgraw.trees.input_plan import InputPlan, check_shared_writes, declared_mutations, moved, unseen_eager, warm_up
 from cgraw.errors import CgrawError, SkipCall, TreeError
@@ -214,6 +215,7 @@ class TreeManager(TreeAutograd, TreePool):
     def _grow(self, fn, call, parent, siblings, node, reason, args, kwargs):
         """A call that is neither a replay nor a skipped node's: a new node, a warm-up, a recording
         or a re-recording (``reason``). Under ``serial``."""
+        self.drop_dead_keys()
         if reason is not None:
             out = self._rerecord(node, fn, call, reason, args, kwargs)
         elif parent is not None and not getattr(fn, "copies_out", False) and self._path_is_dead(call):
@@ -229,6 +231,7 @@ class TreeManager(TreeAutograd, TreePool):
                 if parent is not None and limit and parent.repeats(fn) >= limit:
                     return self._promote(fn, args, kwargs)
                 node = TreeNode(fn, call.key, parent, st)
+                node.refs = weaken_key(call.key)  # the node keeps alive nothing its key names
                 siblings[(fn.fn_id, call.key)] = node
                 if parent is None:
                     self.root_fns.add(fn.fn_id)
@@ -265,10 +268,7 @@ class TreeManager(TreeAutograd, TreePool):
         return self._call_in_new_step(fn, args, kwargs)
 
     def _stats(self, fn) -> FunctionStats:
-        st = self.stats.get(fn.fn_id)
-        if st is None:
-            st = self.stats[fn.fn_id] = FunctionStats(fn.name)
-        return st
+        return self.stats.get(fn.fn_id) or self.stats.setdefault(fn.fn_id, FunctionStats(fn.name))
 
     def _rerecord(self, node: TreeNode, fn, call, reason, args, kwargs):
         st = node.stats
@@ -322,7 +322,7 @@ class TreeManager(TreeAutograd, TreePool):
             tree_nodes.rekey(self.roots, node, learn_kernel_groups(fn, w.groups, call.key))
         declared = declared_mutations(fn, call)
         w.mutated = tuple(w.mutated) + tuple(j for j in declared if j not in w.mutated)
-        w.external = tuple(w.external)
+        tree_nodes.hold_external(w, node.refs)
         w.kinds = tuple(call.kinds)
         if w.mutated and not getattr(fn, "writes_inputs", False):
             fn.writes_inputs = True  # its calls' keys note inputs sharing memory (input_plan.shared_memory)
@@ -344,7 +344,8 @@ class TreeManager(TreeAutograd, TreePool):
             self._restore_to(anchor)
         try:
             check_shared_writes(call, node.warm.mutated)
-            rec = self.backend.record(fn, call, node.warm)
+            with tree_nodes.external_for_record(node.warm):
+                rec = self.backend.record(fn, call, node.warm)
         except SkipCall as exc:
             node.state = NodeState.SKIPPED
             node.skip_reason = str(exc)

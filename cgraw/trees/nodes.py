@@ -7,6 +7,7 @@ Layer L6: pure Python, no CUDA and no frameworks.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import threading
@@ -53,7 +54,7 @@ class TreeNode:
     """One function on one path with one input signature. Parents are held weakly."""
 
     __slots__ = ("fn", "key", "_parent", "children", "state", "recording", "plan", "checkpoint", "depth",
-                 "skip_reason", "warm", "stats", "rewarms", "mode_mark", "__weakref__")
+                 "skip_reason", "warm", "stats", "rewarms", "mode_mark", "refs", "__weakref__")
 
     def __init__(self, fn, key, parent: "TreeNode | None", stats: "FunctionStats | None" = None):
         self.fn = fn
@@ -70,6 +71,7 @@ class TreeNode:
         self.stats = stats  # the function's FunctionStats (shared by its nodes)
         self.rewarms = 0
         self.mode_mark = -1  # the function's replay count at this node's last ModeRewarm
+        self.refs: tuple = ()  # weak references to the objects its key names (arrays.weaken_key)
 
     def note_rewarm(self, reason, replays: int) -> None:
         """Count a warm-up forced by ``reason`` towards ``config.rewarm_limit``: a switch between
@@ -173,13 +175,13 @@ class Warm:
     function must run eagerly from now on (or None), and what else a recording must know."""
 
     __slots__ = ("out", "mutated", "skip", "external", "epoch", "runs_backward", "mode_epoch", "in_pool",
-                 "handed", "stash", "groups", "kinds", "rows", "again")
+                 "handed", "stash", "groups", "kinds", "rows", "again", "keyed")
 
     def __init__(self, out, mutated=(), skip=None, external=(), epoch=-1, runs_backward=False, mode_epoch=0):
         self.out = out
         self.mutated = mutated
         self.skip = skip
-        self.external = external  # tensors read through the closure (kept alive, checked per call)
+        self.external = external  # tensors read through the closure (kept alive, checked per call; see hold_external)
         self.epoch = epoch  # module-assignment count at the warm-up (backend-defined)
         self.runs_backward = runs_backward  # a backward pass ran inside (autograd's own thread allocates)
         self.mode_epoch = mode_epoch  # training/evaluation switch count at the warm-up, -1 if it switched
@@ -190,6 +192,35 @@ class Warm:
         self.kinds = None  # the kinds of the call it ran for (calls.EAGER, STATIC, TREE), set by the tree
         self.rows = None  # padding buckets: what its outputs tell of the rows (buckets.warm_rows), or None
         self.again = False  # it changed an argument's Python state for the first time: warm up once more
+        self.keyed = ()  # weak references to the closure tensors its node's key names (see hold_external)
+
+
+def hold_external(w: Warm, refs) -> None:
+    """Keep weakly what ``w.external`` holds of the objects a node's key names (``refs``, from
+    ``arrays.weaken_key``: a StaticCache's tensors reached through an argument's attributes), so
+    a warmed node keeps none of them alive; ``external_for_record`` gives them back."""
+    w.external = tuple(w.external)
+    named = {id(t): r for r in refs if (t := r()) is not None}
+    if not named or not w.external:
+        return
+    w.keyed = tuple(named[id(t)] for t in w.external if id(t) in named and named[id(t)]() is t)
+    if w.keyed:
+        w.external = tuple(t for t in w.external if not (id(t) in named and named[id(t)]() is t))
+
+
+@contextlib.contextmanager
+def external_for_record(w: Warm):
+    """``w.external`` with the tensors ``hold_external`` keeps weakly, while a recording is made
+    (a call whose key matched the node's: they are alive); the recording holds them from then on."""
+    if not w.keyed:
+        yield
+        return
+    strong = w.external
+    w.external = strong + tuple(r() for r in w.keyed)
+    try:
+        yield
+    finally:
+        w.external = strong
 
 
 class Replayable(Protocol):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from cgraw.trees.arrays import key_deaths, names_dead, weaken_key
 from cgraw.trees.nodes import NodeState, TreeNode
 
 log = logging.getLogger("cgraw")
@@ -23,6 +24,43 @@ UNKNOWN = Unknown()
 
 class TreePool:
     """Checkpoints and recordings of a ``manager.TreeManager``'s pool."""
+
+    deaths_seen = 0  # arrays.key_deaths() when no node named a dead object any more
+
+    def drop_dead_keys(self) -> None:
+        """Drop the nodes whose key names an object that is gone (``arrays.names_dead``: a tensor
+        reached through an argument's attributes, dropped by its caller), with everything below
+        them: no call can reach them again. Their recordings go as a re-recording's do. A node on
+        the path under way stays until the path has moved on. The tree calls it as it grows,
+        under its lock, with no capture running."""
+        deaths = key_deaths()
+        if deaths == self.deaths_seen:
+            return
+        on_path = set() if self.current is None else {id(n) for n in self.current.path()}
+        dropped, kept_dead, todo = [], False, [self.roots]
+        while todo:
+            siblings = todo.pop()
+            for k, n in list(siblings.items()):
+                if not names_dead(n.refs):
+                    todo.append(n.children)
+                elif id(n) in on_path:
+                    kept_dead = True
+                    todo.append(n.children)
+                else:
+                    del siblings[k]
+                    dropped.extend(n.walk())
+        if not kept_dead:
+            self.deaths_seen = deaths
+        for seen in self._keys_seen.values():  # a dead key is no signature a call can have again
+            for key in [key for key in seen if names_dead(weaken_key(key))]:
+                del seen[key]
+        if not dropped:
+            return
+        self._forget_recordings(dropped)
+        ids = {id(n) for n in dropped}
+        if id(self.pool_state) in ids:
+            self.pool_state = UNKNOWN
+        self.tree_outputs = {p: n for p, n in self.tree_outputs.items() if id(n) not in ids}
 
     def _restore_to(self, anchor: TreeNode | None) -> None:
         """Make the pool's bookkeeping the checkpoint at the end of ``anchor``'s recording."""

@@ -192,9 +192,6 @@ def test_a_graphed_forward_under_settings_that_change_between_calls_equals_eager
         assert (st.recordings, st.replays, st.eager_calls) == (2, 4, 0), [n.skip_reason for n in mgr.nodes()]
 
 
-@pytest.mark.xfail(strict=True, reason="a call keys a tensor reached through an argument's attributes by identity and "
-                   "its node keeps it alive: beam search gives the StaticCache new tensors at every step (index_select "
-                   "in reorder_cache), so each step warms up a new node that keeps that step's cache")
 def test_beam_search_with_a_static_cache_keeps_no_cache_of_an_earlier_step_alive(monkeypatch):
     """``generate(num_beams=3)`` with ``model.forward`` graphed and a static cache: tokens as eager's,
     and once ``generate()`` has returned, the caches' tensors of its steps are gone, as in eager."""
