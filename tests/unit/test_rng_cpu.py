@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 
+from cgraw.errors import CaptureError
 from cgraw.rng import plan as rng, kernels as K
 
 # Random123's published known answers for Philox4x32-10 (its tests/kat_vectors)
@@ -735,3 +736,46 @@ def test_kernel_sources_are_package_data_files():
     assert data["cgraw.rng"] == ["*.cu"]
     assert "__global__ void cgraw_rng_advance" in K.source(K.ADVANCE_NAME)
     assert "__global__ void cgraw_rng_set" in K.source(K.SET_NAME)
+
+
+@pytest.fixture
+def cpu_is_routed(monkeypatch, fake_kernels):
+    """The router's mode takes CPU tensors as its device's (its kernels are ``fake_kernels``)."""
+    torch = _torch()
+    from cgraw.interop.torch import rng as torch_rng
+
+    torch_rng.TorchRng(rng.RngStream(0, 0, threading.get_ident()))  # the mode class, made once
+    r = torch_rng.TorchRng(rng.RngStream(0, 0, threading.get_ident()))
+    r.enter()
+    cls = type(r._mode)
+    r.exit()
+    monkeypatch.setattr(cls, "mine", lambda self, t: isinstance(t, torch.Tensor) and t.device.type == "cpu")
+    monkeypatch.setattr(cls, "cu_stream", lambda self: None)
+    return torch, torch_rng
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["capture", "warm-up"])
+def test_a_warm_up_draws_what_cgraw_covers_and_leaves_the_rest_to_torch(cpu_is_routed, fake_kernels, eager):
+    """The router of a warm-up (``eager``) draws covered calls with cgraw's kernels, as a capture's
+    does; a draw cgraw cannot make (a dtype it does not cover) and one with an explicit
+    ``generator=`` are torch's own there, where a capture refuses the first and ignores the second."""
+    torch, torch_rng = cpu_is_routed
+    r = torch_rng.TorchRng(rng.RngStream(0, 0, threading.get_ident()), eager=eager)
+    g = torch.Generator().manual_seed(3)
+    want = torch.rand(6, generator=torch.Generator().manual_seed(3))
+    r.enter()
+    try:
+        torch.rand(5)
+        with_gen = torch.rand(6, generator=g)
+        if eager:
+            uncovered = torch.empty(4, dtype=torch.complex64).normal_()
+        else:
+            with pytest.raises(CaptureError, match="cannot be captured"):
+                torch.empty(4, dtype=torch.complex64).normal_()
+    finally:
+        r.exit()
+    assert torch.equal(with_gen, want) == eager  # a capture draws its own numbers instead
+    assert r.stream.calls == (1 if eager else 2)
+    assert [f for f, *_ in fake_kernels.launches][0] == "cgraw_fill_uniform_f32_n"
+    if eager:
+        assert uncovered.dtype == torch.complex64 and bool(torch.isfinite(torch.view_as_real(uncovered)).all())

@@ -161,8 +161,10 @@ def _make_mode_class():
             kwargs = kwargs or {}
             h = handlers.get(func.overloadpacket)
             if h is not None:
+                d = _bind(func, args, kwargs)
                 try:
-                    out = h(self, func, _bind(func, args, kwargs))
+                    # a warm-up honours an explicit generator= as eager code does
+                    out = NotImplemented if self.eager and d.get("generator") is not None else h(self, func, d)
                 except CaptureError:
                     if not self.eager:
                         raise
