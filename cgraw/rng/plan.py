@@ -153,31 +153,32 @@ def rk_sync(states, device: int, src: Source, inc: int, make_state):
 
 class TorchWarm:
     """The host's side of a graphed function's warm-up that draws torch's numbers with cgraw's
-    kernels, as its replays will: ``begin(stream)`` makes the record follow generator ``gen`` (one
-    write when the mirror differs, as a replay's step), the warm-up's draws take their offsets
-    from 0 as a capture's do, the caller launches the device's advance, then ``end(inc)`` moves the
-    generator by ``inc`` as a replay does. So after the same seed, a warm-up draws the numbers a
-    replay of its recording would draw."""
+    kernels, as its replays will. Its draws take their offsets from 0, as a capture's do
+    (``WarmStream``); each one first moves generator ``gen`` on by what it takes (``take``), under
+    ``STEP`` as a replay's step, so threads drawing side by side never start from one state. The
+    first also makes the record follow the generator (one write on ``stream`` when the mirror
+    differs). Once the caller has launched the device's advance, ``end(inc)`` moves the mirror. So
+    after the same seed, a warm-up draws the numbers a replay of its recording would draw, and
+    leaves the generator where that replay would."""
 
-    __slots__ = ("gen", "pos", "source")
+    __slots__ = ("gen", "pos", "source", "stream")
 
-    def __init__(self, gen, source: Source):
-        self.gen, self.source, self.pos = gen, source, -1
+    def __init__(self, gen, source: Source, stream):
+        self.gen, self.source, self.stream, self.pos = gen, source, stream, -1
 
-    def begin(self, stream) -> None:
+    def take(self, steps: int) -> None:
         with STEP:
-            seed, pos = self.gen.initial_seed(), self.gen.get_offset()
-            if pos != self.source.pos or seed != self.source.seed:
-                self.source.set(stream, torch_base(seed), pos, seed)
-            self.pos = pos
+            gen = self.gen
+            if self.pos < 0:
+                seed, pos = gen.initial_seed(), gen.get_offset()
+                if pos != self.source.pos or seed != self.source.seed:
+                    self.source.set(self.stream, torch_base(seed), pos, seed)
+                self.pos = pos
+            gen.set_offset(advance(TORCH, gen.get_offset(), 4 * steps))
 
     def end(self, inc: int) -> None:
-        """After the device's advance of the record by ``inc`` was launched: the generator moves
-        on by ``inc`` from where it is (torch's own draws in the warm-up moved it too), the mirror
-        to where the record will be."""
-        with STEP:
-            self.gen.set_offset(advance(TORCH, self.gen.get_offset(), inc))
-            self.source.pos = advance(TORCH, self.pos, inc)
+        """After the device's advance of the record by ``inc`` was launched."""
+        self.source.pos = advance(TORCH, self.pos, inc)
 
 
 class TorchUse:
@@ -287,6 +288,20 @@ class RngStream:
     @property
     def increment(self) -> int:
         return increment(self.kind, self.calls, self.elements)
+
+
+class WarmStream(RngStream):
+    """The ``RngStream`` of a warm-up: each draw moves torch's generator first (``TorchWarm.take``)."""
+
+    __slots__ = ("warm",)
+
+    def __init__(self, slot: int, device: int, thread: int, warm: TorchWarm):
+        super().__init__(slot, device, thread, TORCH)
+        self.warm = warm
+
+    def take(self, steps: int = 1, n: int = 0) -> int:
+        self.warm.take(steps)
+        return RngStream.take(self, steps, n)
 
 
 def grid(n: int, per_group: int, sm_count: int) -> int:

@@ -153,18 +153,23 @@ def test_eager_draws_see_the_offset_replays_consume_and_replays_see_eager_draws(
     assert len({r[0][0] for r in replays}) == 4 and in_sync(src, g.record, gen)
 
 
-def warm_up(gen, src, record: Record, draws: int, eager_between: int = 0) -> list:
-    """A warm-up drawing with cgraw's kernels (``rng.TorchWarm``): the record follows the generator,
-    the draws read its key at offsets from 0, the device advances it, then the host moves the
-    generator; ``eager_between``: torch's own draws in the warm-up (a draw cgraw does not cover)."""
-    w = rng.TorchWarm(gen, src)
-    w.begin(9)
-    out = [(record.key, call) for call in range(draws)]
-    for _ in range(eager_between):
-        gen.eager()
-    inc = rng.increment(rng.TORCH, draws, 0)
-    record.advance(inc)
-    w.end(inc)
+def warm_up(gen, src, record: Record, draws: int, eager_between: int = 0, *, thread: int = 1) -> list:
+    """A warm-up drawing with cgraw's kernels (``rng.TorchWarm``, ``rng.WarmStream``): each draw takes
+    its offset (the first makes the record follow the generator) and reads the record's key; then
+    the device advances the record and the host its mirror. ``eager_between``: torch's own draws
+    after the first (a draw cgraw does not cover)."""
+    w = rng.TorchWarm(gen, src, 9)
+    s = rng.WarmStream(src.slot, 0, thread, w)
+    out = []
+    for i in range(draws):
+        call = s.take()
+        out.append((record.key, call))
+        if i == 0:
+            for _ in range(eager_between):
+                gen.eager()
+    if s.calls:
+        record.advance(s.increment)
+        w.end(s.increment)
     return out
 
 
@@ -189,22 +194,35 @@ def test_a_warm_up_with_torchs_own_draws_leaves_the_mirror_true_and_the_generato
     g, src = torch_graph(gen, draws=2)
     gen.manual_seed(4)
     warm_up(gen, src, g.record, 2, eager_between=1)
-    assert gen.offset == 4 + 8  # torch's draw, then the warm-up's increment
+    assert gen.offset == 4 + 4 + 4  # its first draw, torch's, its second
     assert src.pos == g.record.pos == 8 and rng.torch_base(src.seed) == g.record.base  # the mirror is the record
     writes = src.writes
     g.replay()  # the generator is not where the record is: the replay writes it first
     assert src.writes == writes + 1 and in_sync(src, g.record, gen)
 
 
-def test_a_warm_up_that_draws_nothing_leaves_the_generator_where_it_was():
+def test_a_warm_up_that_draws_nothing_leaves_the_generator_and_the_record_alone():
     gen = TorchGen()
     g, src = torch_graph(gen)
     gen.manual_seed(2)
-    w = rng.TorchWarm(gen, src)
-    w.begin(9)
-    assert gen.offset == 0 and src.writes == 1 and src.pos == 0  # the record follows the generator
-    g.replay()
-    assert src.writes == 1 and in_sync(src, g.record, gen)
+    assert warm_up(gen, src, g.record, 0) == []
+    assert gen.offset == 0 and src.writes == 0
+
+
+def test_warm_ups_and_replays_of_threads_side_by_side_never_draw_from_one_state():
+    """A replay on another thread between two draws of a warm-up starts past the warm-up's first
+    draw, so no (key, offset) is drawn twice."""
+    gen = TorchGen()
+    rec_a, rec_b = Record(rng.TORCH), Record(rng.TORCH)
+    src_a = rng.Source(rng.TORCH, 0, 0x1000, rec_a.write)
+    g_b, _ = torch_graph(gen, record=rec_b, draws=3)
+    w = rng.TorchWarm(gen, src_a, 9)
+    s = rng.WarmStream(src_a.slot, 0, 1, w)
+    drawn = [(rec_a.key, s.take())]
+    drawn += g_b.replay()  # the other thread's replay, between the warm-up's draws
+    drawn += [(rec_a.key, s.take()), (rec_a.key, s.take())]
+    assert len(set(drawn)) == len(drawn) == 6
+    assert gen.offset == 4 * 6
 
 
 def test_set_rng_state_and_fork_rng_restore_the_numbers():

@@ -395,9 +395,9 @@ class WarmDraws:
     at the offsets its recording will take, and moves torch's generator as a replay does
     (``rng.plan.TorchWarm``): after the same seed, the warm-up's numbers are those a replay of the
     recording draws, so a sequence of calls repeats whether a call warmed up or replayed. A draw
-    cgraw does not cover, or one in a checkpointed region, is torch's own, as eagerly.
-    ``compiled``: leave ``F.scaled_dot_product_attention`` unpatched (as the recording of
-    torch.compile'd code does)."""
+    cgraw does not cover, one with an explicit ``generator=`` and one in a checkpointed region are
+    torch's own, as eagerly. ``compiled``: leave ``F.scaled_dot_product_attention`` unpatched (as
+    the recording of torch.compile'd code does)."""
 
     __slots__ = ("_cu", "_router", "_warm")
 
@@ -406,12 +406,11 @@ class WarmDraws:
         thread = threading.get_ident()
         self._cu = _cuda.stream_handle(torch.cuda.current_stream(device).cuda_stream)
         src = rng_device.source(device, rng.TORCH, self._cu, thread)
-        self._warm = rng.TorchWarm(torch.cuda.default_generators[device], src)
-        self._router = TorchRng(rng.RngStream(src.slot, device, thread, rng.TORCH), src, eager=True)
+        self._warm = rng.TorchWarm(torch.cuda.default_generators[device], src, self._cu)
+        self._router = TorchRng(rng.WarmStream(src.slot, device, thread, self._warm), src, eager=True)
         self._router.patch_sdpa = not compiled
 
     def __enter__(self) -> "WarmDraws":
-        self._warm.begin(self._cu)
         self._router.enter()
         return self
 
@@ -419,7 +418,11 @@ class WarmDraws:
         self._router.exit()
         stream = self._router.stream
         if stream.calls:
-            rng_device.advance(stream, self._cu)
+            try:
+                rng_device.advance(stream, self._cu)
+            except BaseException:
+                self._router.source.forget()  # the record's position is unknown: the next replay writes it
+                raise
             self._warm.end(stream.increment)
         return False
 
