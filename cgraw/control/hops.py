@@ -24,8 +24,10 @@ def install() -> None:
     _modes.register_higher_order("while_loop", torch_while_loop)
 
 
-def _on_device(values, ordinal: int) -> bool:
-    return all(ops_of(v) is TORCH and v.get_device() == ordinal for v in values)
+def _on_device(values, ordinal: int, *, sizes: bool = False) -> bool:
+    """Whether every value is a CUDA tensor on ``ordinal``; with ``sizes``, Python ints may be among
+    them (a compiled frame with dynamic shapes passes its symbolic sizes to the branches as ints)."""
+    return all((sizes and type(v) is int) or (ops_of(v) is TORCH and v.get_device() == ordinal) for v in values)
 
 
 def torch_cond(args, kwargs, reenter):
@@ -35,7 +37,7 @@ def torch_cond(args, kwargs, reenter):
         return NotImplemented
     pred, true_fn, false_fn, operands = args
     ordinal = cap.graph.device.ordinal
-    if not _on_device([pred], ordinal) or not _on_device(plan.flatten(tuple(operands))[1], ordinal):
+    if not _on_device([pred], ordinal) or not _on_device(plan.flatten(tuple(operands))[1], ordinal, sizes=True):
         return NotImplemented
     return nodes.cond(cap, pred, reenter(true_fn), reenter(false_fn), tuple(operands))
 
@@ -50,7 +52,7 @@ def torch_while_loop(args, kwargs, reenter):
     extra = tuple(args[3]) if len(args) == 4 else ()
     ordinal = cap.graph.device.ordinal
     spec, leaves, paths = plan.flatten(tuple(carried), "carried_inputs")
-    if not _on_device(leaves, ordinal) or not _on_device(plan.flatten(extra)[1], ordinal):
+    if not _on_device(leaves, ordinal) or not _on_device(plan.flatten(extra)[1], ordinal, sizes=True):
         return NotImplemented
     cond_fn, body_fn = reenter(cond_fn), reenter(body_fn)
     return nodes.while_loop(cap, lambda *c: cond_fn(*c, *extra), lambda *c: body_fn(*c, *extra),

@@ -450,6 +450,17 @@ def test_torch_cond_in_a_capture_becomes_if_nodes(monkeypatch):
     assert d.capturing == "G" and torch.equal(out, x - 1)  # both branches captured, the false one last
 
 
+def test_torch_cond_with_a_size_among_its_operands_in_a_capture_becomes_if_nodes(monkeypatch):
+    """A frame torch.compile traced with dynamic shapes passes its symbolic sizes to the branches as
+    Python ints among the operands; they stay host values and the branch is captured."""
+    d = FakeDriver(monkeypatch)
+    x = torch.randn(3)
+    with _cgraw_mode():
+        out = torch.ops.higher_order.cond(x.sum() > 0, lambda v, n: v + n, lambda v, n: v - n, (x, 3))
+    assert [c[4:] for c in d.calls if c[0] == "add"] == [("if", 2)]
+    assert torch.equal(out, x - 3)
+
+
 def test_torch_while_loop_in_a_capture_becomes_a_while_node(monkeypatch):
     from torch._higher_order_ops import while_loop
 
