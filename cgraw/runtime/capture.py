@@ -4,10 +4,9 @@ Layer L8 (public API): composes the pool, the capture stream, the framework adap
 ``Graph``. Capture goes through the driver (``cuStreamBeginCapture``/``cuStreamEndCapture``,
 ``cuGraphInstantiateWithParams``); torch's and CuPy's own graph APIs are never used.
 
-Exit rules (after Warp's ScopedCapture): the capture is always ended and a partial graph
-destroyed; on failure the pool is restored to its state before the capture; a failure that is
-the capture's (host sync, RNG, a library call it cannot route, an invalidated capture) becomes one
-``CaptureError`` chained to the original; a user's own exception propagates unchanged.
+Exit rules (after Warp's ScopedCapture): the capture always ends, a partial graph is destroyed, a
+failed capture restores the pool; a failure that is the capture's (host sync, RNG, a library call
+it cannot route) is one ``CaptureError`` chained to the original; a user's exception propagates.
 """
 
 from __future__ import annotations
@@ -44,6 +43,22 @@ def active() -> "capture | None":
     return getattr(_tls, "active", None)
 
 
+NESTING: list = []  # (begin, end) run as a capture begins and ends on a thread (trees: graphed calls run inline)
+
+
+def _activate(cap) -> None:
+    _tls.active = cap
+    for hook in NESTING:
+        hook[0]()
+
+
+def _deactivate(cap) -> None:
+    if getattr(_tls, "active", None) is cap:
+        _tls.active = None
+        for hook in NESTING:
+            hook[1]()
+
+
 class capture:
     """Context manager that records the work of its block into a ``Graph``.
 
@@ -55,8 +70,7 @@ class capture:
 
     Args:
         pool: a ``DevicePool`` shared by several graphs (replay them in capture order, never
-            concurrently). By default each graph gets its own pool, reserved until the graph
-            and its outputs are gone.
+            concurrently); by default the graph's own, reserved while it and its outputs live.
         mode: ``"thread_local"`` (default), ``"global"`` or ``"relaxed"``: which unsafe calls of
             other threads invalidate the capture (CUDA stream-capture modes).
         device: the device to capture on; the current one by default.
@@ -67,9 +81,8 @@ class capture:
             process has imported.
         warm_cublas: run a tiny torch matmul and create CuPy's cuBLAS handle before capture, and
             warm up a new cuBLAS handle of cgraw's (CuPy's matrix products are routed to it).
-        random: draw torch's and CuPy's random numbers inside the capture with cgraw's kernels,
-            fresh on every replay and following torch's and CuPy's generators as eager draws do
-            (README "Random numbers"). With ``False`` a random-number call fails the capture.
+        random: draw torch's and CuPy's random numbers with cgraw's kernels, fresh on every
+            replay, following their generators (README "Random numbers"); ``False``: a draw fails it.
     """
 
     def __init__(self, *, pool: DevicePool | None = None, mode: str = "thread_local", device=None,
@@ -157,12 +170,12 @@ class capture:
             capture_guard_enter()
             try:
                 _cuda.stream_begin_capture(stream.handle, _cuda.CAPTURE_MODES[self.mode])
-                _tls.active = self
+                _activate(self)
                 self._t0 = time.perf_counter()
                 defer.gc_stress()
             except BaseException:
                 # an interrupt may land after the capture began: never leave the stream capturing
-                _tls.active = None
+                _deactivate(self)
                 _end_quietly(stream)
                 capture_guard_exit()
                 raise
@@ -183,7 +196,7 @@ class capture:
     def __exit__(self, exc_type, exc, tb):
         graph = self.graph
         stream = graph.capture_stream
-        _tls.active = None
+        _deactivate(self)
         try:
             defer.gc_stress()
         except BaseException:  # a finalizer run by the stress collection must not skip the end
@@ -394,8 +407,6 @@ def _has_unjoined_work(stream) -> bool:
     try:
         graph, deps = _cuda.stream_capture_graph(stream.handle)
         nodes = _cuda.graph_get_nodes(graph)
-        if not nodes:
-            return False
         has_succ = {_cuda.native(a) for a, _ in _cuda.graph_get_edges(graph)}
         dep_set = {_cuda.native(d) for d in deps}
         return any(_cuda.native(n) not in has_succ and _cuda.native(n) not in dep_set for n in nodes)
@@ -435,5 +446,5 @@ def event_on(dev: Device, stream_ptr: int):
 def _err_name(err) -> str:
     try:
         return _cuda.CUresult(int(err)).name
-    except ValueError:
+    except ValueError:  # not a driver result
         return str(err)

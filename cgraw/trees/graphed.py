@@ -24,6 +24,7 @@ import weakref
 
 from cgraw.trees import buckets, manager as _tree
 from cgraw.trees.calls import mark_static
+from cgraw.runtime import capture as _capture
 from cgraw.runtime.capture import capturing
 from cgraw.runtime.device import Device
 from cgraw.errors import ResourceLeakWarning, UnsafeCallError
@@ -40,6 +41,7 @@ class _ThreadTrees(threading.local):
     def __init__(self) -> None:
         self.trees: dict[int, TreeManager] = {}
         self.token: _ThreadToken | None = None
+        self.inline = 0  # captures running on the thread: graphed calls inside them run inline
 
 
 class _ThreadToken:
@@ -50,6 +52,23 @@ class _ThreadToken:
 
 
 _here = _ThreadTrees()
+
+
+def _inline_begin() -> None:
+    """A capture begins on this thread: its graphed calls run their functions inline, as part of
+    the graph it records (``TreePool.busy``)."""
+    _here.inline += 1
+    for mgr in _here.trees.values():
+        mgr.busy += 1
+
+
+def _inline_end() -> None:
+    _here.inline -= 1
+    for mgr in _here.trees.values():
+        mgr.busy = max(0, mgr.busy - 1)
+
+
+_capture.NESTING.append((_inline_begin, _inline_end))
 _lock = threading.Lock()
 # every live thread's trees: (thread number, device ordinal) -> (thread name, tree); guarded by _lock.
 # Never take manager.SERIAL while holding _lock (a tree that grows may make another device's tree).
@@ -90,6 +109,7 @@ def _manager(ordinal: int) -> TreeManager:
                 token = here.token = _ThreadToken(next(_thread_numbers))
                 weakref.finalize(token, _thread_ended, token.number).atexit = False
             _all[(token.number, ordinal)] = (threading.current_thread().name, mgr)
+        mgr.busy = here.inline
         here.trees[ordinal] = mgr
     return mgr
 

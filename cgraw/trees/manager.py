@@ -1,9 +1,7 @@
 """Graph trees: the decisions of ``@cgraw.graphed`` (warm up, record, replay, re-record, skip).
 
-Layer L6: pure bookkeeping. It knows nothing of CUDA, torch or CuPy: ``calls`` classifies each
-call's inputs (through the frameworks' ``arrays.Ops``), and a *backend* does the work (the
-``Backend`` protocol of ``trees.nodes``; ``cgraw.trees.cuda_backend.CudaBackend`` on a GPU, a simulated one
-in the CPU tests).
+Layer L6: pure bookkeeping, no CUDA, torch or CuPy: ``calls`` classifies each call's inputs (through
+``arrays.Ops``), a *backend* does the work (``trees.nodes.Backend``; ``trees.cuda_backend.CudaBackend``).
 
 Why a tree. Graphed functions share one memory pool per device. A CUDA graph bakes in every
 address it touches, so a graph recorded after graph A must allocate around A's outputs, which are
@@ -19,8 +17,7 @@ Lifecycle of a node (one function on one path, one input signature):
   captured, the graph replayed once for this call's result, and a checkpoint taken.
 - later calls: replay. If a static input or a tree output moved, the node is re-recorded and its
   descendants are dropped.
-- a function that cannot be captured is SKIPPED: it runs eagerly from then on, with its reason
-  logged once and shown by ``cgraw.report()``.
+- a function that cannot be captured is SKIPPED: it runs eagerly, its reason in ``cgraw.report()``.
 
 Generations. A generation is one pass through the tree from a root. It begins at
 ``cgraw.mark_step_begin()``, or automatically when a *root function* (one that has begun a
@@ -43,7 +40,8 @@ While outputs stay alive, calls of a function that is not a root extend the path
 
 Threads. A tree belongs to the thread that made it, with its own generations, pool and capture
 stream; trees grow under one process-wide ``RecordingLock``, replays take no lock. A backward is
-a node of its forward's tree, run from autograd's thread (``TreeAutograd.call_backward``).
+a node of its forward's tree, run from autograd's thread (``TreeAutograd.call_backward``). A
+graphed call inside another's warm-up or recording, or inside ``cgraw.capture()``, runs inline.
 """
 
 from __future__ import annotations
@@ -137,7 +135,10 @@ class TreeManager(TreeAutograd, TreePool):
         return self.call_here(fn, args, kwargs)
 
     def call_here(self, fn, args, kwargs):
-        """``call`` unchecked: ``cgraw.graphed`` hands each thread only its own trees."""
+        """``call`` unchecked: ``cgraw.graphed`` hands each thread only its own trees. Inside a warm-up,
+        a recording or a capture of this thread, the function runs inline (``running_python``)."""
+        if self.busy:
+            return fn.fn(*args, **kwargs)
         book = self.book
         if self.current is not None and fn.fn_id in self.root_fns and not (book.tickets and book.pending()):
             return self._call_in_new_step(fn, args, kwargs)  # the inference rule: a root function begins a step
@@ -304,7 +305,8 @@ class TreeManager(TreeAutograd, TreePool):
             # (torch's trees restore before warm-ups too); else a new branch raises the pool's peak
             self._restore_to(parent)
         try:
-            w = warm_up(self.backend.warmup, fn, call, args, kwargs)
+            with self.running_python():
+                w = warm_up(self.backend.warmup, fn, call, args, kwargs)
         except BaseException:
             self.pool_state = UNKNOWN  # it may have left blocks in the pool
             raise
@@ -344,7 +346,7 @@ class TreeManager(TreeAutograd, TreePool):
             self._restore_to(anchor)
         try:
             check_shared_writes(call, node.warm.mutated)
-            with tree_nodes.external_for_record(node.warm):
+            with tree_nodes.external_for_record(node.warm), self.running_python():
                 rec = self.backend.record(fn, call, node.warm)
         except SkipCall as exc:
             node.state = NodeState.SKIPPED

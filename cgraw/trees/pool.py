@@ -7,6 +7,7 @@ Layer L6: pure bookkeeping; the backend does the work.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from cgraw.trees.arrays import key_deaths, names_dead, weaken_key
@@ -26,6 +27,17 @@ class TreePool:
     """Checkpoints and recordings of a ``manager.TreeManager``'s pool."""
 
     deaths_seen = 0  # arrays.key_deaths() when no node named a dead object any more
+    busy = 0  # > 0 while a function's Python runs for the tree (a warm-up, a recording) or a capture runs on its thread
+
+    @contextlib.contextmanager
+    def running_python(self):
+        """While the block runs, a graphed call on this tree's thread runs its function inline: its
+        work is part of the warm-up or the graph being captured around it (``manager.call_here``)."""
+        self.busy += 1
+        try:
+            yield
+        finally:
+            self.busy -= 1
 
     def drop_dead_keys(self) -> None:
         """Drop the nodes whose key names an object that is gone (``arrays.names_dead``: a tensor

@@ -547,3 +547,21 @@ def test_a_forward_hook_runs_only_when_the_function_runs_python(mgr):
             same(f(x), lin(x).relu())
     assert counts(mgr, f)[:3] == (1, 1, 3)
     assert len(seen) == 2 + 5  # the warm-up and the recording, then the eager references' five
+
+
+def test_a_graphed_function_called_inside_another_runs_inline_and_matches_eager(mgr):
+    """``outer`` calls graphed ``inner``: inner runs inline in outer's warm-up and recording (its ops
+    are outer's), so outer's replays recompute it from the new input; inner called on its own
+    between steps is a tree call of its own."""
+    inner_fn = lambda x: x * 2.0 + 1.0  # noqa: E731
+    inner = TorchFn(inner_fn, mgr, name="inner")
+    outer = TorchFn(lambda x: inner(x).relu() * 3.0, mgr, name="outer")
+    for i in range(6):
+        mgr.mark_step_begin()
+        x = torch.randn(64)
+        assert torch.equal(outer(x), inner_fn(x).relu() * 3.0), i
+        assert torch.equal(inner(x), inner_fn(x)), i
+    so, si = mgr.stats[outer.fn_id], mgr.stats[inner.fn_id]
+    assert (so.warmups, so.recordings, so.replays) == (1, 1, 4)
+    assert si.warmups + si.recordings + si.replays + si.eager_calls == 6  # its own calls only
+    assert mgr.busy == 0

@@ -554,3 +554,31 @@ def test_a_backward_after_its_forwards_thread_ended_recomputes(torch_trees):
     (handed["ref"](handed["x"]) ** 2).sum().backward()
     assert _same_grads(handed["model"], handed["ref"])
     assert any("backward ran recompute" in r for s in mgr.stats.values() for r in s.skip_reasons)
+
+
+def test_graphed_calls_inside_a_capture_of_their_thread_run_inline(made, inputs):
+    """While a capture runs on a thread (``runtime.capture.NESTING``'s hooks), that thread's
+    graphed calls run their functions inline, trees made meanwhile included; other threads' calls
+    and the thread's calls after the capture are tree calls."""
+    from cgraw.runtime import capture as capture_mod
+
+    f = cgraw.graphed(affine)
+    v = np.linspace(-1, 1, 8)
+    f(inputs.tensor(v))  # this thread's tree exists before the capture
+    begin, end = zip(*capture_mod.NESTING)
+    for hook in begin:
+        hook()
+    try:
+        np.testing.assert_array_equal(f(inputs.tensor(v)).value, v * 1.5 + 0.25)
+        other = run_threads(1, lambda i: (f(inputs.tensor(v)), threading.get_ident())[1])[0]
+    finally:
+        for hook in end:
+            hook()
+    for _ in range(3):
+        f(inputs.tensor(v))
+    mine = [mgr for t, _, mgr in made.trees if t == threading.get_ident()]
+    theirs = [mgr for t, _, mgr in made.trees if t == other]
+    assert len(mine) == 1 and mine[0].busy == 0
+    st = mine[0].stats[f.fn_id]
+    assert st.warmups + st.recordings + st.replays == 4  # the call inside the capture is none of them
+    assert theirs[0].stats[f.fn_id].warmups == 1  # another thread is not inside the capture
