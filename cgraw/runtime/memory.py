@@ -153,10 +153,11 @@ class DevicePool(allocator.Pool):
     @property
     def capture_stream(self) -> Stream:
         """The pool's capture stream: every capture into this pool runs on it, so freed blocks
-        are reused in stream order without events."""
+        are reused in stream order without events. Leased (``_lease_stream``): never destroyed."""
         s = self._capture_stream
         if s is None:
-            s = self._capture_stream = Stream.create(self.device)
+            s = self._capture_stream = _lease_stream(self.device)
+            weakref.finalize(self, _return_stream, self.device.ordinal, s)
         return s
 
     @property
@@ -227,6 +228,28 @@ class DevicePool(allocator.Pool):
             return MemoryPointer(UnownedMemory(block.ptr, nbytes, owner, dev_id), 0)
 
         return malloc
+
+
+_spare_streams: dict[int, list] = {}  # device ordinal -> capture streams of pools that are gone
+_streams_lock = threading.Lock()
+
+
+def _lease_stream(device: Device) -> Stream:
+    """A capture stream for a new pool: one a pool that is gone used, or a new one. A capture
+    stream is never destroyed: torch's allocator records events on the streams a block was used on
+    when the block's tensor dies (an autograd graph's saved tensor may die long after its tree),
+    and cuEventRecord on a destroyed stream crashes the process (seen on the H200)."""
+    with _streams_lock:
+        spare = _spare_streams.get(device.ordinal)
+        if spare:
+            return spare.pop()
+    return Stream.create(device)
+
+
+def _return_stream(ordinal: int, stream: Stream) -> None:
+    """Finalizer of a pool: its capture stream waits for the next pool. Never raises."""
+    with _streams_lock:
+        _spare_streams.setdefault(ordinal, []).append(stream)
 
 
 def _release_pool(source: CudaSource, torch_holder: list) -> None:

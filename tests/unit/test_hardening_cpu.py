@@ -555,3 +555,29 @@ def test_the_legacy_stream_made_to_wait_on_the_capture_is_named_not_called_a_hos
     assert TorchRouting.classify(RuntimeError(msg)) == LEGACY_WAIT
     assert "AccumulateGrad" in LEGACY_WAIT and "non-blocking stream" in LEGACY_WAIT
     assert TorchRouting.classify(RuntimeError("operation not permitted when stream is capturing")) == HOST_SYNC
+
+
+def test_a_capture_stream_is_never_destroyed_and_goes_to_the_next_pool_of_its_device(monkeypatch):
+    """torch's allocator records events on every stream a block was used on when the block's
+    tensor dies, which may be long after the tree whose capture stream it was: a pool's capture
+    stream is leased, handed back when the pool is gone, and reused, never destroyed."""
+    import types
+
+    from cgraw.runtime import memory
+
+    made = []
+
+    def create(device):
+        s = types.SimpleNamespace(device=device, n=len(made))
+        made.append(s)
+        return s
+
+    monkeypatch.setattr(memory.Stream, "create", staticmethod(create))
+    monkeypatch.setattr(memory, "_spare_streams", {})
+    d0, d1 = types.SimpleNamespace(ordinal=0), types.SimpleNamespace(ordinal=1)
+    a = memory._lease_stream(d0)
+    b = memory._lease_stream(d0)
+    memory._return_stream(0, a)
+    assert memory._lease_stream(d1) is not a and len(made) == 3  # another device's pools never get it
+    assert memory._lease_stream(d0) is a and len(made) == 3
+    assert b is not a
