@@ -24,6 +24,7 @@ from __future__ import annotations
 from cgraw import _cuda
 from cgraw.runtime import stream as _streams
 from cgraw.interop.torch import private_api
+from cgraw.errors import SkipCall
 from cgraw.trees.arrays import EAGER, SINGLE, TORCH, TREE, argument_objects, ops_of, unflatten
 from cgraw.trees.frameworks import retyped_view
 from cgraw.trees.nodes import ModeRewarm, Rewarm
@@ -189,8 +190,17 @@ def output_kinds(call, placeholders: dict, out_leaves: list, in_pool) -> list:
             continue
         base = private_api.view_base(t) if o is TORCH else None
         same = base is not None and base.dtype == t.dtype and not (t.is_conj() or t.is_neg())
+        if same and call.grad and base.requires_grad:
+            raise SkipCall(CLOSURE_VIEW_GRAD)
         out.append(ClosureView(t, base) if same else EXTERNAL)
     return out
+
+
+# why a function returning a view of a closure tensor that requires grad, called with grad on, runs eagerly
+CLOSURE_VIEW_GRAD = ("returns a view of a tensor it reads through its closure that requires grad (a tied "
+                     "weight's .T): the gradient reaching that view would not reach the tensor through the "
+                     "graphed function's backward, so it runs eagerly; return the tensor itself, or call it "
+                     "under torch.no_grad()")
 
 
 class Recording:

@@ -680,6 +680,29 @@ def test_a_view_of_a_closure_parameter_is_a_new_view_on_every_call(dev0):
         torch.testing.assert_close(w.grad, torch.ones(4, 3))
 
 
+def test_a_view_of_a_closure_parameter_that_requires_grad_recorded_with_grad_on_runs_eagerly(dev0):
+    """``recording.output_kinds`` with grad on: a view of a closure tensor that requires grad
+    (``weight.T``) would reach the caller without a path to the tensor through the graphed
+    backward (on the H200 a hook on it changed nothing and its gradient was lost), so the
+    recording is refused with the reason and the function runs eagerly; with grad off, or a
+    tensor that does not require grad, it stays a new view per call."""
+    from cgraw.trees.recording import CLOSURE_VIEW_GRAD, ClosureView, output_kinds
+
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    x = torch.randn(3)
+    call = calls.inspect(_PLAIN, (x,), {}, {}, 0)
+    ph = TORCH.clone_layout(x)
+    call.grad = True
+    with pytest.raises(SkipCall, match="requires grad") as info:
+        output_kinds(call, {0: ph}, [w.T], lambda ptr: ptr == ph.data_ptr())
+    assert str(info.value) == CLOSURE_VIEW_GRAD
+    (kind,) = output_kinds(call, {0: ph}, [w.detach().T], lambda ptr: ptr == ph.data_ptr())
+    assert isinstance(kind, ClosureView)
+    call.grad = False
+    (kind,) = output_kinds(call, {0: ph}, [w.T], lambda ptr: ptr == ph.data_ptr())
+    assert isinstance(kind, ClosureView)
+
+
 def test_views_of_a_closure_parameter_are_eagers_views_on_every_replay(monkeypatch):
     """torch's trees: test_alias_of_parameter, test_aliasing_static_ref, on the CPU graph emulator."""
     from cpu_graph import CpuGraphBackend
