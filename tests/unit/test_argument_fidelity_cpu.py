@@ -25,6 +25,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from addresses import at_reused_address  # noqa: E402
 from torch_cpu_backend import TorchFn, cpu_as_device0, cpu_tree  # noqa: E402
 
 import cgraw  # noqa: E402
@@ -66,19 +67,6 @@ def _output_kinds(call, placeholders, outs):
     """How the CUDA backend hands out ``outs`` of a recording of ``call`` (every placeholder in the pool)."""
     fake = types.SimpleNamespace(_pool_owner=lambda: (lambda ptr: True))
     return CudaBackend._output_kinds(fake, call, placeholders, outs)
-
-
-def _at_reused_address(free, old_id, make, tries=2000):
-    """After ``free()``, an object ``make()`` returns at address ``old_id`` (CPython reuses a freed
-    object's memory), or a fresh one when none lands there: then ``free`` did not free it."""
-    hold = []  # made before free(): a new list would take a freed list's memory first
-    free()
-    for _ in range(tries):
-        obj = make()
-        if id(obj) == old_id:
-            return obj
-        hold.append(obj)
-    return make()
 
 
 class _Color(enum.Enum):
@@ -321,7 +309,7 @@ def test_a_plain_object_attribute_replaced_by_a_list_at_a_reused_address_selects
     x, s = torch.randn(4), _Settings(1.0)
     old = id(s.offsets)
     first = _key(x, s)
-    s.offsets = _at_reused_address(lambda: setattr(s, "offsets", None), old, lambda: [0.9])
+    s.offsets = at_reused_address(lambda: setattr(s, "offsets", None), old, lambda: [0.9])
     assert _key(x, s) != first
 
 
@@ -343,7 +331,7 @@ def test_a_module_made_anew_at_a_reused_address_selects_another_recording(dev0):
     old, first = id(act), _key(x, act)
     holder = [act]
     del act
-    new = _at_reused_address(holder.clear, old, lambda: torch.nn.LeakyReLU(0.5))
+    new = at_reused_address(holder.clear, old, lambda: torch.nn.LeakyReLU(0.5))
     assert _key(x, new) != first
 
 

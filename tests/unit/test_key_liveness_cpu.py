@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from addresses import at_reused_address  # noqa: E402
 from cpu_graph import CpuGraphBackend  # noqa: E402
 from torch_cpu_backend import TorchFn, cpu_as_device0, cpu_tree  # noqa: E402
 
@@ -31,18 +32,6 @@ class _Holder:
 
 def _add(h, x):
     return x + h.t
-
-
-def _at_reused_address(free, old_id, make, tries=2000):
-    """After ``free()``, an object ``make()`` returns at address ``old_id``, or a fresh one."""
-    hold = []
-    free()
-    for _ in range(tries):
-        obj = make()
-        if id(obj) == old_id:
-            return obj
-        hold.append(obj)
-    return make()
 
 
 @pytest.mark.parametrize("backend", [None, CpuGraphBackend], ids=["rerun", "emulated"])
@@ -87,7 +76,7 @@ def test_a_new_tensor_at_a_dropped_tensors_reused_address_selects_a_new_recordin
         st = mgr.stats[f.fn_id]
         assert (st.warmups, st.recordings, st.replays) == (1, 1, 1)
         old = id(h.t)
-        h.t = _at_reused_address(lambda: setattr(h, "t", None), old, lambda: torch.full((4,), 2.0))
+        h.t = at_reused_address(lambda: setattr(h, "t", None), old, lambda: torch.full((4,), 2.0))
         assert id(h.t) == old  # CPython gave the new tensor the dropped one's address
         torch.testing.assert_close(f(h, x), x + 2.0)
         assert (st.warmups, st.recordings, st.replays) == (2, 1, 1)
@@ -101,7 +90,7 @@ def test_a_filed_key_naming_a_dropped_tensor_equals_no_key_of_a_tensor_at_its_ad
         (ref,) = weaken_key(filed)
         assert filed == calls.inspect(fn, (h, x), {}, {}, 0).key
         old = id(h.t)
-        h.t = _at_reused_address(lambda: setattr(h, "t", None), old, lambda: torch.randn(4))
+        h.t = at_reused_address(lambda: setattr(h, "t", None), old, lambda: torch.randn(4))
         assert ref() is None
         assert filed != calls.inspect(fn, (h, x), {}, {}, 0).key
 
