@@ -156,6 +156,7 @@ class GraphedFunction:
     copies_out = False  # a graphed backward's outputs are copied out (interop.torch.autograd); never a user's
     writes_inputs = False  # a warm-up found it writing an eager input (or it declares mutates): see input_plan.shared_memory
     inputs_guarded = False  # its caller guarantees its tensor inputs' dtypes and devices (the torch.compile backend's partitions)
+    continues_step = False  # a call of it never begins a generation: it follows another piece of one compiled graph
     is_backward = False
 
     def __init__(self, fn, *, static_argnums=(), mutates=(), pad_buckets=None):

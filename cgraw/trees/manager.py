@@ -234,7 +234,7 @@ class TreeManager(TreeAutograd, TreePool):
                 node = TreeNode(fn, call.key, parent, st)
                 node.refs = weaken_key(call.key)  # the node keeps alive nothing its key names
                 siblings[(fn.fn_id, call.key)] = node
-                if parent is None:
+                if parent is None and not getattr(fn, "continues_step", False):  # (a later compiled piece)
                     self.root_fns.add(fn.fn_id)
                 if self._new_variant(fn, st, call.key):
                     node.state = NodeState.SKIPPED

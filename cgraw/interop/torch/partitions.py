@@ -153,6 +153,7 @@ class Wrapping:
         self.phase = threading.local()  # the inner compile under way: "forward", "backward", ...
         self.wrapped: list[str] = []
         self.seen = 0
+        self.first: dict = {}  # phase -> index of its graph's first graphed partition
 
     def name(self, index: int, count: int) -> str:
         phase = getattr(self.phase, "value", None)
@@ -174,8 +175,12 @@ class Wrapping:
                 return fn
             gf = self.runtime.graphed(graph_body(fn, name))
             gf.inputs_guarded = True  # dynamo guards the graph inputs; Inductor allocates the rest (calls.inspect)
-            wrapped = adapt(fn, gf, self.home, self.runtime, _in_backward(),
-                            phase=getattr(self.phase, "value", None), index=index, name=name)
+            phase = getattr(self.phase, "value", None)
+            # the pieces after the graph's first graphed one run in its step: were one of them a root
+            # function, its call would end the step while the earlier pieces' outputs are alive in
+            # Inductor's frame, and its recording could not reuse their memory
+            gf.continues_step = self.first.setdefault(phase, index) < index
+            wrapped = adapt(fn, gf, self.home, self.runtime, _in_backward(), phase=phase, index=index, name=name)
         except Exception as exc:  # noqa: BLE001 -- never fail the compile: run the partition as compiled
             self.runtime.note(name, f"not graphed: {type(exc).__name__}: {exc}")
             return fn
