@@ -405,6 +405,13 @@ def event_elapsed_time(start, end) -> float:
     return float(check(drv.cuEventElapsedTime(start, end), "cuEventElapsedTime"))
 
 
+def has_leaf_outside(nodes, edges, deps) -> bool:
+    """Whether a graph of ``nodes`` and ``edges`` has a node with no successor but ``deps`` (a
+    stream's capture dependencies): work forked to a side stream of a capture, never joined back."""
+    has_succ, mine = {native(a) for a, _ in edges}, {native(d) for d in deps}
+    return any(native(n) not in has_succ and native(n) not in mine for n in nodes)
+
+
 # Graph work lives in ``graphs``, which imports the names above from here (hence this import at the
 # bottom); these are the ones the rest of cgraw calls as ``_cuda.<name>``.
 from cgraw._cuda.graphs import (  # noqa: E402, F401

@@ -152,10 +152,7 @@ def _refuse_unjoined(graph, deps: list) -> None:
     """Raise ``CaptureError`` (the capture still running) if ``graph`` has a leaf node other than
     ``deps``: work forked to a side stream and not joined, which makes the pause's
     ``cuStreamEndCapture`` fail with ``CUDA_ERROR_STREAM_CAPTURE_UNJOINED`` and end the capture."""
-    nodes = _cuda.graph_get_nodes(graph)
-    has_succ = {_cuda.native(a) for a, _ in _cuda.graph_get_edges(graph)}
-    mine = {_cuda.native(d) for d in deps}
-    if any(_cuda.native(n) not in has_succ and _cuda.native(n) not in mine for n in nodes):
+    if _cuda.has_leaf_outside(_cuda.graph_get_nodes(graph), _cuda.graph_get_edges(graph), deps):
         raise CaptureError("cuStreamEndCapture", 0, "CONDITIONAL_AFTER_UNJOINED_FORK",
                            "cgraw.while_loop and cgraw.cond pause the capture stream while they capture "
                            "their bodies, and a side stream forked into the capture is not joined back",

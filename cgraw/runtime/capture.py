@@ -406,10 +406,7 @@ def _has_unjoined_work(stream) -> bool:
     i.e. work forked to a side stream that was never joined back."""
     try:
         graph, deps = _cuda.stream_capture_graph(stream.handle)
-        nodes = _cuda.graph_get_nodes(graph)
-        has_succ = {_cuda.native(a) for a, _ in _cuda.graph_get_edges(graph)}
-        dep_set = {_cuda.native(d) for d in deps}
-        return any(_cuda.native(n) not in has_succ and _cuda.native(n) not in dep_set for n in nodes)
+        return _cuda.has_leaf_outside(_cuda.graph_get_nodes(graph), _cuda.graph_get_edges(graph), deps)
     except Exception:  # diagnosis only: never let it break the capture's exit
         return False
 

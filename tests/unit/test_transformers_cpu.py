@@ -42,6 +42,13 @@ def _llama():
         intermediate_size=64, max_position_embeddings=64))
 
 
+def _generating_llama():
+    """A small Llama with the token ids ``generate()`` needs, in evaluation mode."""
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=V, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+        intermediate_size=64, max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=0)).eval()
+
+
 def _gpt2():
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=V, n_layer=2, n_head=2, n_embd=32,
                                                                 n_positions=64))
@@ -118,10 +125,7 @@ def test_generate_with_a_graphed_forward_gives_eagers_tokens(cache, monkeypatch)
     that reason, and the tokens are eager's in both cases."""
     with cpu_tree(monkeypatch, CpuGraphBackend) as mgr:
         torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(vocab_size=V, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                       hidden_size=32, intermediate_size=64, max_position_embeddings=64,
-                                       bos_token_id=0, eos_token_id=1, pad_token_id=0)
-        model = transformers.LlamaForCausalLM(cfg).eval()
+        model = _generating_llama()
         prompt = _ids(1, 5, 3)
         kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
         if cache == "static":
@@ -199,10 +203,7 @@ def test_beam_search_with_a_static_cache_keeps_no_cache_of_an_earlier_step_alive
 
     with cpu_tree(monkeypatch, CpuGraphBackend) as mgr:
         torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(vocab_size=V, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                       hidden_size=32, intermediate_size=64, max_position_embeddings=64,
-                                       bos_token_id=0, eos_token_id=1, pad_token_id=0)
-        model = transformers.LlamaForCausalLM(cfg).eval()
+        model = _generating_llama()
         kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, cache_implementation="static", num_beams=3)
         prompt = _ids(1, 5, 3)
 
