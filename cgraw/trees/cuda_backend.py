@@ -156,19 +156,23 @@ class CudaBackend(TorchAutograd):
             if isinstance(exc, SkipCall):
                 exc.dirty = True  # the capture's blocks are in the pool: restore before recording
             raise
-        rec.external = tuple(warm.external)
+        # the closure tensors the node's key names (warm.keyed: a StaticCache's, reached through an
+        # argument) are held weakly, as the node holds them: once they die no call matches the key
+        keyed = [r() for r in warm.keyed]  # alive: this call's key named them
+        rec.external, rec.keyed = tuple(warm.external), warm.keyed
+        if grad and self._tts is not None:  # the saved tensors are the recording's blocks too
+            rec.grad = grad_info(rec, call, subs, saved)
+            rec.spans = self._tts.spans(list(rec.keep[0]) + [rec.out_leaves[i] for i in rec.owned_idx] + saved)
+        rec.external = tuple(t for t in rec.external if not any(t is k for k in keyed))
         _observe.watch(rec.external)
-        rec.ext_ptrs = [ops_of(t).ptr(t) for t in rec.external]
-        rec.same_external = _observe.ptrs_check(rec.external) if rec.external else None
+        rec.ext_ptrs = [ops_of(t).ptr(t) for t in (*rec.external, *keyed)]
+        rec.same_external = _observe.ptrs_check(rec.external, rec.keyed) if rec.ext_ptrs else None
         # a module assignment between the warm-up and now: the closure tensors found at warm-up
         # may not be the ones this recording reads, so the next call warms up again
         rec.epoch_now = _observe.epoch_now
         rec.epoch = _observe.epoch_now[0] if warm.epoch == _observe.epoch_now[0] else -1
         rec.mode_now = _observe.mode_epoch_now
         rec.mode_epoch = warm.mode_epoch
-        if grad and self._tts is not None:  # the saved tensors are the recording's blocks too
-            rec.grad = grad_info(rec, call, subs, saved)
-            rec.spans = self._tts.spans(list(rec.keep[0]) + [rec.out_leaves[i] for i in rec.owned_idx] + saved)
         return rec
 
     def _finish_recording(self, rec: Recording, g, call: Call, placeholders: dict, warm: Warm, out) -> None:
@@ -315,7 +319,7 @@ class CudaBackend(TorchAutograd):
         rec.graph.close()
         rec.keep = None
         _observe.unwatch(rec.external)
-        rec.external = ()
+        rec.external, rec.keyed = (), ()
         rec.same_external = None
 
     # ------------------------------------------------------------------ pool checkpoints

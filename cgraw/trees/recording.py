@@ -238,7 +238,8 @@ class Recording:
         "keep",  # (placeholders, outputs): alive as long as the recording
         "spans",  # torch storages in torch's MemPool this recording holds (checkpoint restores)
         "external",  # tensors read through the closure (kept alive, checked per call)
-        "ext_ptrs",  # their addresses at record time
+        "keyed",  # weak references to the closure tensors the node's key names (nodes.hold_external)
+        "ext_ptrs",  # the addresses of both at record time
         "same_external",  # ptrs -> bool: whether they are still there (interop.torch.observe)
         "epoch",  # module-assignment count at record time, or -1
         "epoch_now",  # [the module-assignment count now] (interop.torch.observe.epoch_now)
@@ -267,6 +268,7 @@ class Recording:
         self.keep = None
         self.spans = []
         self.external, self.ext_ptrs, self.same_external, self.epoch, self.epoch_now = (), [], None, -1, [-1]
+        self.keyed = ()
         self.mode_epoch, self.mode_now = 0, [0]
         self.capture_ms = self.instantiate_ms = 0.0
         self.grad = None

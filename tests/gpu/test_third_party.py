@@ -217,6 +217,50 @@ def test_a_decode_step_returning_the_model_output_with_its_cache_replays():
     _assert_graphed(f, recordings=1, replays=new_tokens - 4)
 
 
+def test_a_finished_generations_static_cache_is_freed_by_the_tree():
+    """Two generations, each with a new ``StaticCache`` (as ``generate()`` makes one per call): the
+    decode step is recorded and replayed in each, and once the first cache is dropped none of its
+    tensors is kept alive by the tree (its recording reads them by address only)."""
+    import gc
+    import weakref
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   bos_token_id=0, eos_token_id=1, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg).cuda().eval()
+    prompt_len, new_tokens = 6, 10
+
+    def decode_step(ids, cache_position, cache):
+        out = model(input_ids=ids, position_ids=cache_position.unsqueeze(0), past_key_values=cache, use_cache=True)
+        return out.logits[:, -1, :]
+
+    def generate(step, prompt):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=prompt_len + new_tokens)
+        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1, :]
+        tokens = []
+        for i in range(new_tokens - 1):
+            tok = logits.argmax(-1, keepdim=True)
+            tokens.append(tok)
+            logits = step(tok, torch.tensor([prompt_len + i], device="cuda"), cache).clone()
+        held = [weakref.ref(v) for layer in cache.layers for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+        return torch.cat(tokens, dim=1), held
+
+    f = cgraw.graphed(decode_step)
+    with torch.no_grad():
+        for n in (1, 2):
+            cgraw.mark_step_begin()
+            prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), device="cuda")
+            got, held = generate(f, prompt)
+            ref, _ = generate(decode_step, prompt)
+            assert torch.equal(got, ref), (got, ref)
+            gc.collect()
+            assert held and all(r() is None for r in held), cgraw.report()
+            st = _stats(f)
+            assert st.recordings == n and st.replays >= n * (new_tokens - 4), cgraw.report()
+
+
 # ---------------------------------------------------------------- torchvision
 
 

@@ -48,7 +48,7 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from cgraw.errors import SkipCall
 from cgraw.interop.torch import observe
@@ -178,6 +178,24 @@ class GraphRecorder(TorchDispatchMode):
         self.before.clear()
 
 
+class _Weak:
+    """A tensor of the op log held weakly (``CpuGraph.hold_weakly``): a graph holds an address."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref):
+        self.ref = ref
+
+
+def _resolve(x):
+    if type(x) is _Weak:
+        t = x.ref()
+        if t is None:
+            raise CannotEmulate("a tensor the recording read is gone: a graph would read freed memory")
+        return t
+    return x
+
+
 class CpuGraph:
     """The op log of one recording; ``replay()`` runs it again at the recorded tensors."""
 
@@ -189,11 +207,25 @@ class CpuGraph:
 
     def made(self, t) -> bool:
         """Whether ``t``'s memory was allocated inside the recording (a graph's own memory)."""
-        return _storage_ptr(t) in self.made_storages and not any(_storage_ptr(o) == _storage_ptr(t)
+        return _storage_ptr(t) in self.made_storages and not any(_storage_ptr(_resolve(o)) == _storage_ptr(t)
                                                                  for o, _ in self.outside)
+
+    def hold_weakly(self, refs) -> None:
+        """Hold the tensors behind the weak references ``refs`` weakly from now on, as a CUDA graph
+        holds their addresses only (the tree does not replay a recording once they are gone)."""
+        weak = {id(t): _Weak(r) for r in refs if (t := r()) is not None}
+        if not weak:
+            return
+
+        def swap(x):
+            return weak.get(id(x), x) if isinstance(x, torch.Tensor) else x
+        for op in self.ops:
+            op.args, op.kwargs, op.out = tree_map(swap, (op.args, op.kwargs, op.out))
+        self.outside = [(swap(t), ptr) for t, ptr in self.outside]
 
     def replay(self) -> None:
         for t, ptr in self.outside:
+            t = _resolve(t)
             if _storage_ptr(t) != ptr:
                 raise CannotEmulate(f"a tensor the recording read moved (storage 0x{ptr:x} -> "
                                     f"0x{_storage_ptr(t):x}): a graph would read its old address")
@@ -203,9 +235,10 @@ class CpuGraph:
             for op in self.ops:
                 if op.kind == "view" or op.kind == "skip":
                     continue
-                res = op.func(*op.args, **op.kwargs)
+                args, kwargs, out = tree_map(_resolve, (op.args, op.kwargs, op.out))
+                res = op.func(*args, **kwargs)
                 if op.kind == "copy":
-                    for old, new in zip(_tensors(op.out), _tensors(res), strict=True):
+                    for old, new in zip(_tensors(out), _tensors(res), strict=True):
                         if old is not new:
                             old.copy_(new)
         self.replays += 1
@@ -287,6 +320,7 @@ class GraphRecording:
     holds on the GPU, minus the CUDA graph."""
 
     grad = None  # calls with grad go to CpuTorchBackend's recordings
+    keyed = ()
     capture_ms = instantiate_ms = 0.0
 
     def __init__(self, backend, fn):
@@ -305,7 +339,8 @@ class GraphRecording:
             return Rewarm("a module's parameter, buffer or submodule was reassigned since the recording")
         if self.mode_epoch != observe.mode_epoch_now[0]:
             return ModeRewarm("a module switched between training and evaluation since the recording")
-        if [t.data_ptr() for t in self.external] != self.ext_ptrs:
+        keyed = [r() for r in self.keyed]
+        if None in keyed or [t.data_ptr() for t in (*self.external, *keyed)] != self.ext_ptrs:
             return Rewarm("a tensor the function reads through its closure moved")
         return None
 
@@ -369,9 +404,12 @@ class CpuGraphBackend(CpuTorchBackend):
                          if rec.out_kinds[i] is OWNED] if call.bucket is not None else [])
         rec.out_ptrs = [rec.out_leaves[i].data_ptr() for i in rec.owned_idx]
         rec.mutated = [j for j in warm.mutated if kinds[j] == EAGER]
-        rec.external = tuple(warm.external)
+        keyed = [r() for r in warm.keyed]  # as cuda_backend.record: held weakly from now on
+        rec.external = tuple(t for t in warm.external if not any(t is k for k in keyed))
+        rec.keyed = warm.keyed
+        rec.graph.hold_weakly(warm.keyed)
         observe.watch(rec.external)
-        rec.ext_ptrs = [t.data_ptr() for t in rec.external]
+        rec.ext_ptrs = [t.data_ptr() for t in (*rec.external, *keyed)]
         rec.epoch = observe.epoch_now[0] if warm.epoch == observe.epoch_now[0] else -1
         rec.mode_epoch = warm.mode_epoch
         return rec

@@ -111,17 +111,21 @@ def test_a_python_state_snapshot_sees_an_attribute_replaced_at_the_same_address(
     assert old() is None
 
 
-@pytest.mark.xfail(strict=True, reason="a recording holds the tensors its graph reads through an argument's "
-                   "attributes (Recording.external, the emulator's op log) strongly, so a recorded node keyed by "
-                   "them keeps them alive and its key never dies")
 def test_a_tensor_reached_through_an_argument_attribute_of_a_recorded_node_is_freed_once_dropped(monkeypatch):
     with cpu_tree(monkeypatch, CpuGraphBackend) as mgr:
         f = TorchFn(_add, mgr)
         h, x = _Holder(torch.randn(4)), torch.randn(4)
         f(h, x)
         f(h, x)  # recorded
-        assert mgr.stats[f.fn_id].recordings == 1
+        h.t.copy_(torch.randn(4))
+        torch.testing.assert_close(f(h, x), x + h.t)  # replayed: reads h.t's contents now
+        st = mgr.stats[f.fn_id]
+        assert (st.recordings, st.replays) == (1, 1)
+        (node,) = mgr.nodes()
+        rec = node.recording
         old = weakref.ref(h.t)
         h.t = torch.randn(4)
         gc.collect()
         assert old() is None
+        torch.testing.assert_close(f(h, x), x + h.t)
+        assert rec.discarded and (st.recordings, st.replays) == (1, 1)

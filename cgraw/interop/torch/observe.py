@@ -237,13 +237,21 @@ def _make_observer_class():
     return Observer
 
 
-def ptrs_check(tensors):
-    """A function ``ptrs -> bool`` telling whether ``tensors`` still have the data pointers
-    ``ptrs`` (a list): one C-level ``map`` over ``Tensor.data_ptr`` (its cost per call has not
-    been measured on the GPU machine yet)."""
-    ts = tuple(tensors)
+def ptrs_check(tensors, refs=()):
+    """A function ``ptrs -> bool`` telling whether ``tensors``, then the tensors behind the weak
+    references ``refs``, still have the data pointers ``ptrs`` (a list): C-level ``map``s over
+    ``Tensor.data_ptr``. A dead reference makes it False (the recording can never replay)."""
+    ts, rs = tuple(tensors), tuple(refs)
     data_ptr = sys.modules["torch"].Tensor.data_ptr
+    if not rs:
+        def same(ptrs: list) -> bool:
+            return list(map(data_ptr, ts)) == ptrs
+        return same
+    deref = weakref.ref.__call__
 
-    def same(ptrs: list) -> bool:
-        return list(map(data_ptr, ts)) == ptrs
-    return same
+    def same_keyed(ptrs: list) -> bool:
+        try:
+            return list(map(data_ptr, ts)) + list(map(data_ptr, map(deref, rs))) == ptrs
+        except TypeError:  # a reference is dead: data_ptr(None)
+            return False
+    return same_keyed
