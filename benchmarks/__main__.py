@@ -55,6 +55,7 @@ PARTS = {
     "training": ("benchmarks.training", []),
     "threads": ("benchmarks.threads", []),
     "control_flow": ("benchmarks.control_flow", []),
+    "decode_loop": ("benchmarks.decode_loop", []),
     "rebind": ("benchmarks.rebind", []),
 }
 

@@ -11,7 +11,9 @@ the host loop first (same iteration count, solution within 1e-10 relative), then
 
 Wall microseconds per solve (submission plus completion: ``host_sync_us`` with a synchronise in the
 timed region), the systems interleaved by rounds, and the speedups over ``eager`` per round with a
-bootstrap interval. ``--framework`` picks CuPy (default) or torch; sizes with ``--sizes``.
+bootstrap interval. Beside them, the one-iteration graph replayed as many times back to back with
+no host read (``body_graph_us_per_iteration``: the body's device time, gaps between launches
+included) and ``one_launch`` per iteration over it. ``--framework`` picks CuPy (default) or torch; sizes with ``--sizes``.
 ``python3 -m benchmarks.control_flow [--quick]`` writes ``benchmarks/results/control_flow.json``
 (``control_flow_quick.json``); also part ``control_flow`` of ``python3 -m benchmarks``.
 """
@@ -110,6 +112,18 @@ def _systems(cgraw, b, k0, sync, n: int):
             go = bool(pred)  # the host reads the predicate the replay computed
         return state[0], int(state[4])
 
+    def body_chain(iterations: int):
+        """The one-iteration graph replayed ``iterations`` times back to back, no host read: the
+        body's device time per iteration (gaps between launches included)."""
+        for dst, src in zip(state, start()):
+            dst[...] = src
+        sync()
+        t0 = time.perf_counter_ns()
+        for _ in range(iterations):
+            g_iter.replay()
+        sync()
+        return (time.perf_counter_ns() - t0) / 1e3 / iterations
+
     with cgraw.capture() as g_loop:
         loop_out = cgraw.while_loop(cond_fn, body_fn, start())
 
@@ -118,7 +132,7 @@ def _systems(cgraw, b, k0, sync, n: int):
         sync()
         return loop_out[0], int(loop_out[4])
 
-    return {"eager": eager, "graph_per_iteration": per_iteration, "one_launch": one_launch}, (g_iter, g_loop)
+    return {"eager": eager, "graph_per_iteration": per_iteration, "one_launch": one_launch}, (g_iter, g_loop), body_chain
 
 
 def main(argv=None) -> int:
@@ -133,7 +147,7 @@ def main(argv=None) -> int:
     summary = {}
     for n in sizes:
         _, b, sync, k0 = _arrays(args.framework, n, seed=n)
-        systems, graphs = _systems(cgraw, b, k0, sync, n)
+        systems, graphs, body_chain = _systems(cgraw, b, k0, sync, n)
         ref_x, ref_k = systems["eager"]()
         ok = {}
         for name, fn in systems.items():
@@ -159,6 +173,12 @@ def main(argv=None) -> int:
                 ratios = [e / s for e, s in zip(samples["eager"], v)]
                 row[f"{name}_speedup"] = statistics.median(ratios)
                 row[f"{name}_speedup_ci"] = bootstrap_ci([ratios])
+        if "one_launch" in samples:
+            row["body_graph_us_per_iteration"] = statistics.median(body_chain(ref_k) for _ in range(rounds))
+            row["one_launch_us_per_iteration"] = row["one_launch_us"] / ref_k
+            row["one_launch_over_body_graph"] = row["one_launch_us_per_iteration"] / row["body_graph_us_per_iteration"]
+            if "graph_per_iteration" in samples:
+                row["one_launch_over_graph_per_iteration"] = row["one_launch_us"] / row["graph_per_iteration_us"]
         summary[n] = rep.add(**row)
         for g in graphs:
             g.close()
