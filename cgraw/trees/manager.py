@@ -135,8 +135,7 @@ class TreeManager(TreeAutograd, TreePool):
         return self.call_here(fn, args, kwargs)
 
     def call_here(self, fn, args, kwargs):
-        """``call`` unchecked: ``cgraw.graphed`` hands each thread only its own trees. Inside a warm-up,
-        a recording or a capture of this thread, the function runs inline (``running_python``)."""
+        """``call`` unchecked (each thread gets its own trees); inline in this thread's warm-ups and captures."""
         if self.busy:
             return fn.fn(*args, **kwargs)
         book = self.book
@@ -219,9 +218,10 @@ class TreeManager(TreeAutograd, TreePool):
         self.drop_dead_keys()
         if reason is not None:
             out = self._rerecord(node, fn, call, reason, args, kwargs)
-        elif parent is not None and not getattr(fn, "copies_out", False) and self._path_is_dead(call):
-            # every output of the path is dead: end it (torch's trees do), so this call starts
-            # from a root, as if it were the first call of the process; a backward never does
+        elif parent is not None and not (getattr(fn, "copies_out", False) or getattr(fn, "continues_step", False)) \
+                and self._path_is_dead(call):  # never a backward, nor a compiled graph's later piece (its frame
+            # may hold the earlier pieces' outputs): every output of the path is dead, so end it (torch's
+            # trees do) and this call starts from a root, as if it were the first call of the process
             self._end_generation()
             return self._call(fn, args, kwargs)
         else:
