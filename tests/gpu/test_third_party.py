@@ -130,6 +130,15 @@ def test_gpt2_graphed_model_output_alternating_batch_sizes():
 # ---------------------------------------------------------------- transformers: Llama + StaticCache
 
 
+def _small_llama(transformers, hidden: int):
+    """A 2-layer transformers Llama with random weights (4 heads, 2 key-value heads), on the GPU."""
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=hidden, bos_token_id=0, eos_token_id=1,
+                                   attn_implementation="sdpa")
+    return cfg, transformers.LlamaForCausalLM(cfg).cuda().eval()
+
+
 def test_llama_static_cache_greedy_decode():
     """Greedy decoding with a StaticCache: eager prefill, then one graphed decode step per token.
 
@@ -140,10 +149,7 @@ def test_llama_static_cache_greedy_decode():
     (a CPU walk through the same code under "capturing" found no host synchronisation)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   bos_token_id=0, eos_token_id=1, attn_implementation="sdpa")
-    model = transformers.LlamaForCausalLM(cfg).cuda().eval()
+    cfg, model = _small_llama(transformers, 256)
     prompt_len, new_tokens = 8, 16
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), device="cuda")
 
@@ -187,10 +193,7 @@ def test_a_decode_step_returning_the_model_output_with_its_cache_replays():
     is recorded and replayed rather than run eagerly."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   bos_token_id=0, eos_token_id=1, attn_implementation="sdpa")
-    model = transformers.LlamaForCausalLM(cfg).cuda().eval()
+    cfg, model = _small_llama(transformers, 128)
     prompt_len, new_tokens = 6, 12
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), device="cuda")
 
@@ -226,10 +229,7 @@ def test_a_finished_generations_static_cache_is_freed_by_the_tree():
 
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   bos_token_id=0, eos_token_id=1, attn_implementation="sdpa")
-    model = transformers.LlamaForCausalLM(cfg).cuda().eval()
+    cfg, model = _small_llama(transformers, 128)
     prompt_len, new_tokens = 6, 10
 
     def decode_step(ids, cache_position, cache):
