@@ -16,6 +16,7 @@ CPU tensors report device 0 here (``cpu_as_device0``), so ``cgraw.trees.calls`` 
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -111,10 +112,24 @@ class CpuRecording:
         return why
 
 
+class Poisoned:
+    """The outputs an ended generation poisoned, held weakly (poisoning keeps no reference to a
+    tensor on the GPU, so it never counts as a user of the tree's memory); iterates the live ones."""
+
+    def __init__(self):
+        self._refs: list = []
+
+    def append(self, t) -> None:
+        self._refs.append(weakref.ref(t))
+
+    def __iter__(self):
+        return (t for r in self._refs if (t := r()) is not None)
+
+
 class CpuTorchBackend(TorchAutograd):
     def __init__(self):
         self.log: list = []
-        self.poisoned: list = []
+        self.poisoned = Poisoned()
 
     # pool bookkeeping: nothing to do on the CPU
     def snapshot(self):
