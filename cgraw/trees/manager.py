@@ -30,7 +30,7 @@ graphed functions), a root function's call does not begin one; it extends the pa
 saved activations of the pending forwards are not overwritten.
 
 A generation also ends when everything its path made is dead, as torch's trees end a path whose
-outputs are all dead. Before a call would add a node to the path (not before a replay), the tree
+outputs are all dead. Before a call would add or re-record a node (not before a replay), the tree
 checks its weak references to the outputs of the path's calls (``trees.outputs.PathOutputs``): when
 none is alive, none is the call's input and no autograd graph of the path's forwards is alive (a
 pending backward's is), the call starts from a root, as if it were the first call of the process.
@@ -216,14 +216,14 @@ class TreeManager(TreeAutograd, TreePool):
         """A call that is neither a replay nor a skipped node's: a new node, a warm-up, a recording
         or a re-recording (``reason``). Under ``serial``."""
         self.drop_dead_keys()
-        if reason is not None:
-            out = self._rerecord(node, fn, call, reason, args, kwargs)
-        elif parent is not None and not (getattr(fn, "copies_out", False) or getattr(fn, "continues_step", False)) \
+        if parent is not None and not (getattr(fn, "copies_out", False) or getattr(fn, "continues_step", False)) \
                 and self._path_is_dead(call):  # never a backward, nor a compiled graph's later piece (its frame
-            # may hold the earlier pieces' outputs): every output of the path is dead, so end it (torch's
-            # trees do) and this call starts from a root, as if it were the first call of the process
+            # may hold the earlier pieces' outputs): every output of the path is dead, so end it (torch's trees
+            # do) and this call starts from a root, as the process's first call would, re-records included
             self._end_generation()
             return self._call(fn, args, kwargs)
+        if reason is not None:
+            out = self._rerecord(node, fn, call, reason, args, kwargs)
         else:
             st = self._stats(fn)
             fresh = node is None

@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from cgraw.errors import SkipCall
 from cgraw.interop.torch import observe
 from cgraw.trees import buckets
-from cgraw.trees.arrays import EAGER, TORCH, argument_objects, out_spec, replace_leaves, unflatten
+from cgraw.trees.arrays import EAGER, TORCH, TREE, argument_objects, out_spec, replace_leaves, unflatten
 from cgraw.trees.nodes import ModeRewarm, Rewarm, Warm
 from cgraw.trees.recording import EXTERNAL, OWNED, ClosureView, InputAlias, RowsView, rows_view, tree_views
 from torch_cpu_backend import CpuTorchBackend, placeholders
@@ -187,7 +187,21 @@ class _Weak:
         self.ref = ref
 
 
+class _Slot:
+    """A tree-output input of the op log (``CpuGraph.read_from_call``): read at the call's leaf ``j``."""
+
+    __slots__ = ("j",)
+
+    def __init__(self, j):
+        self.j = j
+
+
+_leaves: list = []  # the leaves of the call a replay runs for (``CpuGraph.replay``)
+
+
 def _resolve(x):
+    if type(x) is _Slot:
+        return _leaves[-1][x.j]
     if type(x) is _Weak:
         t = x.ref()
         if t is None:
@@ -207,8 +221,9 @@ class CpuGraph:
 
     def made(self, t) -> bool:
         """Whether ``t``'s memory was allocated inside the recording (a graph's own memory)."""
-        return _storage_ptr(t) in self.made_storages and not any(_storage_ptr(_resolve(o)) == _storage_ptr(t)
-                                                                 for o, _ in self.outside)
+        p = _storage_ptr(t)  # a tree-output input (a slot) is where the recording read it
+        return p in self.made_storages and not any(
+            (ptr if type(o) is _Slot else _storage_ptr(_resolve(o))) == p for o, ptr in self.outside)
 
     def hold_weakly(self, refs) -> None:
         """Hold the tensors behind the weak references ``refs`` weakly from now on, as a CUDA graph
@@ -223,7 +238,28 @@ class CpuGraph:
             op.args, op.kwargs, op.out = tree_map(swap, (op.args, op.kwargs, op.out))
         self.outside = [(swap(t), ptr) for t, ptr in self.outside]
 
-    def replay(self) -> None:
+    def read_from_call(self, leaves: dict) -> None:
+        """Read the tensors ``leaves`` maps (leaf index -> tensor: the call's tree-output inputs) at
+        the leaves of the call each replay runs for, holding none of them, as a graph reads such
+        an input at its address (a tree output, which the tree keeps in place)."""
+        slots = {id(t): _Slot(j) for j, t in leaves.items()}
+        if not slots:
+            return
+
+        def swap(x):
+            return slots.get(id(x), x) if isinstance(x, torch.Tensor) else x
+        for op in self.ops:
+            op.args, op.kwargs, op.out = tree_map(swap, (op.args, op.kwargs, op.out))
+        self.outside = [(swap(t), ptr) for t, ptr in self.outside]
+
+    def replay(self, leaves=()) -> None:
+        _leaves.append(leaves)
+        try:
+            self._replay()
+        finally:
+            _leaves.pop()
+
+    def _replay(self) -> None:
         for t, ptr in self.outside:
             t = _resolve(t)
             if _storage_ptr(t) != ptr:
@@ -404,6 +440,8 @@ class CpuGraphBackend(CpuTorchBackend):
                          if rec.out_kinds[i] is OWNED] if call.bucket is not None else [])
         rec.out_ptrs = [rec.out_leaves[i].data_ptr() for i in rec.owned_idx]
         rec.mutated = [j for j in warm.mutated if kinds[j] == EAGER]
+        rec.graph.read_from_call({j: leaves[j] for j, _, _ in rec.fixed if kinds[j] == TREE})
+        rec.fixed = [(j, None, ptr) for j, _, ptr in rec.fixed]  # the tree keeps them in place
         keyed = [r() for r in warm.keyed]  # as cuda_backend.record: held weakly from now on
         rec.external = tuple(t for t in warm.external if not any(t is k for k in keyed))
         rec.keyed = warm.keyed
@@ -452,7 +490,7 @@ class CpuGraphBackend(CpuTorchBackend):
         with torch.no_grad():
             for j, ph in rec.placeholders.items():
                 (ph[:n] if j in call.padded else ph).copy_(call.leaves[j])
-            rec.graph.replay()
+            rec.graph.replay(call.leaves)
             for j in rec.mutated:  # the graph's copy-back nodes
                 ph = rec.placeholders[j]
                 call.leaves[j].copy_(ph[:n] if j in call.padded else ph)

@@ -565,3 +565,37 @@ def test_a_graphed_function_called_inside_another_runs_inline_and_matches_eager(
     assert (so.warmups, so.recordings, so.replays) == (1, 1, 4)
     assert si.warmups + si.recordings + si.replays + si.eager_calls == 6  # its own calls only
     assert mgr.busy == 0
+
+
+def test_a_function_updating_a_tree_output_then_given_the_callers_tensor_begins_at_the_root(mgr):
+    """As the GPU test of the same scenario: ``mut`` warmed up, recorded and replayed on a tree
+    output it updates in place, then called on the caller's own tensor (a clone of it) once the
+    tree output is dead. The path is dead at that call, so ``mut`` begins at the root, where it
+    warms up once and records at the next call, rather than first re-warming the node recorded on
+    the tree output and then warming up again at the root. (Each replay here hands out an alias
+    over the recording's own storage, so the test keeps no earlier output: on the GPU an output of
+    an ended generation is not a user of the recording's memory.)"""
+
+    def make(x):
+        return x * 2.0
+
+    def mut(y):
+        y.add_(2.0)
+        return y * 1.0
+
+    fm, fmu = TorchFn(make, mgr), TorchFn(mut, mgr)
+    for _ in range(2):
+        mgr.mark_step_begin()
+        fm(torch.randn(64))
+    for _ in range(4):
+        mgr.mark_step_begin()
+        x = torch.randn(64)
+        same(fmu(fm(x)), x * 2.0 + 2.0)
+    for _ in range(4):
+        mgr.mark_step_begin()
+        x = torch.randn(64)
+        mine = fm(x).clone()
+        same(fmu(mine), x * 2.0 + 2.0)
+        same(mine, x * 2.0 + 2.0)
+    warmups, recordings, replays, eager = counts(mgr, fmu)
+    assert (warmups, recordings, eager) == (2, 2, 0) and replays >= 4, (warmups, recordings, replays)
