@@ -228,26 +228,21 @@ class CpuGraph:
     def hold_weakly(self, refs) -> None:
         """Hold the tensors behind the weak references ``refs`` weakly from now on, as a CUDA graph
         holds their addresses only (the tree does not replay a recording once they are gone)."""
-        weak = {id(t): _Weak(r) for r in refs if (t := r()) is not None}
-        if not weak:
-            return
-
-        def swap(x):
-            return weak.get(id(x), x) if isinstance(x, torch.Tensor) else x
-        for op in self.ops:
-            op.args, op.kwargs, op.out = tree_map(swap, (op.args, op.kwargs, op.out))
-        self.outside = [(swap(t), ptr) for t, ptr in self.outside]
+        self._substitute({id(t): _Weak(r) for r in refs if (t := r()) is not None})
 
     def read_from_call(self, leaves: dict) -> None:
         """Read the tensors ``leaves`` maps (leaf index -> tensor: the call's tree-output inputs) at
         the leaves of the call each replay runs for, holding none of them, as a graph reads such
         an input at its address (a tree output, which the tree keeps in place)."""
-        slots = {id(t): _Slot(j) for j, t in leaves.items()}
-        if not slots:
+        self._substitute({id(t): _Slot(j) for j, t in leaves.items()})
+
+    def _substitute(self, table: dict) -> None:
+        """Put ``table[id(t)]`` in place of each tensor ``t`` of the log it names."""
+        if not table:
             return
 
         def swap(x):
-            return slots.get(id(x), x) if isinstance(x, torch.Tensor) else x
+            return table.get(id(x), x) if isinstance(x, torch.Tensor) else x
         for op in self.ops:
             op.args, op.kwargs, op.out = tree_map(swap, (op.args, op.kwargs, op.out))
         self.outside = [(swap(t), ptr) for t, ptr in self.outside]
