@@ -173,11 +173,13 @@ class _Same:
         r = self.ref
         return self.v if r is None else r()
 
-    def __eq__(self, other):
+    def __eq__(self, other):  # on the graphed call's path (the node lookup): target() inlined
         if type(other) is not _Same:
             return False
-        t = self.target()
-        return t is not None and t is other.target()
+        r = self.ref
+        t = self.v if r is None else r()
+        r = other.ref
+        return t is not None and t is (other.v if r is None else r())
 
     def __hash__(self):
         return self.h

@@ -38,7 +38,7 @@ from cgraw.interop.torch.kernel_state import kernel_state
 from cgraw.interop.torch.checkpoints import TorchTreeState
 from cgraw.runtime.memory import DevicePool
 from cgraw.trees.recording import OWNED, InputCopy, Recording, output_kinds, repeated_leaves, tree_views
-from cgraw.trees.nodes import Warm
+from cgraw.trees.nodes import Warm, split_external
 from cgraw.trees.config import config, grad_probe
 
 log = logging.getLogger("cgraw")
@@ -158,12 +158,12 @@ class CudaBackend(TorchAutograd):
             raise
         # the closure tensors the node's key names (warm.keyed: a StaticCache's, reached through an
         # argument) are held weakly, as the node holds them: once they die no call matches the key
-        keyed = [r() for r in warm.keyed]  # alive: this call's key named them
-        rec.external, rec.keyed = tuple(warm.external), warm.keyed
+        strong, keyed = split_external(warm)
+        rec.external, rec.keyed = tuple(warm.external), warm.keyed  # all of them, for the backward's inputs
         if grad and self._tts is not None:  # the saved tensors are the recording's blocks too
             rec.grad = grad_info(rec, call, subs, saved)
             rec.spans = self._tts.spans(list(rec.keep[0]) + [rec.out_leaves[i] for i in rec.owned_idx] + saved)
-        rec.external = tuple(t for t in rec.external if not any(t is k for k in keyed))
+        rec.external = strong
         _observe.watch(rec.external)
         rec.ext_ptrs = [ops_of(t).ptr(t) for t in (*rec.external, *keyed)]
         rec.same_external = _observe.ptrs_check(rec.external, rec.keyed) if rec.ext_ptrs else None

@@ -223,6 +223,14 @@ def external_for_record(w: Warm):
         w.external = strong
 
 
+def split_external(w: Warm) -> tuple:
+    """While a recording is made (``external_for_record``): ``(w.external`` without the tensors the
+    node's key names``, those tensors)``: a recording holds the first and references the second
+    weakly, as the node does."""
+    keyed = [r() for r in w.keyed]
+    return tuple(t for t in w.external if not any(t is k for k in keyed)), keyed
+
+
 class Replayable(Protocol):
     """A recording, as the tree's hot path uses it (no backend call in between)."""
 

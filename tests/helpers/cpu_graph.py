@@ -54,7 +54,7 @@ from cgraw.errors import SkipCall
 from cgraw.interop.torch import observe
 from cgraw.trees import buckets
 from cgraw.trees.arrays import EAGER, TORCH, TREE, argument_objects, out_spec, replace_leaves, unflatten
-from cgraw.trees.nodes import ModeRewarm, Rewarm, Warm
+from cgraw.trees.nodes import ModeRewarm, Rewarm, Warm, split_external
 from cgraw.trees.recording import EXTERNAL, OWNED, ClosureView, InputAlias, RowsView, rows_view, tree_views
 from torch_cpu_backend import CpuTorchBackend, placeholders
 
@@ -437,8 +437,7 @@ class CpuGraphBackend(CpuTorchBackend):
         rec.mutated = [j for j in warm.mutated if kinds[j] == EAGER]
         rec.graph.read_from_call({j: leaves[j] for j, _, _ in rec.fixed if kinds[j] == TREE})
         rec.fixed = [(j, None, ptr) for j, _, ptr in rec.fixed]  # the tree keeps them in place
-        keyed = [r() for r in warm.keyed]  # as cuda_backend.record: held weakly from now on
-        rec.external = tuple(t for t in warm.external if not any(t is k for k in keyed))
+        rec.external, keyed = split_external(warm)  # as cuda_backend.record: keyed ones held weakly
         rec.keyed = warm.keyed
         rec.graph.hold_weakly(warm.keyed)
         observe.watch(rec.external)
