@@ -58,7 +58,8 @@ def while_loop(cond_fn, body_fn, carried):
             boolean scalar.
         CaptureError: inside a capture, the driver has no conditional nodes (before 12.4) or the
             body does what a conditional body cannot (an event, a host function, a stream-ordered
-            allocation, random numbers); the message names it and the workaround.
+            allocation); the message names it and the workaround. Random numbers drawn in the body
+            are fresh on every iteration.
     """
     if not isinstance(carried, (tuple, list)):
         raise ControlFlowError(f"carried must be a tuple or list of values, not {type(carried).__name__}")

@@ -216,12 +216,6 @@ def body_violations(type_names) -> list[str]:
     return out
 
 
-RANDOM_IN_WHILE = (
-    "random numbers drawn inside a cgraw.while_loop body would repeat on every iteration (a graph's "
-    "draws have fixed offsets, and the generator moves once per replay): draw them before the loop "
-    "(one tensor of all the iterations' values, indexed by a carried counter), or run the loop outside "
-    "the capture")
-
 HOST_PREDICATE = (
     "{who} returned {what} inside a capture; a loop's condition must be a device scalar (a 0-d torch "
     "tensor or CuPy array on the capture's device), which the graph reads on every iteration")

@@ -34,6 +34,7 @@ _FILL_TYPES = (_k.ARG_PTR, _k.ARG_I64, _k.ARG_PTR, _k.ARG_U64, _k.ARG_F64, _k.AR
 _DROPOUT_TYPES = (_k.ARG_PTR, _k.ARG_PTR, _k.ARG_PTR, _k.ARG_I64, _k.ARG_PTR, _k.ARG_U64, _k.ARG_F32, _k.ARG_F32)
 _ADVANCE_TYPES = (_k.ARG_PTR, _k.ARG_U64, _k.ARG_U64)
 _SET_TYPES = (_k.ARG_PTR, _k.ARG_U64, _k.ARG_U64)
+_STEP_TYPES = (_k.ARG_PTR,)
 
 
 def source(device: int, kind: str, stream, thread: int) -> rng.Source:
@@ -135,6 +136,13 @@ def advance(stream: rng.RngStream, cu_stream) -> None:
     func = _k.function(stream.device, K.ADVANCE_NAME, K.source)
     _k.launch(func, 1, 1, (stream.slot, stream.increment, int(stream.kind == rng.CUPY)), _ADVANCE_TYPES,
               cu_stream)
+
+
+def step_key(stream: rng.RngStream, cu_stream) -> None:
+    """A ``cgraw.while_loop`` body's last node when the body draws: the record's key moves on
+    (``rng.plan.loop_key``), so the next iteration's draws are fresh."""
+    func = _k.function(stream.device, K.STEP_NAME, K.source)
+    _k.launch(func, 1, 1, (stream.slot,), _STEP_TYPES, cu_stream)
 
 
 def read_record(device: int, slot: int) -> tuple[int, int, int]:

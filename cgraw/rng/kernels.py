@@ -72,9 +72,10 @@ extern "C" __global__ void __launch_bounds__(256) {name}(const {t}* in, {t}* out
 }}
 """
 
-# the generator records' kernels: cgraw_rng_advance (the graph's last node) and cgraw_rng_set (the
-# host's write when the generator moved outside the graphs), in one source
-ADVANCE = SET = _source("records.cu")
+# the generator records' kernels: cgraw_rng_advance (the graph's last node), cgraw_rng_set (the
+# host's write when the generator moved outside the graphs) and cgraw_rng_step (a loop body's last
+# node), in one source
+ADVANCE = SET = STEP = _source("records.cu")
 
 
 def fill_name(dist: str, dtype: str, wide: bool) -> str:
@@ -93,6 +94,7 @@ def dropout_name(dtype: str) -> str:
 
 ADVANCE_NAME = "cgraw_rng_advance"
 SET_NAME = "cgraw_rng_set"
+STEP_NAME = "cgraw_rng_step"
 
 
 def source(name: str) -> str:
@@ -101,6 +103,8 @@ def source(name: str) -> str:
         return ADVANCE
     if name == SET_NAME:
         return SET
+    if name == STEP_NAME:
+        return STEP
     parts = name.split("_")
     if name.startswith("cgraw_dropout_"):
         dtype = parts[2]

@@ -12,6 +12,11 @@ and draws at its own offset within the graph (``RngStream.take``); the graph's l
 record to ``pos + increment`` and recomputes the key (``replay_key``). So back-to-back replays draw
 fresh numbers with no host write.
 
+A ``cgraw.while_loop`` body takes its draws' offsets from the graph's, as any capture does, and
+its last node moves the key on (``loop_key``): every iteration draws fresh numbers, no offset of
+the graph draws twice under one key, and the generator moves by the body's offsets once per
+replay, whatever the iteration count.
+
 The host keeps a mirror of what the record will hold once the work queued so far has run
 (``Source.seed``/``Source.pos``). Before a replay of a graph that draws, ``sync`` reads the
 framework's generator: torch's ``(initial_seed(), get_offset())``, CuPy's ``RandomState._rk_seed``.
@@ -61,6 +66,17 @@ def replay_key(base: int, pos: int) -> int:
     """The Philox key of a replay at generator position ``pos`` (``rng.kernels.MIX`` on the
     device computes the same)."""
     return splitmix64(base ^ splitmix64(pos))
+
+
+LOOP_TAG = 0x6C6F6F705F6B6579  # records.cu's cgraw_rng_step mixes it in: a loop's keys stay apart from replays'
+
+
+def loop_key(key: int) -> int:
+    """The key after one iteration of a ``cgraw.while_loop`` body that draws (the body's last
+    node, ``cgraw_rng_step``). A body's draws keep the offsets they took in the graph, so each
+    iteration draws fresh numbers from its own key; the position is untouched, and the graph's
+    last node gives the next replay its key from the position as before."""
+    return splitmix64(key ^ LOOP_TAG)
 
 
 def increment(kind: str, calls: int, elements: int) -> int:

@@ -1,5 +1,6 @@
 // A generator record (rng.plan.Source): slot[0] key, slot[1] position, slot[2] base; the key of a
-// position is rng.plan.replay_key (splitmix64(base ^ splitmix64(pos))).
+// position is rng.plan.replay_key (splitmix64(base ^ splitmix64(pos))); a loop body's step is
+// rng.plan.loop_key.
 typedef unsigned long long u64;
 __device__ __forceinline__ u64 cgraw_splitmix64(u64 x) {
   x += 0x9E3779B97F4A7C15ull;
@@ -25,4 +26,11 @@ extern "C" __global__ void cgraw_rng_set(u64* slot, u64 base, u64 pos) {
   slot[2] = base;
   slot[1] = pos;
   slot[0] = cgraw_splitmix64(base ^ cgraw_splitmix64(pos));
+}
+
+// the last node of a cgraw.while_loop body that draws: the key moves on, so the next iteration's
+// draws, at the offsets the body took, are fresh; the position stays, and the graph's last node
+// makes the key the next replay's again
+extern "C" __global__ void cgraw_rng_step(u64* slot) {
+  slot[0] = cgraw_splitmix64(slot[0] ^ 0x6C6F6F705F6B6579ull);
 }

@@ -275,9 +275,10 @@ class capture:
 
     # ------------------------------------------------------------------ helpers
 
-    def random_draws(self) -> int:
-        """Random-number draws captured so far (``cgraw.control`` refuses them in loop bodies)."""
-        return sum(r.stream.calls for r in self._rng)
+    def random_streams(self) -> list:
+        """The ``rng.plan.RngStream`` of each framework whose random numbers this capture routes
+        (``cgraw.control`` ends a loop body that draws with a step of their keys)."""
+        return [r.stream for r in self._rng]
 
     def _device(self) -> Device:
         if self.device is None:

@@ -76,6 +76,11 @@ class Ops:
         """Bytes from ``t``'s first element to one past its last (a dense array: its bytes)."""
         return self.nbytes(t)
 
+    def reach(self, t) -> tuple:
+        """``(below, above)``: the bytes ``t``'s elements occupy before its first element's
+        address and from it on (0 and the span with non-negative strides)."""
+        return (0, self.span(t))
+
     def users(self, t):
         """A callable counting what references ``t``'s memory now (any array over it), or None
         when the framework cannot tell; it does not keep ``t`` alive."""
@@ -141,6 +146,9 @@ class _TorchOps(Ops):
     def span(self, t) -> int:
         """Bytes from ``t``'s first element to one past its last (its strides are never negative)."""
         return span_elements(t.shape, t.stride()) * t.element_size()
+
+    def reach(self, t) -> tuple:
+        return (0, t.nbytes if t.is_contiguous() else span_elements(t.shape, t.stride()) * t.element_size())
 
     def empty_layout(self, t, align=None):
         """A new tensor with ``t``'s sizes, strides and dtype, and its storage offset where that
@@ -236,6 +244,18 @@ class _CupyOps(Ops):
         size = t.itemsize
         return span_elements(t.shape, [s // size for s in t.strides]) * size if all(
             s % size == 0 for s in t.strides) else -1
+
+    def reach(self, t) -> tuple:
+        """``(below, above)`` in bytes from the first element's address; negative strides reach below."""
+        below, above = 0, t.itemsize
+        for size, stride in zip(t.shape, t.strides):
+            if size == 0:
+                return (0, 0)
+            if stride < 0:
+                below -= (size - 1) * stride
+            else:
+                above += (size - 1) * stride
+        return (below, above)
 
     def empty_layout(self, t, align=None):
         """A new array with ``t``'s shape, strides and dtype, at its offset from the start of its

@@ -81,16 +81,30 @@ def shared_memory(leaves, kinds, ptrs, ops) -> tuple:
     """``(j, k)`` (``j < k``) of the leaves whose memory overlaps where one of them is eager (copied
     into a recording's placeholder): ``f(x, x[2:])``. Asked only of the calls of a function known to
     write its inputs (``writes_inputs``): a recording's separate copies of the two would not see
-    each other's writes, where eager code does."""
-    spans = sorted((ptrs[j], ptrs[j] + max(ops[j].span(t), 0), j) for j, t in enumerate(leaves))
+    each other's writes, where eager code does. A graphed call asks it on every call of such a
+    function (a decode step writing its cache), so it reads each leaf's bytes once and compares
+    integers only."""
+    if EAGER not in kinds:
+        return ()
+    spans = []
+    for j, t in enumerate(leaves):
+        p = ptrs[j]
+        below, above = ops[j].reach(t)
+        spans.append((p - below, p + above, j))
+    spans.sort()
     pairs = []
-    for a, (start, end, j) in enumerate(spans):
-        for start2, _, k in spans[a + 1:]:
-            if start2 >= end:
-                break
-            if EAGER in (kinds[j], kinds[k]):
-                pairs.append((min(j, k), max(j, k)))
-    return tuple(sorted(pairs))
+    n = len(spans)
+    for a in range(n - 1):
+        _, end, j = spans[a]
+        b = a + 1
+        while b < n and spans[b][0] < end:
+            k = spans[b][2]
+            if kinds[j] == EAGER or kinds[k] == EAGER:
+                pairs.append((j, k) if j < k else (k, j))
+            b += 1
+    if len(pairs) > 1:
+        pairs.sort()
+    return tuple(pairs)
 
 
 def check_shared_writes(call, written) -> None:

@@ -202,11 +202,85 @@ def test_loop_after_an_unjoined_fork_is_refused(pool):
     assert pool.capture_stream.capture_status == 0
 
 
-def test_random_draws_in_a_loop_body_are_refused(pool):
-    with pytest.raises(cgraw.CaptureError, match="would repeat on every iteration"):
-        with cgraw.capture(pool=pool):
-            cgraw.while_loop(lambda x: x.sum() < 100, lambda x: (x + torch.rand_like(x),), (trand(4),))
-    assert pool.capture_stream.capture_status == 0
+def _drawing_loop(rows: int, k: int, rand, cat):
+    """A loop of ``rows`` iterations, each drawing ``k`` uniforms into the last row of a carried
+    table (the rows shift up): after it, every row is one iteration's draws."""
+
+    def cond_fn(h, i):
+        return i < rows
+
+    def body_fn(h, i):
+        return cat([h[1:], rand(1, k)]), i + 1
+
+    return cond_fn, body_fn
+
+
+def _distinct_uniform_rows(h) -> bool:
+    rows = [tuple(r) for r in h.tolist()]
+    return len(set(rows)) == len(rows) and bool(((h >= 0) & (h < 1)).all())
+
+
+def test_random_draws_in_a_loop_body_are_fresh_on_every_iteration(pool):
+    rows, k = 16, 2048
+    cond_fn, body_fn = _drawing_loop(rows, k, lambda *s: torch.rand(*s, device="cuda"), torch.cat)
+    h0 = trand(rows, k) - 2  # every row is replaced by the loop
+    i0 = torch.zeros((), dtype=torch.int64, device="cuda")
+    with cgraw.capture(pool=pool) as g:
+        h, i = cgraw.while_loop(cond_fn, body_fn, (h0, i0))
+    g.replay()
+    first = h.clone()
+    assert int(i) == rows and _distinct_uniform_rows(first)
+    assert abs(float(first.mean()) - 0.5) < 0.01  # 32768 uniforms
+    g.replay()
+    assert not torch.equal(first, h)  # and fresh on every replay
+    # torch's seed governs them: same seed, same numbers; another seed, others
+    torch.manual_seed(1234)
+    g.replay()
+    seeded = h.clone()
+    torch.manual_seed(1234)
+    g.replay()
+    assert torch.equal(seeded, h)
+    torch.manual_seed(1235)
+    g.replay()
+    assert not torch.equal(seeded, h) and _distinct_uniform_rows(h)
+    del h, i
+
+
+def test_random_draws_in_nested_loop_bodies_are_fresh(pool):
+    inner_cond, inner_body = _drawing_loop(4, 512, lambda *s: torch.rand(*s, device="cuda"), torch.cat)
+
+    def outer_body(h, i):
+        j0 = torch.zeros((), dtype=torch.int64, device="cuda")
+        h, _ = cgraw.while_loop(inner_cond, inner_body, (h, j0))
+        return h, i + 1
+
+    h0 = trand(12, 512) - 2
+    i0 = torch.zeros((), dtype=torch.int64, device="cuda")
+    with cgraw.capture(pool=pool) as g:
+        h, i = cgraw.while_loop(lambda h, i: i < 3, outer_body, (h0, i0))
+    g.replay()
+    assert int(i) == 3 and _distinct_uniform_rows(h)  # 3 x 4 inner iterations, 12 fresh rows
+    del h, i
+
+
+def test_cupy_random_draws_in_a_loop_body_are_fresh_and_seeded(pool):
+    cp = pytest.importorskip("cupy")
+    rows, k = 8, 1024
+    cond_fn, body_fn = _drawing_loop(rows, k, lambda *s: cp.random.rand(*s), cp.concatenate)
+    h0 = cp.asarray(rng.standard_normal((rows, k))) - 10
+    i0 = cp.zeros((), dtype=cp.int32)
+    with cgraw.capture(pool=pool) as g:
+        h, i = cgraw.while_loop(cond_fn, body_fn, (h0, i0))
+    cp.random.seed(7)
+    g.replay()
+    first = h.copy()
+    assert int(i) == rows and _distinct_uniform_rows(first)
+    cp.random.seed(7)
+    g.replay()
+    assert bool((first == h).all())
+    g.replay()
+    assert not bool((first == h).all())
+    del h, i, first
 
 
 def test_random_draws_in_a_branch_are_fresh(pool):
@@ -243,15 +317,43 @@ def test_graphed_function_with_a_while_loop():
 @pytest.mark.usefixtures("fresh_trees")
 def test_graphed_function_with_a_refused_body_runs_eagerly():
     @cgraw.graphed
-    def noisy(x):
-        return cgraw.while_loop(lambda v: v.sum() < 1e3, lambda v: (v + torch.rand_like(v) + 1,), (x,))[0]
+    def marked(x):
+        def body_fn(v):
+            torch.cuda.Event(external=True).record()  # an event node: no conditional body holds one
+            return (v + v.abs() + 1,)
+
+        return cgraw.while_loop(lambda v: v.sum() < 1e3, body_fn, (x,))[0]
 
     for _ in range(4):
         x = trand(16).abs()
-        y = noisy(x)
-        assert bool((y.sum() >= 1e3).all())
+        y = marked(x)
+        ref = x.clone()
+        while ref.sum() < 1e3:
+            ref = ref + ref.abs() + 1
+        assert torch.equal(y, ref)
         cgraw.mark_step_begin()
-    assert "would repeat on every iteration" in cgraw.report()
+    text = cgraw.report()
+    assert "event record" in text and re.search(r"marked: 0 recording\(s\)", text), text
+
+
+@pytest.mark.usefixtures("fresh_trees")
+def test_graphed_function_drawing_in_a_loop_body_is_recorded_and_draws_fresh_numbers():
+    @cgraw.graphed
+    def noisy(x):
+        return cgraw.while_loop(lambda v: v.sum() < 1e3, lambda v: (v + torch.rand_like(v) + 1,), (x,))[0]
+
+    seen = []
+    for _ in range(5):
+        x = trand(16).abs()
+        y = noisy(x)
+        d = y - x  # the sum of one uniform plus 1 per iteration, per element
+        assert bool((y.sum() >= 1e3).all()) and bool((d >= 1).all())
+        seen.append((y - x).clone())
+        cgraw.mark_step_begin()
+    assert all(not torch.equal(a, b) for a, b in zip(seen, seen[1:]))
+    text = cgraw.report()
+    assert re.search(r"noisy: 1 recording\(s\), 0 re-record\(s\), 3 replay\(s\), 1 warm-up\(s\), 0 eager call\(s\)",
+                     text), text
 
 
 # ---------------------------------------------------------------- CuPy: conjugate gradient

@@ -12,6 +12,7 @@ import types
 from cgraw import _cuda
 from cgraw._cuda import conditional as _cond, kernels as _k
 from cgraw.control import kernels as K
+from cgraw.rng import kernels as RK, plan as rng
 from cgraw.runtime import capture as _capture
 
 
@@ -25,12 +26,13 @@ class FakeDriver:
         self.deps = {"G": ["n0"]}
         self.handles = 0
         self.nodes = 0
-        self.draws = [0]
+        # the capture's random-number streams (rng.plan.RngStream): a test draws by taking offsets
+        self.rngs = [rng.RngStream(0x5000, -1, 0, rng.TORCH), rng.RngStream(0x6000, -1, 0, rng.CUPY)]
         self.body_types = body_types
         self.unjoined = unjoined  # the outer graph has a leaf of a side stream not joined back
         dev = types.SimpleNamespace(ordinal=-1, context="ctx")
         self.cap = types.SimpleNamespace(graph=types.SimpleNamespace(device=dev, capture_stream=types.SimpleNamespace(
-            handle="S")), mode="thread_local", random_draws=lambda: self.draws[0])
+            handle="S")), mode="thread_local", random_streams=lambda: self.rngs)
         m = monkeypatch
         m.setattr(_capture, "active", lambda: self.cap)
         m.setattr(_cuda, "driver_get_version", lambda: version)
@@ -45,7 +47,7 @@ class FakeDriver:
         m.setattr(_cond, "stream_set_capture_dependencies", self.set_deps)
         m.setattr(_cond, "stream_begin_capture_to_graph", self.begin)
         m.setattr(_cond, "stream_end_capture_into", self.end)
-        m.setattr(_k, "function", lambda ordinal, name, source, options: ("F", name, options))
+        m.setattr(_k, "function", lambda ordinal, name, source, options=None: ("F", name, options))
         m.setattr(_k, "launch", self.launch)
 
     def capture_graph(self, s):
@@ -89,6 +91,11 @@ class FakeDriver:
         return g
 
     def launch(self, func, grid, block, args, arg_types, s):
-        assert func[1] == K.SET_CONDITION and (grid, block) == (1, 1)
+        assert (grid, block) == (1, 1)
+        if func[1] == RK.STEP_NAME:  # a loop body's last node moves a generator record's key on
+            self.calls.append(("rng_step", self.capturing, args[0]))
+            self.deps.setdefault(self.capturing, []).append("rng_step")
+            return
+        assert func[1] == K.SET_CONDITION
         self.calls.append(("set", self.capturing, args[0], args[2]))
         self.deps.setdefault(self.capturing, []).append("set")

@@ -342,16 +342,50 @@ def test_capture_body_with_an_event_is_refused(monkeypatch):
     assert d.capturing == "G"
 
 
-def test_capture_random_draws_in_a_body_are_refused(monkeypatch):
+def test_capture_a_body_that_draws_ends_with_a_step_of_the_drawing_generators_key(monkeypatch):
     d = FakeDriver(monkeypatch)
+    torch_rng, cupy_rng = d.rngs
 
     def body(x):
-        d.draws[0] += 1  # as cgraw's random-number router counts a draw
+        torch_rng.take(1)  # as cgraw's router hands a captured torch draw its offset
         return (x + 1,)
 
-    with pytest.raises(CaptureError, match="would repeat on every iteration"):
-        cgraw.while_loop(lambda x: x.sum() < 0, body, (torch.ones(2),))
-    assert d.capturing == "G"
+    cgraw.while_loop(lambda x: x.sum() < 0, body, (torch.ones(2),))
+    body_calls = [c for c in d.calls if c[1] == "B1.0"]
+    # after the next condition, the body's last node moves torch's key on; CuPy's drew nothing
+    assert body_calls[-2:] == [("rng_step", "B1.0", torch_rng.slot), ("end", "B1.0")]
+    assert [c for c in d.calls if c[0] == "rng_step"] == [("rng_step", "B1.0", torch_rng.slot)]
+    assert d.capturing == "G" and torch_rng.calls == 1  # the body's offsets are the graph's
+
+
+def test_capture_a_body_without_draws_has_no_key_step(monkeypatch):
+    d = FakeDriver(monkeypatch)
+    d.rngs[0].take(3)  # draws before the loop, in the enclosing graph
+
+    def cond_fn(x):
+        return x.sum() < 0
+
+    cgraw.while_loop(cond_fn, lambda x: (x + 1,), (torch.ones(2),))
+    assert not [c for c in d.calls if c[0] == "rng_step"]
+
+
+def test_capture_nested_loops_step_the_key_in_each_body_that_draws(monkeypatch):
+    d = FakeDriver(monkeypatch)
+    cupy_rng = d.rngs[1]
+
+    def inner(v):
+        cupy_rng.take(1, 2)
+        return (v * 2,)
+
+    def outer(x):
+        return (cgraw.while_loop(lambda v: v.sum() < 10, inner, (x,))[0] + 1,)
+
+    cgraw.while_loop(lambda x: x.sum() < 100, outer, (torch.ones(2),))
+    steps = [c for c in d.calls if c[0] == "rng_step"]
+    # the inner body steps the key per inner iteration; the outer body, which holds the inner
+    # loop's draws, per outer iteration (each at its body's end)
+    assert [c[2] for c in steps] == [cupy_rng.slot, cupy_rng.slot]
+    assert steps[0][1] != steps[1][1] and steps[1][1] == "B1.0"
 
 
 def test_capture_old_driver_is_refused_before_any_node(monkeypatch):

@@ -50,6 +50,20 @@ def test_splitmix64_known_first_output():
     assert rng.splitmix64(0) == 0xE220A8397B1DCDAF
 
 
+def test_a_loop_bodys_keys_are_new_per_iteration_and_apart_from_replay_keys():
+    from cgraw.rng import kernels as K
+
+    key = rng.replay_key(rng.torch_base(0), 8)
+    chain = [key]
+    for _ in range(1000):
+        chain.append(rng.loop_key(chain[-1]))
+    assert len(set(chain)) == len(chain)  # 1000 iterations, 1000 keys
+    replays = {rng.replay_key(rng.torch_base(0), p) for p in range(0, 4 * 2000, 4)}
+    assert replays.isdisjoint(chain[1:])
+    # the device's step mixes in the same tag as this reference
+    assert f"{rng.LOOP_TAG:#X}".replace("0X", "0x") + "ull" in K.source(K.STEP_NAME)
+
+
 def test_replay_keys_depend_on_seed_and_position_alone():
     base = rng.torch_base(7)
     assert rng.replay_key(base, 12) == rng.replay_key(rng.torch_base(7), 12)  # a pure function
@@ -139,7 +153,7 @@ def test_grid_is_bounded_and_covers():
 
 
 def test_every_kernel_name_has_a_source_defining_it():
-    names = [K.ADVANCE_NAME, K.SET_NAME] + [K.dropout_name(d) for d in K.FLOATS]
+    names = [K.ADVANCE_NAME, K.SET_NAME, K.STEP_NAME] + [K.dropout_name(d) for d in K.FLOATS]
     names += [K.fill_name(d, t, w) for d in K.DISTS for t in K.CTYPES for w in (False, True)]
     assert len(set(names)) == len(names)
     for n in names:
@@ -736,6 +750,7 @@ def test_kernel_sources_are_package_data_files():
     assert data["cgraw.rng"] == ["*.cu"]
     assert "__global__ void cgraw_rng_advance" in K.source(K.ADVANCE_NAME)
     assert "__global__ void cgraw_rng_set" in K.source(K.SET_NAME)
+    assert "__global__ void cgraw_rng_step" in K.source(K.STEP_NAME)
 
 
 @pytest.fixture

@@ -105,6 +105,31 @@ def test_shared_memory_pairs_overlapping_leaves_with_an_eager_one():
                                ops[:2]) == ()  # side by side, not overlapping
 
 
+def test_shared_memory_sees_a_view_with_negative_strides_reaching_below_its_first_element():
+    # CuPy's a[::-1] starts at a's last element and reaches down to its first
+    from types import SimpleNamespace
+
+    from cgraw.trees.frameworks import CUPY
+
+    flipped = SimpleNamespace(shape=(4,), strides=(-8,), itemsize=8)
+    plain = SimpleNamespace(shape=(4,), strides=(8,), itemsize=8)
+    assert CUPY.reach(flipped) == (24, 8)
+    assert CUPY.reach(SimpleNamespace(shape=(0, 3), strides=(-8, 8), itemsize=8)) == (0, 0)
+    base = 4096
+    ops = [CUPY, CUPY]
+    # a (at base) and a[::-1] (its first element at base + 24): they overlap
+    assert calls.shared_memory([plain, flipped], [calls.EAGER, calls.STATIC], [base, base + 24], ops) == ((0, 1),)
+    # a[::-1] of another array just above a's end: apart
+    assert calls.shared_memory([plain, flipped], [calls.EAGER, calls.STATIC], [base, base + 56], ops) == ()
+
+
+def test_shared_memory_is_empty_without_an_eager_leaf():
+    x = torch.randn(16)
+    leaves = [x, x[4:8]]
+    assert calls.shared_memory(leaves, [calls.STATIC, calls.TREE], [t.data_ptr() for t in leaves],
+                               [calls.TORCH] * 2) == ()
+
+
 class _Settings:
     """A plain object argument: equal only to itself, with attributes a function reads."""
 
