@@ -1,6 +1,7 @@
 """Greedy decoding until an end token, on the device: a transformers Llama (2 layers, hidden 256,
 random weights) with a ``StaticCache``, at most 64 new tokens, run three ways, each checked against
-eager decoding first (the same tokens), then timed:
+eager decoding first (the same tokens, which transformers' own greedy ``generate()`` gives too), then
+timed:
 
 - ``eager``: one eager decode step per token; the host reads the token after each (is it the end?);
 - ``host_loop``: the decode step as a ``@cgraw.graphed`` function, a replay per token, the host
@@ -74,6 +75,18 @@ def host_decode(torch, step, first, end: int) -> list:
         pos = pos + 1
         toks.append(int(tok))  # the host reads the token: one synchronisation per token
     return toks
+
+
+def generate_tokens(torch, model, prompt, end: int) -> list:
+    """The tokens of transformers' own greedy ``generate()`` from the prompt, with a fresh
+    ``StaticCache``, stopping at ``end``: the reference every system's tokens are checked against."""
+    import transformers
+
+    cache = transformers.StaticCache(config=model.config, max_cache_len=PROMPT + MAX_NEW + 8)
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=end, pad_token_id=end,
+                             past_key_values=cache)
+    return out[0, PROMPT:].tolist()
 
 
 def end_token(tokens: list) -> int:
@@ -152,6 +165,12 @@ def main(argv=None) -> int:
     ref = host_decode(torch, step, prefill(), -1)
     end = end_token(ref)
     ref = host_decode(torch, step, prefill(), end)
+    if end >= 0:  # transformers' greedy generate() stops at the same token with the same tokens
+        def same_as_generate():
+            got = generate_tokens(torch, model, prompt, end)
+            if got != ref:
+                raise AssertionError(f"generate() gives {got}, the eager decode loop {ref}")
+        rep.check("generate", same_as_generate)
     graphed = cgraw.graphed(step)
     prepare_loop, run_loop, g_loop = device_loop(torch, cgraw, step, prefill, end)
     first = [None]

@@ -27,7 +27,9 @@ compiled and loss, ``backward()`` and SGD run eagerly, torch's documented way: a
 compiled in reduce-overhead mode failed on the H200 with "accessing tensor output of CUDAGraphs
 that has been overwritten"); ``torch_trees_aten`` (``torch.compile(backend="cudagraphs")``: torch's
 same trees over the ATen kernels, without Inductor's fusion, so the gap to ``cgraw`` is the trees'
-own; ``two_branch`` only unless ``--systems`` asks).
+own; ``two_branch`` only unless ``--systems`` asks); ``cgraw_backend`` (each function
+``torch.compile(backend="cgraw")``: Inductor's kernels in cgraw's trees, compiled as
+``torch_trees`` compiles, ``cgraw.mark_step_begin()`` every step).
 
 Each child reads free device bytes (``torch.cuda.mem_get_info``, i.e. ``cuMemGetInfo``) at its
 baseline (after CUDA init, a tiny op, and the program's model and optimizer), after the steps and
@@ -54,10 +56,10 @@ import traceback
 from benchmarks._harness import REPO_ROOT, Report
 
 PROGRAMS = ("two_branch", "two_branch_eager", "gpt2", "resnet_train")
-SYSTEMS = ("eager", "cgraw", "cgraw_warm_outside", "torch_trees", "torch_trees_aten")
-COMPILED = ("torch_trees", "torch_trees_aten")
-DEFAULT_SYSTEMS = {"two_branch": SYSTEMS, "two_branch_eager": SYSTEMS[:4], "gpt2": SYSTEMS[:4],
-                   "resnet_train": SYSTEMS[:4]}
+SYSTEMS = ("eager", "cgraw", "cgraw_warm_outside", "torch_trees", "torch_trees_aten", "cgraw_backend")
+COMPILED = ("torch_trees", "torch_trees_aten", "cgraw_backend")
+DEFAULT_SYSTEMS = {"two_branch": SYSTEMS, "two_branch_eager": SYSTEMS[:4] + SYSTEMS[5:],
+                   "gpt2": SYSTEMS[:4] + SYSTEMS[5:], "resnet_train": SYSTEMS[:4] + SYSTEMS[5:]}
 DEFAULT_STEPS = {"two_branch": 12, "two_branch_eager": 12, "gpt2": 10, "resnet_train": 10}
 PLAIN_TIMEOUT_S = 90.0  # eager and cgraw children; torch.compile children get --timeout
 RESULT_TAG = "CGRAW_MEMORY_RESULT "
@@ -88,6 +90,8 @@ def _wrap(system: str, fn):
         return torch.compile(fn, mode="reduce-overhead")
     if system == "torch_trees_aten":
         return torch.compile(fn, backend="cudagraphs")
+    if system == "cgraw_backend":
+        return torch.compile(fn, backend="cgraw")
     raise ValueError(f"unknown system {system!r}")
 
 
@@ -328,7 +332,7 @@ def _private_pool_bytes(torch) -> int:
     return total
 
 
-def _cgraw_details(fns, device_index: int) -> dict:
+def _cgraw_details(device_index: int) -> dict:
     import cgraw
     from cgraw.trees.graphed import _managers  # private: per-function counts and pool bytes, as workloads.py reads
 
@@ -343,12 +347,11 @@ def _cgraw_details(fns, device_index: int) -> dict:
         # False when a warm-up kept state in the pool: the tree moved to a fresh pool (cgraw.trees.warmup)
         out["warmups_in_pool_at_end"] = bool(getattr(mgr.backend, "warm_in_pool", False))
         out["functions"] = {}
-        for f in fns:
-            st = mgr.stats.get(f.fn_id)
-            if st is not None:
-                out["functions"][f.name] = {"warmups": st.warmups, "recordings": st.recordings,
-                                            "rerecords": st.rerecords, "replays": st.replays,
-                                            "eager_calls": st.eager_calls, "skip_reasons": dict(st.skip_reasons)}
+        # every graphed function of the tree: the program's own, or the partitions of its compiled code
+        for st in list(mgr.stats.values()):
+            out["functions"][st.name] = {"warmups": st.warmups, "recordings": st.recordings,
+                                         "rerecords": st.rerecords, "replays": st.replays,
+                                         "eager_calls": st.eager_calls, "skip_reasons": dict(st.skip_reasons)}
     return out
 
 
@@ -432,7 +435,7 @@ def _child(program: str, system: str, args, rec: dict) -> None:
         rec["private_pool_after_empty_cache_bytes"] = _private_pool_bytes(torch)
     rec.update(prog.extra())
     if system.startswith("cgraw"):
-        rec["cgraw"] = _cgraw_details(prog.fns, index)
+        rec["cgraw"] = _cgraw_details(index)
     elif system in COMPILED:
         rec["torch_trees"] = _torch_trees_details(torch, index)
     # checked after every reading: the eager reference allocates memory of its own
@@ -537,7 +540,7 @@ def _ratios(rows: list[dict]) -> dict:
     for program in dict.fromkeys(r["program"] for r in rows):
         cmp = {}
         pairs = [("cgraw", "torch_trees"), ("cgraw", "torch_trees_aten"), ("cgraw_warm_outside", "torch_trees"),
-                 ("cgraw", "cgraw_warm_outside")]
+                 ("cgraw", "cgraw_warm_outside"), ("cgraw_backend", "torch_trees")]
         pairs += [(s, "eager") for s in SYSTEMS if s != "eager"]
         for a, b in pairs:
             ra, rb = by.get((program, a)), by.get((program, b))
@@ -626,7 +629,7 @@ def main(argv=None) -> int:
     print(_table(rep.rows))
     for program, cmp in ratios.items():
         for pair, r in cmp.items():
-            if pair.startswith("cgraw/torch"):
+            if pair.startswith(("cgraw/torch", "cgraw_backend/torch")):
                 print(f"{program}: {pair} grown {r['grown']}x, after empty_cache {r['grown_after_empty_cache']}x")
     config = {"mib": args.mib, "steps": {p: args.steps or DEFAULT_STEPS[p] for p in programs},
               "resnet_size": args.resnet_size, "timeout_s": args.timeout, "plain_timeout_s": PLAIN_TIMEOUT_S,

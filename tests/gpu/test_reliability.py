@@ -256,7 +256,16 @@ def test_soak_replays_and_rerecords(device):
     gc.collect()
     free1, pool1, objs1 = probe()
     rer0 = mgr.stats[f.fn_id].rerecords
-    for i in range(1000):  # every call moves the static input: a re-record each time
+    # every call moves the static input: a re-record each time. Each recording first releases
+    # torch's cached free memory (config.empty_cache_on_record, as torch.cuda.graph), so the first
+    # ones may give back a segment the warm-up left free in the tree's pool; from then on the pool
+    # must not move at all
+    for i in range(10):
+        y = f(x, w2 if i % 2 == 0 else w1)
+    del y
+    gc.collect()
+    pool_settled = probe()[1]
+    for i in range(10, 1000):
         y = f(x, w2 if i % 2 == 0 else w1)
     torch.cuda.synchronize()
     torch.testing.assert_close(y, body(x, w1))
@@ -266,9 +275,11 @@ def test_soak_replays_and_rerecords(device):
     rerecords = mgr.stats[f.fn_id].rerecords - rer0
     print(f"\nsoak: 100000 replays: driver free {free0 - free1:+d} B, pool {pool1 - pool0:+d} B, "
           f"objects {objs1 - objs0:+d}; {rerecords} re-records: driver free {free1 - free2:+d} B, "
-          f"pool {pool2 - pool1:+d} B, objects {objs2 - objs1:+d}")
+          f"pool {pool_settled - pool1:+d} B over the first 10, then {pool2 - pool_settled:+d} B, "
+          f"objects {objs2 - objs1:+d}")
     assert rerecords == 1000
-    assert pool1 == pool0 and pool2 == pool1
+    assert pool1 == pool0
+    assert pool_settled <= pool1 and pool2 == pool_settled
     assert abs(free1 - free0) <= 4 << 20
     assert abs(free2 - free1) <= 64 << 20
     assert abs(objs1 - objs0) < 2000 and abs(objs2 - objs1) < 2000

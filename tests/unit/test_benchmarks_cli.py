@@ -445,3 +445,22 @@ def test_backend_partitions_count_each_frames_last_compile():
     got = Partitions("bench").stats(mgr)
     assert got["partitions"] == 3 and got["compiles"] == {"0": 2, "1": 1}
     assert (got["warmups"], got["recordings"], got["replays"]) == (3, 3, 299)
+
+
+def test_every_memory_program_runs_the_cgraw_backend_against_torchs_trees():
+    """The backend is a system of each memory program by default, and its ratio to torch's trees
+    (reduce-overhead) is reported before and after ``empty_cache``."""
+    from benchmarks import memory
+
+    for program in memory.PROGRAMS:
+        assert {"cgraw_backend", "torch_trees", "cgraw"} <= set(memory.DEFAULT_SYSTEMS[program]), program
+    assert "cgraw_backend" in memory.COMPILED  # compiled in a child with the compile timeout
+
+    def row(system, grown, after):
+        return {"program": "gpt2", "system": system, "grown_mib": grown, "grown_after_empty_cache_mib": after}
+
+    ratios = memory._ratios([row("torch_trees", 200.0, 100.0), row("cgraw_backend", 190.0, 100.0),
+                             row("eager", 50.0, 10.0)])["gpt2"]
+    assert ratios["cgraw_backend/torch_trees"] == {"grown": pytest.approx(0.95, abs=1e-3),
+                                                   "grown_after_empty_cache": pytest.approx(1.0)}
+    assert "cgraw_backend/eager" in ratios
