@@ -182,7 +182,9 @@ class TorchWarm:
     def __init__(self, gen, source: Source, stream):
         self.gen, self.source, self.stream, self.pos = gen, source, stream, -1
 
-    def take(self, steps: int) -> None:
+    kind = TORCH
+
+    def take(self, steps: int, n: int = 0) -> None:
         with STEP:
             gen = self.gen
             if self.pos < 0:
@@ -195,6 +197,36 @@ class TorchWarm:
     def end(self, inc: int) -> None:
         """After the device's advance of the record by ``inc`` was launched."""
         self.source.pos = advance(TORCH, self.pos, inc)
+
+
+class RkWarm:
+    """``TorchWarm`` for CuPy's generator of ``device`` (``states``: ``cupy.random._generator``):
+    each draw first moves ``_rk_seed`` on by the elements it draws, as a replay moves it by all of
+    them (``rk_sync``), and the first makes the record follow it. After the same ``cupy.random.seed``,
+    a warm-up draws the numbers a replay of its recording would draw."""
+
+    __slots__ = ("device", "make_state", "pos", "source", "states", "stream")
+    kind = CUPY
+
+    def __init__(self, states, device: int, source: Source, stream, make_state):
+        self.states, self.device, self.source, self.stream = states, device, source, stream
+        self.make_state, self.pos = make_state, -1
+
+    def take(self, steps: int, n: int = 0) -> None:
+        with STEP:
+            rs = self.states._random_states.get(self.device)
+            if rs is None:
+                rs = self.make_state(self.device)
+            if self.pos < 0:
+                pos = rs._rk_seed
+                if pos != self.source.pos:
+                    self.source.set(self.stream, CUPY_BASE, pos, None)
+                self.pos = pos
+            rs._rk_seed = (rs._rk_seed + n) % UINT64_MAX
+
+    def end(self, inc: int) -> None:
+        """After the device's advance of the record by ``inc`` was launched."""
+        self.source.pos = advance(CUPY, self.pos, inc)
 
 
 class TorchUse:
@@ -307,16 +339,17 @@ class RngStream:
 
 
 class WarmStream(RngStream):
-    """The ``RngStream`` of a warm-up: each draw moves torch's generator first (``TorchWarm.take``)."""
+    """The ``RngStream`` of a warm-up: each draw moves its framework's generator first
+    (``TorchWarm.take``, ``RkWarm.take``)."""
 
     __slots__ = ("warm",)
 
-    def __init__(self, slot: int, device: int, thread: int, warm: TorchWarm):
-        super().__init__(slot, device, thread, TORCH)
+    def __init__(self, slot: int, device: int, thread: int, warm):
+        super().__init__(slot, device, thread, warm.kind)
         self.warm = warm
 
     def take(self, steps: int = 1, n: int = 0) -> int:
-        self.warm.take(steps)
+        self.warm.take(steps, n)
         return RngStream.take(self, steps, n)
 
 

@@ -30,6 +30,7 @@ from cgraw._cuda import defer
 from cgraw.trees.arrays import EAGER, TORCH, argument_objects, is_torch, ops_of, out_spec
 from cgraw.runtime.capture import event_on
 from cgraw.errors import SkipCall
+from cgraw.interop.cupy import pools as _icupy, rng as _cupy_rng
 from cgraw.interop.torch import observe as _observe, autograd as torch_autograd, private_api, rng as _torch_rng
 from cgraw.interop.torch.kernel_state import groups_of
 from cgraw.runtime.stream import Stream
@@ -217,7 +218,8 @@ def run(backend, fn, call, args, kwargs) -> Warm:
             del before
     else:
         before = _copies(call)
-        out = fn.fn(*args, **kwargs)
+        with _warm_draws(backend, fn):
+            out = fn.fn(*args, **kwargs)
         mutated = _mutated(call, before)
     for j in mutated:
         if not ops[j].contiguous(call.leaves[j]):
@@ -253,12 +255,29 @@ def run(backend, fn, call, args, kwargs) -> Warm:
 
 
 def _warm_draws(backend, fn):
-    """torch's random numbers of the warm-up drawn as its replays will draw them
-    (``interop.torch.rng.WarmDraws``), once torch's CUDA is in use."""
+    """The warm-up's random numbers drawn as its replays will draw them: torch's
+    (``interop.torch.rng.WarmDraws``) once torch's CUDA is in use, CuPy's
+    (``interop.cupy.rng.WarmDraws``) once CuPy is imported."""
     dev = getattr(backend, "device", None)
-    if dev is None or not backend._torch.cuda.is_initialized():
+    if dev is None:
         return _NULL
-    return _torch_rng.WarmDraws(dev.ordinal, _observe.is_compiled(fn.fn))
+    torch = backend._torch
+    draws = []
+    if torch is not None and torch.cuda.is_initialized():
+        draws.append(_torch_rng.WarmDraws(dev.ordinal, _observe.is_compiled(fn.fn)))
+    if _icupy.cupy_module() is not None:
+        draws.append(_cupy_rng.WarmDraws(dev.ordinal))
+    if len(draws) < 2:
+        return draws[0] if draws else _NULL
+    return _entered(draws)
+
+
+@contextlib.contextmanager
+def _entered(contexts):
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
 
 
 def cpu_output(out_leaves) -> str | None:

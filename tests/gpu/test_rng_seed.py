@@ -400,6 +400,27 @@ def test_cupy_seed_governs_captured_and_graphed_draws(cupy_mod):
     _assert_replayed(f, 4)
 
 
+def test_cupy_seed_reproduces_a_graphed_functions_first_calls_warm_up_included(cupy_mod):
+    """As for torch: the warm-up draws CuPy's numbers with cgraw's kernels at the offsets the
+    recording takes and moves ``_rk_seed`` as a replay does, so a program seeded once and run
+    twice from the start draws the same numbers call by call, the warm-up's too."""
+    cp = cupy_mod
+    f = cgraw.graphed(lambda a: a + cp.random.random(N) + cp.random.gamma(2.0, size=N))
+    xs = [cp.random.random(N) for _ in range(4)]
+
+    def run(seed):
+        cp.random.seed(seed)
+        return [cp.asnumpy(f(x) - x) for x in xs]  # the numbers each call drew
+
+    first = run(11)  # warm-up, recording, replays
+    assert cp.random.get_random_state()._rk_seed == 11 + 4 * 2 * N  # every call moved it as a replay does
+    again = run(11)  # replays only, now
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not any(np.array_equal(a, b) for a, b in zip(first, run(12), strict=True))
+    assert len({a[:8].tobytes() for a in first}) == 4  # every call draws fresh numbers
+    _assert_replayed(f, 6)
+
+
 def test_cupy_replays_advance_rk_seed_and_leave_curand_alone(cupy_mod):
     cp = cupy_mod
     with cgraw.capture() as g:

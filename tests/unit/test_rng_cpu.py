@@ -794,3 +794,58 @@ def test_a_warm_up_draws_what_cgraw_covers_and_leaves_the_rest_to_torch(cpu_is_r
     assert [f for f, *_ in fake_kernels.launches][0] == "cgraw_fill_uniform_f32_n"
     if eager:
         assert uncovered.dtype == torch.complex64 and bool(torch.isfinite(torch.view_as_real(uncovered)).all())
+
+
+# ----------------------------------------------------------------------------- CuPy's warm-up state
+
+
+class _CupysOwn:
+    """CuPy's own RandomState: every call is answered with its name."""
+
+    def __getattr__(self, name):
+        return lambda *a, **k: ("cupy's own", name)
+
+
+@pytest.fixture
+def cupy_draws(monkeypatch):
+    """A ``cupy`` module with ``empty`` and a current stream; ``rng.device``'s fills and samples
+    recorded as ``(dist, dtype code, n, offset)``."""
+    import sys
+    import types
+
+    from cgraw.interop.cupy import rng as cupy_rng
+    from cgraw.rng import device as rng_device
+
+    fake = types.ModuleType("cupy")
+    fake.empty = lambda shape, dtype: _FakeArray(shape, dtype)
+    fake.cuda = types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=0))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(cupy_rng._cuda, "stream_handle", lambda ptr: None)
+    drawn = []
+    monkeypatch.setattr(rng_device, "fill", lambda s, dist, code, out, n, cu, **kw: drawn.append(
+        (dist, code, n, s.take(1, n))))
+    monkeypatch.setattr(rng_device, "sample", lambda s, dist, code, out, n, cu, a, b=0.0, **kw: drawn.append(
+        (dist, code, n, s.take(1, n))))
+    return drawn
+
+
+def test_a_warm_ups_cupy_state_draws_what_cgraw_covers_and_leaves_the_rest_to_cupy(cupy_draws):
+    from cgraw.interop.cupy import rng as cupy_rng
+
+    def state(cls):
+        return cls(rng.RngStream(0x40, 0, threading.get_ident(), rng.CUPY), _CupysOwn(), 0)
+
+    warm = state(cupy_rng.WarmRandomState)
+    assert warm.rand(3, 4).shape == (3, 4) and cupy_draws[-1] == ("uniform", "f64", 12, 0)
+    warm.gamma(2.0, size=5)
+    assert cupy_draws[-1] == ("gamma", "f64", 5, 1)
+    # what cgraw does not cover is CuPy's own in a warm-up (it runs the function eagerly)...
+    assert warm.vonmises(0.0, 1.0) == ("cupy's own", "vonmises")
+    assert warm.gamma(_FakeArray((5,), np.float64)) == ("cupy's own", "gamma")  # an array parameter
+    assert len(cupy_draws) == 2
+    # ...where a capture refuses it, naming it
+    capturing = state(cupy_rng.CaptureRandomState)
+    with pytest.raises(CaptureError, match="vonmises"):
+        capturing.vonmises(0.0, 1.0)
+    with pytest.raises(CaptureError, match="array shape"):
+        capturing.gamma(_FakeArray((5,), np.float64))

@@ -384,6 +384,49 @@ def test_cupy_position_wraps_as_cupy_does():
     assert rs._rk_seed == 8 and g.record.pos == 8 and src.writes == 1 and in_sync(src, g.record)
 
 
+def cupy_warm_up(states, src, record: Record, sizes, eager_between: int = 0) -> list:
+    """A warm-up drawing CuPy's numbers with cgraw's kernels (``rng.RkWarm``, ``rng.WarmStream``): a
+    draw per entry of ``sizes`` (its elements); ``eager_between``: elements CuPy's own kernels draw
+    after the first."""
+    w = rng.RkWarm(states, 0, src, 9, _no_state)
+    s = rng.WarmStream(src.slot, 0, 1, w)
+    out = []
+    for i, n in enumerate(sizes):
+        call = s.take(1, n)
+        out.append((record.key, call))
+        if i == 0 and eager_between:
+            states._random_states[0]._update_seed(eager_between)
+    if s.calls:
+        record.advance(s.increment)
+        w.end(s.increment)
+    return out
+
+
+def test_a_cupy_warm_up_draws_what_a_replay_after_the_same_seed_draws():
+    states, rs = _cupy_states(seed=42)
+    g, src = cupy_graph(states, elements=100, draws=2)
+
+    def run(seed):  # a warm-up, then replays of the recording
+        rs.seed(seed)
+        return [cupy_warm_up(states, src, g.record, (60, 40))] + [g.replay() for _ in range(3)]
+
+    first = run(42)
+    assert rs._rk_seed == 42 + 400 and in_sync(src, g.record)  # as four replays would leave it
+    rs.seed(42)
+    assert [g.replay() for _ in range(4)] == first  # replays only: the warm-up's numbers too
+    assert len({c[0][0] for c in first}) == 4 and run(43) != first and run(42) == first
+
+
+def test_a_cupy_warm_up_with_cupys_own_draws_leaves_the_mirror_true():
+    states, rs = _cupy_states(seed=5)
+    g, src = cupy_graph(states, elements=30, draws=2)
+    cupy_warm_up(states, src, g.record, (10, 20), eager_between=7)
+    assert rs._rk_seed == 5 + 10 + 7 + 20 and src.pos == g.record.pos == 35  # the mirror is the record
+    writes = src.writes
+    g.replay()  # CuPy's generator is past the record: the replay writes it first
+    assert src.writes == writes + 1 and in_sync(src, g.record) and rs._rk_seed == 42 + 30
+
+
 def test_cupy_save_and_restore():
     states, rs = _cupy_states(seed=3)
     g, src = cupy_graph(states)

@@ -317,13 +317,37 @@ class CaptureRandomState:
         return idx if values is None else values[idx]
 
 
-class CupyRng:
-    """Puts a ``CaptureRandomState`` in CuPy's table for the capture's device, and takes it out."""
+class WarmRandomState(CaptureRandomState):
+    """``CaptureRandomState`` of a graphed function's warm-up, which runs the function eagerly: a
+    draw cgraw does not cover (a method, a dtype, an array parameter) is CuPy's own, as eagerly,
+    never refused."""
 
-    def __init__(self, stream: rng.RngStream, device: int, source: rng.Source | None = None):
+    def __getattribute__(self, name):
+        attr = object.__getattribute__(self, name)
+        if name.startswith("_") or not callable(attr):
+            return attr
+
+        def draw(*args, **kwargs):
+            try:
+                return attr(*args, **kwargs)
+            except (CaptureError, ValueError):  # not covered: CuPy draws it (and raises what it raises)
+                return getattr(self._orig(), name)(*args, **kwargs)
+
+        return draw
+
+    def __getattr__(self, name):
+        return getattr(self._orig(), name)
+
+
+class CupyRng:
+    """Puts a ``CaptureRandomState`` in CuPy's table for the capture's device, and takes it out
+    (``eager``: a ``WarmRandomState``, for a warm-up)."""
+
+    def __init__(self, stream: rng.RngStream, device: int, source: rng.Source | None = None, *, eager: bool = False):
         self.stream = stream
         self.device = device
         self.source = source
+        self.eager = eager
         self._states = None
         self._had = False
         self._before = None
@@ -336,7 +360,7 @@ class CupyRng:
         self._states = states
         self._had = self.device in states
         self._before = states.get(self.device)
-        self._sub = CaptureRandomState(self.stream, self._before, self.device)
+        self._sub = (WarmRandomState if self.eager else CaptureRandomState)(self.stream, self._before, self.device)
         states[self.device] = self._sub
 
     def use(self) -> rng.RkUse:
@@ -361,6 +385,39 @@ class CupyRng:
 def router(stream: rng.RngStream, source: rng.Source) -> CupyRng:
     """The router of one capture (``capture`` makes one per framework it routes)."""
     return CupyRng(stream, stream.device, source)
+
+
+class WarmDraws:
+    """A graphed function's warm-up draws CuPy's random numbers on ``device`` with cgraw's kernels,
+    at the offsets its recording will take, and moves CuPy's generator as a replay does
+    (``rng.plan.RkWarm``): after the same ``cupy.random.seed``, the warm-up's numbers are those a
+    replay of the recording draws. What cgraw does not cover is CuPy's own (``WarmRandomState``)."""
+
+    __slots__ = ("_cu", "_router", "_warm")
+
+    def __init__(self, device: int):
+        cupy = sys.modules["cupy"]
+        thread = threading.get_ident()
+        self._cu = _cuda.stream_handle(cupy.cuda.get_current_stream().ptr)
+        src = rng_device.source(device, rng.CUPY, self._cu, thread)
+        self._warm = rng.RkWarm(_generator_module(), device, src, self._cu, _make_state)
+        self._router = CupyRng(rng.WarmStream(src.slot, device, thread, self._warm), device, src, eager=True)
+
+    def __enter__(self) -> "WarmDraws":
+        self._router.enter()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._router.exit()
+        stream = self._router.stream
+        if stream.calls:
+            try:
+                rng_device.advance(stream, self._cu)
+            except BaseException:
+                self._router.source.forget()  # the record's position is unknown: the next replay writes it
+                raise
+            self._warm.end(stream.increment)
+        return False
 
 
 def _generator_module():
