@@ -228,7 +228,10 @@ def _key_tail(fn, call: Call, leaves, kinds, ptrs) -> None:
     disabled, which leaves require grad (a function may branch on it), but not for a function
     whose inputs are guarded (compiled code, which never reads it)."""
     if len(leaves) > 1 and getattr(fn, "writes_inputs", False):
-        pairs = shared_memory(leaves, kinds, ptrs, call.ops)
+        memo = getattr(fn, "shared_memo", None)
+        if memo is None:
+            memo = fn.shared_memo = {}
+        pairs = shared_memory(leaves, kinds, ptrs, call.ops, memo, call.key)
         if pairs:
             call.key = call.key + ((SHARED, pairs),)
     p = _grad_mode[0]

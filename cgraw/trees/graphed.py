@@ -155,6 +155,7 @@ class GraphedFunction:
     kernel_getters = None  # the getters of those settings read on each call; None: every group
     copies_out = False  # a graphed backward's outputs are copied out (interop.torch.autograd); never a user's
     writes_inputs = False  # a warm-up found it writing an eager input (or it declares mutates): see input_plan.shared_memory
+    shared_memo = None  # input_plan.shared_memory's measures of its inputs read in place, by key
     inputs_guarded = False  # its caller guarantees its tensor inputs' dtypes and devices (the torch.compile backend's partitions)
     continues_step = False  # a call of it never begins a generation: it follows another piece of one compiled graph
     is_backward = False

@@ -21,6 +21,8 @@ Layer L6: pure Python over ``arrays``. ``calls.inspect`` classifies each call; t
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import operator
 
 import enum
@@ -77,15 +79,75 @@ def moved(plan: InputPlan, call) -> str | None:
     return None
 
 
-def shared_memory(leaves, kinds, ptrs, ops) -> tuple:
+def shared_memory(leaves, kinds, ptrs, ops, memo: dict | None = None, key=None) -> tuple:
     """``(j, k)`` (``j < k``) of the leaves whose memory overlaps where one of them is eager (copied
     into a recording's placeholder): ``f(x, x[2:])``. Asked only of the calls of a function known to
     write its inputs (``writes_inputs``): a recording's separate copies of the two would not see
     each other's writes, where eager code does. A graphed call asks it on every call of such a
-    function (a decode step writing its cache), so it reads each leaf's bytes once and compares
-    integers only."""
+    function (a decode step writing its cache, a training step updating BatchNorm's statistics),
+    so with ``memo`` (the function's, ``{key: Fixed}``) and ``key`` (the call's key so far, which
+    holds every leaf's layout) the extents of the leaves read in place are measured once and
+    reused while their addresses stay; only the eager leaves are measured per call."""
     if EAGER not in kinds:
         return ()
+    if memo is None:
+        return _swept(leaves, kinds, ptrs, ops)
+    fixed = memo.get(key)
+    if fixed is None or fixed.kinds != kinds or (fixed.get is not None and fixed.get(ptrs) != fixed.ptrs):
+        if len(memo) >= MEMO_KEYS:
+            memo.clear()
+        fixed = memo[key] = Fixed(leaves, kinds, ptrs, ops)
+    starts, ends, reach, idx = fixed.starts, fixed.ends, fixed.reach, fixed.idx
+    spans = []
+    pairs = []
+    for j in fixed.eager:
+        p = ptrs[j]
+        below, above = ops[j].reach(leaves[j])
+        s, e = p - below, p + above
+        for t, e2, k in spans:  # the eager leaves before it
+            if t < e and s < e2:
+                pairs.append((k, j))
+        spans.append((s, e, j))
+        i = bisect.bisect_left(starts, e) - 1  # the leaves read in place that start before its end
+        while i >= 0 and reach[i] > s:  # reach[i]: the furthest end among the first i + 1
+            if ends[i] > s:
+                k = idx[i]
+                pairs.append((j, k) if j < k else (k, j))
+            i -= 1
+    if len(pairs) > 1:
+        pairs.sort()
+    return tuple(pairs)
+
+
+MEMO_KEYS = 8  # keys a function's memo keeps (a function called with more signatures measures again)
+
+
+class Fixed:
+    """The leaves of one call that are read in place (static inputs, tree outputs), sorted by
+    start: their extents, the furthest end up to each, and the addresses they were measured at
+    (``get(ptrs)`` must still give ``ptrs``)."""
+
+    __slots__ = ("eager", "ends", "get", "idx", "kinds", "ptrs", "reach", "starts")
+
+    def __init__(self, leaves, kinds, ptrs, ops):
+        self.kinds = list(kinds)
+        self.eager = tuple(j for j, k in enumerate(kinds) if k == EAGER)
+        rest = [j for j, k in enumerate(kinds) if k != EAGER]
+        self.get = operator.itemgetter(*rest) if rest else None
+        self.ptrs = None if self.get is None else self.get(ptrs)
+        spans = []
+        for j in rest:
+            below, above = ops[j].reach(leaves[j])
+            spans.append((ptrs[j] - below, ptrs[j] + above, j))
+        spans.sort()
+        self.starts = [s for s, _, _ in spans]
+        self.ends = [e for _, e, _ in spans]
+        self.idx = [j for _, _, j in spans]
+        self.reach = list(itertools.accumulate(self.ends, max))
+
+
+def _swept(leaves, kinds, ptrs, ops) -> tuple:
+    """``shared_memory`` without a memo: every leaf measured, one sweep in address order."""
     spans = []
     for j, t in enumerate(leaves):
         p = ptrs[j]

@@ -11,7 +11,9 @@ the CPU stand-in of the CUDA backend (which copies written eager inputs back aft
 
 from __future__ import annotations
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 torch = pytest.importorskip("torch")
 
@@ -152,3 +154,62 @@ def test_a_plain_object_argument_whose_attribute_is_set_anew_selects_another_rec
     x = torch.randn(8)
     torch.testing.assert_close(f(x, s), x * 2.0 + 1.5)
     assert mgr.stats[f.fn_id].variants == 3
+
+
+class _Extent:
+    """A leaf with the bytes it reaches below and from its address."""
+
+    def __init__(self, below, above):
+        self.below, self.above = below, above
+
+
+class _ExtentOps:
+    @staticmethod
+    def reach(t):
+        return (t.below, t.above)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_shared_memory_with_a_memo_finds_what_a_sweep_of_every_leaf_finds(data):
+    """Calls of one function: the leaves read in place keep or change their addresses, the eager
+    ones move at each call; with the function's memo the pairs are the full sweep's every time."""
+    n = data.draw(st.integers(2, 9))
+    kinds = data.draw(st.lists(st.sampled_from([calls.EAGER, calls.STATIC, calls.TREE]), min_size=n, max_size=n))
+    leaves = [_Extent(data.draw(st.sampled_from([0, 0, 8])), data.draw(st.sampled_from([0, 8, 16, 64, 256])))
+              for _ in range(n)]
+    ops = [_ExtentOps] * n
+    memo = {}
+    ptrs = [data.draw(st.integers(0, 40)) * 8 for _ in range(n)]
+    for _ in range(data.draw(st.integers(1, 6))):
+        for j in range(n):  # eager leaves move at every call, the others sometimes
+            if kinds[j] == calls.EAGER or data.draw(st.integers(0, 3)) == 0:
+                ptrs[j] = data.draw(st.integers(0, 40)) * 8
+        want = calls.shared_memory(leaves, kinds, list(ptrs), ops)
+        assert calls.shared_memory(leaves, kinds, list(ptrs), ops, memo, ("key", n)) == want
+
+
+def test_shared_memory_sees_a_large_leaf_past_a_small_one_inside_it():
+    # read in place: [0, 100) and [10, 20) inside it; the eager [50, 60) overlaps only the large one
+    leaves = [_Extent(0, 100), _Extent(0, 10), _Extent(0, 10)]
+    kinds = [calls.STATIC, calls.TREE, calls.EAGER]
+    assert calls.shared_memory(leaves, kinds, [0, 10, 50], [_ExtentOps] * 3, {}, "k") == ((0, 2),)
+
+
+def test_shared_memory_measures_the_leaves_read_in_place_once_while_they_stay():
+    measured = []
+
+    class Counting(_ExtentOps):
+        @staticmethod
+        def reach(t):
+            measured.append(t)
+            return (t.below, t.above)
+
+    leaves = [_Extent(0, 16), _Extent(0, 64), _Extent(0, 64)]
+    kinds, ops, memo = [calls.EAGER, calls.STATIC, calls.TREE], [Counting] * 3, {}
+    for p in (200, 300, 1010):
+        pairs = calls.shared_memory(leaves, kinds, [p, 1000, 5000], ops, memo, "k")
+    assert pairs == ((0, 1),)  # the last eager address lies inside the static leaf
+    assert measured.count(leaves[1]) == 1 and measured.count(leaves[0]) == 3
+    calls.shared_memory(leaves, kinds, [0, 1000, 6000], ops, memo, "k")  # a tree output moved: measured again
+    assert measured.count(leaves[1]) == 2
