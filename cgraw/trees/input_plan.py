@@ -30,7 +30,7 @@ import math
 import sys
 
 from cgraw.trees import buckets
-from cgraw.trees.arrays import EAGER, STATIC, is_module, ops_of, out_spec
+from cgraw.trees.arrays import EAGER, STATIC, is_module, ops_of, out_spec, weaken_key
 from cgraw.errors import SkipCall
 
 __all__ = ["SHARED", "InputPlan", "KeyMark", "StateSnapshot", "changed_argument", "check_shared_writes",
@@ -96,6 +96,7 @@ def shared_memory(leaves, kinds, ptrs, ops, memo: dict | None = None, key=None) 
     if fixed is None or fixed.kinds != kinds or (fixed.get is not None and fixed.get(ptrs) != fixed.ptrs):
         if len(memo) >= MEMO_KEYS:
             memo.clear()
+        weaken_key(key)  # the memo keeps alive nothing the key names (a StaticCache through an argument)
         fixed = memo[key] = Fixed(leaves, kinds, ptrs, ops)
     starts, ends, reach, idx = fixed.starts, fixed.ends, fixed.reach, fixed.idx
     spans = []

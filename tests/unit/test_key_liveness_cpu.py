@@ -49,6 +49,26 @@ def test_a_tensor_reached_through_an_argument_attribute_and_then_dropped_is_free
         torch.testing.assert_close(f(h, x), x + h.t)
 
 
+def _add_into(h, x, y):
+    x.add_(h.t + y)  # writes its input: each call's key notes inputs sharing memory (input_plan.shared_memory)
+    return x * 2
+
+
+def test_a_tensor_named_by_the_key_of_a_function_writing_its_inputs_is_freed_once_dropped(monkeypatch):
+    with cpu_tree(monkeypatch) as mgr:
+        f = TorchFn(_add_into, mgr)
+        h = _Holder(torch.randn(4))
+        for _ in range(4):
+            x, y = torch.randn(4), torch.randn(4)
+            want = (x + h.t + y) * 2
+            torch.testing.assert_close(f(h, x, y), want)
+        assert getattr(f, "writes_inputs", False) and f.shared_memo  # the memo of its inputs' extents
+        old = weakref.ref(h.t)
+        h.t = torch.randn(4)
+        gc.collect()
+        assert old() is None
+
+
 def test_a_node_keyed_by_a_dropped_tensor_is_dropped_with_its_recording_when_the_tree_grows(monkeypatch):
     with cpu_tree(monkeypatch) as mgr:
         f = TorchFn(_add, mgr)
