@@ -94,7 +94,7 @@ def while_loop(cap, cond_fn, body_fn, spec, leaves: list, paths: list):
             if r.calls != calls:  # the body draws: its last node moves the key on (rng.plan.loop_key)
                 rng_device.step_key(r, stream.handle)
 
-    _around_node(stream.handle, mode, dev.context, [(steps[0], handle)], [body])
+    _around_node(stream.handle, mode, dev.context, [(steps[0], handle)], [body], cap.graph.note_conditional)
     return plan.unflatten(spec, bufs)
 
 
@@ -127,20 +127,22 @@ def cond(cap, pred, true_fn, false_fn, operands: tuple):
         return run
 
     _around_node(stream.handle, mode, dev.context, list(zip(steps, handles)),
-                 [branch(true_fn, "true_fn"), branch(false_fn, "false_fn")])
+                 [branch(true_fn, "true_fn"), branch(false_fn, "false_fn")], cap.graph.note_conditional)
     return plan.unflatten(result["spec"], result["bufs"])
 
 
-def _around_node(s, mode, ctx, nodes: list, bodies: list) -> None:
+def _around_node(s, mode, ctx, nodes: list, bodies: list, note) -> None:
     """Add the conditional ``nodes`` (``(plan.Step, handle)``, each after the previous) to the graph
     ``s`` captures, after its capture dependencies, and make the last one the stream's dependency;
     then pause the capture, capture ``bodies`` (callables, one per body graph, in order) into their
-    body graphs on ``s``, and resume the enclosing capture after the last node, also on failure."""
+    body graphs on ``s``, and resume the enclosing capture after the last node, also on failure.
+    ``note(node, kind, body graphs)`` hears of each node (``Graph.note_conditional``)."""
     graph, deps = _cuda.stream_capture_graph(s)
     after = list(deps)
     body_graphs = []
     for step, h in nodes:
         node, graphs = _cond.graph_add_conditional_node(graph, after, h, step.kind, step.size, ctx)
+        note(node, step.kind, graphs)
         after = [node]
         body_graphs.extend(graphs)
     _cond.stream_set_capture_dependencies(s, after)

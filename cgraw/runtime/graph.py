@@ -35,6 +35,8 @@ class NodeInfo:
     shared_mem: int | None = None
     handle: int = 0
     depends_on: tuple[int, ...] = ()
+    condition: str | None = None  # a conditional node's kind ("while", "if"), when its capture noted it
+    bodies: tuple = ()  # a conditional node's body graphs, each a tuple of NodeInfo
 
 
 def _destroy_pair(exec_, graph) -> None:
@@ -64,6 +66,7 @@ class Graph:
         "_finalizer",
         "_keepalive",
         "_nodes",
+        "_bodies",
         "num_nodes",
         "capture_ms",
         "instantiate_ms",
@@ -87,6 +90,7 @@ class Graph:
         self._finalizer = None
         self._keepalive = []
         self._nodes = None
+        self._bodies = {}  # a conditional node's handle -> (its kind, its body graphs)
         self.num_nodes = 0
         self.capture_ms = 0.0
         self.instantiate_ms = 0.0
@@ -250,50 +254,24 @@ class Graph:
         return _cuda.graph_get_nodes(self._graph)
 
     def nodes(self) -> list[NodeInfo]:
-        """Every node with its type and, for kernels, name, grid, block and dynamic shared memory."""
+        """Every node with its type and, for kernels, name, grid, block and dynamic shared memory;
+        for a conditional node (``cgraw.while_loop``, ``cgraw.cond``), its kind and the nodes of
+        its body graphs."""
         self._require_open()
-        if self._nodes is not None:
-            return self._nodes
-        handles = _cuda.graph_get_nodes(self._graph)
-        index = {_cuda.native(h): i for i, h in enumerate(handles)}
-        deps: dict[int, list[int]] = {}
-        for src, dst in _cuda.graph_get_edges(self._graph):
-            deps.setdefault(index[_cuda.native(dst)], []).append(index[_cuda.native(src)])
-        out = []
-        for i, h in enumerate(handles):
-            t = int(_cuda.graph_node_get_type(h))
-            info = dict(index=i, type=_NODE_TYPE_NAMES.get(t, str(t)), handle=_cuda.native(h),
-                        depends_on=tuple(sorted(deps.get(i, ()))))
-            if t == _KERNEL:
-                p = _cuda.graph_kernel_node_get_params(h)
-                info.update(
-                    kernel=_kernel_name(p),
-                    grid=(int(p.gridDimX), int(p.gridDimY), int(p.gridDimZ)),
-                    block=(int(p.blockDimX), int(p.blockDimY), int(p.blockDimZ)),
-                    shared_mem=int(p.sharedMemBytes),
-                )
-            out.append(NodeInfo(**info))
-        self._nodes = out
-        return out
+        if self._nodes is None:
+            self._nodes = _node_infos(self._graph, self._bodies)
+        return self._nodes
+
+    def note_conditional(self, node, kind: str, bodies: list) -> None:
+        """Remember a conditional node the capture added (``cgraw.control``): its kind and its
+        body graphs, which the parent graph owns (``nodes()`` and ``print`` show them)."""
+        self._bodies[_cuda.native(node)] = (kind, list(bodies))
 
     def summary(self, width: int = 76) -> str:
-        """A readable table of the nodes, one box per node, in the driver's node order."""
+        """A readable table of the nodes, one box per node, in the driver's node order; a
+        conditional node's bodies follow it, their boxes indented."""
         lines = [f"cgraw.Graph on device {self.device.ordinal}: {self.num_nodes} node(s)"]
-        inner = width - 4
-        for n in self.nodes():
-            box = [f"NODE {n.index}: {n.type}"]
-            if n.kernel is not None:
-                first = inner - 8
-                box.append("Kernel: " + n.kernel[:first])
-                for i in range(first, len(n.kernel), inner - 2):
-                    box.append("  " + n.kernel[i : i + inner - 2])
-                box.append(f"<<<{_dim(n.grid)},{_dim(n.block)},{n.shared_mem}>>>")
-            box.append(f"Node handle: 0x{n.handle:016X}")
-            if n.depends_on:
-                box.append("after: " + ", ".join(f"NODE {d}" for d in n.depends_on))
-            lines.append("+" + "-" * (width - 2) + "+")
-            lines.extend(f"| {b[:inner]:<{inner}} |" for b in box)
-            lines.append("+" + "-" * (width - 2) + "+")
+        _boxes(self.nodes(), width, "", lines)
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -311,6 +289,59 @@ class Graph:
         flags = 1 if verbose else 0
         _cuda.graph_debug_dot_print(self._graph, str(path), flags)
         return str(path)
+
+
+def _node_infos(graph, bodies: dict) -> list[NodeInfo]:
+    """``NodeInfo`` of every node of ``graph``; ``bodies``: conditional nodes' kinds and body graphs
+    by handle (``Graph.note_conditional``)."""
+    handles = _cuda.graph_get_nodes(graph)
+    index = {_cuda.native(h): i for i, h in enumerate(handles)}
+    deps: dict[int, list[int]] = {}
+    for src, dst in _cuda.graph_get_edges(graph):
+        deps.setdefault(index[_cuda.native(dst)], []).append(index[_cuda.native(src)])
+    out = []
+    for i, h in enumerate(handles):
+        t = int(_cuda.graph_node_get_type(h))
+        info = dict(index=i, type=_NODE_TYPE_NAMES.get(t, str(t)), handle=_cuda.native(h),
+                    depends_on=tuple(sorted(deps.get(i, ()))))
+        if t == _KERNEL:
+            p = _cuda.graph_kernel_node_get_params(h)
+            info.update(
+                kernel=_kernel_name(p),
+                grid=(int(p.gridDimX), int(p.gridDimY), int(p.gridDimZ)),
+                block=(int(p.blockDimX), int(p.blockDimY), int(p.blockDimZ)),
+                shared_mem=int(p.sharedMemBytes),
+            )
+        noted = bodies.get(info["handle"])
+        if noted is not None:
+            info.update(condition=noted[0], bodies=tuple(tuple(_node_infos(b, bodies)) for b in noted[1]))
+        out.append(NodeInfo(**info))
+    return out
+
+
+def _boxes(nodes, width: int, indent: str, lines: list) -> None:
+    """One box per node into ``lines``, ``indent`` before each; a conditional node's bodies after it."""
+    inner = width - 4
+    for n in nodes:
+        kind = n.condition.upper() + ("/ELSE" if n.condition == "if" and len(n.bodies) == 2 else "") if n.condition else ""
+        box = [f"NODE {n.index}: {n.type}" + (f" ({kind})" if kind else "")]
+        if n.kernel is not None:
+            first = inner - 8
+            box.append("Kernel: " + n.kernel[:first])
+            for i in range(first, len(n.kernel), inner - 2):
+                box.append("  " + n.kernel[i : i + inner - 2])
+            box.append(f"<<<{_dim(n.grid)},{_dim(n.block)},{n.shared_mem}>>>")
+        box.append(f"Node handle: 0x{n.handle:016X}")
+        if n.depends_on:
+            box.append("after: " + ", ".join(f"NODE {d}" for d in n.depends_on))
+        for b, body in enumerate(n.bodies):
+            box.append(f"body {b}: {len(body)} node(s), below")
+        lines.append(indent + "+" + "-" * (width - 2) + "+")
+        lines.extend(f"{indent}| {b[:inner]:<{inner}} |" for b in box)
+        lines.append(indent + "+" + "-" * (width - 2) + "+")
+        for b, body in enumerate(n.bodies):
+            lines.append(f"{indent}    body {b} of NODE {n.index}:")
+            _boxes(body, width, indent + "    ", lines)
 
 
 def _dim(d) -> str:

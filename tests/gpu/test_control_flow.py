@@ -35,7 +35,10 @@ def test_torch_while_until_device_norm(pool):
     n0 = torch.zeros((), dtype=torch.int64, device="cuda")
     with cgraw.capture(pool=pool) as g:
         x, n = cgraw.while_loop(cond_fn, body_fn, (x0, n0))
-    assert "CONDITIONAL" in str(g)
+    text = str(g)  # the loop's node, then its body's nodes (the set-condition kernel among them)
+    assert "CONDITIONAL (WHILE)" in text and "body 0 of NODE" in text, text
+    (loop,) = [n for n in g.nodes() if n.type == "CONDITIONAL"]
+    assert loop.condition == "while" and any(k.kernel and "cgraw_set_condition" in k.kernel for k in loop.bodies[0])
     for _ in range(3):
         x0.copy_(trand(4096) * float(rng.uniform(1, 1000)))
         g.replay()

@@ -31,8 +31,11 @@ class FakeDriver:
         self.body_types = body_types
         self.unjoined = unjoined  # the outer graph has a leaf of a side stream not joined back
         dev = types.SimpleNamespace(ordinal=-1, context="ctx")
-        self.cap = types.SimpleNamespace(graph=types.SimpleNamespace(device=dev, capture_stream=types.SimpleNamespace(
-            handle="S")), mode="thread_local", random_streams=lambda: self.rngs)
+        self.noted = []  # (node, kind, body graphs) the capture path told the graph of
+        self.cap = types.SimpleNamespace(graph=types.SimpleNamespace(
+            device=dev, capture_stream=types.SimpleNamespace(handle="S"),
+            note_conditional=lambda node, kind, bodies: self.noted.append((node, kind, list(bodies)))),
+            mode="thread_local", random_streams=lambda: self.rngs)
         m = monkeypatch
         m.setattr(_capture, "active", lambda: self.cap)
         m.setattr(_cuda, "driver_get_version", lambda: version)

@@ -562,9 +562,10 @@ def test_the_node_table_shows_conditional_nodes(monkeypatch):
     from cgraw.runtime.graph import Graph
 
     T = _cuda.NodeType
-    types_of = {1: T.CU_GRAPH_NODE_TYPE_KERNEL, 2: T.CU_GRAPH_NODE_TYPE_CONDITIONAL}
-    monkeypatch.setattr(_cuda, "graph_get_nodes", lambda g: [1, 2])
-    monkeypatch.setattr(_cuda, "graph_get_edges", lambda g: [(1, 2)])
+    types_of = {1: T.CU_GRAPH_NODE_TYPE_KERNEL, 2: T.CU_GRAPH_NODE_TYPE_CONDITIONAL, 3: T.CU_GRAPH_NODE_TYPE_KERNEL,
+                4: T.CU_GRAPH_NODE_TYPE_MEMCPY}
+    monkeypatch.setattr(_cuda, "graph_get_nodes", lambda g: {"G": [1, 2], "B": [3, 4]}[g])
+    monkeypatch.setattr(_cuda, "graph_get_edges", lambda g: {"G": [(1, 2)], "B": [(3, 4)]}[g])
     monkeypatch.setattr(_cuda, "graph_node_get_type", lambda n: types_of[n])
     monkeypatch.setattr(_cuda, "graph_kernel_node_get_params", lambda n: types.SimpleNamespace(
         func=0, kern=0, gridDimX=1, gridDimY=1, gridDimZ=1, blockDimX=1, blockDimY=1, blockDimZ=1, sharedMemBytes=0))
@@ -572,9 +573,24 @@ def test_the_node_table_shows_conditional_nodes(monkeypatch):
     g = Graph._pending(types.SimpleNamespace(ordinal=0), None, None)
     g._graph, g._exec, g.num_nodes = "G", "E", 2
     assert int(T.CU_GRAPH_NODE_TYPE_CONDITIONAL) == 13
+    g.note_conditional(2, "while", ["B"])  # as cgraw.control's capture path tells it
     assert [n.type for n in g.nodes()] == ["KERNEL", "CONDITIONAL"]
+    loop = g.nodes()[1]
+    assert loop.condition == "while" and [[n.type for n in b] for b in loop.bodies] == [["KERNEL", "MEMCPY"]]
     text = str(g)
-    assert "NODE 1: CONDITIONAL" in text and "after: NODE 0" in text and "cgraw_set_condition" in text
+    assert "NODE 1: CONDITIONAL (WHILE)" in text and "after: NODE 0" in text and "cgraw_set_condition" in text
+    lines = text.splitlines()
+    body = lines.index("    body 0 of NODE 1:")
+    assert "body 0: 2 node(s), below" in text and lines[body + 2].startswith("    | NODE 0: KERNEL")
+    assert any(line.startswith("    | NODE 1: MEMCPY") for line in lines[body:])
+    assert "    | after: NODE 0" in text
+
+
+def test_the_capture_path_tells_the_graph_of_each_conditional_node(monkeypatch):
+    d = FakeDriver(monkeypatch)
+    cgraw.while_loop(lambda x: x.sum() < 0, lambda x: (x + 1,), (torch.ones(2),))
+    cgraw.cond(torch.tensor(True), lambda x: x + 1, lambda x: x - 1, (torch.ones(2),))
+    assert [(kind, bodies) for _, kind, bodies in d.noted] == [("while", ["B1.0"]), ("if", ["B2.0", "B2.1"])]
 
 
 def test_the_host_path_preloads_the_kernel_for_device_arrays_only(monkeypatch):
