@@ -99,11 +99,14 @@ class UnsafeCallError(CgrawError, RuntimeError):
 class SkipCall(Exception):
     """Internal to graph trees: this call cannot be graphed; run it eagerly. ``str(exc)`` is the
     reason. ``dirty``: the failure came after a capture, whose blocks are still in the tree's pool
-    (the next recording must restore the pool's checkpoint first)."""
+    (the next recording must restore the pool's checkpoint first). ``rewarm``: only this call runs
+    eagerly and the next one warms up again (what broke the capture happens once: torch.compile
+    compiling code)."""
 
-    def __init__(self, reason: str, *, dirty: bool = False):
+    def __init__(self, reason: str, *, dirty: bool = False, rewarm: bool = False):
         super().__init__(reason)
         self.dirty = dirty
+        self.rewarm = rewarm
 
 
 class ResourceLeakWarning(ResourceWarning):

@@ -38,7 +38,7 @@ from cgraw.interop.torch.kernel_state import kernel_state
 from cgraw.interop.torch.checkpoints import TorchTreeState
 from cgraw.runtime.memory import DevicePool
 from cgraw.trees.recording import OWNED, InputCopy, Recording, output_kinds, repeated_leaves, tree_views
-from cgraw.trees.nodes import Warm, split_external
+from cgraw.trees.nodes import Warm, capture_failed, split_external
 from cgraw.trees.config import config, grad_probe
 
 log = logging.getLogger("cgraw")
@@ -111,6 +111,7 @@ class CudaBackend(TorchAutograd):
                                empty_cache=config.empty_cache_on_record, compiled=_observe.is_compiled(fn.fn))
         placeholders, saved = {}, []  # saved: what autograd saves, when the capture records a backward
         grad, subs, reason = call.grad and not warm.runs_backward, placeholders, None
+        frames = private_api.dynamo_frames()
         try:
             with cap as g:
                 stream = g.capture_stream
@@ -148,7 +149,7 @@ class CudaBackend(TorchAutograd):
             # alive: torch's pool gets their blocks back as they die
             for h in (placeholders, subs, saved):
                 h.clear()
-            raise SkipCall(reason)
+            raise capture_failed(reason, private_api.dynamo_frames() != frames)
         try:
             self._finish_recording(rec, g, call, placeholders, warm, out)
         except BaseException as exc:

@@ -91,7 +91,7 @@ def shared_memory(leaves, kinds, ptrs, ops, memo: dict | None = None, key=None) 
     if EAGER not in kinds:
         return ()
     if memo is None:
-        return _swept(leaves, kinds, ptrs, ops)
+        memo = {}
     fixed = memo.get(key)
     if fixed is None or fixed.kinds != kinds or (fixed.get is not None and fixed.get(ptrs) != fixed.ptrs):
         if len(memo) >= MEMO_KEYS:
@@ -145,29 +145,6 @@ class Fixed:
         self.ends = [e for _, e, _ in spans]
         self.idx = [j for _, _, j in spans]
         self.reach = list(itertools.accumulate(self.ends, max))
-
-
-def _swept(leaves, kinds, ptrs, ops) -> tuple:
-    """``shared_memory`` without a memo: every leaf measured, one sweep in address order."""
-    spans = []
-    for j, t in enumerate(leaves):
-        p = ptrs[j]
-        below, above = ops[j].reach(t)
-        spans.append((p - below, p + above, j))
-    spans.sort()
-    pairs = []
-    n = len(spans)
-    for a in range(n - 1):
-        _, end, j = spans[a]
-        b = a + 1
-        while b < n and spans[b][0] < end:
-            k = spans[b][2]
-            if kinds[j] == EAGER or kinds[k] == EAGER:
-                pairs.append((j, k) if j < k else (k, j))
-            b += 1
-    if len(pairs) > 1:
-        pairs.sort()
-    return tuple(pairs)
 
 
 def check_shared_writes(call, written) -> None:

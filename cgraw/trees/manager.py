@@ -17,7 +17,8 @@ Lifecycle of a node (one function on one path, one input signature):
   captured, the graph replayed once for this call's result, and a checkpoint taken.
 - later calls: replay. If a static input or a tree output moved, the node is re-recorded and its
   descendants are dropped.
-- a function that cannot be captured is SKIPPED: it runs eagerly, its reason in ``cgraw.report()``.
+- a function that cannot be captured is SKIPPED: it runs eagerly, its reason in ``cgraw.report()``
+  (a capture torch.compile compiled inside: that call runs eagerly, the next warms up again).
 
 Generations. A generation is one pass through the tree from a root. It begins at
 ``cgraw.mark_step_begin()``, or automatically when a *root function* (one that has begun a
@@ -349,8 +350,7 @@ class TreeManager(TreeAutograd, TreePool):
             with tree_nodes.external_for_record(node.warm), self.running_python():
                 rec = self.backend.record(fn, call, node.warm)
         except SkipCall as exc:
-            node.state = NodeState.SKIPPED
-            node.skip_reason = str(exc)
+            node.failed_recording(exc, config.rewarm_limit)  # SKIPPED, or warm up again (nodes.capture_failed)
             # a failed capture put the pool back itself; a recording that failed after its capture
             # left blocks behind, so the next recording must restore first
             self.pool_state = UNKNOWN if exc.dirty else anchor

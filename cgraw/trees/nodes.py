@@ -15,6 +15,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from cgraw.errors import SkipCall
 from cgraw.trees.input_plan import InputPlan
 
 
@@ -72,6 +73,17 @@ class TreeNode:
         self.rewarms = 0
         self.mode_mark = -1  # the function's replay count at this node's last ModeRewarm
         self.refs: tuple = ()  # weak references to the objects its key names (arrays.weaken_key)
+
+    def failed_recording(self, exc: SkipCall, limit: int) -> None:
+        """After a recording that raised ``exc``: the node runs eagerly from now on (SKIPPED, with
+        the reason), or, when the failure happens once (``exc.rewarm``) and the node has not warmed
+        up again ``limit`` times, it warms up again at its next call."""
+        self.skip_reason = str(exc)
+        if exc.rewarm and self.rewarms < limit:
+            self.rewarms += 1
+            self.state, self.warm = NodeState.WARMED, None
+        else:
+            self.state = NodeState.SKIPPED
 
     def note_rewarm(self, reason, replays: int) -> None:
         """Count a warm-up forced by ``reason`` towards ``config.rewarm_limit``: a switch between
@@ -168,6 +180,19 @@ class ModeRewarm(Rewarm):
     """A ``Rewarm`` because a module switched between training and evaluation: counted against
     ``config.rewarm_limit`` only when the function has not replayed since its last one (a
     function that switches modes inside itself), not for a loop that trains and evaluates in turn."""
+
+
+COMPILED_IN_CAPTURE = ("torch.compile compiled code during the recording (its guards failed at this call: state "
+                      "made by an earlier call, such as an optimizer's), which a capture cannot hold; this call ran "
+                      "eagerly and the next one warms up again")
+
+
+def capture_failed(reason: str, compiled: bool) -> SkipCall:
+    """The ``SkipCall`` of a recording whose capture failed with ``reason``; ``compiled``: dynamo
+    set out to compile a frame during it, which is why it failed and happens once: warm up again."""
+    if compiled:
+        return SkipCall(f"{COMPILED_IN_CAPTURE}: {reason}", rewarm=True)
+    return SkipCall(reason)
 
 
 class Warm:

@@ -102,3 +102,40 @@ def test_random_numbers_inside_compiled_code_are_fresh_per_replay():
     assert len({u.tobytes() for u in uniforms}) == CALLS
     S.frequency_check(int(masks[-1].sum()), N, 0.5, what="compiled dropout keep rate")
     S.ks_continuous(uniforms[-1], S.uniform_cdf(), what="compiled rand_like")
+
+
+def test_a_compiled_training_step_is_graphed_after_its_optimizer_state_exists():
+    """``cgraw.graphed(torch.compile(step))`` of a whole training step (forward, backward, SGD
+    with momentum): its second call fails the guards of its first compile (the momentum buffers
+    are made by the first step), so dynamo compiles during that call's recording, which breaks
+    the capture. That call runs eagerly, the next warms up again, and the step is recorded and
+    replayed from then on, equal to the same compiled step without cgraw."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).cuda()
+    twin = copy.deepcopy(model)
+
+    def make_step(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=False)
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return step
+
+    f = cgraw.graphed(torch.compile(make_step(model)))
+    ref = torch.compile(make_step(twin))
+    for _ in range(CALLS + 2):
+        x, y = trand(32, 64), torch.randint(0, 10, (32,), device="cuda")
+        torch.testing.assert_close(f(x, y), ref(x, y), rtol=1e-4, atol=1e-5)
+        cgraw.mark_step_begin()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    s = _stats(f)
+    assert s.recordings == 1 and s.replays >= CALLS - 3, (s.warmups, s.recordings, s.replays, s.skip_reasons)
+    assert s.eager_calls <= 2 and all("torch.compile compiled code during the recording" in r for r in s.skip_reasons)

@@ -155,6 +155,65 @@ def test_body_allocations_come_from_the_pool(pool):
     assert torch.equal(x, ref) and not owns(eager_x.data_ptr())
 
 
+def test_a_loop_whose_condition_fails_at_once_returns_the_carried_values(pool):
+    cond_fn, body_fn = _halving()
+    x0 = trand(1024) * 100
+    n0 = torch.zeros((), dtype=torch.int64, device="cuda")
+    with cgraw.capture(pool=pool) as g:
+        x, n = cgraw.while_loop(cond_fn, body_fn, (x0, n0))
+    for start in (2.0, 50.0, 2.0):  # at 2 everywhere the condition fails before the first iteration
+        x0.copy_(torch.full_like(x0, start) if start == 2.0 else trand(1024) * start)
+        g.replay()
+        hx, hn = cgraw.while_loop(cond_fn, body_fn, (x0, n0))
+        torch.cuda.synchronize()
+        assert int(n) == int(hn) and (int(n) == 0) == (start == 2.0)
+        assert torch.equal(x, hx) and x.data_ptr() != x0.data_ptr()
+
+
+def test_a_body_that_raises_while_captured_ends_the_capture_cleanly(pool):
+    def body_fn(x, n):
+        if x.shape[0] > 0:
+            raise KeyError("the user's own")
+        return x, n
+
+    x0 = trand(64)
+    with pytest.raises(KeyError, match="the user's own"):
+        with cgraw.capture(pool=pool):
+            cgraw.while_loop(lambda x, n: n < 3, body_fn, (x0, torch.zeros((), dtype=torch.int64, device="cuda")))
+    assert pool.capture_stream.capture_status == 0
+    cond_fn, halve = _halving()
+    with cgraw.capture(pool=pool) as g:  # the pool and the stream capture again
+        x, n = cgraw.while_loop(cond_fn, halve, (x0 * 100, torch.zeros((), dtype=torch.int64, device="cuda")))
+    g.replay()
+    torch.cuda.synchronize()
+    assert int(n) > 5 and float((x - 2).norm()) <= TOL
+
+
+def test_a_body_mixing_torch_and_cupy_through_dlpack(pool):
+    cp = pytest.importorskip("cupy")
+
+    def body_fn(t, c, k):
+        as_cupy = cp.from_dlpack(t)  # the torch value seen by CuPy, no copy
+        c2 = c * 0.5 + as_cupy.sum() * 1e-3
+        t2 = torch.from_dlpack(c2) + t * 0.25  # and back
+        return t2, c2, k + 1
+
+    t0, c0 = trand(256), cp.asarray(rng.standard_normal(256).astype(np.float32))
+    k0 = torch.zeros((), dtype=torch.int64, device="cuda")
+    with cgraw.capture(pool=pool) as g:
+        t, c, k = cgraw.while_loop(lambda t, c, k: k < 7, body_fn, (t0, c0, k0))
+    for _ in range(2):
+        t0.copy_(trand(256))
+        c0[...] = cp.asarray(rng.standard_normal(256).astype(np.float32))
+        g.replay()
+        ht, hc, hk = cgraw.while_loop(lambda t, c, k: k < 7, body_fn, (t0, c0, k0))
+        torch.cuda.synchronize()
+        assert int(k) == int(hk) == 7
+        torch.testing.assert_close(t, ht, rtol=1e-5, atol=1e-6)
+        assert cp.allclose(c, hc, rtol=1e-5, atol=1e-6)
+    del t, c, k, ht, hc, hk
+
+
 def test_body_with_an_event_is_refused(pool):
     def body_fn(x):
         ev = torch.cuda.Event(external=True)

@@ -22,8 +22,9 @@ import torch
 
 from cgraw.errors import SkipCall
 from cgraw.trees.arrays import EAGER, TORCH, argument_objects, out_spec, replace_leaves, unflatten
+from cgraw.interop.torch import private_api
 from cgraw.interop.torch.autograd import TorchAutograd, capture_inputs, grad_info, run_saving
-from cgraw.trees.nodes import Warm, next_fn_id
+from cgraw.trees.nodes import Warm, capture_failed, next_fn_id
 
 
 @contextlib.contextmanager
@@ -189,7 +190,10 @@ class CpuTorchBackend(TorchAutograd):
         rec.subs = capture_inputs(call, rec.placeholders) if grad else rec.placeholders
         rec.args = replace_leaves(call.arg_specs, call.kwarg_specs, call.leaves, rec.subs)
         rec.external = tuple(warm.external)
+        frames = private_api.dynamo_frames()
         out = self._run(rec, saved, grad, rec.subs)
+        if private_api.dynamo_frames() != frames:  # on a GPU, compiling inside a capture breaks it
+            raise capture_failed("the capture was invalidated by an operation that cannot be captured", True)
         rec.out_leaves = []
         rec.objects = argument_objects(call.arg_specs, call.kwarg_specs)  # what rec.args passes
         rec.spec = out_spec(out, rec.out_leaves, rec.objects)

@@ -227,3 +227,43 @@ def test_observer_counts_a_closure_tensor_the_function_writes_in_place_as_extern
     obs, out = _observe(f, x)
     ext = obs.external([x, out])
     assert any(t is acc for t in ext) and any(t is w for t in ext), ext
+
+
+def test_a_recording_that_compiled_code_runs_eagerly_once_and_the_next_call_warms_up_again(monkeypatch):
+    """``cgraw.graphed(torch.compile(step))`` where the step's second call fails the guards of its
+    first compile (an optimizer's state made by its first step does): the recording at the second
+    call compiles inside its capture, which breaks it (the CPU backend fails such a recording as a
+    GPU capture fails). That call runs eagerly, the next one warms up again, the one after records,
+    and the rest replay; before, the function ran eagerly from the second call on."""
+    from torch_cpu_backend import TorchFn, cpu_tree
+
+    from cgraw.trees.nodes import COMPILED_IN_CAPTURE
+
+    torch._dynamo.reset()
+    backend = _Graphs()
+    state = {"first": True}
+
+    @torch.compile(backend=backend)
+    def scale(x):
+        return x * (3.0 if state["first"] else 2.0)  # dynamo guards on the value
+
+    def step(x):
+        out = scale(x)
+        state["first"] = False  # made by the first call, as an optimizer's momentum buffers
+        return out + 1.0
+
+    compiled_at = []
+    with cpu_tree(monkeypatch) as mgr:
+        f = TorchFn(step, mgr)
+        for i in range(7):
+            x = torch.randn(8)
+            before = len(backend.graphs)
+            torch.testing.assert_close(f(x), x * (3.0 if i == 0 else 2.0) + 1.0)
+            compiled_at.append(len(backend.graphs) - before)
+        st = mgr.stats[f.fn_id]
+        (node,) = mgr.nodes()
+    assert compiled_at == [1, 1, 0, 0, 0, 0, 0]  # the recompile: inside the second call's capture
+    assert (st.warmups, st.recordings, st.replays, st.eager_calls) == (2, 1, 3, 1)
+    assert list(st.skip_reasons) and all(r.startswith(COMPILED_IN_CAPTURE) for r in st.skip_reasons)
+    assert node.rewarms == 1
+    torch._dynamo.reset()

@@ -33,6 +33,20 @@ NEEDED = {
 }
 
 
+def dynamo_frames() -> int:
+    """Frames torch.compile (dynamo) has set out to compile in this process so far
+    (``torch._dynamo.utils.counters["frames"]["total"]``, counted before each compile, failed ones
+    included); 0 while dynamo is not loaded (nothing is imported to find out)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    if counters is None:
+        return 0
+    try:
+        return int(counters["frames"]["total"])
+    except Exception:  # noqa: BLE001 -- another torch's counters: no compile is seen
+        return 0
+
+
 class TorchApiError(CgrawError, RuntimeError):
     """The installed torch lacks a private function cgraw relies on."""
 
