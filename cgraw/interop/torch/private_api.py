@@ -33,20 +33,6 @@ NEEDED = {
 }
 
 
-def dynamo_frames() -> int:
-    """Frames torch.compile (dynamo) has set out to compile in this process so far
-    (``torch._dynamo.utils.counters["frames"]["total"]``, counted before each compile, failed ones
-    included); 0 while dynamo is not loaded (nothing is imported to find out)."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    counters = getattr(utils, "counters", None)
-    if counters is None:
-        return 0
-    try:
-        return int(counters["frames"]["total"])
-    except Exception:  # noqa: BLE001 -- another torch's counters: no compile is seen
-        return 0
-
-
 class TorchApiError(CgrawError, RuntimeError):
     """The installed torch lacks a private function cgraw relies on."""
 
@@ -244,6 +230,8 @@ NEEDED_ELSEWHERE = {
         "reporting a partitioned graph's output strides, which Inductor skips once a partition wrapper is installed",
     "torch._inductor.output_code.maybe_realign_inputs":
         "realigning a partitioned graph's misaligned inputs, which Inductor skips once a partition wrapper is installed",
+    "torch._dynamo.utils.counters":
+        "whether dynamo compiled during a recording, whose capture that breaks (dynamo_frames)",
 }
 # torch._inductor.config keys the backend sets (``inductor_config_keys``)
 INDUCTOR_CONFIG = {
@@ -268,6 +256,20 @@ def private(dotted: str):
             f"cgraw needs {dotted} ({NEEDED_ELSEWHERE[dotted]}), which torch {a.version} does not have "
             f"({exc}); cgraw supports torch {SUPPORTED}") from exc
     return obj
+
+
+def dynamo_frames() -> int:
+    """Frames torch.compile (dynamo) has set out to compile in this process so far
+    (``torch._dynamo.utils.counters["frames"]["total"]``, counted before each compile, failed ones
+    included); 0 while dynamo is not loaded (nothing is imported to find out: not ``private``)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    if counters is None:
+        return 0
+    try:
+        return int(counters["frames"]["total"])
+    except Exception:  # noqa: BLE001 -- another torch's counters: no compile is seen
+        return 0
 
 
 def partition_wrapper_slot():
