@@ -395,6 +395,28 @@ def unflatten(spec, it, objects=None):
     return rebuild(spec, it, objects)
 
 
+def builder(spec):
+    """``build(outs, objects)``, the same as ``unflatten(spec, iter(outs), objects)``, made once for
+    a recording's outputs: a flat tuple or list of arrays and argument objects (what Inductor's
+    partitions return) is built in one comprehension, without a call per leaf."""
+    if spec is SINGLE:
+        return _first
+    if type(spec) is tuple and spec[0] == "seq" and spec[1] in (tuple, list) and all(
+            c[0] in ("t", "in") for c in spec[2]):
+        typ, picks, n = spec[1], [], 0
+        for c in spec[2]:
+            picks.append((True, n) if c[0] == "t" else (False, c[1]))
+            n += c[0] == "t"
+        if n == len(picks):
+            return lambda outs, objects: typ(outs)
+        return lambda outs, objects: typ([outs[k] if leaf else objects[k] for leaf, k in picks])
+    return lambda outs, objects: rebuild(spec, iter(outs), objects)
+
+
+def _first(outs, objects):
+    return outs[0]
+
+
 def _children(spec) -> list:
     kind = spec[0]
     if kind in ("seq", "nt", "ss"):
@@ -415,6 +437,7 @@ class NoType:
     """Stands for torch.Tensor when torch is not loaded: no object has this exact type."""
 
 
-__all__ = ["CUPY", "EAGER", "LEAF", "SINGLE", "STATIC", "TORCH", "TREE", "Ops", "argument_objects", "flatten", "is_torch",
+__all__ = ["CUPY", "EAGER", "LEAF", "SINGLE", "STATIC", "TORCH", "TREE", "Ops", "argument_objects", "builder", "flatten",
+           "is_torch",
            "is_module", "key_deaths", "names_dead", "names_inputs", "ops_of", "out_spec", "rebuild", "register",
            "replace_leaves", "unflatten", "weaken_key"]

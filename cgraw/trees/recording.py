@@ -25,7 +25,7 @@ from cgraw import _cuda
 from cgraw.runtime import stream as _streams
 from cgraw.interop.torch import private_api
 from cgraw.errors import SkipCall
-from cgraw.trees.arrays import EAGER, SINGLE, TORCH, TREE, argument_objects, ops_of, unflatten
+from cgraw.trees.arrays import EAGER, TORCH, TREE, argument_objects, builder, ops_of
 from cgraw.trees.frameworks import retyped_view
 from cgraw.trees.nodes import ModeRewarm, Rewarm
 
@@ -224,7 +224,8 @@ class Recording:
         "out_leaves",  # the recording's output arrays, flattened
         "out_kinds",  # per output leaf: OWNED, EXTERNAL, an InputAlias or a ClosureView
         "out_alias",  # per output leaf: the bound alias maker of an OWNED one (t.detach, a.view), else None
-        "out_spec",  # arrays.out_spec of the output structure
+        "_out_spec",  # arrays.out_spec of the output structure (the property out_spec)
+        "out_build",  # arrays.builder(out_spec), set with it: the structure from the output leaves
         "out_args",  # whether it hands out the call's own argument objects (arrays.names_inputs)
         "out_same",  # [(i, first)]: output leaf i is output leaf first (a function returning (y, y))
         "owned_idx",  # indices of the OWNED outputs
@@ -261,7 +262,7 @@ class Recording:
         self.staged = []
         self.out_leaves, self.out_kinds, self.out_alias, self.out_same = [], [], [], ()
         self.owned_idx, self.out_ptrs, self.users, self.tree_views = [], [], [], ()
-        self.out_spec = self.alias0 = self.bucket = None
+        self._out_spec = self.out_build = self.alias0 = self.bucket = None
         self.out_args = False
         self.padded = frozenset()
         self.out_rows = []
@@ -291,6 +292,14 @@ class Recording:
                           "param.data = ...)")
         why = None if self.grad is None else self.grad.stale()
         return None if why is None else Rewarm(why)
+
+    @property
+    def out_spec(self):
+        return self._out_spec
+
+    @out_spec.setter
+    def out_spec(self, spec) -> None:
+        self._out_spec, self.out_build = spec, builder(spec)
 
     def replay(self, call, first: bool = False):
         """Launch for ``call`` (a ``calls.Call``): ``(outputs, the owned ones)``: the tree watches
@@ -340,7 +349,7 @@ class Recording:
         if self.tree_views:
             owned += [outs[i] for i in self.tree_views]
         objects = argument_objects(call.arg_specs, call.kwarg_specs) if self.out_args else None
-        return unflatten(self.out_spec, iter(outs), objects), owned
+        return self.out_build(outs, objects), owned
 
     def _replay_padded(self, call):
         """``replay`` of a padding-bucket recording: the padded inputs' copy nodes also get this
@@ -365,10 +374,8 @@ class Recording:
         owned = [outs[i] for i in self.owned_idx]
         if self.tree_views:
             owned += [outs[i] for i in self.tree_views]
-        if self.out_spec is SINGLE:
-            return outs[0], owned
         objects = argument_objects(call.arg_specs, call.kwarg_specs) if self.out_args else None
-        return unflatten(self.out_spec, iter(outs), objects), owned
+        return self.out_build(outs, objects), owned
 
     def _outputs(self, call) -> list:
         outs = []

@@ -730,3 +730,27 @@ def test_the_same_tensor_returned_twice_is_one_object():
     rec.out_same = repeated_leaves(rec.out_leaves)
     a, b = rec._outputs(None)
     assert a is b
+
+
+@pytest.mark.parametrize("make", [
+    lambda a, b, c, arg: a,  # one tensor
+    lambda a, b, c, arg: (a, b, c),  # a flat tuple: Inductor's partitions return one
+    lambda a, b, c, arg: [a, arg, b, arg, c],  # a flat list handing out an argument object twice
+    lambda a, b, c, arg: (a, (b, [c]), {"k": a}),  # nested
+    lambda a, b, c, arg: (a, 3, "label"),  # plain values
+], ids=["single", "flat", "flat_with_arguments", "nested", "values"])
+def test_an_output_builder_gives_what_unflatten_gives(make):
+    from cgraw.trees.arrays import argument_objects, builder, flatten, out_spec, unflatten
+
+    a, b, c, arg = torch.randn(2), torch.randn(3), torch.randn(4), torch.randn(5)
+    leaves, parts, kinds, ptrs, ops = [], [], [], [], []
+    specs = [flatten(arg, leaves, parts, kinds, ptrs, ops, None)]
+    objects = argument_objects(specs, {})
+    out_leaves: list = []
+    spec = out_spec(make(a, b, c, arg), out_leaves, objects)
+    fresh = [t.clone() for t in out_leaves]  # a replay's new output objects
+    want = unflatten(spec, iter(fresh), objects)
+    got = builder(spec)(fresh, objects)
+    assert type(got) is type(want) and repr(got) == repr(want)
+    if isinstance(want, (tuple, list)):
+        assert all(x is y for x, y in zip(got, want) if isinstance(x, torch.Tensor))
