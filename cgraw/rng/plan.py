@@ -200,23 +200,21 @@ class TorchWarm:
 
 
 class RkWarm:
-    """``TorchWarm`` for CuPy's generator of ``device`` (``states``: ``cupy.random._generator``):
-    each draw first moves ``_rk_seed`` on by the elements it draws, as a replay moves it by all of
-    them (``rk_sync``), and the first makes the record follow it. After the same ``cupy.random.seed``,
-    a warm-up draws the numbers a replay of its recording would draw."""
+    """``TorchWarm`` for CuPy's generator: ``state()`` gives the ``RandomState`` whose ``_rk_seed``
+    is the position (CuPy's own, not the warm-up's stand-in in CuPy's table). Each draw first moves
+    ``_rk_seed`` on by the elements it draws, as a replay moves it by all of them (``rk_sync``), and
+    the first makes the record follow it. After the same ``cupy.random.seed``, a warm-up draws the
+    numbers a replay of its recording would draw."""
 
-    __slots__ = ("device", "make_state", "pos", "source", "states", "stream")
+    __slots__ = ("pos", "source", "state", "stream")
     kind = CUPY
 
-    def __init__(self, states, device: int, source: Source, stream, make_state):
-        self.states, self.device, self.source, self.stream = states, device, source, stream
-        self.make_state, self.pos = make_state, -1
+    def __init__(self, state, source: Source, stream):
+        self.state, self.source, self.stream, self.pos = state, source, stream, -1
 
     def take(self, steps: int, n: int = 0) -> None:
         with STEP:
-            rs = self.states._random_states.get(self.device)
-            if rs is None:
-                rs = self.make_state(self.device)
+            rs = self.state()
             if self.pos < 0:
                 pos = rs._rk_seed
                 if pos != self.source.pos:

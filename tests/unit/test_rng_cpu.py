@@ -849,3 +849,35 @@ def test_a_warm_ups_cupy_state_draws_what_cgraw_covers_and_leaves_the_rest_to_cu
         capturing.vonmises(0.0, 1.0)
     with pytest.raises(CaptureError, match="array shape"):
         capturing.gamma(_FakeArray((5,), np.float64))
+
+
+def test_a_cupy_warm_up_moves_cupys_own_generator_not_its_stand_in(cupy_draws, monkeypatch):
+    """While a warm-up runs, CuPy's table holds the warm-up's stand-in state; the draws move the
+    position of CuPy's own ``RandomState`` (which replays read), as a replay would."""
+    import types
+
+    from cgraw.interop.cupy import rng as cupy_rng
+    from cgraw.rng import device as rng_device
+
+    class Own:  # CuPy's RandomState as the replays see it
+        _rk_seed = 100
+
+    own = Own()
+    table = types.SimpleNamespace(_random_states={0: own})
+    writes, sources = [], []
+
+    def source(device, kind, stream, thread):
+        sources.append(rng.Source(kind, device, 0x40, lambda s, base, pos: writes.append(pos)))
+        return sources[-1]
+
+    monkeypatch.setattr(cupy_rng, "_generator_module", lambda: table)
+    monkeypatch.setattr(rng_device, "source", source)
+    monkeypatch.setattr(rng_device, "advance", lambda stream, cu: None)
+    with cupy_rng.WarmDraws(0):
+        stand_in = table._random_states[0]
+        assert isinstance(stand_in, cupy_rng.WarmRandomState)
+        stand_in.rand(3, 4)  # what cupy.random.rand does: the table's state draws
+        stand_in.gamma(2.0, size=5)
+    assert table._random_states[0] is own and own._rk_seed == 100 + 12 + 5
+    assert writes == [100]  # the record followed CuPy's generator once, at the first draw
+    assert sources[0].pos == 117  # the mirror: where the record is once the advance has run

@@ -388,7 +388,7 @@ def cupy_warm_up(states, src, record: Record, sizes, eager_between: int = 0) -> 
     """A warm-up drawing CuPy's numbers with cgraw's kernels (``rng.RkWarm``, ``rng.WarmStream``): a
     draw per entry of ``sizes`` (its elements); ``eager_between``: elements CuPy's own kernels draw
     after the first."""
-    w = rng.RkWarm(states, 0, src, 9, _no_state)
+    w = rng.RkWarm(lambda: states._random_states[0], src, 9)
     s = rng.WarmStream(src.slot, 0, 1, w)
     out = []
     for i, n in enumerate(sizes):

@@ -363,6 +363,11 @@ class CupyRng:
         self._sub = (WarmRandomState if self.eager else CaptureRandomState)(self.stream, self._before, self.device)
         states[self.device] = self._sub
 
+    def original(self):
+        """CuPy's own ``RandomState`` of the device while the stand-in is in its table (made as
+        ``CaptureRandomState`` makes it when the table had none)."""
+        return self._sub._orig()
+
     def use(self) -> rng.RkUse:
         """What replays of the captured graph do with CuPy's generator of its device: read and
         advance its ``_rk_seed`` (``rng.plan.rk_sync``)."""
@@ -400,8 +405,12 @@ class WarmDraws:
         thread = threading.get_ident()
         self._cu = _cuda.stream_handle(cupy.cuda.get_current_stream().ptr)
         src = rng_device.source(device, rng.CUPY, self._cu, thread)
-        self._warm = rng.RkWarm(_generator_module(), device, src, self._cu, _make_state)
+        self._warm = rng.RkWarm(self._state, src, self._cu)
         self._router = CupyRng(rng.WarmStream(src.slot, device, thread, self._warm), device, src, eager=True)
+
+    def _state(self):
+        """CuPy's own ``RandomState`` of the device (its table holds the warm-up's stand-in now)."""
+        return self._router.original()
 
     def __enter__(self) -> "WarmDraws":
         self._router.enter()
