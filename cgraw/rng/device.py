@@ -138,6 +138,20 @@ def advance(stream: rng.RngStream, cu_stream) -> None:
               cu_stream)
 
 
+def end_warm_up(stream: rng.RngStream, cu_stream, warm) -> None:
+    """After a warm-up that drew on ``stream`` with cgraw's kernels (``warm``: ``rng.plan.TorchWarm``
+    or ``RkWarm``): the record moves as a replay's last node moves it, then the host's mirror
+    (``warm.end``). A launch that fails leaves the record unknown: the next replay writes it."""
+    if not stream.calls:
+        return
+    try:
+        advance(stream, cu_stream)
+    except BaseException:
+        warm.source.forget()
+        raise
+    warm.end(stream.increment)
+
+
 def step_key(stream: rng.RngStream, cu_stream) -> None:
     """A ``cgraw.while_loop`` body's last node when the body draws: the record's key moves on
     (``rng.plan.loop_key``), so the next iteration's draws are fresh."""

@@ -257,7 +257,7 @@ def run(backend, fn, call, args, kwargs) -> Warm:
 def _warm_draws(backend, fn):
     """The warm-up's random numbers drawn as its replays will draw them: torch's
     (``interop.torch.rng.WarmDraws``) once torch's CUDA is in use, CuPy's
-    (``interop.cupy.rng.WarmDraws``) once CuPy is imported."""
+    (``interop.cupy.rng.WarmDraws``) once ``cupy.random`` is in use."""
     dev = getattr(backend, "device", None)
     if dev is None:
         return _NULL
@@ -265,8 +265,11 @@ def _warm_draws(backend, fn):
     draws = []
     if torch is not None and torch.cuda.is_initialized():
         draws.append(_torch_rng.WarmDraws(dev.ordinal, _observe.is_compiled(fn.fn)))
-    if _icupy.cupy_module() is not None:
-        draws.append(_cupy_rng.WarmDraws(dev.ordinal))
+    if _icupy.cupy_module() is not None and _cupy_rng.drawing():
+        try:
+            draws.append(_cupy_rng.WarmDraws(dev.ordinal))
+        except Exception as exc:  # noqa: BLE001 -- CuPy's draws are then its own: a warm-up never fails for it
+            log.debug("cgraw: CuPy's random numbers are not routed in this warm-up: %r", exc)
     if len(draws) < 2:
         return draws[0] if draws else _NULL
     return _entered(draws)

@@ -405,12 +405,9 @@ class WarmDraws:
         thread = threading.get_ident()
         self._cu = _cuda.stream_handle(cupy.cuda.get_current_stream().ptr)
         src = rng_device.source(device, rng.CUPY, self._cu, thread)
-        self._warm = rng.RkWarm(self._state, src, self._cu)
+        # CuPy's own RandomState moves, not the stand-in its table holds while the warm-up runs
+        self._warm = rng.RkWarm(lambda: self._router.original(), src, self._cu)
         self._router = CupyRng(rng.WarmStream(src.slot, device, thread, self._warm), device, src, eager=True)
-
-    def _state(self):
-        """CuPy's own ``RandomState`` of the device (its table holds the warm-up's stand-in now)."""
-        return self._router.original()
 
     def __enter__(self) -> "WarmDraws":
         self._router.enter()
@@ -418,15 +415,13 @@ class WarmDraws:
 
     def __exit__(self, *exc) -> bool:
         self._router.exit()
-        stream = self._router.stream
-        if stream.calls:
-            try:
-                rng_device.advance(stream, self._cu)
-            except BaseException:
-                self._router.source.forget()  # the record's position is unknown: the next replay writes it
-                raise
-            self._warm.end(stream.increment)
+        rng_device.end_warm_up(self._router.stream, self._cu, self._warm)
         return False
+
+
+def drawing() -> bool:
+    """Whether ``cupy.random`` is in use in this process (its generator module is loaded)."""
+    return "cupy.random._generator" in sys.modules
 
 
 def _generator_module():

@@ -416,14 +416,7 @@ class WarmDraws:
 
     def __exit__(self, *exc) -> bool:
         self._router.exit()
-        stream = self._router.stream
-        if stream.calls:
-            try:
-                rng_device.advance(stream, self._cu)
-            except BaseException:
-                self._router.source.forget()  # the record's position is unknown: the next replay writes it
-                raise
-            self._warm.end(stream.increment)
+        rng_device.end_warm_up(self._router.stream, self._cu, self._warm)
         return False
 
 
