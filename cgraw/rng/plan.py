@@ -178,11 +178,10 @@ class TorchWarm:
     leaves the generator where that replay would."""
 
     __slots__ = ("gen", "pos", "source", "stream")
+    kind = TORCH
 
     def __init__(self, gen, source: Source, stream):
         self.gen, self.source, self.stream, self.pos = gen, source, stream, -1
-
-    kind = TORCH
 
     def take(self, steps: int, n: int = 0) -> None:
         with STEP:
