@@ -228,10 +228,7 @@ def _key_tail(fn, call: Call, leaves, kinds, ptrs) -> None:
     disabled, which leaves require grad (a function may branch on it), but not for a function
     whose inputs are guarded (compiled code, which never reads it)."""
     if len(leaves) > 1 and getattr(fn, "writes_inputs", False):
-        memo = getattr(fn, "shared_memo", None)
-        if memo is None:
-            memo = fn.shared_memo = {}
-        pairs = shared_memory(leaves, kinds, ptrs, call.ops, memo, call.key)
+        pairs = _shared(fn, leaves, kinds, ptrs, call.ops, call.key)
         if pairs:
             call.key = call.key + ((SHARED, pairs),)
     p = _grad_mode[0]
@@ -245,6 +242,14 @@ def _key_tail(fn, call: Call, leaves, kinds, ptrs) -> None:
     ks = _kernel[0]
     if ks is not None:
         call.key = call.key + (_settings_id(ks, getattr(fn, "kernel_getters", None) or _kernel[1]),)
+
+
+def _shared(fn, leaves, kinds, ptrs, ops, key) -> tuple:
+    """``shared_memory`` of a call of ``fn`` with ``key`` so far, through ``fn``'s memo."""
+    memo = getattr(fn, "shared_memo", None)
+    if memo is None:
+        memo = fn.shared_memo = {}
+    return shared_memory(leaves, kinds, ptrs, ops, memo, key)
 
 
 def _settings_id(ks, getters) -> int:
@@ -345,7 +350,7 @@ def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
     except RuntimeError as exc:  # sparse, meta, ...: no storage to copy or read in place
         raise SkipCall(f"a tensor input has no data pointer ({exc})") from None
     if n > 1 and getattr(fn, "writes_inputs", False):
-        pairs = shared_memory(args, kinds, ptrs, shared[0])
+        pairs = _shared(fn, args, kinds, ptrs, shared[0], tuple(parts))
         if pairs:
             parts.append((SHARED, pairs))
     probe = _grad_mode[0]
