@@ -138,18 +138,30 @@ def advance(stream: rng.RngStream, cu_stream) -> None:
               cu_stream)
 
 
-def end_warm_up(stream: rng.RngStream, cu_stream, warm) -> None:
-    """After a warm-up that drew on ``stream`` with cgraw's kernels (``warm``: ``rng.plan.TorchWarm``
-    or ``RkWarm``): the record moves as a replay's last node moves it, then the host's mirror
-    (``warm.end``). A launch that fails leaves the record unknown: the next replay writes it."""
-    if not stream.calls:
-        return
-    try:
-        advance(stream, cu_stream)
-    except BaseException:
-        warm.source.forget()
-        raise
-    warm.end(stream.increment)
+class WarmUp:
+    """What a graphed function's warm-up enters to draw with cgraw's kernels: a framework's router
+    over a ``rng.plan.WarmStream`` (``_router``), the warm-up's side of the generator (``_warm``:
+    ``rng.plan.TorchWarm`` or ``RkWarm``) and the stream it draws on (``_cu``). On exit the record
+    moves as a replay's last node moves it, then the host's mirror (``warm.end``); a launch that
+    fails leaves the record unknown, and the next replay writes it."""
+
+    __slots__ = ("_cu", "_router", "_warm")
+
+    def __enter__(self):
+        self._router.enter()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._router.exit()
+        stream = self._router.stream
+        if stream.calls:
+            try:
+                advance(stream, self._cu)
+            except BaseException:
+                self._warm.source.forget()
+                raise
+            self._warm.end(stream.increment)
+        return False
 
 
 def step_key(stream: rng.RngStream, cu_stream) -> None:

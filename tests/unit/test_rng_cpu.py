@@ -357,13 +357,11 @@ class _FakeArray:
         self.data = types.SimpleNamespace(ptr=0xA000)
 
 
-@pytest.fixture
-def fake_cupy(monkeypatch):
-    """A ``cupy`` module with ``empty`` and a current stream, and ``rng.device.sample`` recorded."""
+def _install_fake_cupy(monkeypatch) -> None:
+    """A ``cupy`` module with ``empty`` and a current stream, in ``sys.modules``."""
     import sys
     import types
 
-    from cgraw.rng import device as rng_device
     from cgraw.interop.cupy import rng as cupy_rng
 
     fake = types.ModuleType("cupy")
@@ -371,6 +369,15 @@ def fake_cupy(monkeypatch):
     fake.cuda = types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=0))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(cupy_rng._cuda, "stream_handle", lambda ptr: None)
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """A fake ``cupy`` module, and ``rng.device.sample`` recorded."""
+    from cgraw.rng import device as rng_device
+    from cgraw.interop.cupy import rng as cupy_rng
+
+    _install_fake_cupy(monkeypatch)
     calls = []
 
     def sample(stream, dist, dtype, out, n, cu_stream, a, b=0.0, *, wide=False):
@@ -808,19 +815,11 @@ class _CupysOwn:
 
 @pytest.fixture
 def cupy_draws(monkeypatch):
-    """A ``cupy`` module with ``empty`` and a current stream; ``rng.device``'s fills and samples
-    recorded as ``(dist, dtype code, n, offset)``."""
-    import sys
-    import types
-
-    from cgraw.interop.cupy import rng as cupy_rng
+    """A fake ``cupy`` module; ``rng.device``'s fills and samples recorded as ``(dist, dtype
+    code, n, offset)``."""
     from cgraw.rng import device as rng_device
 
-    fake = types.ModuleType("cupy")
-    fake.empty = lambda shape, dtype: _FakeArray(shape, dtype)
-    fake.cuda = types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=0))
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(cupy_rng._cuda, "stream_handle", lambda ptr: None)
+    _install_fake_cupy(monkeypatch)
     drawn = []
     monkeypatch.setattr(rng_device, "fill", lambda s, dist, code, out, n, cu, **kw: drawn.append(
         (dist, code, n, s.take(1, n))))

@@ -392,13 +392,13 @@ def router(stream: rng.RngStream, source: rng.Source) -> CupyRng:
     return CupyRng(stream, stream.device, source)
 
 
-class WarmDraws:
+class WarmDraws(rng_device.WarmUp):
     """A graphed function's warm-up draws CuPy's random numbers on ``device`` with cgraw's kernels,
     at the offsets its recording will take, and moves CuPy's generator as a replay does
     (``rng.plan.RkWarm``): after the same ``cupy.random.seed``, the warm-up's numbers are those a
     replay of the recording draws. What cgraw does not cover is CuPy's own (``WarmRandomState``)."""
 
-    __slots__ = ("_cu", "_router", "_warm")
+    __slots__ = ()
 
     def __init__(self, device: int):
         cupy = sys.modules["cupy"]
@@ -409,14 +409,6 @@ class WarmDraws:
         self._warm = rng.RkWarm(lambda: self._router.original(), src, self._cu)
         self._router = CupyRng(rng.WarmStream(src.slot, device, thread, self._warm), device, src, eager=True)
 
-    def __enter__(self) -> "WarmDraws":
-        self._router.enter()
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        self._router.exit()
-        rng_device.end_warm_up(self._router.stream, self._cu, self._warm)
-        return False
 
 
 def drawing() -> bool:

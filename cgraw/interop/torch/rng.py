@@ -390,7 +390,7 @@ def _make_mode_class():
     return RngMode
 
 
-class WarmDraws:
+class WarmDraws(rng_device.WarmUp):
     """A graphed function's warm-up draws torch's random numbers on ``device`` with cgraw's kernels,
     at the offsets its recording will take, and moves torch's generator as a replay does
     (``rng.plan.TorchWarm``): after the same seed, the warm-up's numbers are those a replay of the
@@ -399,7 +399,7 @@ class WarmDraws:
     torch's own, as eagerly. ``compiled``: leave ``F.scaled_dot_product_attention`` unpatched (as
     the recording of torch.compile'd code does)."""
 
-    __slots__ = ("_cu", "_router", "_warm")
+    __slots__ = ()
 
     def __init__(self, device: int, compiled: bool = False):
         torch = sys.modules["torch"]
@@ -410,14 +410,6 @@ class WarmDraws:
         self._router = TorchRng(rng.WarmStream(src.slot, device, thread, self._warm), src, eager=True)
         self._router.patch_sdpa = not compiled
 
-    def __enter__(self) -> "WarmDraws":
-        self._router.enter()
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        self._router.exit()
-        rng_device.end_warm_up(self._router.stream, self._cu, self._warm)
-        return False
 
 
 def router(stream: rng.RngStream, source: rng.Source) -> TorchRng:
