@@ -27,6 +27,7 @@ import math
 from cgraw.control import hops, nodes, plan
 from cgraw.control.nodes import describe
 from cgraw.errors import ControlFlowError
+from cgraw.rng import device as rng_device
 from cgraw.runtime import capture as _capture
 from cgraw.trees.frameworks import ops_of
 
@@ -73,12 +74,21 @@ def while_loop(cond_fn, body_fn, carried):
     leaves = [_copy(x) for x in leaves]
     expected = (spec, [describe(x) for x in leaves], paths)
     values = plan.unflatten(spec, leaves)
-    while truth(cond_fn(*values), "cond_fn"):
-        out = body_fn(*values)
-        got = plan.flatten(out, "body_fn's result")
-        plan.check_same("body_fn's result", expected, (got[0], [describe(x) for x in got[1]], got[2]),
-                        "the carried values")
-        values = plan.unflatten(got[0], got[1])
+    pred = cond_fn(*values)
+    draws = rng_device.loop_draws()  # inside a graphed function's warm-up: draw as the device loop draws
+    try:
+        while truth(pred, "cond_fn"):
+            out = body_fn(*values)
+            got = plan.flatten(out, "body_fn's result")
+            plan.check_same("body_fn's result", expected, (got[0], [describe(x) for x in got[1]], got[2]),
+                            "the carried values")
+            values = plan.unflatten(got[0], got[1])
+            pred = cond_fn(*values)
+            for d in draws:
+                d.iteration_done()
+    finally:
+        for d in draws:
+            d.done()
     return values
 
 

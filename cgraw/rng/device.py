@@ -149,9 +149,11 @@ class WarmUp:
 
     def __enter__(self):
         self._router.enter()
+        _warming.__dict__.setdefault("active", []).append(self)
         return self
 
     def __exit__(self, *exc) -> bool:
+        _warming.active.remove(self)
         self._router.exit()
         stream = self._router.stream
         if stream.calls:
@@ -162,6 +164,16 @@ class WarmUp:
                 raise
             self._warm.end(stream.increment)
         return False
+
+
+_warming = threading.local()  # .active: the WarmUps entered on this thread
+
+
+def loop_draws() -> list:
+    """A ``rng.plan.LoopDraws`` per warm-up drawing on this thread (none outside warm-ups): what
+    ``cgraw.while_loop``'s host path keeps, so that its draws are those of the device's loop."""
+    return [rng.LoopDraws(w._router.stream, lambda s, cu=w._cu: step_key(s, cu))
+            for w in getattr(_warming, "active", ())]
 
 
 def step_key(stream: rng.RngStream, cu_stream) -> None:

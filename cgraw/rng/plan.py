@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
-
 BLOCK = 256
 _MASK64 = (1 << 64) - 1
 UINT64_MAX = _MASK64  # CuPy advances RandomState._rk_seed modulo this (RandomState._update_seed)
@@ -337,17 +335,52 @@ class RngStream:
 
 class WarmStream(RngStream):
     """The ``RngStream`` of a warm-up: each draw moves its framework's generator first
-    (``TorchWarm.take``, ``RkWarm.take``)."""
+    (``TorchWarm.take``, ``RkWarm.take``). Below ``until`` (a ``cgraw.while_loop`` body's later
+    iterations on the host path, ``LoopDraws``) a draw takes the offset the first iteration took,
+    without moving the generator again."""
 
-    __slots__ = ("warm",)
+    __slots__ = ("until", "warm")
 
     def __init__(self, slot: int, device: int, thread: int, warm):
         super().__init__(slot, device, thread, warm.kind)
         self.warm = warm
+        self.until = -1
 
     def take(self, steps: int = 1, n: int = 0) -> int:
+        off = self.calls
+        if off + steps <= self.until:
+            self.calls = off + steps
+            return off
         self.warm.take(steps, n)
         return RngStream.take(self, steps, n)
+
+
+class LoopDraws:
+    """A ``cgraw.while_loop`` run on the host inside a warm-up that draws with cgraw's kernels
+    (``stream``, a ``WarmStream``), drawing what the loop's WHILE node draws on the device: every
+    iteration takes the offsets the first one took (the generator moves once), and after each
+    iteration that drew the key moves on (``step(stream)``: the body's last node, ``loop_key``).
+    So a warm-up's loop draws the numbers a replay of its recording draws. Made after the
+    condition's first evaluation (which draws in the enclosing graph on the device)."""
+
+    __slots__ = ("before", "end", "mark", "step", "stream")
+
+    def __init__(self, stream: WarmStream, step):
+        self.stream, self.step = stream, step
+        self.mark = self.end = stream.calls
+        self.before = stream.until  # an enclosing loop's: put back when this one ends
+
+    def iteration_done(self) -> None:
+        """After ``body_fn`` and the condition that follows it."""
+        s = self.stream
+        if s.calls != self.mark:
+            self.step(s)
+        self.end = max(self.end, s.calls)
+        s.until, s.calls = self.end, self.mark
+
+    def done(self) -> None:
+        s = self.stream
+        s.calls, s.until = self.end, self.before
 
 
 def grid(n: int, per_group: int, sm_count: int) -> int:
@@ -355,44 +388,6 @@ def grid(n: int, per_group: int, sm_count: int) -> int:
     numbers do not depend on it)."""
     groups = -(-n // per_group)
     return max(1, min(-(-groups // BLOCK), sm_count * 8))
-
-
-# ----------------------------------------------------------------------------- reference (numpy)
-
-_M0, _M1, _W0, _W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
-
-
-def philox4x32_10(ctr, key) -> np.ndarray:
-    """Philox4x32-10 on arrays: ``ctr`` is (..., 4) uint32, ``key`` (2,) ints; returns (..., 4)
-    uint32. The reference the kernels are tested against (bitwise, on the GPU)."""
-    c = np.array(ctr, dtype=np.uint64) & 0xFFFFFFFF
-    c0, c1, c2, c3 = (c[..., i].copy() for i in range(4))
-    k0, k1 = int(key[0]) & 0xFFFFFFFF, int(key[1]) & 0xFFFFFFFF
-    m32 = np.uint64(0xFFFFFFFF)
-    for i in range(10):
-        if i:
-            k0 = (k0 + _W0) & 0xFFFFFFFF
-            k1 = (k1 + _W1) & 0xFFFFFFFF
-        p0 = c0 * np.uint64(_M0)
-        p1 = c2 * np.uint64(_M1)
-        hi0, lo0 = p0 >> np.uint64(32), p0 & m32
-        hi1, lo1 = p1 >> np.uint64(32), p1 & m32
-        c0, c1, c2, c3 = hi1 ^ c1 ^ np.uint64(k0), lo1, hi0 ^ c3 ^ np.uint64(k1), lo0
-    return np.stack([c0, c1, c2, c3], axis=-1).astype(np.uint32)
-
-
-def reference_words(key: int, offset: int, groups: int) -> np.ndarray:
-    """The (groups, 4) words the kernels draw for groups ``0..groups-1`` at ``offset``."""
-    g = np.arange(groups, dtype=np.uint64)
-    ctr = np.stack([g & np.uint64(0xFFFFFFFF), g >> np.uint64(32),
-                    np.full_like(g, offset & 0xFFFFFFFF), np.full_like(g, offset >> 32)], axis=-1)
-    return philox4x32_10(ctr, (key & 0xFFFFFFFF, key >> 32))
-
-
-def reference_uniform_f32(key: int, offset: int, n: int) -> np.ndarray:
-    """``torch.rand(n)`` (float32, [0, 1)) as the kernel draws it at ``offset``."""
-    w = reference_words(key, offset, -(-n // 4)).reshape(-1)[:n]
-    return ((w >> 8).astype(np.float32) * np.float32(2.0 ** -24)).astype(np.float32)
 
 
 # ----------------------------------------------------------------------------- argument rules

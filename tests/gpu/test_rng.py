@@ -1,7 +1,7 @@
 """GPU tier for graph-safe random numbers: torch and CuPy random ops captured by
 ``cgraw.capture()`` or ``@cgraw.graphed`` draw fresh numbers on every replay.
 
-Checked against exact references: torch.rand bitwise against ``cgraw.rng.plan``'s NumPy Philox at the
+Checked against exact references: torch.rand bitwise against ``cgraw.rng.reference``'s NumPy Philox at the
 key torch's generator state gives; every distribution against its exact law (Kolmogorov-Smirnov,
 discretised for 16-bit dtypes; chi-square; z-tests of frequencies, means and variances;
 tests/helpers/rng_stats.py, which the CPU tier shows can fail); seeding and the frameworks' own
@@ -23,6 +23,7 @@ from gpu_data import trand
 
 import cgraw
 import cgraw.rng.plan
+import cgraw.rng.reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_trees")]
 torch = pytest.importorskip("torch")
@@ -121,7 +122,7 @@ def test_rand_bitwise_against_reference_and_offsets():
         key = cgraw.rng.plan.replay_key(cgraw.rng.plan.torch_base(77), offset)
         got_y, got_z = _host(y), _host(z)
         for k, got in enumerate((got_y, got_z)):
-            ref = cgraw.rng.plan.reference_uniform_f32(key, k, n)
+            ref = cgraw.rng.reference.reference_uniform_f32(key, k, n)
             mism = np.flatnonzero(got.view(np.uint32) != ref.view(np.uint32))
             assert mism.size == 0, (f"replay {r}, draw {k}: {mism.size} of {n} differ from the reference, first "
                                     f"at {mism[:5].tolist()}: {got[mism[:5]]} vs {ref[mism[:5]]}")
@@ -129,7 +130,7 @@ def test_rand_bitwise_against_reference_and_offsets():
         if prev is not None:
             assert not np.array_equal(prev, got_y), f"replay {r} repeated replay {r - 1}"
         prev = got_y
-    words = cgraw.rng.plan.reference_words(key, 0, 4)
+    words = cgraw.rng.reference.reference_words(key, 0, 4)
     assert words.shape == (4, 4) and words.dtype == np.uint32
 
 

@@ -21,7 +21,7 @@ import pytest
 from gpu_data import trand
 
 import cgraw
-from cgraw.rng import plan as rng, device as rng_device
+from cgraw.rng import plan as rng, device as rng_device, reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_trees")]
 torch = pytest.importorskip("torch")
@@ -64,7 +64,7 @@ def _source(kind: str = rng.TORCH, device: int = 0) -> rng.Source:
 def _reference(seed: int, offset: int, call: int, n: int) -> np.ndarray:
     """What ``torch.rand(n)`` drawn at offset ``call`` within a graph gives when the replay starts
     at torch's state ``(seed, offset)``."""
-    return rng.reference_uniform_f32(rng.replay_key(rng.torch_base(seed), offset), call, n)
+    return reference.reference_uniform_f32(rng.replay_key(rng.torch_base(seed), offset), call, n)
 
 
 def _assert_bitwise(got: torch.Tensor, want: np.ndarray, what: str):
@@ -144,6 +144,35 @@ def test_torch_manual_seed_reproduces_a_graphed_functions_first_calls_warm_up_in
     assert _none_same(first[1:], again[1][1:])  # every call draws fresh numbers
     assert all(_none_same(a[1:], b[1:]) for a, b in zip(again, run(10), strict=True))
     _assert_replayed(f, 6)
+
+
+def test_a_graphed_loop_that_draws_repeats_its_numbers_after_the_same_seed_warm_up_included():
+    """A ``cgraw.while_loop`` whose body draws: its warm-up runs the loop on the host, drawing at
+    the offsets and keys the recording's WHILE node draws at, so a program seeded once and run
+    twice from the start draws the same tables call by call, the warm-up's too."""
+
+    def table(h):
+        i0 = torch.zeros((), dtype=torch.int64, device=h.device)
+
+        def row(h, i):
+            return torch.cat([h[1:], torch.rand(1, h.shape[1], device=h.device)]), i + 1
+
+        return cgraw.while_loop(lambda h, i: i < 6, row, (h, i0))[0]
+
+    f = cgraw.graphed(table)
+    h0 = trand(6, 512) - 2  # every row is replaced by the loop
+
+    def run(seed):
+        torch.manual_seed(seed)
+        return [f(h0).clone() for _ in range(4)]  # the first run: warm-up, recording, replays
+
+    first = run(3)
+    again = run(3)  # replays only, now
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    for t in first:
+        assert len({tuple(r) for r in t.tolist()}) == 6 and bool(((t >= 0) & (t < 1)).all())
+    assert not torch.equal(first[0], first[1])
+    _assert_replayed(f, 5)
 
 
 def test_graphed_calls_draw_at_the_generators_state_and_advance_it():

@@ -625,3 +625,37 @@ def test_preload_never_raises(monkeypatch):
     monkeypatch.setattr(nodes, "set_condition_kernel", fail)
     monkeypatch.setattr(nodes, "ops_of", lambda x: types.SimpleNamespace(device=lambda x: 0))
     nodes.preload([object()])
+
+
+def test_the_host_path_in_a_warm_up_draws_as_the_device_loop_draws(monkeypatch):
+    """Inside a graphed function's warm-up (draws routed to cgraw's kernels on a ``WarmStream``)
+    the host loop's iterations take the offsets the first took, the generator moves for them
+    once, and the key moves on after each iteration that drew, as the WHILE node does."""
+    from cgraw.rng import device as rng_device, plan as rng_plan
+
+    class Warm:  # the warm-up's side of the generator: counts what moved it
+        kind = rng_plan.TORCH
+        moved = 0
+
+        def take(self, steps, n=0):
+            Warm.moved += steps
+
+    stream = rng_plan.WarmStream(0x40, -1, 0, Warm())
+    steps = []
+    monkeypatch.setattr(rng_device, "loop_draws", lambda: [rng_plan.LoopDraws(stream, steps.append)])
+    offsets = []
+
+    def body(x):
+        offsets.append(stream.take())  # a draw inside the body
+        return (x + 1,)
+
+    def cond(x):
+        offsets.append(stream.take())  # and one in the condition
+        return x.sum() < 6
+
+    x0 = torch.rand(2) * 0.5
+    x, = cgraw.while_loop(cond, body, (x0,))
+    torch.testing.assert_close(x, x0 + 3)  # three iterations
+    # the first condition draws at 0 (the enclosing graph's); each iteration's body and condition at 1, 2
+    assert offsets == [0, 1, 2, 1, 2, 1, 2]
+    assert steps == [stream] * 3 and stream.calls == 3 and Warm.moved == 3 and stream.until == -1

@@ -90,7 +90,7 @@ LAYER = {
     "allocator": 0,
     "cgraw.errors": 1, "cgraw._cuda.defer": 1, "cgraw._cuda": 1, "cgraw._cuda.compat": 1, "cgraw._cuda.graphs": 1,
     "cgraw.dlpack.structs": 1, "cgraw.dlpack.capsules": 1, "cgraw._cuda.kernels": 1,
-    "cgraw.interop.torch.private_api": 1, "cgraw.rng.plan": 1, "cgraw.rng.kernels": 1,
+    "cgraw.interop.torch.private_api": 1, "cgraw.rng.plan": 1, "cgraw.rng.kernels": 1, "cgraw.rng.reference": 1,
     "cgraw.rebind.scan": 1, "cgraw._cuda.conditional": 1, "cgraw.control.plan": 1, "cgraw.control.kernels": 1,
     "cgraw.runtime.device": 2, "cgraw.runtime.stream": 3, "cgraw.rng.device": 3,
     "cgraw.runtime.memory": 4, "cgraw.rebind.ranges": 4, "cgraw.dlpack.tensor": 5,

@@ -577,3 +577,81 @@ def test_replays_of_several_threads_never_start_from_one_generator_state():
     assert not errors
     assert len(starts) == 120 and len(set(starts)) == 120  # 120 replays, 120 keys
     assert gen.offset == 120 * 4
+
+
+# ----------------------------------------------------------------------------- a loop in a warm-up
+
+
+def test_a_warm_ups_loop_draws_what_the_device_loop_of_its_recording_draws():
+    """A graphed function drawing once, then in a three-iteration ``while_loop`` body twice, then
+    once more. On the device the body's two draws keep their offsets and the key moves on after
+    each iteration (``loop_key``); the warm-up runs the loop on the host (``LoopDraws``) and must
+    draw the same (key, offset) pairs and move the generator as one replay does."""
+    gen = TorchGen()
+    record = Record(rng.TORCH)
+    src = rng.Source(rng.TORCH, 0, 0x1000, record.write)
+
+    def device_replay():  # the recording: offsets 0 | 1, 2 in the body | 3 after it
+        rng.TorchUse(gen, src, 4).sync(7)
+        key = record.key
+        drawn = [(key, 0)]
+        for _ in range(3):
+            drawn += [(key, 1), (key, 2)]
+            key = rng.loop_key(key)
+        drawn.append((key, 3))
+        record.advance(16)
+        return drawn
+
+    def warm_up_run():
+        w = rng.TorchWarm(gen, src, 9)
+        s = rng.WarmStream(src.slot, 0, 1, w)
+        drawn = []
+
+        def draw():  # a kernel reads the key the record holds when it runs, after its take
+            off = s.take()
+            drawn.append((record.key, off))
+
+        def step(stream):
+            record.key = rng.loop_key(record.key)
+
+        draw()
+        loop = rng.LoopDraws(s, step)  # after the condition's first evaluation (it draws nothing)
+        for _ in range(3):
+            draw()
+            draw()
+            loop.iteration_done()
+        loop.done()
+        draw()
+        record.advance(s.increment)
+        w.end(s.increment)
+        return drawn
+
+    gen.manual_seed(5)
+    warm = warm_up_run()
+    assert gen.offset == 16 and in_sync(src, record, gen)  # as one replay moves it
+    gen.manual_seed(5)
+    assert device_replay() == warm
+    assert len(set(warm)) == len(warm)  # every (key, offset) once
+
+
+def test_nested_loops_in_a_warm_up_repeat_each_bodys_offsets():
+    gen = TorchGen()
+    record = Record(rng.TORCH)
+    src = rng.Source(rng.TORCH, 0, 0x1000, record.write)
+    w = rng.TorchWarm(gen, src, 9)
+    s = rng.WarmStream(src.slot, 0, 1, w)
+    steps = []
+    outer = rng.LoopDraws(s, lambda stream: steps.append("outer"))
+    offsets = []
+    for _ in range(2):
+        offsets.append(s.take())  # the outer body draws at 0
+        inner = rng.LoopDraws(s, lambda stream: steps.append("inner"))
+        for _ in range(3):
+            offsets.append(s.take())  # the inner body at 1
+            inner.iteration_done()
+        inner.done()
+        outer.iteration_done()
+    outer.done()
+    assert offsets == [0, 1, 1, 1, 0, 1, 1, 1]
+    assert steps == ["inner"] * 3 + ["outer"] + ["inner"] * 3 + ["outer"]
+    assert s.calls == 2 and gen.offset == 8 and s.until == -1  # the generator moved for 2 offsets, once

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import cgraw
-from cgraw.rng import plan as rng
+from cgraw.rng import plan as rng, reference
 
 R = {}
 def case(name):
@@ -58,8 +58,8 @@ def _():
         seed, offset = gen.initial_seed(), gen.get_offset()  # the replay's key comes from these
         g.replay(); torch.cuda.synchronize()
         key = rng.replay_key(rng.torch_base(seed), offset)
-        ra = rng.reference_uniform_f32(key, 0, n)
-        rb = rng.reference_uniform_f32(key, 1, 7)
+        ra = reference.reference_uniform_f32(key, 0, n)
+        rb = reference.reference_uniform_f32(key, 1, 7)
         assert np.array_equal(a.cpu().numpy(), ra), (a[:5], ra[:5])
         assert np.array_equal(b.cpu().numpy(), rb)
         assert gen.get_offset() == offset + 4 * g.rng.draws
