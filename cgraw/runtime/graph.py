@@ -323,7 +323,9 @@ def _boxes(nodes, width: int, indent: str, lines: list) -> None:
     """One box per node into ``lines``, ``indent`` before each; a conditional node's bodies after it."""
     inner = width - 4
     for n in nodes:
-        kind = n.condition.upper() + ("/ELSE" if n.condition == "if" and len(n.bodies) == 2 else "") if n.condition else ""
+        kind = (n.condition or "").upper()
+        if kind == "IF" and len(n.bodies) == 2:
+            kind = "IF/ELSE"
         box = [f"NODE {n.index}: {n.type}" + (f" ({kind})" if kind else "")]
         if n.kernel is not None:
             first = inner - 8

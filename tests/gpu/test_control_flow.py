@@ -29,12 +29,19 @@ def _halving():
     return cond_fn, body_fn
 
 
-def test_torch_while_until_device_norm(pool):
+def _halving_captured(pool, size: int):
+    """``(graph, x0, n0, x, n)``: the halving loop captured on ``x0`` (``size`` values) and ``n0``."""
     cond_fn, body_fn = _halving()
-    x0 = trand(4096) * 100
+    x0 = trand(size) * 100
     n0 = torch.zeros((), dtype=torch.int64, device="cuda")
     with cgraw.capture(pool=pool) as g:
         x, n = cgraw.while_loop(cond_fn, body_fn, (x0, n0))
+    return g, x0, n0, x, n
+
+
+def test_torch_while_until_device_norm(pool):
+    cond_fn, body_fn = _halving()
+    g, x0, n0, x, n = _halving_captured(pool, 4096)
     text = str(g)  # the loop's node, then its body's nodes (the set-condition kernel among them)
     assert "CONDITIONAL (WHILE)" in text and "body 0 of NODE" in text, text
     (loop,) = [n for n in g.nodes() if n.type == "CONDITIONAL"]
@@ -157,10 +164,7 @@ def test_body_allocations_come_from_the_pool(pool):
 
 def test_a_loop_whose_condition_fails_at_once_returns_the_carried_values(pool):
     cond_fn, body_fn = _halving()
-    x0 = trand(1024) * 100
-    n0 = torch.zeros((), dtype=torch.int64, device="cuda")
-    with cgraw.capture(pool=pool) as g:
-        x, n = cgraw.while_loop(cond_fn, body_fn, (x0, n0))
+    g, x0, n0, x, n = _halving_captured(pool, 1024)
     for start in (2.0, 50.0, 2.0):  # at 2 everywhere the condition fails before the first iteration
         x0.copy_(torch.full_like(x0, start) if start == 2.0 else trand(1024) * start)
         g.replay()
