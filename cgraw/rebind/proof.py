@@ -51,8 +51,7 @@ from cgraw.rng.plan import STEP
 log = logging.getLogger("cgraw")
 
 SNAPSHOT_LIMIT = 1 << 30  # bytes of device ranges one proof may save (three copies are made)
-PATCH_NODES = 4  # an input read by more nodes than this is copied, unless it is at least BIG_INPUT
-BIG_INPUT = 1 << 20
+BIG_INPUT = 1 << 20  # an input this large is read in place however many nodes read it (its copy costs device time)
 OFF = "cgraw.config.rebind_inputs is False"
 PADDED = "a padded input (padding bucket): its copy node also sets the rows of this call"
 DIFFER = ("a replay reading it in place did not equal the replay with its copy (a read cgraw's "
@@ -164,13 +163,14 @@ def plan(rec, g, call, placeholders: dict, config) -> None:
     if not cands:
         return
     pl = Plan(words, refs).restricted(cands)
+    n_copies: dict = {}
+    for c in rec.copies:
+        n_copies[c.leaf] = n_copies.get(c.leaf, 0) + 1
     for leaf in cands:
-        n_nodes = len(pl.nodes_of(leaf)) + sum(1 for r in pl.refs if r.leaf == leaf)
-        nbytes = ph_info[leaf][2]
-        if n_nodes > PATCH_NODES and nbytes < BIG_INPUT:
-            notes[leaf] = (f"read by {n_nodes} graph nodes: re-pointing them when it moves (about 1.5 us each) "
-                           f"costs more than copying its {nbytes / 1024:.0f} KiB (inputs of 1 MiB or more are "
-                           f"read in place whatever the count)")
+        why = dearer(len(pl.nodes_of(leaf)) + sum(1 for r in pl.refs if r.leaf == leaf), n_copies[leaf],
+                     ph_info[leaf][2], config.rebind_node_margin)
+        if why is not None:
+            notes[leaf] = why
     cands = [leaf for leaf in cands if notes[leaf] is None]
     if not cands:
         return
@@ -195,6 +195,20 @@ def plan(rec, g, call, placeholders: dict, config) -> None:
         rebinds.append(InputRebind(leaf, base, ws, ks, ms, back))
     copy_nodes = {leaf: [c for c in rec.copies if c.leaf == leaf] for leaf in cands}
     rec.proof = Pending(rebinds, {leaf: ph_info[leaf] for leaf in cands}, values, copy_nodes)
+
+
+def dearer(n_nodes: int, n_copies: int, nbytes: int, margin: int) -> str | None:
+    """Why an input of ``nbytes`` read by ``n_nodes`` graph nodes keeps its ``n_copies`` copy nodes
+    (its copy in, and back when the function writes it), or None when it is read in place. A moved
+    input costs one driver call per node to re-point (about 1 us on the H200), one per copy node
+    to update its copy: re-pointing is chosen when it touches at most ``margin`` nodes more than
+    the copy (``cgraw.config.rebind_node_margin``), or when the input is ``BIG_INPUT`` or larger,
+    whose copy costs the device a full read and write."""
+    if n_nodes <= n_copies + margin or nbytes >= BIG_INPUT:
+        return None
+    return (f"read by {n_nodes} graph nodes: re-pointing them when it moves (a driver call each) costs more "
+            f"than updating its {n_copies} copy node(s) for its {nbytes / 1024:.0f} KiB (inputs of 1 MiB or more "
+            "are read in place whatever the count; cgraw.config.rebind_node_margin allows more nodes)")
 
 
 def _all(notes: dict, why: str) -> None:

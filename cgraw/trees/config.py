@@ -26,6 +26,10 @@ class Config:
     # eager inputs read in place (their kernels' arguments rewritten) where a proof replay shows
     # it safe, instead of copied into a placeholder on every call (cgraw.rebind.proof)
     rebind_inputs: bool = True
+    # an eager input under 1 MiB is read in place only if re-pointing it when it moves touches at
+    # most this many graph nodes more than updating its copy does (one driver call per node either
+    # way); otherwise it keeps its copy (cgraw.rebind.proof.dearer)
+    rebind_node_margin: int = 0
     # autograd through graphed functions (cgraw.trees.autograd): outputs require grad and
     # backward() replays a recorded backward; False: outputs are detached from the second call on
     autograd: bool = True
@@ -43,6 +47,8 @@ class Config:
             raise AttributeError(f"cgraw.config has no setting {name!r}")
         if name == "generation_cloning" and value not in (None, "user_visible"):
             raise ValueError(f"generation_cloning={value!r} must be None or 'user_visible'")
+        if name == "rebind_node_margin" and (type(value) is not int or value < 0):
+            raise ValueError(f"rebind_node_margin={value!r} must be an int >= 0")
         changed = name == "autograd" and bool(value) != bool(getattr(self, name, False))
         object.__setattr__(self, name, value)
         if changed:

@@ -45,10 +45,11 @@ F = torch.nn.functional
 
 @pytest.fixture(autouse=True)
 def _restore_rebind_setting():
-    """Whatever a test does to ``config.rebind_inputs``, the next one sees the value from before."""
-    old = cgraw.config.rebind_inputs
+    """Whatever a test does to ``config.rebind_inputs`` and ``rebind_node_margin``, the next one sees
+    the values from before."""
+    old, margin = cgraw.config.rebind_inputs, cgraw.config.rebind_node_margin
     yield
-    cgraw.config.rebind_inputs = old
+    cgraw.config.rebind_inputs, cgraw.config.rebind_node_margin = old, margin
 
 
 @pytest.fixture
@@ -169,20 +170,40 @@ def test_elementwise_inputs_at_changing_addresses():
 # ---------------------------------------------------------------- 2: reductions, matmuls, modules
 
 
-def test_matmul_and_reduction_read_the_same_input():
-    def mix(x, w):
-        return x @ w + x.sum(0)
+def _mix(x, w):
+    return x @ w + x.sum(0)
 
-    f = cgraw.graphed(mix)
-    calls = 8
+
+def _check_mix(f, calls: int, rows: int, cols: int) -> None:
     with full_fp32():
         for i in range(calls):
             cgraw.mark_step_begin()
-            x, w = trand(32, 48), trand(48, 48)
+            x, w = trand(rows, cols), trand(cols, cols)
             # tight: the same cuBLAS and reduction kernels run; a stale or poisoned input is off by O(1)
-            torch.testing.assert_close(f(x, w), mix(x, w), rtol=1e-5, atol=1e-5, msg=lambda m, i=i: f"call {i}: {m}")
+            torch.testing.assert_close(f(x, w), _mix(x, w), rtol=1e-5, atol=1e-5, msg=lambda m, i=i: f"call {i}: {m}")
     _assert_graphed(f, calls)
+
+
+def test_matmul_and_reduction_read_the_same_input():
+    """``x`` (1 MiB, so read in place whatever the count) is read by the GEMM and the reduction:
+    both kernels' arguments are re-pointed on every call."""
+    f = cgraw.graphed(_mix)
+    _check_mix(f, 8, 2048, 128)
     _assert_inputs(f, rebound=2, copied=0)
+
+
+def test_small_input_read_by_two_kernels_keeps_its_copy_unless_the_margin_allows():
+    """A 6 KB ``x`` read by the GEMM and the reduction: re-pointing both when it moves costs more
+    than updating its one copy node, so it keeps its copy with the reason; ``w`` (one GEMM) is read
+    in place. With ``rebind_node_margin`` 4 both are read in place."""
+    f = cgraw.graphed(_mix)
+    _check_mix(f, 8, 32, 48)
+    node = _assert_inputs(f, rebound=1, copied=1)
+    assert re.search(r"read by \d+ graph nodes", node.reasons.get(0, "")), node.reasons
+    cgraw.config.rebind_node_margin = 4  # read by the recordings made from here on
+    g = cgraw.graphed(_mix)
+    _check_mix(g, 8, 32, 48)
+    _assert_inputs(g, rebound=2, copied=0)
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
@@ -264,7 +285,8 @@ def test_closure_buffers_updated_once_per_call():
             assert int(m.calls) == i + 1, f"call {i}: counter {int(m.calls)}"
             assert torch.equal(m.acc, twin.acc), f"call {i}: accumulator differs from eager"
     _assert_graphed(f, calls)
-    _assert_inputs(f, rebound=1, copied=0)
+    node = _assert_inputs(f, rebound=0, copied=1)  # 4 KB read by the sum and the product: copied
+    assert "graph nodes" in node.reasons.get(0, ""), node.reasons
 
 
 def test_batchnorm_train_running_stats_match_eager():
@@ -283,7 +305,7 @@ def test_batchnorm_train_running_stats_match_eager():
     with torch.no_grad():
         for i in range(calls):
             cgraw.mark_step_begin()
-            x = trand(32, 16) * 3.0 + 1.0
+            x = trand(16384, 16) * 3.0 + 1.0  # 1 MiB: read in place however many kernels read it
             got, ref = f(x), twin(x)
             tol = {"rtol": 1e-5, "atol": 1e-5}  # the same kernels; a double update is off by ~10%
             torch.testing.assert_close(got, ref, **tol, msg=lambda m, i=i: f"call {i}: output: {m}")

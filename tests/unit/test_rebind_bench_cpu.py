@@ -98,10 +98,30 @@ def test_overall_verdict_and_met():
     assert (rb.met("met"), rb.met("missed"), rb.met("unresolved")) == (True, False, None)
 
 
-def test_blocks_alternate_the_systems():
-    assert rb.block_order(0) == ("rebind", "copy")
-    assert rb.block_order(1) == ("copy", "rebind")
-    assert rb.block_order(2) == rb.block_order(0)
+def test_blocks_rotate_the_systems():
+    assert rb.block_order(0) == ("rebind", "copy", "chosen")
+    assert rb.block_order(1) == ("copy", "chosen", "rebind")
+    assert rb.block_order(3) == rb.block_order(0)
+    assert rb.block_order(0, rb.LARGE_SYSTEMS) == ("rebind", "copy")
+    assert rb.block_order(1, rb.LARGE_SYSTEMS) == ("copy", "rebind")
+
+
+@pytest.mark.parametrize("k, margin, name, ok", [
+    (1, 0, "reads_x_1", True),  # one node: read in place
+    (1, 0, "reads_x_1#2", False),
+    (2, 0, "reads_x_1#2", True),  # two nodes, one copy node: copied
+    (2, 0, "reads_x_1", False),
+    (2, 1, "reads_x_1", True),  # the margin allows one node more
+    (4, 1, "reads_x_1#2", True),
+    (2, 0, "reads_x_2", False),  # the report does not say
+])
+def test_check_report_of_the_defaults_follows_the_node_count(k, margin, name, ok):
+    line = rb.report_line(REPORT, name)
+    if ok:
+        rb.check_report("chosen", line, k, margin)
+    else:
+        with pytest.raises(rb.CheckFailed):
+            rb.check_report("chosen", line, k, margin)
 
 
 class _Settings:
@@ -119,10 +139,17 @@ class _Settings:
 def test_set_rebind_switches_the_setting(monkeypatch):
     import cgraw
 
-    cfg = _Settings({"rebind_inputs"})
+    cfg = _Settings({"rebind_inputs", "rebind_node_margin"})
     monkeypatch.setattr(cgraw, "config", cfg)
-    assert rb._set_rebind("rebind") is True and cfg.rebind_inputs is True
-    assert rb._set_rebind("copy") is True and cfg.rebind_inputs is False
+    assert rb._set_rebind("rebind", 0) is True and cfg.rebind_inputs is True
+    assert cfg.rebind_node_margin == rb.REPOINT_ALL
+    assert rb._set_rebind("copy", 0) is True and cfg.rebind_inputs is False and cfg.rebind_node_margin == 0
+    assert rb._set_rebind("chosen", 2) is True and cfg.rebind_inputs is True and cfg.rebind_node_margin == 2
+    old = _Settings({"rebind_inputs"})  # a runtime that reads every provable input in place
+    monkeypatch.setattr(cgraw, "config", old)
+    assert rb._set_rebind("rebind") is True and old.rebind_inputs is True
+    with pytest.raises(rb.CheckFailed, match="rebind_node_margin"):
+        rb._set_rebind("chosen")
 
 
 def test_set_rebind_on_a_runtime_without_the_setting(monkeypatch):

@@ -101,7 +101,7 @@ def test_plan_finds_words_per_input_and_shares_kernel_buffers(fake_graph):
         (MEMCPY, (0x7D00_0000_0000, PH_B + 8, 16)),  # 4: a 1-D copy out of leaf 1
     ])
     rec, call = make_rec([copy_in(0, 0, PH_A), copy_in(1, 1, PH_B)])
-    rebind_proof.plan(rec, g, call, {0: "ph0", 1: "ph1"}, Config())
+    rebind_proof.plan(rec, g, call, {0: "ph0", 1: "ph1"}, Config(rebind_node_margin=1))  # each read twice
     assert rec.input_notes == {0: None, 1: None}
     p = rec.proof
     assert p is not None and [r.leaf for r in p.rebinds] == [0, 1]
@@ -125,7 +125,7 @@ def test_plan_reasons(fake_graph):
     for nodes, want in cases:
         g = fake_graph(nodes)
         rec, call = make_rec([copy_in(0, 0, PH_A)])
-        rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
+        rebind_proof.plan(rec, g, call, {0: "ph"}, Config(rebind_node_margin=1))  # the copy out reads it too
         if want is None:
             assert rec.input_notes == {0: None} and rec.proof is not None
         else:
@@ -370,22 +370,50 @@ def test_poison_byte_by_dtype():
     assert rebind_proof._poison(np.empty(2, np.float16)) == 0xFF and rebind_proof._poison(np.empty(2, np.int32)) == 0
 
 
-def test_plan_copies_small_inputs_read_by_many_nodes(fake_graph):
-    nodes = [(MEMCPY, (PH_A, CALLER, 4096))] + [(KERNEL, [word(PH_A)]) for _ in range(rebind_proof.PATCH_NODES + 1)]
-    g = fake_graph(nodes)
+def test_plan_copies_a_small_input_read_by_more_nodes_than_its_copy_has(fake_graph):
+    """Re-pointing a moved input costs a driver call per node reading it, its copy one per copy node:
+    a small input read by two kernels keeps its copy, one read by one kernel is read in place, and
+    so is a 1 MiB one whatever the count; ``rebind_node_margin`` allows more nodes."""
+    kernels = [(KERNEL, [word(PH_A)]) for _ in range(2)]
+    nodes = [(MEMCPY, (PH_A, CALLER, 4096))] + kernels
     rec, call = make_rec([copy_in(0, 0, PH_A)])
-    rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
-    assert "read by 5 graph nodes" in rec.input_notes[0] and rec.proof is None
-    g = fake_graph(nodes[:-1])
+    rebind_proof.plan(rec, fake_graph(nodes), call, {0: "ph"}, Config())
+    assert "read by 2 graph nodes" in rec.input_notes[0] and "1 copy node(s)" in rec.input_notes[0]
+    assert rec.proof is None
     rec, call = make_rec([copy_in(0, 0, PH_A)])
-    rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
+    rebind_proof.plan(rec, fake_graph(nodes[:-1]), call, {0: "ph"}, Config())
     assert rec.input_notes == {0: None} and rec.proof is not None
-    big = InputCopy(0, 0, PH_A, CALLER, 1 << 20, 0, back=False)
-    g = fake_graph(nodes)
-    rec, call = make_rec([big])
-    rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
+    rec, call = make_rec([InputCopy(0, 0, PH_A, CALLER, 1 << 20, 0, back=False)])
+    rebind_proof.plan(rec, fake_graph(nodes), call, {0: "ph"}, Config())
     assert rec.input_notes == {0: None}
+    four = [(MEMCPY, (PH_A, CALLER, 4096))] + [(KERNEL, [word(PH_A)]) for _ in range(4)]
+    rec, call = make_rec([copy_in(0, 0, PH_A)])
+    rebind_proof.plan(rec, fake_graph(four), call, {0: "ph"}, Config(rebind_node_margin=3))
+    assert rec.input_notes == {0: None} and rec.proof is not None
+    rec, call = make_rec([copy_in(0, 0, PH_A)])
+    rebind_proof.plan(rec, fake_graph(four), call, {0: "ph"}, Config(rebind_node_margin=2))
+    assert "read by 4 graph nodes" in rec.input_notes[0]
 
+
+def test_dearer_counts_a_written_inputs_copy_back():
+    """A function that writes its input has a copy in and a copy back: re-pointing two nodes costs
+    what updating them costs, so it is read in place; three nodes keep the copies."""
+    assert rebind_proof.dearer(2, 2, 4096, 0) is None
+    assert "read by 3 graph nodes" in rebind_proof.dearer(3, 2, 4096, 0)
+    assert rebind_proof.dearer(1, 1, 4096, 0) is None
+    assert rebind_proof.dearer(9, 1, rebind_proof.BIG_INPUT, 0) is None
+    assert rebind_proof.dearer(9, 1, rebind_proof.BIG_INPUT - 1, 7) is not None
+    assert rebind_proof.dearer(9, 1, rebind_proof.BIG_INPUT - 1, 8) is None
+
+
+def test_rebind_node_margin_takes_non_negative_ints():
+    cfg = Config()
+    assert cfg.rebind_node_margin == 0
+    cfg.rebind_node_margin = 4
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="rebind_node_margin"):
+            cfg.rebind_node_margin = bad
+    assert cfg.rebind_node_margin == 4
 
 
 def test_blocks_give_one_generator_record_among_a_devices_records(monkeypatch):
