@@ -8,12 +8,17 @@ capture's device and CUDA tensors for the operands or carried values; anything e
 torch (eagerly, which reads the predicate on the host: a capture then fails with that reason, and
 a graphed function runs eagerly). ``while_loop``'s ``additional_inputs`` are passed to both
 functions after the carried values, as torch does.
+
+Inside a graphed function's warm-up that draws with cgraw's kernels, torch runs ``while_loop`` on
+the host and cgraw follows its iterations (``warm_up_loop``): random numbers drawn in the loop are
+those its recording's WHILE node draws, as in ``cgraw.while_loop``'s host path.
 """
 
 from __future__ import annotations
 
 from cgraw.control import nodes, plan
 from cgraw.interop.torch import modes as _modes
+from cgraw.rng import device as _rng_device
 from cgraw.runtime import capture as _capture
 from cgraw.trees.frameworks import TORCH, ops_of
 
@@ -30,7 +35,7 @@ def _on_device(values, ordinal: int, *, sizes: bool = False) -> bool:
     return all((sizes and type(v) is int) or (ops_of(v) is TORCH and v.get_device() == ordinal) for v in values)
 
 
-def torch_cond(args, kwargs, reenter):
+def torch_cond(args, kwargs, reenter, run):
     """``cond(pred, true_fn, false_fn, operands)`` as IF node(s), or ``NotImplemented``."""
     cap = _capture.active()
     if cap is None or kwargs or len(args) != 4:
@@ -42,11 +47,13 @@ def torch_cond(args, kwargs, reenter):
     return nodes.cond(cap, pred, reenter(true_fn), reenter(false_fn), tuple(operands))
 
 
-def torch_while_loop(args, kwargs, reenter):
+def torch_while_loop(args, kwargs, reenter, run):
     """``while_loop(cond_fn, body_fn, carried_inputs, additional_inputs)`` as a WHILE node, or
-    ``NotImplemented``."""
+    ``NotImplemented``; outside captures, ``warm_up_loop``."""
     cap = _capture.active()
-    if cap is None or kwargs or len(args) not in (3, 4):
+    if cap is None:
+        return warm_up_loop(args, kwargs, run)
+    if kwargs or len(args) not in (3, 4):
         return NotImplemented
     cond_fn, body_fn, carried = args[:3]
     extra = tuple(args[3]) if len(args) == 4 else ()
@@ -57,3 +64,30 @@ def torch_while_loop(args, kwargs, reenter):
     cond_fn, body_fn = reenter(cond_fn), reenter(body_fn)
     return nodes.while_loop(cap, lambda *c: cond_fn(*c, *extra), lambda *c: body_fn(*c, *extra),
                             spec, leaves, paths)
+
+
+def warm_up_loop(args, kwargs, run):
+    """torch's ``while_loop`` run by torch (``run``) inside a warm-up that draws with cgraw's
+    kernels, its draws those of the WHILE node it becomes in the recording (``rng.plan.LoopDraws``):
+    torch evaluates the condition first and then after every body, so the draws are set up after
+    the first evaluation and an iteration ends after each later one. ``NotImplemented`` elsewhere."""
+    if not _rng_device.warming() or kwargs or len(args) not in (3, 4):
+        return NotImplemented
+    cond_fn = args[0]
+    draws: list | None = None
+
+    def cond(*values):
+        nonlocal draws
+        pred = cond_fn(*values)
+        if draws is None:
+            draws = _rng_device.loop_draws()
+        else:
+            for d in draws:
+                d.iteration_done()
+        return pred
+
+    try:
+        return run((cond, *args[1:]), kwargs)
+    finally:
+        for d in draws or ():
+            d.done()

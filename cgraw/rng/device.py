@@ -169,6 +169,11 @@ class WarmUp:
 _warming = threading.local()  # .active: the WarmUps entered on this thread
 
 
+def warming() -> bool:
+    """Whether a warm-up that draws with cgraw's kernels is under way on this thread."""
+    return bool(getattr(_warming, "active", ()))
+
+
 def loop_draws() -> list:
     """A ``rng.plan.LoopDraws`` per warm-up drawing on this thread (none outside warm-ups): what
     ``cgraw.while_loop``'s host path keeps, so that its draws are those of the device's loop."""

@@ -146,10 +146,15 @@ def test_torch_manual_seed_reproduces_a_graphed_functions_first_calls_warm_up_in
     _assert_replayed(f, 6)
 
 
-def test_a_graphed_loop_that_draws_repeats_its_numbers_after_the_same_seed_warm_up_included():
-    """A ``cgraw.while_loop`` whose body draws: its warm-up runs the loop on the host, drawing at
-    the offsets and keys the recording's WHILE node draws at, so a program seeded once and run
-    twice from the start draws the same tables call by call, the warm-up's too."""
+@pytest.mark.parametrize("loop", ["cgraw", "torch"])
+def test_a_graphed_loop_that_draws_repeats_its_numbers_after_the_same_seed_warm_up_included(loop):
+    """A ``cgraw.while_loop`` (or torch's ``while_loop``) whose body draws: its warm-up runs the
+    loop on the host, drawing at the offsets and keys the recording's WHILE node draws at, so a
+    program seeded once and run twice from the start draws the same tables call by call, the
+    warm-up's too."""
+    from torch._higher_order_ops import while_loop as torch_while_loop
+
+    run_loop = cgraw.while_loop if loop == "cgraw" else torch_while_loop
 
     def table(h):
         i0 = torch.zeros((), dtype=torch.int64, device=h.device)
@@ -157,7 +162,7 @@ def test_a_graphed_loop_that_draws_repeats_its_numbers_after_the_same_seed_warm_
         def row(h, i):
             return torch.cat([h[1:], torch.rand(1, h.shape[1], device=h.device)]), i + 1
 
-        return cgraw.while_loop(lambda h, i: i < 6, row, (h, i0))[0]
+        return run_loop(lambda h, i: i < 6, row, (h, i0))[0]
 
     f = cgraw.graphed(table)
     h0 = trand(6, 512) - 2  # every row is replaced by the loop

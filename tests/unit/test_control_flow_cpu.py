@@ -659,3 +659,43 @@ def test_the_host_path_in_a_warm_up_draws_as_the_device_loop_draws(monkeypatch):
     # the first condition draws at 0 (the enclosing graph's); each iteration's body and condition at 1, 2
     assert offsets == [0, 1, 2, 1, 2, 1, 2]
     assert steps == [stream] * 3 and stream.calls == 3 and Warm.moved == 3 and stream.until == -1
+
+
+def test_torchs_while_loop_in_a_warm_up_draws_as_the_device_loop_draws(monkeypatch):
+    """torch's ``while_loop`` run by torch inside a graphed function's warm-up that draws with
+    cgraw's kernels: the same offsets and key steps as ``cgraw.while_loop``'s host path (and the
+    WHILE node of the recording); outside such a warm-up cgraw leaves the loop to torch."""
+    from cgraw.rng import device as rng_device, plan as rng_plan
+
+    class Warm:
+        kind = rng_plan.TORCH
+        moved = 0
+
+        def take(self, steps, n=0):
+            Warm.moved += steps
+
+    stream = rng_plan.WarmStream(0x40, -1, 0, Warm())
+    steps, offsets = [], []
+    monkeypatch.setattr(rng_device, "loop_draws", lambda: [rng_plan.LoopDraws(stream, steps.append)])
+
+    def body(x):
+        offsets.append(stream.take())
+        return (x + 1,)
+
+    def cond(x):
+        offsets.append(stream.take())
+        return x.sum() < 6
+
+    x0 = torch.rand(2) * 0.5
+    monkeypatch.setattr(rng_device, "warming", lambda: True)
+    with _cgraw_mode():
+        x, = torch.ops.higher_order.while_loop(cond, body, (x0,), ())  # the operator the public wrapper calls
+    torch.testing.assert_close(x, x0 + 3)
+    assert offsets == [0, 1, 2, 1, 2, 1, 2]
+    assert steps == [stream] * 3 and stream.calls == 3 and Warm.moved == 3 and stream.until == -1
+    monkeypatch.setattr(rng_device, "warming", lambda: False)
+    offsets.clear()
+    with _cgraw_mode():
+        x, = torch.ops.higher_order.while_loop(cond, body, (x0,), ())
+    torch.testing.assert_close(x, x0 + 3)
+    assert offsets == [3, 4, 5, 6, 7, 8, 9] and len(steps) == 3  # plain draws: torch's loop, untouched

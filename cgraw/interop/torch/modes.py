@@ -38,9 +38,11 @@ _handlers: dict = {}  # higher-order operator name -> handler(args, kwargs, reen
 
 
 def register_higher_order(name: str, handler) -> None:
-    """Let ``handler(args, kwargs, reenter)`` run the higher-order operator ``name`` when it reaches
-    one of cgraw's modes. ``reenter(fn)`` is ``fn`` run with the mode pushed again; the handler
-    returns the operator's result, or ``NotImplemented`` to leave the call to torch."""
+    """Let ``handler(args, kwargs, reenter, run)`` run the higher-order operator ``name`` when it
+    reaches one of cgraw's modes. ``reenter(fn)`` is ``fn`` run with the mode pushed again;
+    ``run(args, kwargs)`` runs torch's operator on them as an unhandled call runs (the mode off,
+    every body reentering it). The handler returns the operator's result, or ``NotImplemented``
+    to leave the call to torch."""
     _handlers[name] = handler
 
 
@@ -93,11 +95,14 @@ def _make_base():
 
         def run_higher_order(self, func, args, kwargs):
             """Run higher-order operator ``func`` below this mode, its bodies under it."""
+            def run(args, kwargs):
+                return func(*(body(a, self) for a in args), **{k: body(v, self) for k, v in (kwargs or {}).items()})
+
             handler = _handlers.get(func.name()) if _handlers else None
             if handler is not None:
-                out = handler(args, kwargs or {}, lambda fn: body(fn, self))
+                out = handler(args, kwargs or {}, lambda fn: body(fn, self), run)
                 if out is not NotImplemented:
                     return out
-            return func(*(body(a, self) for a in args), **{k: body(v, self) for k, v in (kwargs or {}).items()})
+            return run(args, kwargs)
 
     return CgrawMode
