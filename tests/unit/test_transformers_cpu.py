@@ -65,6 +65,23 @@ MODELS = {
     "t5": (lambda: transformers.T5Model(transformers.T5Config(
         vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)),
         lambda i: ((), {"input_ids": _ids(2, 8, i), "decoder_input_ids": _ids(2, 5, i + 50), "use_cache": False})),
+    "qwen2": (lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=V, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+        intermediate_size=64, max_position_embeddings=64)), lambda i: ((_ids(2, 8, i),), {"use_cache": False})),
+    "gemma": (lambda: transformers.GemmaForCausalLM(transformers.GemmaConfig(
+        vocab_size=V, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+        intermediate_size=64, head_dim=8, max_position_embeddings=64)),
+        lambda i: ((_ids(2, 8, i),), {"use_cache": False})),
+    "bart": (lambda: transformers.BartModel(transformers.BartConfig(
+        vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)),
+        lambda i: ((), {"input_ids": _ids(2, 8, i), "decoder_input_ids": _ids(2, 5, i + 50), "use_cache": False})),
+    "deberta_v2": (lambda: transformers.DebertaV2Model(transformers.DebertaV2Config(
+        vocab_size=V, num_hidden_layers=2, num_attention_heads=2, hidden_size=32, intermediate_size=64,
+        max_position_embeddings=64)), lambda i: ((_ids(2, 8, i),), {})),
+    "swin": (lambda: transformers.SwinModel(transformers.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=8, depths=[1, 1], num_heads=[1, 2], window_size=4)),
+        lambda i: ((torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(i)),), {})),
     "vit": (lambda: transformers.ViTModel(transformers.ViTConfig(
         image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=64)), lambda i: ((torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(i)),), {})),
