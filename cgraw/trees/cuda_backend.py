@@ -246,9 +246,11 @@ class CudaBackend(TorchAutograd):
                                for c in rec.copies if not c.back}
 
     def _stage(self, rec: Recording, call: Call, rebind):  # a Recording's ``stage``
-        """``rebind`` given: copy its input into fresh memory on the replay's stream, keep the copy
-        until the next launch (``rec.staged``) and return its address. None: after the launch,
-        copy the staged inputs the function writes back into the caller's arrays."""
+        """``rebind`` given: copy its input on the replay's stream into the copy an earlier call on
+        that stream staged (``InputRebind.staging``; the graph already points there), else into
+        fresh memory at the recording's alignment, kept for the next call; return its address.
+        None: after the launch, copy the staged inputs the function writes back into the caller's
+        arrays (``rec.staged``)."""
         target = _streams.current_getter(self.device.ordinal)
         if rebind is None:
             for r, copy in rec.staged:
@@ -257,7 +259,10 @@ class CudaBackend(TorchAutograd):
             return None
         j = rebind.leaf
         o, t = call.ops[j], call.leaves[j]
-        copy = o.empty_layout(t, align=rebind.base & 255)  # the recording's alignment, which its kernels assume
+        copy = rebind.staging(target)
+        if copy is None:
+            copy = o.empty_layout(t, align=rebind.base & 255)  # the recording's alignment, which its kernels assume
+            rebind.held = (copy, target)
         _copy_on(o.flat_span(copy), o.flat_span(t), o, target)
         rec.staged.append((rebind, copy))
         return o.ptr(copy)

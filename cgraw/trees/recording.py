@@ -61,9 +61,11 @@ class InputRebind:
     """One eager input whose kernels read (and write) the caller's memory in place. ``words``:
     ``(c_uint64 view into a KernelArgs buffer, delta)``; ``kernels``: the ``KernelArgs`` to hand
     to the executable after the words change; ``memcpys``: ``(node, dst delta or None, src delta
-    or None, dst, src, bytes)`` of memcpy nodes that read or write it."""
+    or None, dst, src, bytes)`` of memcpy nodes that read or write it. ``held``: ``(copy, stream)``,
+    the staged copy of a call whose input was less aligned than the recording's (or in the tree's
+    pool), kept for the next such call on that stream: it is re-pointed once, not on every call."""
 
-    __slots__ = ("leaf", "ptr", "base", "words", "kernels", "memcpys", "back")
+    __slots__ = ("leaf", "ptr", "base", "words", "kernels", "memcpys", "back", "held")
 
     def __init__(self, leaf: int, base: int, words: list, kernels: list, memcpys: list, back: bool = False):
         self.leaf = leaf
@@ -71,6 +73,13 @@ class InputRebind:
         self.ptr = base  # the address the words hold now
         self.words, self.kernels, self.memcpys = words, kernels, memcpys
         self.back = back  # the function writes the input (staged copies are copied back)
+        self.held = None
+
+    def staging(self, stream: int):
+        """The staged copy an earlier call on ``stream`` made, or None (none yet, or made on another
+        stream: a copy into it on this one could overtake that stream's launch still reading it)."""
+        held = self.held
+        return held[0] if held is not None and held[1] == stream else None
 
     def patch(self, setter, ptr: int) -> None:
         """Point every word and memcpy address of this input at ``ptr``."""
@@ -324,7 +333,7 @@ class Recording:
             if p != r.ptr:
                 # kernels chosen for the recording's alignment (vector loads, cuBLAS) must not get a
                 # less aligned address, and one in the tree's pool may be memory this graph writes:
-                # such an input is read from a fresh copy instead
+                # such an input is read from a copy instead (into the buffer an earlier such call kept)
                 if (p - r.base) & 255 or self.in_pool(p):
                     p = self.stage(self, call, r)
                 if p != r.ptr:

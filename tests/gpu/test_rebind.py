@@ -625,6 +625,26 @@ for off in (1, 2, 3, 0, 5, 4, 7, 8, 1):
     got = fg(a, w)
     torch.cuda.synchronize()
     torch.testing.assert_close(got, gemm(a, w), rtol=1e-5, atol=1e-5)
+# back to back without synchronising, then alternating between two streams: each staged call copies
+# into the buffer the recording keeps for its stream, after the launch before it on that stream
+side, main = torch.cuda.Stream(), torch.cuda.current_stream()
+pairs = []
+for i, off in enumerate((1, 3, 5, 1, 3, 5, 7, 2, 6, 1)):
+    buf.normal_()
+    x = buf[off:off + n]
+    want = scale(x)
+    s = side if i >= 6 and i % 2 else main
+    s.wait_stream(main)
+    with torch.cuda.stream(s):
+        cgraw.mark_step_begin()
+        got = fs(x).clone()
+    main.wait_stream(s)
+    pairs.append((got, want))
+torch.cuda.synchronize()
+for i, (got, want) in enumerate(pairs):
+    if not torch.equal(got, want):
+        print(f"FAIL scale: back-to-back call {i} differs from eager", flush=True)
+        sys.exit(1)
 print(cgraw.report(file=io.StringIO()), flush=True)
 print("DONE", flush=True)
 """
@@ -634,7 +654,8 @@ def test_inputs_less_aligned_than_the_recording():
     """Views at 4-byte offsets replayed through recordings made with aligned inputs: a kernel
     vectorised for the placeholder's alignment must never be pointed at them (that is a
     misaligned-address fault, sticky for the process: hence the child process). Results equal
-    eager, whether the call copies, re-records or rebinds."""
+    eager, whether the call copies, re-records or rebinds, also back to back without a
+    synchronisation and alternating between two streams (the staged copies' kept buffers)."""
     root = pathlib.Path(cgraw.__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
     try:

@@ -204,6 +204,68 @@ def test_replay_repoints_only_moved_inputs(monkeypatch):
     assert moved[-1] == CALLER and rec.staged == [] and staged[-1] == "back"
 
 
+def test_staged_calls_on_one_stream_copy_into_one_kept_buffer_and_repoint_once(monkeypatch):
+    """The CUDA backend's staging (``CudaBackend._stage``) under ``Recording.replay``: calls whose
+    input is less aligned than the recording's copy it into a buffer at the recording's alignment,
+    made by the first such call and kept, so the graph is re-pointed once and later such calls on
+    that stream only copy; a call on another stream gets a buffer of its own (the first stream's
+    launch may still read the kept one); an aligned call reads the caller's tensor in place."""
+    torch = pytest.importorskip("torch")
+    from cgraw.trees import cuda_backend
+    from cgraw.trees.frameworks import TORCH
+
+    stream = [7]
+    monkeypatch.setattr(recording, "_launch", lambda exec_, s: (0,))
+    monkeypatch.setattr(recording._streams, "current_getter", lambda ordinal: stream[0])
+    monkeypatch.setattr(cuda_backend._streams, "current_getter", lambda ordinal: stream[0])
+    copies = []
+
+    def copy_on(dst, src, ops, target):
+        copies.append(target)
+        dst.copy_(src)
+
+    monkeypatch.setattr(cuda_backend, "_copy_on", copy_on)
+    made = []
+    real_empty = TORCH.empty_layout
+    monkeypatch.setattr(type(TORCH), "empty_layout",
+                        lambda self, t, align=None: made.append(align) or real_empty(t, align=align))
+    backend = SimpleNamespace(device=SimpleNamespace(ordinal=0))
+    rec = Recording("f")
+    rec.exec_, rec.setter = "exec", None
+    rec.in_pool = lambda p: False
+    rec.stage = lambda r_, call, r: cuda_backend.CudaBackend._stage(backend, r_, call, r)
+    rec.out_leaves, rec.out_kinds, rec.out_alias = [], [], []
+    rec.alias0 = lambda: "out"
+    src = torch.arange(64, dtype=torch.float32)
+    base = src[8:16].data_ptr()  # the recording's placeholder: 32 bytes into its block
+    patched = []
+
+    class R(InputRebind):
+        __slots__ = ()
+
+        def patch(self, setter, ptr):
+            patched.append(ptr)
+            self.ptr = ptr
+
+    r = R(0, base, [], [], [])
+    rec.rebinds = [r]
+
+    def call(view):
+        rec.replay(SimpleNamespace(ptrs=[view.data_ptr()], leaves=[view], ops=[TORCH]))
+        return rec.staged[-1][1] if rec.staged else None
+
+    a = call(src[1:9])  # 4 bytes into its block: staged
+    b = call(src[3:11])
+    assert a is b and torch.equal(b, src[3:11]) and made == [base & 255]
+    assert patched == [a.data_ptr()] and a.storage_offset() * 4 == base & 255  # at the recording's alignment
+    stream[0] = 9  # another stream: a buffer of its own
+    c = call(src[5:13])
+    assert c is not a and torch.equal(c, src[5:13]) and len(made) == 2 and patched[-1] == c.data_ptr()
+    assert copies == [7, 7, 9]
+    aligned = src[8:16]  # the recording's alignment: read in place, nothing copied
+    assert call(aligned) is None and patched[-1] == aligned.data_ptr() and len(copies) == 3
+
+
 def test_merge_and_blocks():
     assert rebind_ranges.merge([(100, 10), (105, 10), (200, 8), (108, 1)]) == [(100, 15), (200, 8)]
     # touching ranges stay apart: they may be two allocations, and one copy across both is refused
