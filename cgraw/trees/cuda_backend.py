@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from cgraw import _cuda
 from cgraw.trees import buckets
 from cgraw.rebind import proof as rebind_proof, ranges as rebind_ranges
 from cgraw.trees import warmup as pool_warmup
@@ -263,7 +264,10 @@ class CudaBackend(TorchAutograd):
         if copy is None:
             copy = o.empty_layout(t, align=rebind.base & 255)  # the recording's alignment, which its kernels assume
             rebind.held = (copy, target)
-        _copy_on(o.flat_span(copy), o.flat_span(t), o, target)
+        if o is TORCH:  # one driver copy of the span (torch's strides are never negative; the layouts match)
+            _cuda.memcpy_dtod_async(o.ptr(copy), o.ptr(t), o.span(t), target)
+        else:
+            _copy_on(o.flat_span(copy), o.flat_span(t), o, target)
         rec.staged.append((rebind, copy))
         return o.ptr(copy)
 

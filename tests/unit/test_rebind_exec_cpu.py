@@ -220,11 +220,11 @@ def test_staged_calls_on_one_stream_copy_into_one_kept_buffer_and_repoint_once(m
     monkeypatch.setattr(cuda_backend._streams, "current_getter", lambda ordinal: stream[0])
     copies = []
 
-    def copy_on(dst, src, ops, target):
+    def memcpy(dst, src, nbytes, target):  # the driver's stream-ordered copy, on host memory here
         copies.append(target)
-        dst.copy_(src)
+        ctypes.memmove(dst, src, nbytes)
 
-    monkeypatch.setattr(cuda_backend, "_copy_on", copy_on)
+    monkeypatch.setattr(cuda_backend._cuda, "memcpy_dtod_async", memcpy)
     made = []
     real_empty = TORCH.empty_layout
     monkeypatch.setattr(type(TORCH), "empty_layout",
