@@ -264,7 +264,9 @@ class CudaBackend(TorchAutograd):
         if copy is None:
             copy = o.empty_layout(t, align=rebind.base & 255)  # the recording's alignment, which its kernels assume
             rebind.held = (copy, target)
-        if o is TORCH:  # one driver copy of the span (torch's strides are never negative; the layouts match)
+        # one driver copy of the span (torch's strides are never negative; the layouts match), where
+        # the device's context is current (a legacy stream handle means the current context's stream)
+        if o is TORCH and _cuda.native(_cuda.ctx_get_current()) == _cuda.native(self.device.context):
             _cuda.memcpy_dtod_async(o.ptr(copy), o.ptr(t), o.span(t), target)
         else:
             _copy_on(o.flat_span(copy), o.flat_span(t), o, target)

@@ -225,11 +225,20 @@ def test_staged_calls_on_one_stream_copy_into_one_kept_buffer_and_repoint_once(m
         ctypes.memmove(dst, src, nbytes)
 
     monkeypatch.setattr(cuda_backend._cuda, "memcpy_dtod_async", memcpy)
+    current = [0xC0]  # the thread's current context
+    monkeypatch.setattr(cuda_backend._cuda, "ctx_get_current", lambda: current[0])
+    torch_copies = []
+
+    def copy_on(dst, src, ops, target):  # torch's copy: another device's context is current
+        torch_copies.append(target)
+        dst.copy_(src)
+
+    monkeypatch.setattr(cuda_backend, "_copy_on", copy_on)
     made = []
     real_empty = TORCH.empty_layout
     monkeypatch.setattr(type(TORCH), "empty_layout",
                         lambda self, t, align=None: made.append(align) or real_empty(t, align=align))
-    backend = SimpleNamespace(device=SimpleNamespace(ordinal=0))
+    backend = SimpleNamespace(device=SimpleNamespace(ordinal=0, context=0xC0))
     rec = Recording("f")
     rec.exec_, rec.setter = "exec", None
     rec.in_pool = lambda p: False
@@ -262,8 +271,11 @@ def test_staged_calls_on_one_stream_copy_into_one_kept_buffer_and_repoint_once(m
     c = call(src[5:13])
     assert c is not a and torch.equal(c, src[5:13]) and len(made) == 2 and patched[-1] == c.data_ptr()
     assert copies == [7, 7, 9]
+    current[0] = 0xC1  # another device's context is current: torch's copy, on the same kept buffer
+    d = call(src[7:15])
+    assert d is c and torch.equal(d, src[7:15]) and torch_copies == [9] and len(copies) == 3
     aligned = src[8:16]  # the recording's alignment: read in place, nothing copied
-    assert call(aligned) is None and patched[-1] == aligned.data_ptr() and len(copies) == 3
+    assert call(aligned) is None and patched[-1] == aligned.data_ptr() and len(copies) == 3 and len(torch_copies) == 1
 
 
 def test_merge_and_blocks():
