@@ -39,13 +39,16 @@ def _halving_captured(pool, size: int):
     return g, x0, n0, x, n
 
 
-def test_torch_while_until_device_norm(pool):
+def test_torch_while_until_device_norm(pool, tmp_path):
     cond_fn, body_fn = _halving()
     g, x0, n0, x, n = _halving_captured(pool, 4096)
     text = str(g)  # the loop's node, then its body's nodes (the set-condition kernel among them)
     assert "CONDITIONAL (WHILE)" in text and "body 0 of NODE" in text, text
     (loop,) = [n for n in g.nodes() if n.type == "CONDITIONAL"]
     assert loop.condition == "while" and any(k.kernel and "cgraw_set_condition" in k.kernel for k in loop.bodies[0])
+    with open(g.to_dot(str(tmp_path / "loop.dot"))) as f:
+        dot = f.read()
+    assert "cgraw_set_condition" in dot, "the Graphviz view does not draw the loop's body"  # a kernel only the body has
     for _ in range(3):
         x0.copy_(trand(4096) * float(rng.uniform(1, 1000)))
         g.replay()
