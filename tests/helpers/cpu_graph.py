@@ -56,7 +56,7 @@ from cgraw.trees import buckets
 from cgraw.trees.arrays import EAGER, TORCH, TREE, argument_objects, out_spec, replace_leaves, unflatten
 from cgraw.trees.nodes import ModeRewarm, Rewarm, Warm, split_external
 from cgraw.trees.recording import EXTERNAL, OWNED, ClosureView, InputAlias, RowsView, rows_view, tree_views
-from torch_cpu_backend import CpuTorchBackend, placeholders
+from torch_cpu_backend import CpuTorchBackend, copy_span, placeholders
 
 aten = torch.ops.aten
 
@@ -483,11 +483,14 @@ class CpuGraphBackend(CpuTorchBackend):
         n = call.rows
         with torch.no_grad():
             for j, ph in rec.placeholders.items():
-                (ph[:n] if j in call.padded else ph).copy_(call.leaves[j])
+                if j in call.padded:
+                    ph[:n].copy_(call.leaves[j])
+                else:
+                    copy_span(ph, call.leaves[j])
             rec.graph.replay(call.leaves)
             for j in rec.mutated:  # the graph's copy-back nodes
                 ph = rec.placeholders[j]
-                call.leaves[j].copy_(ph[:n] if j in call.padded else ph)
+                copy_span(call.leaves[j], ph[:n] if j in call.padded else ph)
         rec.replays += 1
         outs = []
         for t, k in zip(rec.out_leaves, rec.out_kinds):

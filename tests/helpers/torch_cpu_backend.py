@@ -88,11 +88,22 @@ class TorchFn:
         return self.mgr.call(self, args, kwargs)
 
 
+def copy_span(dst, src) -> None:
+    """Copy an input into its placeholder or back (the same layout); one whose elements overlap
+    (``expand``) by the bytes of its span, as the graph's memcpy nodes copy it."""
+    if TORCH.may_overlap(src):
+        TORCH.flat_span(dst).copy_(TORCH.flat_span(src))
+    else:
+        dst.copy_(src)
+
+
 def placeholders(call) -> dict:
-    """As ``cuda_backend.CudaBackend.record``: a copy of each eager input, requiring grad where the
-    input does while grad is disabled (the function sees ``x.requires_grad`` as eager's does)."""
+    """As ``cuda_backend.CudaBackend.record``: a copy of each eager input with its layout (sizes,
+    strides and storage offset, ``Ops.clone_layout``: a strided view keeps its gaps, as the CUDA
+    backend's ``empty_layout`` placeholders do), requiring grad where the input does while grad is
+    disabled (the function sees ``x.requires_grad`` as eager's does)."""
     no_grad = not call.grad and not torch.is_grad_enabled()
-    return {j: t.detach().clone().requires_grad_(no_grad and t.requires_grad)
+    return {j: TORCH.clone_layout(t.detach()).requires_grad_(no_grad and t.requires_grad)
             for j, t in enumerate(call.leaves) if call.kinds[j] == EAGER}
 
 
@@ -220,7 +231,7 @@ class CpuTorchBackend(TorchAutograd):
         assert not rec.discarded
         with torch.no_grad():
             for j, ph in rec.placeholders.items():
-                ph.data.copy_(call.leaves[j])
+                copy_span(ph.data, call.leaves[j])
         saved: list = []
         out = self._run(rec, saved, rec.grad is not None, {})
         flat: list = []
@@ -232,7 +243,7 @@ class CpuTorchBackend(TorchAutograd):
                     old.data.copy_(new)
         with torch.no_grad():
             for j in rec.mutated:  # the graph's copy-back nodes
-                call.leaves[j].copy_(rec.placeholders[j])
+                copy_span(call.leaves[j], rec.placeholders[j])
         rec.replays += 1
         outs = [t.detach() for t in rec.out_leaves]
         return unflatten(rec.spec, iter(outs), argument_objects(call.arg_specs, call.kwarg_specs)), outs

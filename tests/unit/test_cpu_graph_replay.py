@@ -599,3 +599,42 @@ def test_a_function_updating_a_tree_output_then_given_the_callers_tensor_begins_
         same(mine, x * 2.0 + 2.0)
     warmups, recordings, replays, eager = counts(mgr, fmu)
     assert (warmups, recordings, eager) == (2, 2, 0) and replays >= 4, (warmups, recordings, replays)
+
+
+def test_a_strided_inputs_placeholder_keeps_its_gaps_so_a_reshape_of_it_is_a_copy(mgr):
+    """The recording sees a view with gaps (``x[::2]``) in a placeholder of the caller's layout, as
+    on the GPU: its ``reshape`` copies there too, so the replayed output is the recording's own
+    tensor (not rebuilt from the caller's input with the copy's strides), and a view of the input
+    is rebuilt as a view of the caller's tensor."""
+    def f(x):
+        v = x.unsqueeze(0).squeeze(0)
+        return v.reshape(-1).reshape(x.shape), v
+
+    F = TorchFn(f, mgr)
+    for _ in range(4):
+        mgr.mark_step_begin()
+        x = torch.randn(10, 4)[::2]
+        copied, view = F(x)
+        want = f(x)
+        same(copied, want[0])
+        same(view, want[1])
+        assert copied.stride() == (4, 1) and view.stride() == (8, 1) and view.data_ptr() == x.data_ptr()
+    assert counts(mgr, F)[2] >= 2
+
+
+def test_an_expanded_input_the_function_writes_is_copied_back_by_its_span(mgr):
+    """An input whose elements overlap (``expand``) that the function writes (a self ``copy_``,
+    which moves its version): its copy back covers its span's bytes, as the graph's memcpy node
+    does, and every call matches eager."""
+    def f(x):
+        x.copy_(x)
+        return x.neg()
+
+    F = TorchFn(f, mgr)
+    for _ in range(4):
+        mgr.mark_step_begin()
+        base = torch.randn(1, 4)
+        x, twin = base.expand(5, 4), base.clone().expand(5, 4)
+        same(F(x), f(twin))
+        same(x, twin)
+    assert counts(mgr, F)[2] >= 2
