@@ -1,0 +1,75 @@
+"""CPU tier: random torch programs (tests/helpers/op_programs.py) graphed through the real
+``TreeManager`` on the CPU graph emulator, which replays the recorded ops and not the Python,
+against eager on twins of the same inputs: every call's outputs equal bitwise, with eager's
+shapes, strides and dtypes, and every input written as eager writes it. The programs mix views,
+in-place writes into inputs and into views of them, indexing and reductions, over inputs that
+are transposed, strided with gaps, offset, expanded or permuted."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import op_programs  # noqa: E402
+from cpu_graph import CpuGraphBackend  # noqa: E402
+from torch_cpu_backend import TorchFn, cpu_tree  # noqa: E402
+
+pytestmark = pytest.mark.torch
+BLOCKS = range(6)  # 100 programs each
+CALLS = 6
+
+
+def _same(got, want, what: str) -> None:
+    assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype), (
+        what, (got.shape, got.stride(), got.dtype), (want.shape, want.stride(), want.dtype))
+    assert torch.equal(got.nan_to_num(), want.nan_to_num()) and torch.equal(got.isnan(), want.isnan()), what
+
+
+def _walk(program, monkeypatch) -> tuple:
+    """Run ``program`` graphed for ``CALLS`` calls, each on fresh inputs, against eager on twins;
+    returns its counters, or None when eager refuses the program (and so did the graphed call)."""
+    with cpu_tree(monkeypatch, CpuGraphBackend) as mgr:
+        f = TorchFn(program, mgr, name=f"program_{program.seed}")
+        for call in range(CALLS):
+            mgr.mark_step_begin()
+            xs = op_programs.inputs(program, program.seed * 100 + call)
+            ts = op_programs.twins(xs)
+            try:
+                want = program(*ts)
+            except RuntimeError:  # eager refuses (a write into an expanded input): so must the graphed call
+                with pytest.raises(RuntimeError):
+                    f(*xs)
+                return None
+            got = f(*xs)
+            g, w = op_programs.leaves(got), op_programs.leaves(want)
+            assert len(g) == len(w) and type(got) is type(want), program.describe()
+            for i, (a, b) in enumerate(zip(g, w)):
+                _same(a, b, f"{program.describe()}: call {call}, output {i}")
+            for i, (x, t) in enumerate(zip(xs, ts)):
+                assert torch.equal(x, t), f"{program.describe()}: call {call}, input {i} not written as eager writes it"
+        st = mgr.stats[f.fn_id]
+        return st.recordings, st.replays, st.eager_calls
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_random_programs_replay_what_eager_returns_and_writes(block, monkeypatch):
+    """Every program eager runs is warmed up, recorded once and replayed on every later call."""
+    walked = 0
+    for seed in range(block * 100, block * 100 + 100):
+        program = op_programs.generate(seed)
+        counts = _walk(program, monkeypatch)
+        monkeypatch.undo()
+        if counts is not None:
+            walked += 1
+            assert counts == (1, CALLS - 2, 0), f"{program.describe()}: (recordings, replays, eager calls) {counts}"
+    assert walked >= 80  # the others write into an expanded input, which eager refuses
+
+
+def test_the_generator_is_deterministic_and_covers_every_op_and_layout():
+    programs = [op_programs.generate(s) for s in range(len(BLOCKS) * 100)]
+    assert programs == [op_programs.generate(s) for s in range(len(BLOCKS) * 100)]
+    used = {step[1] for p in programs for step in p.steps}
+    assert used == set(op_programs.UNARY) | set(op_programs.BINARY)
+    assert {layout for p in programs for layout in p.layouts} == set(op_programs.LAYOUTS)
+    assert {p.result for p in programs} == set(op_programs.RESULTS)
