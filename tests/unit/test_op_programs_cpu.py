@@ -66,6 +66,48 @@ def test_random_programs_replay_what_eager_returns_and_writes(block, monkeypatch
     assert walked >= 80  # the others write into an expanded input, which eager refuses
 
 
+@pytest.mark.parametrize("marks", [True, False], ids=["mark_step_begin", "inference_rule"])
+def test_a_programs_output_fed_to_another_in_the_same_step_replays_what_eager_returns(marks, monkeypatch):
+    """Two programs per step, the first's output (a tree output once recorded) the second's first
+    input, which it may read, view or write in place; with ``mark_step_begin()`` before each step,
+    or the first program a root function beginning each one."""
+    walked = 0
+    for seed in range(200):
+        first = op_programs.generate(2 * seed + 10_000)
+        first = op_programs.Program(first.seed, first.layouts, first.steps, first.outs[:1], "single")
+        second = op_programs.generate(2 * seed + 10_001)
+        second = op_programs.Program(second.seed, ("contiguous",) + second.layouts[1:], second.steps, second.outs,
+                                     second.result)
+        with cpu_tree(monkeypatch, CpuGraphBackend) as mgr:
+            f, g = TorchFn(first, mgr, name="first"), TorchFn(second, mgr, name="second")
+            for call in range(CALLS):
+                if marks:
+                    mgr.mark_step_begin()
+                xs = op_programs.inputs(first, seed * 100 + call)
+                ys = op_programs.inputs(second, seed * 100 + call + 50)[1:]
+                ts, us = op_programs.twins(xs), op_programs.twins(ys)
+                try:
+                    a_want = first(*ts)
+                    b_want = second(a_want, *us)
+                except (RuntimeError, IndexError):  # eager refuses: a write into an expanded input, a 0-d value
+                    break
+                a = f(*xs)
+                b = g(a, *ys)
+                what = f"{first.describe()}; {second.describe()}: call {call}"
+                _same(a, a_want, f"{what}: the first's output")
+                for i, (got, want) in enumerate(zip(op_programs.leaves(b), op_programs.leaves(b_want), strict=True)):
+                    _same(got, want, f"{what}: output {i}")
+                for x, t in zip(xs + ys, ts + us):
+                    assert torch.equal(x, t), f"{what}: an input is not written as eager writes it"
+            else:
+                walked += 1
+                stats = [mgr.stats[h.fn_id] for h in (f, g)]
+                assert all(st.recordings == 1 and st.eager_calls == 0 and st.replays >= CALLS - 3 for st in stats), (
+                    [(st.recordings, st.replays, st.eager_calls) for st in stats])
+        monkeypatch.undo()
+    assert walked >= 160
+
+
 def test_the_generator_is_deterministic_and_covers_every_op_and_layout():
     programs = [op_programs.generate(s) for s in range(len(BLOCKS) * 100)]
     assert programs == [op_programs.generate(s) for s in range(len(BLOCKS) * 100)]
