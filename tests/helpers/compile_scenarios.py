@@ -201,6 +201,26 @@ def an_input_written_in_place_is_graphed_and_written_back(env: Env):
     replayed(env, "mut_input")
 
 
+def an_input_write_that_changed_nothing_at_the_warm_up_is_still_written_back(env: Env):
+    """An input clamped in place (``clamp_``): the warm-up's and the recording's values lie inside
+    the bounds, so the write leaves them as they were and no data shows it; later calls' values
+    lie outside, and the caller's tensor must be clamped as eager clamps it. Inductor knows the
+    graph writes its input; the backend declares it to the partition, whose replays copy it back."""
+
+    def clamp_(x):
+        x.clamp_(-3.0, 3.0)
+        return x * 2
+
+    c = env.compile(clamp_, "clamp_input")
+    for i in range(5):
+        x = env.rand(64) * (0.5 if i < 2 else 10.0)  # in bounds for the warm-up and the recording
+        ref = x.clone()
+        close(c(x), clamp_(ref))
+        close(x, ref)
+    assert float(x.abs().max()) == 3.0  # the last call's write clipped values
+    replayed(env, "clamp_input")
+
+
 def a_module_buffer_written_in_place_is_graphed(env: Env):
     """test_mutation_on_inp (its module part): a buffer updated in place by the module; the
     buffer and the outputs equal eager's after each call."""
@@ -434,6 +454,7 @@ SCENARIOS = [
     cloned_outputs_stay_valid,
     mark_step_begin_lets_a_later_piece_write_an_earlier_output,
     an_input_written_in_place_is_graphed_and_written_back,
+    an_input_write_that_changed_nothing_at_the_warm_up_is_still_written_back,
     a_module_buffer_written_in_place_is_graphed,
     outputs_viewing_one_another_share_storage,
     outputs_aliasing_a_parameter_are_the_parameter,

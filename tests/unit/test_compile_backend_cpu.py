@@ -203,6 +203,23 @@ def test_backward_partitions_run_in_the_tree_of_their_forward():
     assert bwd([Arg(1.0), Arg(1.0), 2]) == (3.0,) and len(tree.calls) == 1
 
 
+def test_the_inputs_a_compiled_graph_writes_are_declared_to_its_partitions():
+    """``mutated_input_idxs`` of the graph, through each partition's ``input_index_mapping``
+    (``None``: an input made by an earlier piece), become the graphed partitions' ``mutates``;
+    a partition left out (not in ``made``) and one writing nothing are left alone."""
+    from types import SimpleNamespace
+
+    maps = [SimpleNamespace(input_index_mapping=[0, 2, None]), SimpleNamespace(input_index_mapping=[None, 1, 3]),
+            SimpleNamespace(input_index_mapping=[4])]
+    compiled = SimpleNamespace(partition_maps=maps, mutated_input_idxs={1, 2})
+    made = {i: SimpleNamespace(mutates=(), writes_inputs=False) for i in (0, 1, 2)}
+    tcomp.declare_mutations(compiled, made)
+    assert [(made[i].mutates, made[i].writes_inputs) for i in (0, 1, 2)] == [((1,), True), ((1,), True), ((), False)]
+    assert tcomp.mutated_positions([None, 5, 5], {5}) == (1, 2)
+    tcomp.declare_mutations(SimpleNamespace(partition_maps=None, mutated_input_idxs={0}), made)  # no partitions
+    tcomp.declare_mutations(SimpleNamespace(), {})
+
+
 def test_graph_body_is_named_for_the_report():
     body = tcomp.graph_body(lambda args: tuple(args), "m [0/0] backward/partition 0 of 1")
     assert body.__qualname__ == "m [0/0] backward/partition 0 of 1"

@@ -3,7 +3,8 @@
 against eager on twins of the same inputs: every call's outputs equal bitwise, with eager's
 shapes, strides and dtypes, and every input written as eager writes it. The programs mix views,
 in-place writes into inputs and into views of them, indexing and reductions, over inputs that
-are transposed, strided with gaps, offset, expanded or permuted."""
+are transposed, strided with gaps, offset, expanded or permuted. The same programs also go
+through ``torch.compile(backend="cgraw")`` on the CPU harness (tests/helpers/compile_cpu.py)."""
 
 from __future__ import annotations
 
@@ -106,6 +107,46 @@ def test_a_programs_output_fed_to_another_in_the_same_step_replays_what_eager_re
                     [(st.recordings, st.replays, st.eager_calls) for st in stats])
         monkeypatch.undo()
     assert walked >= 160
+
+
+def test_random_programs_compiled_by_the_backend_match_eager(monkeypatch):
+    """``torch.compile(program, backend="cgraw")`` on the CPU harness (Inductor's partitions as
+    graphed functions): outputs and inputs written in place equal eager's within Inductor's
+    rounding on every call, from the warm-up to the replays; a program torch's own compile refuses
+    (``aot_eager``: a write into an expanded input) is refused the same way, never only by cgraw."""
+    from compile_cpu import cpu_partitions
+
+    walked = 0
+    for seed in range(100, 160):
+        program = op_programs.generate(seed)
+        torch._dynamo.reset()
+        with cpu_partitions(monkeypatch) as h:
+            c = h.compile(lambda *xs, p=program: p(*xs), name=f"program_{seed}")
+            for call in range(5):
+                xs = op_programs.inputs(program, seed * 100 + call)
+                ts = op_programs.twins(xs)
+                try:
+                    want = program(*ts)
+                except (RuntimeError, IndexError):
+                    break  # eager refuses it
+                try:
+                    got = c(*xs)
+                except Exception:  # noqa: BLE001 -- torch's own compile must refuse it too
+                    torch._dynamo.reset()
+                    with pytest.raises(Exception):  # noqa: B017
+                        torch.compile(lambda *a, p=program: p(*a), backend="aot_eager")(*op_programs.twins(xs))
+                    break
+                what = f"{program.describe()}: call {call}"
+                pairs = [(f"output {i}", a, b) for i, (a, b) in
+                         enumerate(zip(op_programs.leaves(got), op_programs.leaves(want), strict=True))]
+                pairs += [(f"input {i}", x, t) for i, (x, t) in enumerate(zip(xs, ts))]
+                for name, a, b in pairs:
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, equal_nan=True,
+                                               msg=lambda m, name=name: f"{what}, {name}: {m}")
+            else:
+                walked += 1
+        monkeypatch.undo()
+    assert walked >= 50
 
 
 def test_the_generator_is_deterministic_and_covers_every_op_and_layout():

@@ -21,6 +21,11 @@ How Inductor's partition hook works (torch 2.9 to 2.13; read in ``torch/_inducto
   of the graph's output strides to AOT autograd (its backward then assumes eager's strides for
   saved activations Inductor laid out otherwise) and the realignment of misaligned inputs;
   ``finish_post_compile`` does both once ``inner_compile`` returns.
+- The inputs a partition writes in place are known to Inductor (``mutated_input_idxs`` of the
+  graph, mapped to each partition's inputs by ``partition_maps``, as torch's own CUDA graphs map
+  them): they are declared to the partition's graphed function (``mutates``), so its replays
+  copy them back even when the warm-up's write left their values as they were (``clamp_`` of
+  values in range), which a warm-up cannot see in the data.
 - The generated ``call`` invokes a partition as ``partition_i(args)``: one list of tensors, then
   the partition's symbolic sizes as ints, which the partition unpacks and clears
   (``args.clear()``) so that its inputs can die early; it returns a tuple of outputs.
@@ -181,6 +186,9 @@ class Wrapping:
             # Inductor's frame, and its recording could not reuse their memory
             gf.continues_step = self.first.setdefault(phase, index) < index
             wrapped = adapt(fn, gf, self.home, self.runtime, _in_backward(), phase=phase, index=index, name=name)
+            made = getattr(self.phase, "made", None)
+            if made is not None:
+                made[index] = gf
         except Exception as exc:  # noqa: BLE001 -- never fail the compile: run the partition as compiled
             self.runtime.note(name, f"not graphed: {type(exc).__name__}: {exc}")
             return fn
@@ -195,15 +203,39 @@ class Wrapping:
             phase = ("backward" if kwargs.get("is_backward") else
                      "inference" if kwargs.get("is_inference") else "forward")
             before, self.phase.value = getattr(self.phase, "value", None), phase
+            made_before, self.phase.made = getattr(self.phase, "made", None), {}
             try:
                 with installed(self):
                     compiled = inner_compile(gm, example_inputs, **kwargs)
+                declare_mutations(compiled, self.phase.made)
             finally:
-                self.phase.value = before
+                self.phase.value, self.phase.made = before, made_before
             finish_post_compile(compiled, example_inputs, kwargs.get("cudagraphs"))
             return compiled
 
         return compile_with_wrapper
+
+
+def declare_mutations(compiled, made: dict) -> None:
+    """Declare to each graphed partition (``made``: partition index -> graphed function) the
+    positions of its inputs that ``compiled`` writes in place: the graph's mutated inputs
+    (``mutated_input_idxs``) through the partition's ``input_index_mapping``."""
+    maps = getattr(compiled, "partition_maps", None)
+    mutated = getattr(compiled, "mutated_input_idxs", None)
+    if not made or not maps or not mutated:
+        return
+    for index, gf in made.items():
+        if index >= len(maps):
+            continue
+        pos = mutated_positions(maps[index].input_index_mapping, mutated)
+        if pos:
+            gf.mutates = tuple(sorted(set(gf.mutates) | set(pos)))
+            gf.writes_inputs = True
+
+
+def mutated_positions(input_index_mapping, mutated) -> tuple:
+    """The partition inputs that are graph inputs in ``mutated`` (graph input indices)."""
+    return tuple(j for j, g in enumerate(input_index_mapping) if g is not None and g in mutated)
 
 
 def finish_post_compile(compiled, example_inputs, ran_cudagraphs) -> None:
@@ -308,4 +340,4 @@ def plain_compile(gm, example_inputs, extra: dict | None):
 
 
 __all__ = ["CACHE_MARKER", "PATCHES", "PENDING", "Home", "Runtime", "Wrapping", "adapt", "check", "compile_graph", "config_patches",
-           "finish_post_compile", "graph_body", "installed", "plain_compile"]
+           "declare_mutations", "finish_post_compile", "graph_body", "installed", "mutated_positions", "plain_compile"]
