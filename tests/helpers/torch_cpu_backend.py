@@ -240,7 +240,7 @@ class CpuTorchBackend(TorchAutograd):
         with torch.no_grad():
             for old, new in zip(rec.saved + rec.out_leaves, saved + flat):
                 if old is not new:
-                    old.data.copy_(new)
+                    copy_span(old.data, new)
         with torch.no_grad():
             for j in rec.mutated:  # the graph's copy-back nodes
                 copy_span(call.leaves[j], rec.placeholders[j])

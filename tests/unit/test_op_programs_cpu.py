@@ -109,6 +109,62 @@ def test_a_programs_output_fed_to_another_in_the_same_step_replays_what_eager_re
     assert walked >= 160
 
 
+def test_random_programs_trained_through_the_tree_give_eagers_gradients(monkeypatch):
+    """With grad enabled and inputs that require it, a weighted sum of each program's outputs is
+    differentiated through the graphed function's recorded backward (``CpuTorchBackend``: the
+    real ``interop.torch.autograd``): the outputs and every input's gradient equal eager's."""
+    from torch_cpu_backend import CpuTorchBackend, cpu_as_device0
+
+    from cgraw.trees import config as tree_config
+    from cgraw.trees.manager import TreeManager
+
+    walked = 0
+    for seed in range(300):
+        program = op_programs.generate(seed)
+        with cpu_as_device0(monkeypatch), torch.enable_grad():
+            tree_config.grad_probe(torch.is_grad_enabled)
+            be = CpuTorchBackend()
+            mgr = be.mgr = TreeManager(be)
+            f = TorchFn(program, mgr, name=f"program_{seed}")
+            try:
+                for call in range(CALLS):
+                    mgr.mark_step_begin()
+                    base = op_programs.inputs(program, seed * 100 + call)
+                    xs = [b.detach().clone().requires_grad_() for b in base]
+                    ts = [b.detach().clone().requires_grad_() for b in base]
+                    try:
+                        want = op_programs.leaves(program(*ts))
+                        _weighted(want).backward()
+                    except (RuntimeError, IndexError, AttributeError):  # eager refuses, or nothing requires grad
+                        break
+                    got = op_programs.leaves(f(*xs))
+                    _weighted(got).backward()
+                    what = f"{program.describe()}: call {call}"
+                    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+                        _same(a.detach(), b.detach(), f"{what}, output {i}")
+                    for i, (x, t) in enumerate(zip(xs, ts)):
+                        assert (x.grad is None) == (t.grad is None), f"{what}, input {i}"
+                        if t.grad is not None:
+                            _same(x.grad, t.grad, f"{what}, gradient of input {i}")
+                else:
+                    walked += 1
+                    st = mgr.stats[f.fn_id]
+                    assert (st.recordings, st.eager_calls) == (1, 0) and st.replays >= CALLS - 2, what
+            finally:
+                tree_config.grad_probe(None)
+        monkeypatch.undo()
+    assert walked >= 150
+
+
+def _weighted(outs):
+    """A scalar of the floating outputs, each weighted by its position (so each gets its own gradient)."""
+    terms = [(o * (i + 1)).sum() for i, o in enumerate(outs) if o.is_floating_point()]
+    loss = sum(terms)
+    if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+        raise AttributeError("no output requires grad")
+    return loss
+
+
 def test_random_programs_compiled_by_the_backend_match_eager(monkeypatch):
     """``torch.compile(program, backend="cgraw")`` on the CPU harness (Inductor's partitions as
     graphed functions): outputs and inputs written in place equal eager's within Inductor's
