@@ -33,14 +33,14 @@ import importlib
 import types
 
 import torch
-from torch_cpu_backend import CpuTorchBackend, cpu_as_device0
+from torch_cpu_backend import CpuTorchBackend, copy_span, cpu_as_device0
 
 from cgraw.interop.torch import observe
 from cgraw.interop.torch.backend import cgraw_backend
 from cgraw.interop.torch.kernel_state import kernel_state
 from cgraw.trees import calls
 from cgraw.trees import config as tree_config
-from cgraw.trees.arrays import EAGER
+from cgraw.trees.arrays import EAGER, TORCH
 from cgraw.trees.manager import TreeManager
 
 graphed_mod = importlib.import_module("cgraw.trees.graphed")
@@ -74,14 +74,14 @@ class CompileCpuBackend(CpuTorchBackend):
         observe.install_module_hooks()  # as CudaBackend does: a tree watches module assignments
 
     def record(self, fn, call, warm):
-        in_place = [(t, t.detach().clone()) for j, t in enumerate(call.leaves)
+        in_place = [(t, TORCH.clone_layout(t.detach())) for j, t in enumerate(call.leaves)
                     if call.kinds[j] != EAGER and isinstance(t, torch.Tensor)]
         rng = torch.get_rng_state()
         rec = super().record(fn, call, warm)
         torch.set_rng_state(rng)
         with torch.no_grad():
             for t, before in in_place:
-                t.data.copy_(before)  # no version counter moves (a forward saved the parameters)
+                copy_span(t.data, before)  # no version counter moves (a forward saved the parameters)
         return rec
 
 

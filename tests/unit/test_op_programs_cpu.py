@@ -205,6 +205,43 @@ def test_random_programs_compiled_by_the_backend_match_eager(monkeypatch):
     assert walked >= 50
 
 
+def test_random_programs_trained_through_the_backend_equal_inductors_bitwise(monkeypatch):
+    """With grad: ``torch.compile(program, backend="cgraw")`` (forward and backward partitions as
+    graphed functions) against ``torch.compile(program)`` on twins of the same inputs: the same
+    Inductor kernels, so outputs and input gradients equal bitwise on every call."""
+    from compile_cpu import cpu_partitions
+
+    walked = 0
+    for seed in range(40):
+        program = op_programs.generate(seed)
+        torch._dynamo.reset()
+        with cpu_partitions(monkeypatch) as h, torch.enable_grad():
+            c = h.compile(lambda *xs, p=program: p(*xs), name=f"program_{seed}")
+            inductor = torch.compile(lambda *xs, p=program: p(*xs))
+            for call in range(5):
+                base = op_programs.inputs(program, seed * 100 + call)
+                xs = [b.detach().clone().requires_grad_() for b in base]
+                ts = [b.detach().clone().requires_grad_() for b in base]
+                try:
+                    want = op_programs.leaves(inductor(*ts))
+                    _weighted(want).backward()
+                except Exception:  # noqa: BLE001 -- Inductor (or eager) refuses the program, or nothing requires grad
+                    break
+                got = op_programs.leaves(c(*xs))
+                _weighted(got).backward()
+                what = f"{program.describe()}: call {call}"
+                for i, (a, b) in enumerate(zip(got, want, strict=True)):
+                    _same(a.detach(), b.detach(), f"{what}, output {i}")
+                for i, (x, t) in enumerate(zip(xs, ts)):
+                    assert (x.grad is None) == (t.grad is None), f"{what}, input {i}"
+                    if t.grad is not None:
+                        _same(x.grad, t.grad, f"{what}, gradient of input {i}")
+            else:
+                walked += 1
+        monkeypatch.undo()
+    assert walked >= 20
+
+
 def test_the_generator_is_deterministic_and_covers_every_op_and_layout():
     programs = [op_programs.generate(s) for s in range(len(BLOCKS) * 100)]
     assert programs == [op_programs.generate(s) for s in range(len(BLOCKS) * 100)]
