@@ -129,23 +129,11 @@ def test_random_programs_trained_through_the_tree_give_eagers_gradients(monkeypa
             try:
                 for call in range(CALLS):
                     mgr.mark_step_begin()
-                    base = op_programs.inputs(program, seed * 100 + call)
-                    xs = [b.detach().clone().requires_grad_() for b in base]
-                    ts = [b.detach().clone().requires_grad_() for b in base]
-                    try:
-                        want = op_programs.leaves(program(*ts))
-                        _weighted(want).backward()
-                    except (RuntimeError, IndexError, AttributeError):  # eager refuses, or nothing requires grad
-                        break
-                    got = op_programs.leaves(f(*xs))
-                    _weighted(got).backward()
                     what = f"{program.describe()}: call {call}"
-                    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-                        _same(a.detach(), b.detach(), f"{what}, output {i}")
-                    for i, (x, t) in enumerate(zip(xs, ts)):
-                        assert (x.grad is None) == (t.grad is None), f"{what}, input {i}"
-                        if t.grad is not None:
-                            _same(x.grad, t.grad, f"{what}, gradient of input {i}")
+                    try:
+                        _same_gradients(f, program, program.seed * 100 + call, what)
+                    except _Refused:  # eager refuses, or nothing requires grad
+                        break
                 else:
                     walked += 1
                     st = mgr.stats[f.fn_id]
@@ -154,6 +142,32 @@ def test_random_programs_trained_through_the_tree_give_eagers_gradients(monkeypa
                 tree_config.grad_probe(None)
         monkeypatch.undo()
     assert walked >= 150
+
+
+class _Refused(Exception):
+    """The reference refused the program (or nothing of it requires grad): nothing to compare."""
+
+
+def _same_gradients(f, reference, seed: int, what: str, program=None) -> None:
+    """``f`` and ``reference`` on twins of ``program``'s inputs (``reference``'s, when it is the
+    program) that require grad, each followed by a backward of ``_weighted``: the outputs and
+    every input's gradient equal bitwise. ``_Refused`` when the reference raises."""
+    base = op_programs.inputs(program or reference, seed)
+    xs = [b.detach().clone().requires_grad_() for b in base]
+    ts = [b.detach().clone().requires_grad_() for b in base]
+    try:
+        want = op_programs.leaves(reference(*ts))
+        _weighted(want).backward()
+    except Exception as exc:  # noqa: BLE001 -- eager's or Inductor's refusal
+        raise _Refused from exc
+    got = op_programs.leaves(f(*xs))
+    _weighted(got).backward()
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        _same(a.detach(), b.detach(), f"{what}, output {i}")
+    for i, (x, t) in enumerate(zip(xs, ts)):
+        assert (x.grad is None) == (t.grad is None), f"{what}, input {i}"
+        if t.grad is not None:
+            _same(x.grad, t.grad, f"{what}, gradient of input {i}")
 
 
 def _weighted(outs):
@@ -219,23 +233,10 @@ def test_random_programs_trained_through_the_backend_equal_inductors_bitwise(mon
             c = h.compile(lambda *xs, p=program: p(*xs), name=f"program_{seed}")
             inductor = torch.compile(lambda *xs, p=program: p(*xs))
             for call in range(5):
-                base = op_programs.inputs(program, seed * 100 + call)
-                xs = [b.detach().clone().requires_grad_() for b in base]
-                ts = [b.detach().clone().requires_grad_() for b in base]
                 try:
-                    want = op_programs.leaves(inductor(*ts))
-                    _weighted(want).backward()
-                except Exception:  # noqa: BLE001 -- Inductor (or eager) refuses the program, or nothing requires grad
+                    _same_gradients(c, inductor, seed * 100 + call, f"{program.describe()}: call {call}", program)
+                except _Refused:  # Inductor (or eager) refuses the program, or nothing requires grad
                     break
-                got = op_programs.leaves(c(*xs))
-                _weighted(got).backward()
-                what = f"{program.describe()}: call {call}"
-                for i, (a, b) in enumerate(zip(got, want, strict=True)):
-                    _same(a.detach(), b.detach(), f"{what}, output {i}")
-                for i, (x, t) in enumerate(zip(xs, ts)):
-                    assert (x.grad is None) == (t.grad is None), f"{what}, input {i}"
-                    if t.grad is not None:
-                        _same(x.grad, t.grad, f"{what}, gradient of input {i}")
             else:
                 walked += 1
         monkeypatch.undo()
