@@ -89,8 +89,9 @@ class TorchFn:
 
 
 def copy_span(dst, src) -> None:
-    """Copy an input into its placeholder or back (the same layout); one whose elements overlap
-    (``expand``) by the bytes of its span, as the graph's memcpy nodes copy it."""
+    """``dst[...] = src`` for two tensors of one layout (an input and its placeholder, a replay's
+    result and the capture's tensor); overlapping ones (``expand``) by the bytes of their span, as
+    the graph's memcpy nodes copy them."""
     if TORCH.may_overlap(src):
         TORCH.flat_span(dst).copy_(TORCH.flat_span(src))
     else:
