@@ -376,12 +376,12 @@ class CudaBackend(TorchAutograd):
             handed = list(handed) + views
         elif not handed:  # a root function called in a loop, its last output dropped
             return
+        if cloning == "user_visible":
+            tts.clone_out([t for _, t in handed if ops_of(t).poisonable])
+            return
         poison, messages = tts.poison, self._messages
         for name, t in handed:
             if not ops_of(t).poisonable:
-                continue
-            if cloning == "user_visible":
-                tts.clone_out(t)
                 continue
             msg = messages.get(name)
             if msg is None:

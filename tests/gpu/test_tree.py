@@ -129,6 +129,41 @@ def test_mark_step_begin_and_generation_cloning():
         cgraw.config.generation_cloning = None
 
 
+def test_cloned_outputs_keep_eagers_layouts_and_stay_views_of_one_another():
+    """With ``user_visible`` cloning, outputs that view one another (a transpose, a strided slice,
+    a row of a larger buffer) are cloned together at the generation's end: each keeps eager's
+    values and strides, the views still share memory with what they view, and later replays
+    leave them alone."""
+    def body(x):
+        y = x * 2.0 + 1.0
+        big = x.repeat(64, 1)
+        return y, y.t(), y[1:, ::2], big[5]
+
+    f = cgraw.graphed(body)
+    cgraw.config.generation_cloning = "user_visible"
+    try:
+        kept = []
+        for i in range(6):
+            cgraw.mark_step_begin()
+            x = trand(8, 8)
+            outs = f(x)
+            want = body(x)
+            kept.append((outs, [w.clone() for w in want], [w.stride() for w in want]))
+        cgraw.mark_step_begin()  # the last call's outputs are cloned out too
+        torch.cuda.synchronize()
+        for i, (outs, want, strides) in enumerate(kept):
+            for j, (o, w) in enumerate(zip(outs, want)):
+                assert torch.equal(o, w), f"call {i}, output {j} changed after its generation ended"
+            assert [o.stride() for o in outs] == strides, f"call {i}: strides {[o.stride() for o in outs]}"
+            y, yt, ys, row = outs
+            assert yt.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() == ys.untyped_storage().data_ptr()
+            assert row.untyped_storage().nbytes() < 64 * 8 * 4  # its row, not the whole buffer
+        st = _stats(f)
+        assert st.replays >= 3 and st.eager_calls == 0
+    finally:
+        cgraw.config.generation_cloning = None
+
+
 def test_input_mutation_static_tree_output_and_eager():
     p = torch.nn.Parameter(trand(256), requires_grad=False)
 

@@ -23,6 +23,7 @@ import torch
 from cgraw.errors import SkipCall
 from cgraw.trees.arrays import EAGER, TORCH, argument_objects, out_spec, replace_leaves, unflatten
 from cgraw.interop.torch import private_api
+from cgraw.interop.torch.checkpoints import TorchTreeState
 from cgraw.interop.torch.autograd import TorchAutograd, capture_inputs, grad_info, run_saving
 from cgraw.trees.nodes import Warm, capture_failed, next_fn_id
 
@@ -170,9 +171,14 @@ class CpuTorchBackend(TorchAutograd):
         rec.discarded = True
 
     def end_generation(self, handed, cloning):
+        """As ``CudaBackend``: outputs of the ending generation are poisoned (here: listed), or with
+        ``user_visible`` cloning moved to private copies (``TorchTreeState.clone_out``)."""
         self.log.append(("end_generation",))
-        for name, t in list(handed) + self.grad_views():
-            self.poisoned.append(t)
+        handed = list(handed) + self.grad_views()
+        if cloning == "user_visible":
+            TorchTreeState.clone_out([t for _, t in handed])
+        else:
+            self.poisoned.extend(t for _, t in handed)
 
     def warm_restores(self, fn, call) -> bool:
         return False  # warm-ups run outside the pool here

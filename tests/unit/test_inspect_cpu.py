@@ -256,7 +256,7 @@ def test_generation_end_poisons_the_torch_outputs_and_skips_cupy_ones(monkeypatc
     CudaBackend.end_generation(be, [("f", t), ("g", a)], None)
     assert [x for x, _ in poisoned] == [t] and "'f'" in poisoned[0][1]
     CudaBackend.end_generation(be, [("f", t), ("g", a)], "user_visible")
-    assert cloned == [t]
+    assert cloned == [[t]]  # the torch outputs, in one call: storages shared among them are copied once
 
 
 # ---------------------------------------------------------------------- the plain-tensor fast path

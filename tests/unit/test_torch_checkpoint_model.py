@@ -336,3 +336,25 @@ def test_a_path_block_missing_from_the_checkpoint_is_refused():
     with pytest.raises(RestoreRefused, match="not in the checkpoint"):
         backend._restore_torch(early, b.path())
     assert not private_api.deaths
+
+
+def test_cloned_out_outputs_keep_their_layouts_and_aliasing_and_copy_only_what_they_reach():
+    """``generation_cloning="user_visible"``: outputs over one storage are copied together and
+    re-pointed into the copy, so a view of another output stays its view, every output keeps its
+    sizes, strides and values, and a row of a large buffer takes a copy of its own bytes, not the
+    buffer's; the tree's memory is no longer theirs."""
+    torch = pytest.importorskip("torch")
+    a = torch.randn(4, 4)
+    big = torch.randn(1000, 4)
+    outs = [a, a.t(), a[1:, ::2], big[3], torch.randn(1, 4).expand(5, 4), torch.empty(0, 3)]
+    before = [(t.clone(), t.stride(), t.shape) for t in outs]
+    old_ptrs = [t.untyped_storage().data_ptr() for t in outs]
+    TorchTreeState.clone_out(outs)
+    for t, (values, stride, shape), ptr in zip(outs, before, old_ptrs):
+        assert torch.equal(t, values) and t.stride() == stride and t.shape == shape
+        assert t.numel() == 0 or t.untyped_storage().data_ptr() != ptr
+    a, at, sub, row = outs[:4]
+    assert at.untyped_storage().data_ptr() == a.untyped_storage().data_ptr() == sub.untyped_storage().data_ptr()
+    a[1, 0] = 7.0  # still views of one another
+    assert at[0, 1] == 7.0 and sub[0, 0] == 7.0
+    assert row.untyped_storage().nbytes() <= 16 + 4 * 4  # its 16 bytes (from a 16-byte boundary), not 16 KB

@@ -22,6 +22,9 @@ import sys
 
 from cgraw.errors import CgrawError
 from cgraw.interop.torch import private_api
+from cgraw.trees.frameworks import span_elements
+
+CLONE_ALIGN = 16  # a cloned output's copy starts at this alignment of its storage's offsets (every dtype's size divides it)
 
 
 class RestoreRefused(CgrawError):
@@ -45,10 +48,26 @@ class TorchTreeState:
         self.poison = getattr(tc, "_set_storage_access_error_msg", None)  # None in the CPU model of torch
 
     @staticmethod
-    def clone_out(t) -> None:
-        """Move a handed-out output to a private copy (``config.generation_cloning``)."""
-        with sys.modules["torch"].no_grad():
-            t.set_(t.clone())
+    def clone_out(tensors) -> None:
+        """Move handed-out outputs to private copies (``config.generation_cloning``): the outputs
+        over one storage are copied together, the bytes from the first's first element to the
+        last's end, and each re-pointed into the copy with its own sizes and strides, so they keep
+        their layouts and the aliasing among them (a view of another output stays a view of it)
+        without copying more of the storage than they reach."""
+        torch = sys.modules["torch"]
+        groups: dict = {}
+        for t in tensors:
+            groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+        with torch.no_grad():
+            for ts in groups.values():
+                spans = [(t.storage_offset() * t.element_size(),
+                          (t.storage_offset() + span_elements(t.shape, t.stride())) * t.element_size()) for t in ts]
+                lo = min(a for a, _ in spans) // CLONE_ALIGN * CLONE_ALIGN
+                hi = max(b for _, b in spans)
+                raw = torch.empty(0, dtype=torch.uint8, device=ts[0].device).set_(ts[0].untyped_storage())
+                copy = raw[lo:hi].clone().untyped_storage()
+                for t, (a, _) in zip(ts, spans):
+                    t.set_(copy, (a - lo) // t.element_size(), t.size(), t.stride())
 
     @classmethod
     def for_pool(cls, device_pool) -> "TorchTreeState":
