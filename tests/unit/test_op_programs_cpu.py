@@ -109,6 +109,47 @@ def test_a_programs_output_fed_to_another_in_the_same_step_replays_what_eager_re
     assert walked >= 160
 
 
+def test_outputs_cloned_at_each_generations_end_keep_eagers_values_layouts_and_aliasing(monkeypatch):
+    """``generation_cloning = "user_visible"``: every output of every call is kept while later
+    calls run; at the end each still has eager's values and strides, and the outputs of one call
+    share memory exactly where eager's do."""
+    from cgraw.trees.config import config
+
+    def sharing(ts):
+        return [[a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in ts] for a in ts]
+
+    walked = 0
+    config.generation_cloning = "user_visible"
+    try:
+        for seed in range(300):
+            program = op_programs.generate(seed)
+            kept = []
+            with cpu_tree(monkeypatch, CpuGraphBackend) as mgr:
+                f = TorchFn(program, mgr, name=f"program_{seed}")
+                for call in range(CALLS):
+                    if call % 2:
+                        mgr.mark_step_begin()  # else the inference rule begins the generation
+                    xs = op_programs.inputs(program, seed * 100 + call)
+                    try:
+                        want = op_programs.leaves(program(*op_programs.twins(xs)))
+                    except (RuntimeError, IndexError):
+                        break
+                    kept.append((op_programs.leaves(f(*xs)), [(w.clone(), w.stride()) for w in want], sharing(want)))
+                else:
+                    walked += 1
+                    mgr.mark_step_begin()
+                for call, (outs, want, shared) in enumerate(kept):
+                    what = f"{program.describe()}: call {call}"
+                    for i, (o, (w, stride)) in enumerate(zip(outs, want, strict=True)):
+                        assert torch.equal(o.nan_to_num(), w.nan_to_num()), f"{what}, output {i}"
+                        assert o.stride() == stride, f"{what}, output {i}: strides {o.stride()}, eager's {stride}"
+                    assert sharing(outs) == shared, what
+            monkeypatch.undo()
+    finally:
+        config.generation_cloning = None
+    assert walked >= 250
+
+
 def test_random_programs_trained_through_the_tree_give_eagers_gradients(monkeypatch):
     """With grad enabled and inputs that require it, a weighted sum of each program's outputs is
     differentiated through the graphed function's recorded backward (``CpuTorchBackend``: the
