@@ -178,7 +178,8 @@ class CpuTorchBackend(TorchAutograd):
         if cloning == "user_visible":
             TorchTreeState.clone_out([t for _, t in handed])
         else:
-            self.poisoned.extend(t for _, t in handed)
+            for _, t in handed:
+                self.poisoned.append(t)
 
     def warm_restores(self, fn, call) -> bool:
         return False  # warm-ups run outside the pool here
