@@ -70,10 +70,14 @@ def warm_up_loop(args, kwargs, run):
     """torch's ``while_loop`` run by torch (``run``) inside a warm-up that draws with cgraw's
     kernels, its draws those of the WHILE node it becomes in the recording (``rng.plan.LoopDraws``):
     torch evaluates the condition first and then after every body, so the draws are set up after
-    the first evaluation and an iteration ends after each later one. ``NotImplemented`` elsewhere."""
+    the first evaluation and an iteration ends after each later one. Every cgraw mode on the stack
+    sees the operator (the warm-up's and the random-number router's): the outermost follows the
+    loop, the others leave it to torch. ``NotImplemented`` elsewhere."""
     if not _rng_device.warming() or kwargs or len(args) not in (3, 4):
         return NotImplemented
     cond_fn = args[0]
+    if getattr(cond_fn, "cgraw_follows_loop", False):
+        return NotImplemented  # a mode further out on the stack follows this loop already
     draws: list | None = None
 
     def cond(*values):
@@ -86,6 +90,7 @@ def warm_up_loop(args, kwargs, run):
                 d.iteration_done()
         return pred
 
+    cond.cgraw_follows_loop = True
     try:
         return run((cond, *args[1:]), kwargs)
     finally:

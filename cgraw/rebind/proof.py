@@ -206,8 +206,9 @@ def dearer(n_nodes: int, n_copies: int, nbytes: int, margin: int) -> str | None:
     whose copy costs the device a full read and write."""
     if n_nodes <= n_copies + margin or nbytes >= BIG_INPUT:
         return None
+    size = f"{nbytes} bytes" if nbytes < 1024 else f"{nbytes / 1024:.0f} KiB"
     return (f"read by {n_nodes} graph nodes: re-pointing them when it moves (a driver call each) costs more "
-            f"than updating its {n_copies} copy node(s) for its {nbytes / 1024:.0f} KiB (inputs of 1 MiB or more "
+            f"than updating its {n_copies} copy node(s) for its {size} (inputs of 1 MiB or more "
             "are read in place whatever the count; cgraw.config.rebind_node_margin allows more nodes)")
 
 

@@ -688,7 +688,7 @@ def test_torchs_while_loop_in_a_warm_up_draws_as_the_device_loop_draws(monkeypat
 
     x0 = torch.rand(2) * 0.5
     monkeypatch.setattr(rng_device, "warming", lambda: True)
-    with _cgraw_mode():
+    with _cgraw_mode(), _cgraw_mode():  # the warm-up's observer and the random-number router: two modes see it
         x, = torch.ops.higher_order.while_loop(cond, body, (x0,), ())  # the operator the public wrapper calls
     torch.testing.assert_close(x, x0 + 3)
     assert offsets == [0, 1, 2, 1, 2, 1, 2]

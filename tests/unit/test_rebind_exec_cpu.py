@@ -475,6 +475,7 @@ def test_dearer_counts_a_written_inputs_copy_back():
     assert rebind_proof.dearer(2, 2, 4096, 0) is None
     assert "read by 3 graph nodes" in rebind_proof.dearer(3, 2, 4096, 0)
     assert rebind_proof.dearer(1, 1, 4096, 0) is None
+    assert "its 8 bytes" in rebind_proof.dearer(2, 1, 8, 0) and "its 4 KiB" in rebind_proof.dearer(2, 1, 4096, 0)
     assert rebind_proof.dearer(9, 1, rebind_proof.BIG_INPUT, 0) is None
     assert rebind_proof.dearer(9, 1, rebind_proof.BIG_INPUT - 1, 7) is not None
     assert rebind_proof.dearer(9, 1, rebind_proof.BIG_INPUT - 1, 8) is None
