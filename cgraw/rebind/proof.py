@@ -31,6 +31,15 @@ anything outside the graph can tell, whatever the outcome. Inputs read through a
 in device memory, written by a memset node, or whose graph holds a host node or packed kernel
 arguments keep their copies without a proof. A graph whose ranges exceed ``SNAPSHOT_LIMIT`` (or
 a quarter of the free device memory) is not proven: its inputs keep their copies.
+
+An input without a version counter (a CuPy array) may be written by the function although no
+warm-up saw it: a write of the values it held (``cupy.maximum(x, 0, out=x)`` on non-negative
+values) leaves its data as it was, and only torch counts writes. Such an input is offered for
+reading in place whatever its size and node count (a write then reaches the caller's array), the
+replay with the copies copies its placeholder back as a copy-back node would (so the two replays
+agree whether or not the function writes it), and a staged copy of it is copied back after the
+launch. Where the proof fails it keeps its copy, and a write no warm-up saw stays in the copy:
+``mutates=`` declares such writes.
 """
 
 from __future__ import annotations
@@ -82,13 +91,20 @@ class Pending:
     """What ``prove`` needs, made by ``plan``: the graph's kernel arguments and copy addresses,
     and per candidate input its ``InputRebind`` (words into ``KernelArgs`` buffers)."""
 
-    __slots__ = ("rebinds", "placeholders", "values", "copy_nodes")
+    __slots__ = ("rebinds", "placeholders", "values", "copy_nodes", "unseen")
 
-    def __init__(self, rebinds: list, placeholders: dict, values: set, copy_nodes: dict):
+    def __init__(self, rebinds: list, placeholders: dict, values: set, copy_nodes: dict, unseen=frozenset()):
         self.rebinds = rebinds  # [InputRebind]
         self.placeholders = placeholders  # leaf -> (placeholder array, base, nbytes)
         self.values = values  # every 8-byte word and copy address of the graph (device pointers or not)
         self.copy_nodes = copy_nodes  # leaf -> [InputCopy] (its copy in, and back when mutated)
+        self.unseen = unseen  # leaves without a version counter and no copy back: the function may write them
+
+    def copies_back(self, rebinds) -> list:
+        """The copy-in nodes of ``rebinds``' inputs in ``unseen``: the proof's replay with the copies
+        copies their placeholders back, as a copy-back node would, so that a write into one of them
+        that no warm-up saw makes that replay equal the in-place one, not differ from it."""
+        return [c for r in rebinds if r.leaf in self.unseen for c in self.copy_nodes[r.leaf] if not c.back]
 
 
 def plan(rec, g, call, placeholders: dict, config) -> None:
@@ -166,7 +182,12 @@ def plan(rec, g, call, placeholders: dict, config) -> None:
     n_copies: dict = {}
     for c in rec.copies:
         n_copies[c.leaf] = n_copies.get(c.leaf, 0) + 1
+    written = {c.leaf for c in rec.copies if c.back}
+    unseen = frozenset(leaf for leaf in cands if leaf not in written
+                       and call.ops[leaf].version(call.leaves[leaf]) is None)
     for leaf in cands:
+        if leaf in unseen:
+            continue  # a write into it is seen only where it changes its values: read in place, it reaches the caller
         why = dearer(len(pl.nodes_of(leaf)) + sum(1 for r in pl.refs if r.leaf == leaf), n_copies[leaf],
                      ph_info[leaf][2], config.rebind_node_margin)
         if why is not None:
@@ -191,10 +212,9 @@ def plan(rec, g, call, placeholders: dict, config) -> None:
             nd, dst, src, n = memcpys[r.node]
             rt = _cuda.rt_node_handle(nd)
             ms.append((rt, r.delta, None, dst, src, n) if r.field == "dst" else (rt, None, r.delta, dst, src, n))
-        back = any(c.back and c.leaf == leaf for c in rec.copies)
-        rebinds.append(InputRebind(leaf, base, ws, ks, ms, back))
+        rebinds.append(InputRebind(leaf, base, ws, ks, ms, back=leaf in written or leaf in unseen))
     copy_nodes = {leaf: [c for c in rec.copies if c.leaf == leaf] for leaf in cands}
-    rec.proof = Pending(rebinds, {leaf: ph_info[leaf] for leaf in cands}, values, copy_nodes)
+    rec.proof = Pending(rebinds, {leaf: ph_info[leaf] for leaf in cands}, values, copy_nodes, unseen)
 
 
 def dearer(n_nodes: int, n_copies: int, nbytes: int, margin: int) -> str | None:
@@ -203,7 +223,10 @@ def dearer(n_nodes: int, n_copies: int, nbytes: int, margin: int) -> str | None:
     input costs one driver call per node to re-point (about 1 us on the H200), one per copy node
     to update its copy: re-pointing is chosen when it touches at most ``margin`` nodes more than
     the copy (``cgraw.config.rebind_node_margin``), or when the input is ``BIG_INPUT`` or larger,
-    whose copy costs the device a full read and write."""
+    whose copy costs the device a full read and write. ``plan`` asks only for inputs with a version
+    counter (torch tensors): an array without one (CuPy) is read in place whatever the count, since
+    a warm-up sees its writes only where they change its values (``cupy.maximum(x, 0, out=x)`` on
+    positive values), and a write into its copy would not reach the caller."""
     if n_nodes <= n_copies + margin or nbytes >= BIG_INPUT:
         return None
     size = f"{nbytes} bytes" if nbytes < 1024 else f"{nbytes / 1024:.0f} KiB"
@@ -276,6 +299,8 @@ def prove(backend, rec, call):
             held = True
             generators = gens.save()
         rec.replay(call, first=True)  # A: as recorded, with the copies
+        for c in pend.copies_back(rebinds):
+            _cuda.memcpy_dtod_async(c.ptr, c.fixed, c.count, stream)
         _pack(ranges, after_a, stream, out=True)
         _pack(ranges, saved, stream, out=False)
         if gens is not None:

@@ -270,6 +270,34 @@ class _Accumulator(torch.nn.Module):
         return x * self.acc
 
 
+def test_a_cupy_write_that_changed_nothing_at_the_warm_up_reaches_the_callers_array(cupy_mod):
+    """``cupy.maximum(x, 0, out=x)`` on a non-negative array at the warm-up leaves its values as they
+    were, and a CuPy array has no version counter: nothing shows the write. So a small CuPy input is
+    read in place however many kernels read it (not copied, where a write would stay in the copy),
+    and a later call's write reaches the caller's array as eagerly."""
+    cp = cupy_mod
+
+    def relu_in_place(x):
+        cp.maximum(x, 0, out=x)
+        return x.sum() + 2 * x.max()  # three kernels read x
+
+    f = cgraw.graphed(relu_in_place)
+    calls = 7
+    for i in range(calls):
+        cgraw.mark_step_begin()
+        x = crand(1024)
+        if i == 0:
+            x = cp.abs(x)  # the warm-up's write changes nothing
+        ref = x.copy()
+        want = relu_in_place(ref)
+        got = f(x)
+        assert cp.array_equal(x, ref), f"call {i}: the caller's array is not what eager leaves"
+        assert cp.allclose(got, want, rtol=1e-6, atol=1e-6), f"call {i}: {got} against eager's {want}"
+        assert bool((x < 0).any()) is False
+    _assert_graphed(f, calls)
+    _assert_inputs(f, rebound=1, copied=0)
+
+
 def test_closure_buffers_updated_once_per_call():
     torch.manual_seed(0)
     m = _Accumulator(64).cuda()

@@ -80,11 +80,28 @@ def fake_graph(monkeypatch):
     return graph
 
 
-def make_rec(copies, bucket=None):
+class Counted:
+    """A framework's ops whose arrays count their writes (torch's version counter)."""
+
+    @staticmethod
+    def version(t):
+        return 0
+
+
+class Uncounted:
+    """A framework's ops that keep no count of writes (CuPy)."""
+
+    @staticmethod
+    def version(t):
+        return None
+
+
+def make_rec(copies, bucket=None, ops=Counted):
     rec = Recording("f")
     rec.exec_ = "exec"
     rec.copies = copies
-    call = SimpleNamespace(bucket=bucket)
+    n = 1 + max((c.leaf for c in copies), default=0)
+    call = SimpleNamespace(bucket=bucket, ops=[ops] * n, leaves=[object()] * n)
     return rec, call
 
 
@@ -112,6 +129,36 @@ def test_plan_finds_words_per_input_and_shares_kernel_buffers(fake_graph):
     shared = [k for k in r0.kernels if k in r1.kernels]
     assert len(shared) == 1 and shared[0].node == 2  # one buffer per node, both inputs' words in it
     assert {PH_A + 64, 7, PH_B, PH_A, CALLER} <= p.values
+
+
+def test_plan_offers_an_input_without_a_write_count_whatever_reads_it(fake_graph):
+    """A small input read by three kernels keeps its copy when its framework counts writes (re-pointing
+    costs more than its copy); without a count (a CuPy array) a write no warm-up saw could stay in its
+    copy, so it is offered for reading in place, and its staged copies are copied back."""
+    nodes = [(MEMCPY, (PH_A, CALLER, 4096)), (KERNEL, [word(PH_A)]), (KERNEL, [word(PH_A + 8)]),
+             (KERNEL, [word(PH_A + 16)])]
+    g = fake_graph(nodes)
+    rec, call = make_rec([copy_in(0, 0, PH_A)])
+    rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
+    assert "read by 3 graph nodes" in rec.input_notes[0] and rec.proof is None
+    g = fake_graph(nodes)
+    rec, call = make_rec([copy_in(0, 0, PH_A)], ops=Uncounted)
+    rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
+    assert rec.input_notes == {0: None} and rec.proof.unseen == {0}
+    (r,) = rec.proof.rebinds
+    assert r.back and len(r.kernels) == 3
+    assert rec.proof.copies_back(rec.proof.rebinds) == [rec.copies[0]]
+    # written where the warm-up saw it: its copy-back node carries the write, so the node count decides
+    g = fake_graph(nodes + [(MEMCPY, (CALLER, PH_A, 4096))])
+    cback = InputCopy(0, 4, PH_A, CALLER, 4096, 0, back=True)
+    rec, call = make_rec([copy_in(0, 0, PH_A), cback], ops=Uncounted)
+    rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
+    assert "read by 3 graph nodes" in rec.input_notes[0] and rec.proof is None
+    g = fake_graph(nodes + [(MEMCPY, (CALLER, PH_A, 4096))])
+    rec, call = make_rec([copy_in(0, 0, PH_A), cback], ops=Uncounted)
+    rebind_proof.plan(rec, g, call, {0: "ph"}, Config(rebind_node_margin=2))
+    assert rec.proof.unseen == frozenset() and rec.proof.copies_back(rec.proof.rebinds) == []
+    assert rec.proof.rebinds[0].back
 
 
 def test_plan_reasons(fake_graph):
@@ -361,6 +408,20 @@ def test_proof_kept_in_place(monkeypatch):
     assert ("poison", PH_A, 0) in rig.events  # the placeholder "ph" has no float dtype: zeros
     packs = [e for e in rig.events if isinstance(e, tuple) and e[0] == "pack"]
     assert packs == [("pack", True), ("pack", True), ("pack", False), ("pack", True)]
+
+
+def test_proof_copies_back_an_input_whose_writes_no_warm_up_counts(monkeypatch):
+    """The replay with the copies copies the placeholder of an input without a write count back into
+    the caller's array before its ranges are read, as the in-place replay leaves a write there."""
+    rig, rec, k, modes, dropped, backend, (cin, cback) = _rig_rec(monkeypatch, equal=True)
+    rec.copies = [cin]
+    rec.proof = rebind_proof.Pending(rec.proof.rebinds, rec.proof.placeholders, rec.proof.values, {0: [cin]},
+                                     frozenset({0}))
+    monkeypatch.setattr(_cuda, "memcpy_dtod_async", lambda dst, src, n, s: rig.events.append(("copy", dst, src, n)))
+    rebind_proof.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
+    seq = [e for e in rig.events if isinstance(e, tuple) and e[0] in ("pack", "copy")]
+    assert seq == [("pack", True), ("copy", CALLER, PH_A, 4096), ("pack", True), ("pack", False), ("pack", True)]
+    assert modes == [("copy", PH_A), ("in place", CALLER)] and rec.input_notes == {0: None}
 
 
 def test_proof_refuted_goes_back_to_the_copies(monkeypatch):
