@@ -11,8 +11,8 @@ calls it for every call; backends only read what it decides.
   generation: read in place), *eager* (everything else: copied into a placeholder).
 - fast paths with the same result: one exact tensor; exact tensors and parameters only; a function
   whose caller guarantees its inputs' dtypes and devices (``inputs_guarded``: the torch.compile
-  backend's partitions), keyed by the ``GUARDED`` mark, each tensor's sizes and strides, and the
-  sizes after the tensors.
+  backend's partitions), keyed by the ``GUARDED`` mark, the number of tensors and the sizes after
+  them, as torch's trees key Inductor's graphs (dynamo's guards fix every other size and stride).
 - inputs sharing memory (``input_plan.shared_memory``): once a warm-up shows a function writing an
   eager input (``writes_inputs``), the key of each of its calls notes which inputs overlap an eager
   one. What a recording assumed of its inputs, and how a call differs, is ``trees.input_plan``.
@@ -379,12 +379,15 @@ def _inspect_guarded(fn, args, tree_outputs, device: int) -> Call:
     dynamo's guards on every graph input's dtype, device, sizes and strides, and take the other
     tensors from buffers the compiled code allocates itself; such code never hands a conjugate
     or negative view to its kernels, and a partition's tensors share one device). Its key holds
-    each tensor's sizes and strides (Inductor's own asserts on them run inside the partition,
-    which a replay does not run), as the general key does without the dtypes; kinds stay out of
-    it (a parameter at one call and a view of it at the next select one recording, which checks
-    its kinds). Arguments after the leading tensors (the partition's symbolic sizes) are keyed as
-    ``inspect`` keys them. A call whose arguments do not start with a tensor takes ``inspect``'s
-    general path."""
+    the number of tensors and the arguments after them (the partition's symbolic sizes, keyed as
+    ``inspect`` keys them), not each tensor's sizes and strides: a partition's code is a function
+    of its tensors' addresses and those sizes alone (dynamo's guards and Inductor's asserts at the
+    graph's entry fix the graph inputs' sizes and strides for one compiled graph; Inductor sizes
+    the buffers it passes between partitions from the same symbols), which is how torch's trees
+    key Inductor's graphs too (their integer arguments). Reading 100 tensors' sizes and strides
+    and hashing them cost more than the rest of such a call. Kinds stay out of the key (a parameter
+    at one call and a view of it at the next select one recording, which checks its kinds). A
+    call whose arguments do not start with a tensor takes ``inspect``'s general path."""
     T, P = _tensor
     n = 0
     for a in args:
@@ -405,7 +408,7 @@ def _inspect_guarded(fn, args, tree_outputs, device: int) -> Call:
                  for a, p in zip(tensors, ptrs)]
     else:
         kinds = [STATIC if type(a) is P else (TREE if p in tree_outputs else EAGER) for a, p in zip(tensors, ptrs)]
-    parts = [GUARDED, *[(a.shape, a.stride()) for a in tensors]]
+    parts = [GUARDED, n]
     leaves = list(tensors)
     shared = _PLAIN.get(n)
     if shared is None:
