@@ -71,7 +71,8 @@ def moved(plan: InputPlan, call, fn=None) -> str | None:
     """Why ``call`` cannot replay a recording made under ``plan`` (a re-record reason), or None.
     A static input that compiled code declared (``fn.static_positions``: a module buffer, which
     dynamo gives Inductor as static) and that moved is an eager input of ``fn`` from now on, this
-    call included: a step that assigns a new tensor to a buffer re-records once, not every call."""
+    call included, as is every other declared one that moved: a step that assigns new tensors to
+    buffers re-records once, not every call."""
     if call.kinds != plan.kinds:
         return f"input kinds changed (0 eager, 1 static, 2 tree output): {plan.kinds} -> {call.kinds}"
     ptrs = call.ptrs
@@ -79,11 +80,13 @@ def moved(plan: InputPlan, call, fn=None) -> str | None:
         if ptrs[j] != p:
             what = "static input" if call.kinds[j] == STATIC else "tree-output input"
             declared = getattr(fn, "static_positions", ())
-            if j in declared:
-                fn.static_positions = tuple(k for k in declared if k != j)
-                call.kinds[j] = EAGER
+            if j in declared:  # every declared one that moved, at once: one re-record
+                gone = {k for k, q in plan.fixed if k in declared and ptrs[k] != q}
+                fn.static_positions = tuple(k for k in declared if k not in gone)
+                for k in gone:
+                    call.kinds[k] = EAGER
                 return f"{what} {j} (a static input of the compiled graph) moved from 0x{p:x} to 0x{ptrs[j]:x}: " \
-                       "an eager input from now on"
+                       f"an eager input from now on, with {len(gone) - 1} other(s)"
             return f"{what} {j} moved from 0x{p:x} to 0x{ptrs[j]:x}"
     return None
 
@@ -95,8 +98,9 @@ def shared_memory(leaves, kinds, ptrs, ops, memo: dict | None = None, key=None) 
     each other's writes, where eager code does. A graphed call asks it on every call of such a
     function (a decode step writing its cache, a training step updating BatchNorm's statistics),
     so with ``memo`` (the function's, ``{key: Fixed}``) and ``key`` (the call's key so far, which
-    holds every leaf's layout, or for compiled code fixes it through dynamo's guards) the extents of the leaves read in place are measured once and
-    reused while their addresses stay; only the eager leaves are measured per call."""
+    holds every leaf's layout, or for compiled code fixes it through dynamo's guards) the extents
+    of the leaves read in place are measured once and reused while their addresses stay; only the
+    eager leaves are measured per call."""
     if EAGER not in kinds:
         return ()
     if memo is None:

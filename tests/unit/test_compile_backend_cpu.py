@@ -215,7 +215,7 @@ def test_the_inputs_a_compiled_graph_writes_are_declared_to_its_partitions():
     made = {i: SimpleNamespace(mutates=(), writes_inputs=False) for i in (0, 1, 2)}
     tcomp.declare_mutations(compiled, made)
     assert [(made[i].mutates, made[i].writes_inputs) for i in (0, 1, 2)] == [((1,), True), ((1,), True), ((), False)]
-    assert tcomp.mutated_positions([None, 5, 5], {5}) == (1, 2)
+    assert tcomp.graph_positions([None, 5, 5], {5}) == (1, 2)
     tcomp.declare_mutations(SimpleNamespace(partition_maps=None, mutated_input_idxs={0}), made)  # no partitions
     tcomp.declare_mutations(SimpleNamespace(), {})
 
@@ -684,6 +684,38 @@ def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(no_module_ho
     # warm-up, recording, the buffer moved (an eager input from then on): warm-up, recording, replays
     assert (s.warmups, s.recordings, s.rerecords, s.replays) == (2, 2, 1, calls - 4), s
     assert "a static input of the compiled graph" in s.rerecord_reasons[0], s.rerecord_reasons
+
+
+def test_a_step_assigning_two_buffers_re_records_once(no_module_hooks, inductor):
+    """Two static inputs of the graph (module buffers) that move at the same call become eager
+    inputs together: one re-record, then a replay at every call, each equal to eager."""
+    import torch
+
+    class Steps(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(8, 8)
+            self.register_buffer("seen", torch.zeros(()))
+            self.register_buffer("total", torch.zeros(8))
+
+        def forward(self, x):
+            self.seen = self.seen + 1
+            self.total = self.total + x.sum(0)
+            return self.lin(x) * self.seen + self.total
+
+    m, ref = Steps(), Steps()
+    c = inductor.compile(m, name="twice")
+    calls = 8
+    with torch.no_grad():
+        for _ in range(calls):
+            x = torch.randn(2, 8)
+            torch.testing.assert_close(c(x), ref(x))
+    torch.testing.assert_close(m.total, ref.total)
+    (s,) = inductor.partitions("twice [").values()
+    assert s.eager_calls == 0 and not s.skip_reasons, s
+    assert (s.warmups, s.recordings, s.rerecords, s.replays) == (2, 2, 1, calls - 4), s
+    assert "with 1 other(s)" in s.rerecord_reasons[0], s.rerecord_reasons
 
 
 def _cut_model(kind: str):

@@ -231,15 +231,15 @@ def declare_mutations(compiled, made: dict) -> None:
     for index, gf in made.items():
         if index >= len(maps):
             continue
-        pos = mutated_positions(maps[index].input_index_mapping, mutated)
+        pos = graph_positions(maps[index].input_index_mapping, mutated)
         if pos:
             gf.mutates = tuple(sorted(set(gf.mutates) | set(pos)))
             gf.writes_inputs = True
 
 
-def mutated_positions(input_index_mapping, mutated) -> tuple:
-    """The partition inputs that are graph inputs in ``mutated`` (graph input indices)."""
-    return tuple(j for j, g in enumerate(input_index_mapping) if g is not None and g in mutated)
+def graph_positions(input_index_mapping, graph_idxs) -> tuple:
+    """The partition inputs that are graph inputs in ``graph_idxs`` (graph input indices)."""
+    return tuple(j for j, g in enumerate(input_index_mapping) if g is not None and g in graph_idxs)
 
 
 def declare_static(compiled, made: dict, static_input_idxs) -> None:
@@ -258,7 +258,7 @@ def declare_static(compiled, made: dict, static_input_idxs) -> None:
     static = set(static_input_idxs)
     for index, gf in made.items():
         if index < len(maps):
-            gf.static_positions = mutated_positions(maps[index].input_index_mapping, static)
+            gf.static_positions = graph_positions(maps[index].input_index_mapping, static)
 
 
 def finish_post_compile(compiled, example_inputs, ran_cudagraphs) -> None:
@@ -363,4 +363,4 @@ def plain_compile(gm, example_inputs, extra: dict | None):
 
 
 __all__ = ["CACHE_MARKER", "PATCHES", "PENDING", "Home", "Runtime", "Wrapping", "adapt", "check", "compile_graph", "config_patches",
-           "declare_mutations", "finish_post_compile", "graph_body", "installed", "mutated_positions", "plain_compile"]
+           "declare_mutations", "finish_post_compile", "graph_body", "installed", "graph_positions", "plain_compile"]
