@@ -8,7 +8,9 @@ Without ``--device`` it runs on the CPU (torch needed): the real ``GraphedFuncti
 ``TreeManager``, ``calls`` and ``Recording.replay``, over CPU tensors that report device 0, with
 the two CUDA calls of a replay replaced by C functions that do nothing (on a GPU both are C
 functions too, ``cuGraphLaunch`` and torch's current-stream query, and leave no Python frame).
-``--device`` runs the real ``@cgraw.graphed`` on CUDA device 0.
+``--device`` runs the real ``@cgraw.graphed`` on CUDA device 0. ``--time`` also times a call of
+a function whose inputs are guarded (``inputs_guarded``: a piece of ``torch.compile(backend="cgraw")``)
+with 120 tensors, as a model's parameters and buffers make it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "cgraw"
+PIECE_TENSORS = 120  # tensors of the compiled piece timed with --time
 
 
 def _parse(argv):
@@ -172,6 +175,15 @@ def main(argv=None) -> int:
     if args.time:
         print(f"step of two graphed calls: {per_call_us(step):.2f} us; one root call: {per_call_us(lambda: double(x)):.2f} us; "
               f"x.detach(): {per_call_us(x.detach):.2f} us; empty call: {per_call_us(lambda: None):.2f} us")
+        # a piece of compiled code: 120 tensors (a model's parameters and buffers), inputs guarded by dynamo
+        xs = [x.new_empty(64, 8).normal_() for _ in range(PIECE_TENSORS)]
+        piece = cgraw.graphed(lambda *ts: ts[0] * 2)
+        piece.inputs_guarded = True
+        for _ in range(4):
+            piece(*xs)
+        with torch.no_grad():
+            print(f"a compiled piece's call, {PIECE_TENSORS} tensors, grad off: "
+                  f"{per_call_us(lambda: piece(*xs), n=2_000):.2f} us")
     cgraw.reset()
     return 0
 
