@@ -658,26 +658,10 @@ def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(no_module_ho
     re-record it is an eager input of the partition, which then replays every call."""
     import torch
 
-    class Steps(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.lin = torch.nn.Linear(8, 8)
-            self.register_buffer("seen", torch.zeros(()))
-
-        def forward(self, x):
-            self.seen = self.seen + 1  # a buffer assigned, not written in place
-            return self.lin(x) * self.seen
-
-    m, ref = Steps(), Steps()
-    c = inductor.compile(m, name="steps")
+    m, ref = _assigning_steps(), _assigning_steps()
     calls = 8
-    with torch.no_grad():
-        for _ in range(calls):
-            x = torch.randn(2, 8)
-            torch.testing.assert_close(c(x), ref(x))
+    parts = _steps_against_eager(inductor, m, ref, "steps", calls)
     torch.testing.assert_close(m.seen, ref.seen)
-    parts = inductor.partitions("steps [")
     assert list(parts) == ["steps [0/0] inference/partition 0 of 1"], parts  # one compile
     (s,) = parts.values()
     assert s.eager_calls == 0 and not s.skip_reasons, s
@@ -686,9 +670,9 @@ def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(no_module_ho
     assert "a static input of the compiled graph" in s.rerecord_reasons[0], s.rerecord_reasons
 
 
-def test_a_step_assigning_two_buffers_re_records_once(no_module_hooks, inductor):
-    """Two static inputs of the graph (module buffers) that move at the same call become eager
-    inputs together: one re-record, then a replay at every call, each equal to eager."""
+def _assigning_steps(two: bool = False):
+    """A module whose forward assigns a new tensor to its buffer ``seen`` (and with ``two`` to
+    ``total`` too), not written in place."""
     import torch
 
     class Steps(torch.nn.Module):
@@ -701,18 +685,37 @@ def test_a_step_assigning_two_buffers_re_records_once(no_module_hooks, inductor)
 
         def forward(self, x):
             self.seen = self.seen + 1
-            self.total = self.total + x.sum(0)
-            return self.lin(x) * self.seen + self.total
+            out = self.lin(x) * self.seen
+            if two:
+                self.total = self.total + x.sum(0)
+                out = out + self.total
+            return out
 
-    m, ref = Steps(), Steps()
-    c = inductor.compile(m, name="twice")
-    calls = 8
+    return Steps()
+
+
+def _steps_against_eager(inductor, m, ref, name: str, calls: int) -> dict:
+    """``m`` compiled by the backend as ``name``, called ``calls`` times without grad on fresh
+    (2, 8) inputs, each result equal to eager ``ref``'s; the stats of its partitions."""
+    import torch
+
+    c = inductor.compile(m, name=name)
     with torch.no_grad():
         for _ in range(calls):
             x = torch.randn(2, 8)
             torch.testing.assert_close(c(x), ref(x))
+    return inductor.partitions(f"{name} [")
+
+
+def test_a_step_assigning_two_buffers_re_records_once(no_module_hooks, inductor):
+    """Two static inputs of the graph (module buffers) that move at the same call become eager
+    inputs together: one re-record, then a replay at every call, each equal to eager."""
+    import torch
+
+    m, ref = _assigning_steps(two=True), _assigning_steps(two=True)
+    calls = 8
+    (s,) = _steps_against_eager(inductor, m, ref, "twice", calls).values()
     torch.testing.assert_close(m.total, ref.total)
-    (s,) = inductor.partitions("twice [").values()
     assert s.eager_calls == 0 and not s.skip_reasons, s
     assert (s.warmups, s.recordings, s.rerecords, s.replays) == (2, 2, 1, calls - 4), s
     assert "with 1 other(s)" in s.rerecord_reasons[0], s.rerecord_reasons
