@@ -104,7 +104,7 @@ class Pending:
         """The copy-in nodes of ``rebinds``' inputs in ``unseen``: the proof's replay with the copies
         copies their placeholders back, as a copy-back node would, so that a write into one of them
         that no warm-up saw makes that replay equal the in-place one, not differ from it."""
-        return [c for r in rebinds if r.leaf in self.unseen for c in self.copy_nodes[r.leaf] if not c.back]
+        return [c for r in rebinds if r.leaf in self.unseen for c in self.copy_nodes[r.leaf]]  # no copy back among them
 
 
 def plan(rec, g, call, placeholders: dict, config) -> None:
