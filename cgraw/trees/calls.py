@@ -386,8 +386,10 @@ def _inspect_guarded(fn, args, tree_outputs, device: int) -> Call:
     the buffers it passes between partitions from the same symbols), which is how torch's trees
     key Inductor's graphs too (their integer arguments). Reading 100 tensors' sizes and strides
     and hashing them cost more than the rest of such a call. Kinds stay out of the key (a parameter
-    at one call and a view of it at the next select one recording, which checks its kinds). A
-    call whose arguments do not start with a tensor takes ``inspect``'s general path."""
+    at one call and a view of it at the next select one recording, which checks its kinds). The
+    tensors at ``fn.static_positions`` are static (the backend declares the graph's static inputs
+    there: module buffers, tensors marked with ``torch._dynamo.mark_static_address``). A call whose
+    arguments do not start with a tensor takes ``inspect``'s general path."""
     T, P = _tensor
     n = 0
     for a in args:
@@ -408,6 +410,8 @@ def _inspect_guarded(fn, args, tree_outputs, device: int) -> Call:
                  for a, p in zip(tensors, ptrs)]
     else:
         kinds = [STATIC if type(a) is P else (TREE if p in tree_outputs else EAGER) for a, p in zip(tensors, ptrs)]
+    for j in fn.static_positions:  # the graph's static inputs (module buffers, tensors marked static)
+        kinds[j] = STATIC
     parts = [GUARDED, n]
     leaves = list(tensors)
     shared = _PLAIN.get(n)

@@ -67,14 +67,26 @@ class InputPlan:
         self.fixed_ptrs = None if self.fixed_at is None else self.fixed_at(call.ptrs)
 
 
-def moved(plan: InputPlan, call) -> str | None:
-    """Why ``call`` cannot replay a recording made under ``plan`` (a re-record reason), or None."""
+def moved(plan: InputPlan, call, fn=None) -> str | None:
+    """Why ``call`` cannot replay a recording made under ``plan`` (a re-record reason), or None.
+    A static input that compiled code declared (``fn.static_positions``: a module buffer, which
+    dynamo gives Inductor as static) and that moved is an eager input of ``fn`` from now on, this
+    call included, as is every other declared one that moved: a step that assigns new tensors to
+    buffers re-records once, not every call."""
     if call.kinds != plan.kinds:
         return f"input kinds changed (0 eager, 1 static, 2 tree output): {plan.kinds} -> {call.kinds}"
     ptrs = call.ptrs
     for j, p in plan.fixed:
         if ptrs[j] != p:
             what = "static input" if call.kinds[j] == STATIC else "tree-output input"
+            declared = getattr(fn, "static_positions", ())
+            if j in declared:  # every declared one that moved, at once: one re-record
+                gone = {k for k, q in plan.fixed if k in declared and ptrs[k] != q}
+                fn.static_positions = tuple(k for k in declared if k not in gone)
+                for k in gone:
+                    call.kinds[k] = EAGER
+                return f"{what} {j} (a static input of the compiled graph) moved from 0x{p:x} to 0x{ptrs[j]:x}: " \
+                       f"an eager input from now on, with {len(gone) - 1} other(s)"
             return f"{what} {j} moved from 0x{p:x} to 0x{ptrs[j]:x}"
     return None
 

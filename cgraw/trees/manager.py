@@ -185,7 +185,7 @@ class TreeManager(TreeAutograd, TreePool):
             reason = None
             at = plan.fixed_at  # the inputs read in place are where the recording read them
             if call.kinds != plan.kinds or (at is not None and at(call.ptrs) != plan.fixed_ptrs):
-                reason = moved(plan, call)
+                reason = moved(plan, call, fn)
             res = rec.replay(call) if reason is None else None
             if type(res) is tuple:
                 out, owned = res

@@ -215,9 +215,25 @@ def test_the_inputs_a_compiled_graph_writes_are_declared_to_its_partitions():
     made = {i: SimpleNamespace(mutates=(), writes_inputs=False) for i in (0, 1, 2)}
     tcomp.declare_mutations(compiled, made)
     assert [(made[i].mutates, made[i].writes_inputs) for i in (0, 1, 2)] == [((1,), True), ((1,), True), ((), False)]
-    assert tcomp.mutated_positions([None, 5, 5], {5}) == (1, 2)
+    assert tcomp.graph_positions([None, 5, 5], {5}) == (1, 2)
     tcomp.declare_mutations(SimpleNamespace(partition_maps=None, mutated_input_idxs={0}), made)  # no partitions
     tcomp.declare_mutations(SimpleNamespace(), {})
+
+
+def test_the_static_inputs_of_a_compiled_graph_are_declared_to_its_partitions():
+    """``static_input_idxs`` of a forward or inference graph (parameters, module buffers, tensors
+    marked static), through each partition's ``input_index_mapping``, become the graphed partitions'
+    ``static_positions``; nothing is declared without partitions or static inputs."""
+    from types import SimpleNamespace
+
+    maps = [SimpleNamespace(input_index_mapping=[0, 2, None]), SimpleNamespace(input_index_mapping=[None, 1, 3])]
+    made = {i: SimpleNamespace(static_positions=()) for i in (0, 1)}
+    tcomp.declare_static(SimpleNamespace(partition_maps=maps), made, [0, 3])
+    assert [made[i].static_positions for i in (0, 1)] == [(0,), (2,)]
+    fresh = {0: SimpleNamespace(static_positions=())}
+    tcomp.declare_static(SimpleNamespace(partition_maps=maps), fresh, ())
+    tcomp.declare_static(SimpleNamespace(partition_maps=None), fresh, [0])
+    assert fresh[0].static_positions == ()
 
 
 def test_graph_body_is_named_for_the_report():
@@ -481,6 +497,36 @@ def test_a_backward_reads_saved_activations_with_the_strides_the_forward_gave_th
     _assert_replayed(parts, 4)
 
 
+def test_module_buffers_written_by_a_training_forward_are_read_in_place_and_match_eager(inductor):
+    """A BatchNorm's running statistics and batch count are graph inputs that the forward writes;
+    dynamo gives them to Inductor as static inputs (as it does the parameters), and the backend
+    declares them so to the forward's partition: its calls read them in place, as torch's trees
+    do, where they were eager inputs copied in and back on every call. After each step every
+    buffer and parameter equals eager's."""
+    import torch
+
+    from cgraw.trees.arrays import EAGER, STATIC
+
+    m, ref = _cnn(), _cnn()
+    opt, ref_opt = (torch.optim.SGD(p.parameters(), lr=0.05) for p in (m, ref))
+    c = inductor.compile(m, name="bn")
+    for _ in range(4):
+        x, y = torch.randn(4, 3, 8, 8), torch.randn(4, 4)
+        for o, run in ((opt, c), (ref_opt, ref)):
+            o.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(run(x), y).backward()
+            o.step()
+        for (name, b), r in zip(m.named_buffers(), ref.buffers(), strict=True):
+            torch.testing.assert_close(b, r, rtol=1e-4, atol=1e-5, msg=name)
+        for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    _assert_replayed(inductor.partitions("bn ["), 4)
+    (fwd,) = [n for n in inductor.tree.roots.values() if "forward" in n.fn.name]
+    n_state = len(list(m.parameters())) + len(list(m.buffers()))
+    assert fwd.plan.kinds.count(STATIC) == n_state and fwd.plan.kinds.count(EAGER) == 1, fwd.plan.kinds
+    assert fwd.mutated == ()  # the buffers it writes are read in place: nothing to copy back
+
+
 def test_gradient_accumulation_from_a_warm_cache_equals_eager(inductor):
     """A second compile of the same training graph (another process, or after ``torch._dynamo.reset()``)
     was served by AOT autograd's cache, whose hit applies the partition wrapper without saying
@@ -607,7 +653,26 @@ def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(no_module_ho
     hooks (module assignments, ``interop.torch.observe``) when it is made: at the first
     partition's call, after the guards were built, so the second call recompiled the frame and
     the first compile's partition ran once (Llama decoding: "2 partitions, 1 recorded"). The
-    backend installs them before dynamo builds the guards."""
+    backend installs them before dynamo builds the guards. The buffer is one of the graph's static
+    inputs (dynamo marks module buffers so); a new tensor at each call moves it, so after one
+    re-record it is an eager input of the partition, which then replays every call."""
+    import torch
+
+    m, ref = _assigning_steps(), _assigning_steps()
+    calls = 8
+    parts = _steps_against_eager(inductor, m, ref, "steps", calls)
+    torch.testing.assert_close(m.seen, ref.seen)
+    assert list(parts) == ["steps [0/0] inference/partition 0 of 1"], parts  # one compile
+    (s,) = parts.values()
+    assert s.eager_calls == 0 and not s.skip_reasons, s
+    # warm-up, recording, the buffer moved (an eager input from then on): warm-up, recording, replays
+    assert (s.warmups, s.recordings, s.rerecords, s.replays) == (2, 2, 1, calls - 4), s
+    assert "a static input of the compiled graph" in s.rerecord_reasons[0], s.rerecord_reasons
+
+
+def _assigning_steps(two: bool = False):
+    """A module whose forward assigns a new tensor to its buffer ``seen`` (and with ``two`` to
+    ``total`` too), not written in place."""
     import torch
 
     class Steps(torch.nn.Module):
@@ -616,21 +681,44 @@ def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(no_module_ho
             torch.manual_seed(0)
             self.lin = torch.nn.Linear(8, 8)
             self.register_buffer("seen", torch.zeros(()))
+            self.register_buffer("total", torch.zeros(8))
 
         def forward(self, x):
-            self.seen = self.seen + 1  # a buffer assigned, not written in place
-            return self.lin(x) * self.seen
+            self.seen = self.seen + 1
+            out = self.lin(x) * self.seen
+            if two:
+                self.total = self.total + x.sum(0)
+                out = out + self.total
+            return out
 
-    m, ref = Steps(), Steps()
-    c = inductor.compile(m, name="steps")
+    return Steps()
+
+
+def _steps_against_eager(inductor, m, ref, name: str, calls: int) -> dict:
+    """``m`` compiled by the backend as ``name``, called ``calls`` times without grad on fresh
+    (2, 8) inputs, each result equal to eager ``ref``'s; the stats of its partitions."""
+    import torch
+
+    c = inductor.compile(m, name=name)
     with torch.no_grad():
-        for _ in range(6):
+        for _ in range(calls):
             x = torch.randn(2, 8)
             torch.testing.assert_close(c(x), ref(x))
-    torch.testing.assert_close(m.seen, ref.seen)
-    parts = inductor.partitions("steps [")
-    assert list(parts) == ["steps [0/0] inference/partition 0 of 1"], parts  # one compile
-    _assert_replayed(parts, 6)
+    return inductor.partitions(f"{name} [")
+
+
+def test_a_step_assigning_two_buffers_re_records_once(no_module_hooks, inductor):
+    """Two static inputs of the graph (module buffers) that move at the same call become eager
+    inputs together: one re-record, then a replay at every call, each equal to eager."""
+    import torch
+
+    m, ref = _assigning_steps(two=True), _assigning_steps(two=True)
+    calls = 8
+    (s,) = _steps_against_eager(inductor, m, ref, "twice", calls).values()
+    torch.testing.assert_close(m.total, ref.total)
+    assert s.eager_calls == 0 and not s.skip_reasons, s
+    assert (s.warmups, s.recordings, s.rerecords, s.replays) == (2, 2, 1, calls - 4), s
+    assert "with 1 other(s)" in s.rerecord_reasons[0], s.rerecord_reasons
 
 
 def _cut_model(kind: str):

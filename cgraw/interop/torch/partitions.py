@@ -25,7 +25,9 @@ How Inductor's partition hook works (torch 2.9 to 2.13; read in ``torch/_inducto
   graph, mapped to each partition's inputs by ``partition_maps``, as torch's own CUDA graphs map
   them): they are declared to the partition's graphed function (``mutates``), so its replays
   copy them back even when the warm-up's write left their values as they were (``clamp_`` of
-  values in range), which a warm-up cannot see in the data.
+  values in range), which a warm-up cannot see in the data. The graph's static inputs
+  (``static_input_idxs``: parameters, module buffers, tensors marked static) of a forward or
+  inference graph are declared the same way, as inputs read in place (``declare_static``).
 - The generated ``call`` invokes a partition as ``partition_i(args)``: one list of tensors, then
   the partition's symbolic sizes as ints, which the partition unpacks and clears
   (``args.clear()``) so that its inputs can die early; it returns a tuple of outputs.
@@ -208,6 +210,8 @@ class Wrapping:
                 with installed(self):
                     compiled = inner_compile(gm, example_inputs, **kwargs)
                 declare_mutations(compiled, self.phase.made)
+                if phase != "backward":
+                    declare_static(compiled, self.phase.made, kwargs.get("static_input_idxs"))
             finally:
                 self.phase.value, self.phase.made = before, made_before
             finish_post_compile(compiled, example_inputs, kwargs.get("cudagraphs"))
@@ -227,15 +231,34 @@ def declare_mutations(compiled, made: dict) -> None:
     for index, gf in made.items():
         if index >= len(maps):
             continue
-        pos = mutated_positions(maps[index].input_index_mapping, mutated)
+        pos = graph_positions(maps[index].input_index_mapping, mutated)
         if pos:
             gf.mutates = tuple(sorted(set(gf.mutates) | set(pos)))
             gf.writes_inputs = True
 
 
-def mutated_positions(input_index_mapping, mutated) -> tuple:
-    """The partition inputs that are graph inputs in ``mutated`` (graph input indices)."""
-    return tuple(j for j, g in enumerate(input_index_mapping) if g is not None and g in mutated)
+def graph_positions(input_index_mapping, graph_idxs) -> tuple:
+    """The partition inputs that are graph inputs in ``graph_idxs`` (graph input indices)."""
+    return tuple(j for j, g in enumerate(input_index_mapping) if g is not None and g in graph_idxs)
+
+
+def declare_static(compiled, made: dict, static_input_idxs) -> None:
+    """Declare to each graphed partition of a forward or inference graph the positions of its
+    inputs that are the graph's static inputs (``static_input_idxs``, which dynamo and AOT autograd
+    give Inductor: parameters, module buffers, tensors marked with
+    ``torch._dynamo.mark_static_address`` such as transformers' static caches), which torch's trees
+    read in place and never copy. cgraw's calls read them in place too (``calls.inspect``: a static
+    input), where they would otherwise be eager inputs: copied on every call (a BatchNorm's running
+    statistics, small and written in place) or rebound after a proof. A backward's "static" inputs
+    are its saved activations, outputs of the forward's partitions (tree outputs, read in place
+    already) unless that forward ran without graphs: they are not declared."""
+    maps = getattr(compiled, "partition_maps", None)
+    if not made or not maps or not static_input_idxs:
+        return
+    static = set(static_input_idxs)
+    for index, gf in made.items():
+        if index < len(maps):
+            gf.static_positions = graph_positions(maps[index].input_index_mapping, static)
 
 
 def finish_post_compile(compiled, example_inputs, ran_cudagraphs) -> None:
@@ -340,4 +363,4 @@ def plain_compile(gm, example_inputs, extra: dict | None):
 
 
 __all__ = ["CACHE_MARKER", "PATCHES", "PENDING", "Home", "Runtime", "Wrapping", "adapt", "check", "compile_graph", "config_patches",
-           "declare_mutations", "finish_post_compile", "graph_body", "installed", "mutated_positions", "plain_compile"]
+           "declare_mutations", "finish_post_compile", "graph_body", "installed", "graph_positions", "plain_compile"]
