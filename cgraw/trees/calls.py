@@ -411,7 +411,8 @@ def _inspect_guarded(fn, args, tree_outputs, device: int) -> Call:
     else:
         kinds = [STATIC if type(a) is P else (TREE if p in tree_outputs else EAGER) for a, p in zip(tensors, ptrs)]
     for j in fn.static_positions:  # the graph's static inputs (module buffers, tensors marked static)
-        kinds[j] = STATIC
+        if kinds[j] == EAGER:  # a tree output stays one
+            kinds[j] = STATIC
     parts = [GUARDED, n]
     leaves = list(tensors)
     shared = _PLAIN.get(n)

@@ -41,6 +41,7 @@ from cgraw.runtime.memory import DevicePool
 from cgraw.trees.recording import OWNED, InputCopy, Recording, output_kinds, repeated_leaves, tree_views
 from cgraw.trees.nodes import Warm, capture_failed, split_external
 from cgraw.trees.config import config, grad_probe
+from cgraw.trees.input_plan import demote_in_pool
 
 log = logging.getLogger("cgraw")
 
@@ -81,10 +82,13 @@ class CudaBackend(TorchAutograd):
         if not pool_warmup.usable(self, fn, call):
             return False
         in_pool = self._pool_owner()
+        demote_in_pool(fn, call, in_pool)
         return not any(k == EAGER and in_pool(p) for k, p in zip(call.kinds, call.ptrs, strict=True))
 
     def record(self, fn, call: Call, warm: Warm) -> Recording:
         leaves, kinds, ops, mutated = call.leaves, call.kinds, call.ops, warm.mutated
+        in_pool = self._pool_owner()
+        demote_in_pool(fn, call, in_pool)  # a declared static input there is copied out as eager ones are
         for j in mutated:
             if kinds[j] == EAGER and _node_bytes(call, j) != ops[j].nbytes(leaves[j]):
                 raise SkipCall("skipping cudagraphs due to mutated inputs (an eager input whose elements have "
@@ -100,7 +104,6 @@ class CudaBackend(TorchAutograd):
         # An eager input living in the tree's own pool (h = f(h) across a new branch: the previous
         # step's output) may sit in blocks the checkpoint restore just freed, where this
         # recording's placeholders can land. Copy it out first; nothing has written there yet.
-        in_pool = self._pool_owner()
         for j, t in enumerate(leaves):
             if kinds[j] == EAGER and in_pool(call.ptrs[j]):
                 clone = ops[j].clone_layout(t)
@@ -125,10 +128,9 @@ class CudaBackend(TorchAutograd):
                         if j in leaf_grad:
                             ph.requires_grad_()
                         placeholders[j] = ph
-                        # an input is copied by a memcpy node over its span, whose source is patched
-                        # per call; one whose span is mostly gaps is copied element by element before
-                        # each launch (replay), never by a captured kernel, which would bake in this
-                        # call's address
+                        # an input is copied by a memcpy node over its span (source patched per call);
+                        # one whose span is mostly gaps element by element before each launch (replay),
+                        # never by a captured kernel, which would bake in this call's address
                         n = _node_bytes(call, j)
                         if n:
                             stream.copy_dtod(o.ptr(ph), call.ptrs[j], n)

@@ -91,6 +91,21 @@ def moved(plan: InputPlan, call, fn=None) -> str | None:
     return None
 
 
+def demote_in_pool(fn, call, in_pool) -> None:
+    """The static inputs compiled code declared (``fn.static_positions``) that live in the tree's
+    own pool (a module buffer assigned a compiled piece's output, kept past its generation) are eager
+    inputs of ``fn`` from now on, this call included: the checkpoint restore before a warm-up or a
+    recording may free their blocks, so they are copied out of the pool first, as every eager input
+    there is. ``in_pool(ptr)``: the pool's test of an address."""
+    declared = getattr(fn, "static_positions", ())
+    kinds, ptrs = call.kinds, call.ptrs
+    gone = [j for j in declared if kinds[j] == STATIC and in_pool(ptrs[j])]
+    if gone:
+        fn.static_positions = tuple(j for j in declared if j not in gone)
+        for j in gone:
+            kinds[j] = EAGER
+
+
 def shared_memory(leaves, kinds, ptrs, ops, memo: dict | None = None, key=None) -> tuple:
     """``(j, k)`` (``j < k``) of the leaves whose memory overlaps where one of them is eager (copied
     into a recording's placeholder): ``f(x, x[2:])``. Asked only of the calls of a function known to

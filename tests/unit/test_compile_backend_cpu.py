@@ -236,6 +236,27 @@ def test_the_static_inputs_of_a_compiled_graph_are_declared_to_its_partitions():
     assert fresh[0].static_positions == ()
 
 
+def test_a_declared_static_input_in_the_trees_pool_becomes_an_eager_input():
+    """A declared static input whose memory is the tree's pool (a buffer assigned a compiled piece's
+    output, kept past its generation) is an eager input from then on, at this call and the next
+    (the checkpoint restore before a recording may free its block; eager inputs there are copied
+    out first). Declared ones outside the pool, and tree outputs, stay as they are."""
+    from types import SimpleNamespace
+
+    from cgraw.trees.arrays import EAGER, STATIC, TREE
+    from cgraw.trees.input_plan import demote_in_pool
+
+    fn = SimpleNamespace(static_positions=(0, 1, 3))
+    call = SimpleNamespace(kinds=[STATIC, STATIC, EAGER, TREE], ptrs=[0x100, 0x9000, 0x200, 0x9100])
+    in_pool = lambda p: p >= 0x9000  # noqa: E731 -- the pool's segments start at 0x9000
+    demote_in_pool(fn, call, in_pool)
+    assert call.kinds == [STATIC, EAGER, EAGER, TREE]
+    assert fn.static_positions == (0, 3)
+    demote_in_pool(fn, call, in_pool)  # nothing left to demote
+    assert call.kinds == [STATIC, EAGER, EAGER, TREE] and fn.static_positions == (0, 3)
+    demote_in_pool(SimpleNamespace(), call, in_pool)  # a function declaring nothing
+
+
 def test_graph_body_is_named_for_the_report():
     body = tcomp.graph_body(lambda args: tuple(args), "m [0/0] backward/partition 0 of 1")
     assert body.__qualname__ == "m [0/0] backward/partition 0 of 1"

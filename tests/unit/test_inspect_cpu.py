@@ -405,6 +405,12 @@ def test_a_call_whose_input_dtypes_its_caller_guarantees_classifies_as_the_gener
     assert key(x, w, 4) != key(x, w)
     # arguments that do not start with a tensor: the generic path
     assert calls.inspect(f, (4, x), {}, {}, 0).key[0] is not calls.GUARDED
+    # declared static positions (the compiled graph's static inputs): an eager tensor there is
+    # static, a tree output stays one, a parameter stays static
+    y = tensor((4, 3)).as_subclass(OnDevice0)
+    f.static_positions = (0, 1, 2)
+    kinds = calls.inspect(f, (x, y, w, tensor((2,)).as_subclass(OnDevice0)), {}, {y.data_ptr(): object()}, 0).kinds
+    assert list(kinds) == [STATIC, TREE, STATIC, EAGER]
 
 
 def test_a_recording_is_stale_after_a_module_assignment_or_a_moved_closure_tensor():
