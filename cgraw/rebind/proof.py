@@ -34,12 +34,9 @@ a quarter of the free device memory) is not proven: its inputs keep their copies
 
 An input without a version counter (a CuPy array) may be written by the function although no
 warm-up saw it: a write of the values it held (``cupy.maximum(x, 0, out=x)`` on non-negative
-values) leaves its data as it was, and only torch counts writes. Such an input is offered for
-reading in place whatever its size and node count (a write then reaches the caller's array), the
-replay with the copies copies its placeholder back as a copy-back node would (so the two replays
-agree whether or not the function writes it), and a staged copy of it is copied back after the
-launch. Where the proof fails it keeps its copy, and a write no warm-up saw stays in the copy:
-``mutates=`` declares such writes.
+values) leaves its data as it was, and only torch counts writes. Such an input is recorded with a
+copy back, as a written one (``trees.input_plan.assumed_mutations``): read in place or copied, a
+write reaches the caller's array.
 """
 
 from __future__ import annotations
@@ -91,20 +88,13 @@ class Pending:
     """What ``prove`` needs, made by ``plan``: the graph's kernel arguments and copy addresses,
     and per candidate input its ``InputRebind`` (words into ``KernelArgs`` buffers)."""
 
-    __slots__ = ("rebinds", "placeholders", "values", "copy_nodes", "unseen")
+    __slots__ = ("rebinds", "placeholders", "values", "copy_nodes")
 
-    def __init__(self, rebinds: list, placeholders: dict, values: set, copy_nodes: dict, unseen=frozenset()):
+    def __init__(self, rebinds: list, placeholders: dict, values: set, copy_nodes: dict):
         self.rebinds = rebinds  # [InputRebind]
         self.placeholders = placeholders  # leaf -> (placeholder array, base, nbytes)
         self.values = values  # every 8-byte word and copy address of the graph (device pointers or not)
         self.copy_nodes = copy_nodes  # leaf -> [InputCopy] (its copy in, and back when mutated)
-        self.unseen = unseen  # leaves without a version counter and no copy back: the function may write them
-
-    def copies_back(self, rebinds) -> list:
-        """The copy-in nodes of ``rebinds``' inputs in ``unseen``: the proof's replay with the copies
-        copies their placeholders back, as a copy-back node would, so that a write into one of them
-        that no warm-up saw makes that replay equal the in-place one, not differ from it."""
-        return [c for r in rebinds if r.leaf in self.unseen for c in self.copy_nodes[r.leaf]]  # no copy back among them
 
 
 def plan(rec, g, call, placeholders: dict, config) -> None:
@@ -183,11 +173,7 @@ def plan(rec, g, call, placeholders: dict, config) -> None:
     for c in rec.copies:
         n_copies[c.leaf] = n_copies.get(c.leaf, 0) + 1
     written = {c.leaf for c in rec.copies if c.back}
-    unseen = frozenset(leaf for leaf in cands if leaf not in written
-                       and call.ops[leaf].version(call.leaves[leaf]) is None)
     for leaf in cands:
-        if leaf in unseen:
-            continue  # a write into it is seen only where it changes its values: read in place, it reaches the caller
         why = dearer(len(pl.nodes_of(leaf)) + sum(1 for r in pl.refs if r.leaf == leaf), n_copies[leaf],
                      ph_info[leaf][2], config.rebind_node_margin)
         if why is not None:
@@ -212,9 +198,9 @@ def plan(rec, g, call, placeholders: dict, config) -> None:
             nd, dst, src, n = memcpys[r.node]
             rt = _cuda.rt_node_handle(nd)
             ms.append((rt, r.delta, None, dst, src, n) if r.field == "dst" else (rt, None, r.delta, dst, src, n))
-        rebinds.append(InputRebind(leaf, base, ws, ks, ms, back=leaf in written or leaf in unseen))
+        rebinds.append(InputRebind(leaf, base, ws, ks, ms, back=leaf in written))
     copy_nodes = {leaf: [c for c in rec.copies if c.leaf == leaf] for leaf in cands}
-    rec.proof = Pending(rebinds, {leaf: ph_info[leaf] for leaf in cands}, values, copy_nodes, unseen)
+    rec.proof = Pending(rebinds, {leaf: ph_info[leaf] for leaf in cands}, values, copy_nodes)
 
 
 def dearer(n_nodes: int, n_copies: int, nbytes: int, margin: int) -> str | None:
@@ -223,10 +209,7 @@ def dearer(n_nodes: int, n_copies: int, nbytes: int, margin: int) -> str | None:
     input costs one driver call per node to re-point (about 1 us on the H200), one per copy node
     to update its copy: re-pointing is chosen when it touches at most ``margin`` nodes more than
     the copy (``cgraw.config.rebind_node_margin``), or when the input is ``BIG_INPUT`` or larger,
-    whose copy costs the device a full read and write. ``plan`` asks only for inputs with a version
-    counter (torch tensors): an array without one (CuPy) is read in place whatever the count, since
-    a warm-up sees its writes only where they change its values (``cupy.maximum(x, 0, out=x)`` on
-    positive values), and a write into its copy would not reach the caller."""
+    whose copy costs the device a full read and write."""
     if n_nodes <= n_copies + margin or nbytes >= BIG_INPUT:
         return None
     size = f"{nbytes} bytes" if nbytes < 1024 else f"{nbytes / 1024:.0f} KiB"
@@ -299,8 +282,6 @@ def prove(backend, rec, call):
             held = True
             generators = gens.save()
         rec.replay(call, first=True)  # A: as recorded, with the copies
-        for c in pend.copies_back(rebinds):
-            _cuda.memcpy_dtod_async(c.ptr, c.fixed, c.count, stream)
         _pack(ranges, after_a, stream, out=True)
         _pack(ranges, saved, stream, out=False)
         if gens is not None:

@@ -272,9 +272,10 @@ class _Accumulator(torch.nn.Module):
 
 def test_a_cupy_write_that_changed_nothing_at_the_warm_up_reaches_the_callers_array(cupy_mod):
     """``cupy.maximum(x, 0, out=x)`` on a non-negative array at the warm-up leaves its values as they
-    were, and a CuPy array has no version counter: nothing shows the write. So a small CuPy input is
-    read in place however many kernels read it (not copied, where a write would stay in the copy),
-    and a later call's write reaches the caller's array as eagerly."""
+    were, and a CuPy array has no version counter: nothing shows the write. So a CuPy input is
+    recorded with a copy back, as a written one: this small one, read by three kernels, keeps its
+    copies (cheaper than re-pointing the kernels), and every call's write, the recording's call
+    included, reaches the caller's array as eagerly."""
     cp = cupy_mod
 
     def relu_in_place(x):
@@ -295,7 +296,8 @@ def test_a_cupy_write_that_changed_nothing_at_the_warm_up_reaches_the_callers_ar
         assert cp.allclose(got, want, rtol=1e-6, atol=1e-6), f"call {i}: {got} against eager's {want}"
         assert bool((x < 0).any()) is False
     _assert_graphed(f, calls)
-    _assert_inputs(f, rebound=1, copied=0)
+    node = _assert_inputs(f, rebound=0, copied=1)
+    assert re.search(r"read by \d+ graph nodes", node.reasons.get(0, "")), node.reasons
 
 
 def test_closure_buffers_updated_once_per_call():
@@ -350,7 +352,8 @@ def test_kv_cache_index_copy_matches_eager():
     """A decode-like step: the new key is written into a closure cache at a position given by an
     int64 tensor input (``index_copy_``), then the whole cache is read. The key is read in place;
     the 8-byte position, which ``index_copy_`` reads in two kernels, keeps its copy (re-pointing
-    two nodes costs more than its copy's one)."""
+    two nodes costs more than its copy's one). Under compute-sanitizer it is read in place instead
+    (the choice follows the kernels that read it), so the test checks the rule and its reason."""
     b, t, d = 2, 16, 32
     cache = trand(b, t, d)
     cache_e = cache.clone()
@@ -374,8 +377,11 @@ def test_kv_cache_index_copy_matches_eager():
         assert torch.equal(cache, cache_e), f"call {i}: the cache differs from eager"
         assert torch.equal(got, ref), f"call {i}: output differs from eager"
     _assert_graphed(f, t)
-    node = _assert_inputs(f, rebound=1, copied=1)
-    assert re.search(r"read by \d+ graph nodes", node.reasons.get(1, "")), node.reasons
+    node, text = _node(f)
+    assert node.rebound + node.copied == 2 and 0 not in node.reasons, text  # the key: read in place
+    if node.copied:  # the position: copied only where more nodes read it than its one copy node
+        m = re.search(r"read by (\d+) graph nodes", node.reasons.get(1, ""))
+        assert m and int(m.group(1)) >= 2, node.reasons
 
 
 # ---------------------------------------------------------------- 5: a pointer table (forced fallback)

@@ -131,34 +131,57 @@ def test_plan_finds_words_per_input_and_shares_kernel_buffers(fake_graph):
     assert {PH_A + 64, 7, PH_B, PH_A, CALLER} <= p.values
 
 
-def test_plan_offers_an_input_without_a_write_count_whatever_reads_it(fake_graph):
-    """A small input read by three kernels keeps its copy when its framework counts writes (re-pointing
-    costs more than its copy); without a count (a CuPy array) a write no warm-up saw could stay in its
-    copy, so it is offered for reading in place, and its staged copies are copied back."""
+def test_plan_decides_by_node_count_whatever_the_framework(fake_graph):
+    """A small input read by three kernels keeps its copy (re-pointing costs more than updating
+    it), whether its framework counts writes or not (a CuPy array is recorded with a copy back,
+    ``trees.input_plan.assumed_mutations``, so a write reaches the caller from its copy too); with a
+    margin that allows the nodes it is offered for reading in place, its staged copies copied back."""
     nodes = [(MEMCPY, (PH_A, CALLER, 4096)), (KERNEL, [word(PH_A)]), (KERNEL, [word(PH_A + 8)]),
-             (KERNEL, [word(PH_A + 16)])]
-    g = fake_graph(nodes)
-    rec, call = make_rec([copy_in(0, 0, PH_A)])
-    rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
-    assert "read by 3 graph nodes" in rec.input_notes[0] and rec.proof is None
-    g = fake_graph(nodes)
-    rec, call = make_rec([copy_in(0, 0, PH_A)], ops=Uncounted)
-    rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
-    assert rec.input_notes == {0: None} and rec.proof.unseen == {0}
-    (r,) = rec.proof.rebinds
-    assert r.back and len(r.kernels) == 3
-    assert rec.proof.copies_back(rec.proof.rebinds) == [rec.copies[0]]
-    # written where the warm-up saw it: its copy-back node carries the write, so the node count decides
-    g = fake_graph(nodes + [(MEMCPY, (CALLER, PH_A, 4096))])
+             (KERNEL, [word(PH_A + 16)]), (MEMCPY, (CALLER, PH_A, 4096))]
     cback = InputCopy(0, 4, PH_A, CALLER, 4096, 0, back=True)
-    rec, call = make_rec([copy_in(0, 0, PH_A), cback], ops=Uncounted)
-    rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
-    assert "read by 3 graph nodes" in rec.input_notes[0] and rec.proof is None
-    g = fake_graph(nodes + [(MEMCPY, (CALLER, PH_A, 4096))])
-    rec, call = make_rec([copy_in(0, 0, PH_A), cback], ops=Uncounted)
-    rebind_proof.plan(rec, g, call, {0: "ph"}, Config(rebind_node_margin=2))
-    assert rec.proof.unseen == frozenset() and rec.proof.copies_back(rec.proof.rebinds) == []
-    assert rec.proof.rebinds[0].back
+    for ops in (Counted, Uncounted):
+        g = fake_graph(nodes[:4])
+        rec, call = make_rec([copy_in(0, 0, PH_A)], ops=ops)
+        rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
+        assert "read by 3 graph nodes" in rec.input_notes[0] and rec.proof is None
+        g = fake_graph(nodes)
+        rec, call = make_rec([copy_in(0, 0, PH_A), cback], ops=ops)
+        rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
+        assert "read by 3 graph nodes" in rec.input_notes[0] and rec.proof is None
+        g = fake_graph(nodes)
+        rec, call = make_rec([copy_in(0, 0, PH_A), cback], ops=ops)
+        rebind_proof.plan(rec, g, call, {0: "ph"}, Config(rebind_node_margin=2))
+        (r,) = rec.proof.rebinds
+        assert rec.input_notes == {0: None} and r.back and len(r.kernels) == 3
+
+
+def test_a_recording_copies_back_the_inputs_whose_writes_no_count_shows():
+    """``assumed_mutations``: the eager leaves of the positions a function declares in ``mutates``,
+    and every eager array whose framework keeps no write count (CuPy) that one memcpy node copies;
+    not a counted one, not one read in place, not one copied element by element or padded."""
+    from cgraw.trees.arrays import EAGER, STATIC
+    from cgraw.trees.input_plan import assumed_mutations
+
+    class Ops:
+        def __init__(self, counted, dense=True):
+            self.counted, self.dense = counted, dense
+
+        def version(self, t):
+            return 0 if self.counted else None
+
+        def nbytes(self, t):
+            return 4096
+
+        def node_bytes(self, t):
+            return 4096 if self.dense else 0
+
+    ops = [Ops(True), Ops(False), Ops(False), Ops(False, dense=False), Ops(False), Ops(True)]
+    call = SimpleNamespace(arg_spans=[(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)],
+                           kinds=[EAGER, EAGER, STATIC, EAGER, EAGER, EAGER], ops=ops, leaves=list(range(6)),
+                           padded=frozenset({4}))
+    assert assumed_mutations(SimpleNamespace(mutates=()), call) == (1,)
+    assert assumed_mutations(SimpleNamespace(mutates=(5, 1, 2)), call) == (5, 1)
+    assert assumed_mutations(SimpleNamespace(mutates=(9,)), call) == (1,)  # past the arguments: nothing
 
 
 def test_plan_reasons(fake_graph):
@@ -408,20 +431,6 @@ def test_proof_kept_in_place(monkeypatch):
     assert ("poison", PH_A, 0) in rig.events  # the placeholder "ph" has no float dtype: zeros
     packs = [e for e in rig.events if isinstance(e, tuple) and e[0] == "pack"]
     assert packs == [("pack", True), ("pack", True), ("pack", False), ("pack", True)]
-
-
-def test_proof_copies_back_an_input_whose_writes_no_warm_up_counts(monkeypatch):
-    """The replay with the copies copies the placeholder of an input without a write count back into
-    the caller's array before its ranges are read, as the in-place replay leaves a write there."""
-    rig, rec, k, modes, dropped, backend, (cin, cback) = _rig_rec(monkeypatch, equal=True)
-    rec.copies = [cin]
-    rec.proof = rebind_proof.Pending(rec.proof.rebinds, rec.proof.placeholders, rec.proof.values, {0: [cin]},
-                                     frozenset({0}))
-    monkeypatch.setattr(_cuda, "memcpy_dtod_async", lambda dst, src, n, s: rig.events.append(("copy", dst, src, n)))
-    rebind_proof.prove(backend, rec, SimpleNamespace(ptrs=[CALLER]))
-    seq = [e for e in rig.events if isinstance(e, tuple) and e[0] in ("pack", "copy")]
-    assert seq == [("pack", True), ("copy", CALLER, PH_A, 4096), ("pack", True), ("pack", False), ("pack", True)]
-    assert modes == [("copy", PH_A), ("in place", CALLER)] and rec.input_notes == {0: None}
 
 
 def test_proof_refuted_goes_back_to_the_copies(monkeypatch):
