@@ -32,11 +32,10 @@ in device memory, written by a memset node, or whose graph holds a host node or 
 arguments keep their copies without a proof. A graph whose ranges exceed ``SNAPSHOT_LIMIT`` (or
 a quarter of the free device memory) is not proven: its inputs keep their copies.
 
-An input without a version counter (a CuPy array) may be written by the function although no
-warm-up saw it: a write of the values it held (``cupy.maximum(x, 0, out=x)`` on non-negative
-values) leaves its data as it was, and only torch counts writes. Such an input is recorded with a
-copy back, as a written one (``trees.input_plan.assumed_mutations``): read in place or copied, a
-write reaches the caller's array.
+An input the function writes is recorded with a copy back (the warm-up saw the write, or the
+function declares it in ``mutates``). A write no warm-up can see, of the values the input held,
+into an array without a version counter (``cupy.maximum(x, 0, out=x)`` on non-negative values)
+stays in the copy where the input keeps one: ``mutates=`` declares it.
 """
 
 from __future__ import annotations

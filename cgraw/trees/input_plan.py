@@ -11,8 +11,7 @@ Layer L6: pure Python over ``arrays``. ``calls.inspect`` classifies each call; t
 - ``unseen_eager``: a warm-up read in place an input that is now eager (warm up again).
 - ``warm_up``: a backend's warm-up, with what the tree learns around it (below, and grad turned on
   inside a call made without it; the rows of a padded call's outputs).
-- ``assumed_mutations``: the eager leaves a recording copies back whatever the warm-up saw (the
-  positions a function declared in ``mutates``; arrays whose framework counts no writes).
+- ``declared_mutations``: the eager leaves of the positions a function declared in ``mutates``.
 - Python state (``python_state``, ``changed_argument``): a replay runs the device work of a call
   and none of its Python, so a function that reassigns an attribute of an argument object, or
   grows, shrinks or refills a list or dict it was given (a transformers ``DynamicCache`` growing
@@ -35,7 +34,7 @@ from cgraw.trees.arrays import EAGER, STATIC, is_module, ops_of, out_spec, weake
 from cgraw.errors import SkipCall
 
 __all__ = ["SHARED", "InputPlan", "KeyMark", "StateSnapshot", "changed_argument", "check_shared_writes",
-           "assumed_mutations", "moved", "python_state", "shared_memory", "state_change_verdict", "unseen_eager",
+           "declared_mutations", "moved", "python_state", "shared_memory", "state_change_verdict", "unseen_eager",
            "warm_up"]
 
 
@@ -196,21 +195,11 @@ def unseen_eager(seen, call) -> bool:
     return seen is not None and any(k == EAGER and w != EAGER for k, w in zip(call.kinds, seen))
 
 
-def assumed_mutations(fn, call) -> tuple:
-    """Eager leaves a recording copies back after each replay whatever its warm-up saw: those of
-    the positional arguments ``fn`` declared in ``mutates``, and those whose framework keeps no
-    count of writes (CuPy) and that one memcpy node copies. A warm-up sees such an array's writes
-    only where they change its values (``cupy.maximum(x, 0, out=x)`` on non-negative values), and a
-    write into its copy would not reach the caller. The proof switches both copies off where it
-    shows the input can be read in place (``rebind.proof``)."""
-    spans, kinds, ops, leaves = call.arg_spans, call.kinds, call.ops, call.leaves
-    out = [j for i in fn.mutates if i < len(spans) for j in range(spans[i][0], sum(spans[i])) if kinds[j] == EAGER]
-    for j, k in enumerate(kinds):
-        if k == EAGER and j not in out and j not in call.padded:
-            o, t = ops[j], leaves[j]
-            if o.version(t) is None and o.node_bytes(t) == o.nbytes(t):
-                out.append(j)
-    return tuple(out)
+def declared_mutations(fn, call) -> tuple:
+    """Eager leaves of the positional arguments ``fn`` declared in ``mutates``."""
+    spans, kinds = call.arg_spans, call.kinds
+    return tuple(j for i in fn.mutates if i < len(spans)
+                 for j in range(spans[i][0], sum(spans[i])) if kinds[j] == EAGER)
 
 
 

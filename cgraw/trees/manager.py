@@ -55,7 +55,7 @@ from cgraw.trees import nodes as tree_nodes
 from cgraw.trees.autograd import BUSY, AutogradBook, TreeAutograd, promotion_note
 from cgraw.trees.arrays import weaken_key
 from cgraw.trees.calls import TREE, grad_enabled, inspect, learn_kernel_groups
-from cgraw.trees.input_plan import InputPlan, check_shared_writes, assumed_mutations, moved, unseen_eager, warm_up
+from cgraw.trees.input_plan import InputPlan, check_shared_writes, declared_mutations, moved, unseen_eager, warm_up
 from cgraw.errors import CgrawError, SkipCall, TreeError
 from cgraw.trees.outputs import PathOutputs, memory_in_use
 from cgraw.trees.pool import UNKNOWN, TreePool
@@ -323,7 +323,7 @@ class TreeManager(TreeAutograd, TreePool):
         self.outs.watch(w.out, call)
         if w.groups is not None:  # file the node under the key its next call will have
             tree_nodes.rekey(self.roots, node, learn_kernel_groups(fn, w.groups, call.key))
-        declared = assumed_mutations(fn, call)
+        declared = declared_mutations(fn, call)
         w.mutated = tuple(w.mutated) + tuple(j for j in declared if j not in w.mutated)
         tree_nodes.hold_external(w, node.refs)
         w.kinds = tuple(call.kinds)

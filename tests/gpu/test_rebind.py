@@ -270,19 +270,19 @@ class _Accumulator(torch.nn.Module):
         return x * self.acc
 
 
-def test_a_cupy_write_that_changed_nothing_at_the_warm_up_reaches_the_callers_array(cupy_mod):
+def test_a_cupy_write_no_warm_up_sees_reaches_the_callers_array_when_declared(cupy_mod):
     """``cupy.maximum(x, 0, out=x)`` on a non-negative array at the warm-up leaves its values as they
-    were, and a CuPy array has no version counter: nothing shows the write. So a CuPy input is
-    recorded with a copy back, as a written one: this small one, read by three kernels, keeps its
-    copies (cheaper than re-pointing the kernels), and every call's write, the recording's call
-    included, reaches the caller's array as eagerly."""
+    were, and a CuPy array has no version counter: nothing shows the write. Declared with
+    ``mutates=(0,)``, the input is recorded with a copy back: this small one, read by three
+    kernels, keeps its copies (cheaper than re-pointing the kernels), and every call's write, the
+    recording's call included, reaches the caller's array as eagerly."""
     cp = cupy_mod
 
     def relu_in_place(x):
         cp.maximum(x, 0, out=x)
         return x.sum() + 2 * x.max()  # three kernels read x
 
-    f = cgraw.graphed(relu_in_place)
+    f = cgraw.graphed(relu_in_place, mutates=(0,))
     calls = 7
     for i in range(calls):
         cgraw.mark_step_begin()
@@ -298,6 +298,24 @@ def test_a_cupy_write_that_changed_nothing_at_the_warm_up_reaches_the_callers_ar
     _assert_graphed(f, calls)
     node = _assert_inputs(f, rebound=0, copied=1)
     assert re.search(r"read by \d+ graph nodes", node.reasons.get(0, "")), node.reasons
+
+
+def test_a_cupy_feedback_loop_replays_and_equals_eager(cupy_mod):
+    """``u = step(u)`` over CuPy arrays, each call's input the previous call's output (memory of the
+    tree's pool, where the replay writes the new output): every call equals eager and replays."""
+    cp = cupy_mod
+
+    def step(u):
+        return cp.tanh(u * 0.9 + 0.1) + u.mean()
+
+    f = cgraw.graphed(step)
+    u = crand(1024)
+    ref = u.copy()
+    calls = 8
+    for i in range(calls):
+        u, ref = f(u), step(ref)
+        assert cp.allclose(u, ref, rtol=1e-6, atol=1e-6), f"call {i}"
+    _assert_graphed(f, calls)
 
 
 def test_closure_buffers_updated_once_per_call():

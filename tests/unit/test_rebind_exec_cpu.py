@@ -133,9 +133,10 @@ def test_plan_finds_words_per_input_and_shares_kernel_buffers(fake_graph):
 
 def test_plan_decides_by_node_count_whatever_the_framework(fake_graph):
     """A small input read by three kernels keeps its copy (re-pointing costs more than updating
-    it), whether its framework counts writes or not (a CuPy array is recorded with a copy back,
-    ``trees.input_plan.assumed_mutations``, so a write reaches the caller from its copy too); with a
-    margin that allows the nodes it is offered for reading in place, its staged copies copied back."""
+    it), whether its framework counts writes or not, with or without a copy back; with a margin
+    that allows the nodes it is offered for reading in place. A staged copy is copied back only
+    where the recording copies the input back: a CuPy feedback loop (``u = step(u)``, its input the
+    memory of the new output) must not have the old input written over the new output."""
     nodes = [(MEMCPY, (PH_A, CALLER, 4096)), (KERNEL, [word(PH_A)]), (KERNEL, [word(PH_A + 8)]),
              (KERNEL, [word(PH_A + 16)]), (MEMCPY, (CALLER, PH_A, 4096))]
     cback = InputCopy(0, 4, PH_A, CALLER, 4096, 0, back=True)
@@ -144,6 +145,11 @@ def test_plan_decides_by_node_count_whatever_the_framework(fake_graph):
         rec, call = make_rec([copy_in(0, 0, PH_A)], ops=ops)
         rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
         assert "read by 3 graph nodes" in rec.input_notes[0] and rec.proof is None
+        g = fake_graph(nodes[:4])
+        rec, call = make_rec([copy_in(0, 0, PH_A)], ops=ops)
+        rebind_proof.plan(rec, g, call, {0: "ph"}, Config(rebind_node_margin=2))
+        (r,) = rec.proof.rebinds
+        assert rec.input_notes == {0: None} and not r.back
         g = fake_graph(nodes)
         rec, call = make_rec([copy_in(0, 0, PH_A), cback], ops=ops)
         rebind_proof.plan(rec, g, call, {0: "ph"}, Config())
@@ -153,35 +159,6 @@ def test_plan_decides_by_node_count_whatever_the_framework(fake_graph):
         rebind_proof.plan(rec, g, call, {0: "ph"}, Config(rebind_node_margin=2))
         (r,) = rec.proof.rebinds
         assert rec.input_notes == {0: None} and r.back and len(r.kernels) == 3
-
-
-def test_a_recording_copies_back_the_inputs_whose_writes_no_count_shows():
-    """``assumed_mutations``: the eager leaves of the positions a function declares in ``mutates``,
-    and every eager array whose framework keeps no write count (CuPy) that one memcpy node copies;
-    not a counted one, not one read in place, not one copied element by element or padded."""
-    from cgraw.trees.arrays import EAGER, STATIC
-    from cgraw.trees.input_plan import assumed_mutations
-
-    class Ops:
-        def __init__(self, counted, dense=True):
-            self.counted, self.dense = counted, dense
-
-        def version(self, t):
-            return 0 if self.counted else None
-
-        def nbytes(self, t):
-            return 4096
-
-        def node_bytes(self, t):
-            return 4096 if self.dense else 0
-
-    ops = [Ops(True), Ops(False), Ops(False), Ops(False, dense=False), Ops(False), Ops(True)]
-    call = SimpleNamespace(arg_spans=[(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)],
-                           kinds=[EAGER, EAGER, STATIC, EAGER, EAGER, EAGER], ops=ops, leaves=list(range(6)),
-                           padded=frozenset({4}))
-    assert assumed_mutations(SimpleNamespace(mutates=()), call) == (1,)
-    assert assumed_mutations(SimpleNamespace(mutates=(5, 1, 2)), call) == (5, 1)
-    assert assumed_mutations(SimpleNamespace(mutates=(9,)), call) == (1,)  # past the arguments: nothing
 
 
 def test_plan_reasons(fake_graph):
