@@ -81,14 +81,15 @@ class CudaBackend(TorchAutograd):
     def warm_restores(self, fn, call: Call) -> bool:
         if not pool_warmup.usable(self, fn, call):
             return False
-        in_pool = self._pool_owner()
-        demote_in_pool(fn, call, in_pool)
-        return not any(k == EAGER and in_pool(p) for k, p in zip(call.kinds, call.ptrs, strict=True))
+        in_pool = self._pool_owner()  # (a written static input there: no restore; the recording refuses it)
+        return demote_in_pool(fn, call, in_pool) is None and not any(
+            k == EAGER and in_pool(p) for k, p in zip(call.kinds, call.ptrs, strict=True))
 
     def record(self, fn, call: Call, warm: Warm) -> Recording:
         leaves, kinds, ops, mutated = call.leaves, call.kinds, call.ops, warm.mutated
         in_pool = self._pool_owner()
-        demote_in_pool(fn, call, in_pool)  # a declared static input there is copied out as eager ones are
+        if (why := demote_in_pool(fn, call, in_pool)) is not None:  # else such inputs are copied out as eager ones
+            raise SkipCall(why)
         for j in mutated:
             if kinds[j] == EAGER and _node_bytes(call, j) != ops[j].nbytes(leaves[j]):
                 raise SkipCall("skipping cudagraphs due to mutated inputs (an eager input whose elements have "
@@ -101,9 +102,8 @@ class CudaBackend(TorchAutograd):
                      and getattr(t, "requires_grad", False)]
         if warm.runs_backward and any(leaves[j].grad is not None for j in leaf_grad):
             raise SkipCall("an eager input's .grad holds a gradient that a backward inside the function adds to")
-        # An eager input living in the tree's own pool (h = f(h) across a new branch: the previous
-        # step's output) may sit in blocks the checkpoint restore just freed, where this
-        # recording's placeholders can land. Copy it out first; nothing has written there yet.
+        # An eager input in the tree's pool (h = f(h) across a new branch) may sit in blocks the restore
+        # just freed, where this recording's placeholders can land: copy it out first (nothing wrote there)
         for j, t in enumerate(leaves):
             if kinds[j] == EAGER and in_pool(call.ptrs[j]):
                 clone = ops[j].clone_layout(t)

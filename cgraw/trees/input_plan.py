@@ -91,19 +91,29 @@ def moved(plan: InputPlan, call, fn=None) -> str | None:
     return None
 
 
-def demote_in_pool(fn, call, in_pool) -> None:
+def demote_in_pool(fn, call, in_pool) -> str | None:
     """The static inputs compiled code declared (``fn.static_positions``) that live in the tree's
     own pool (a module buffer assigned a compiled piece's output, kept past its generation) are eager
     inputs of ``fn`` from now on, this call included: the checkpoint restore before a warm-up or a
     recording may free their blocks, so they are copied out of the pool first, as every eager input
-    there is. ``in_pool(ptr)``: the pool's test of an address."""
+    there is. ``in_pool(ptr)``: the pool's test of an address. Where the function also writes one
+    of them (``fn.mutates``), nothing is demoted and the reason it cannot be recorded is returned:
+    its copy out of the pool would take the write, not the caller's buffer."""
     declared = getattr(fn, "static_positions", ())
     kinds, ptrs = call.kinds, call.ptrs
     gone = [j for j in declared if kinds[j] == STATIC and in_pool(ptrs[j])]
-    if gone:
-        fn.static_positions = tuple(j for j in declared if j not in gone)
-        for j in gone:
-            kinds[j] = EAGER
+    if not gone:
+        return None
+    spans = call.arg_spans
+    written = {j for i in fn.mutates if i < len(spans) for j in range(spans[i][0], sum(spans[i]))}
+    if written.intersection(gone):
+        return (f"static input(s) {sorted(written.intersection(gone))} of the compiled graph, which it writes in "
+                "place, live in the graph tree's memory (a module buffer assigned a piece's output): it runs as "
+                "Inductor compiled it")
+    fn.static_positions = tuple(j for j in declared if j not in gone)
+    for j in gone:
+        kinds[j] = EAGER
+    return None
 
 
 def shared_memory(leaves, kinds, ptrs, ops, memo: dict | None = None, key=None) -> tuple:

@@ -240,21 +240,30 @@ def test_a_declared_static_input_in_the_trees_pool_becomes_an_eager_input():
     """A declared static input whose memory is the tree's pool (a buffer assigned a compiled piece's
     output, kept past its generation) is an eager input from then on, at this call and the next
     (the checkpoint restore before a recording may free its block; eager inputs there are copied
-    out first). Declared ones outside the pool, and tree outputs, stay as they are."""
+    out first). Declared ones outside the pool, and tree outputs, stay as they are; one the
+    function writes in place is refused, with the reason."""
     from types import SimpleNamespace
 
     from cgraw.trees.arrays import EAGER, STATIC, TREE
     from cgraw.trees.input_plan import demote_in_pool
 
-    fn = SimpleNamespace(static_positions=(0, 1, 3))
-    call = SimpleNamespace(kinds=[STATIC, STATIC, EAGER, TREE], ptrs=[0x100, 0x9000, 0x200, 0x9100])
+    spans = [(0, 1), (1, 1), (2, 1), (3, 1)]
+    fn = SimpleNamespace(static_positions=(0, 1, 3), mutates=(0, 2))
+    call = SimpleNamespace(kinds=[STATIC, STATIC, EAGER, TREE], ptrs=[0x100, 0x9000, 0x200, 0x9100], arg_spans=spans)
     in_pool = lambda p: p >= 0x9000  # noqa: E731 -- the pool's segments start at 0x9000
-    demote_in_pool(fn, call, in_pool)
+    assert demote_in_pool(fn, call, in_pool) is None
     assert call.kinds == [STATIC, EAGER, EAGER, TREE]
     assert fn.static_positions == (0, 3)
-    demote_in_pool(fn, call, in_pool)  # nothing left to demote
+    assert demote_in_pool(fn, call, in_pool) is None  # nothing left to demote
     assert call.kinds == [STATIC, EAGER, EAGER, TREE] and fn.static_positions == (0, 3)
-    demote_in_pool(SimpleNamespace(), call, in_pool)  # a function declaring nothing
+    assert demote_in_pool(SimpleNamespace(), call, in_pool) is None  # a function declaring nothing
+    # one the function writes in place: nothing is demoted, and the reason it cannot be recorded
+    # (its copy out of the pool would take the write, not the caller's buffer) is given
+    fn = SimpleNamespace(static_positions=(0, 1), mutates=(1,))
+    call = SimpleNamespace(kinds=[STATIC, STATIC], ptrs=[0x9200, 0x9000], arg_spans=spans[:2])
+    why = demote_in_pool(fn, call, in_pool)
+    assert "static input(s) [1] of the compiled graph, which it writes in place" in why
+    assert call.kinds == [STATIC, STATIC] and fn.static_positions == (0, 1)
 
 
 def test_graph_body_is_named_for_the_report():
