@@ -82,9 +82,7 @@ def moved(plan: InputPlan, call, fn=None) -> str | None:
             declared = getattr(fn, "static_positions", ())
             if j in declared:  # every declared one that moved, at once: one re-record
                 gone = {k for k, q in plan.fixed if k in declared and ptrs[k] != q}
-                fn.static_positions = tuple(k for k in declared if k not in gone)
-                for k in gone:
-                    call.kinds[k] = EAGER
+                _demote(fn, call, gone)
                 return f"{what} {j} (a static input of the compiled graph) moved from 0x{p:x} to 0x{ptrs[j]:x}: " \
                        f"an eager input from now on, with {len(gone) - 1} other(s)"
             return f"{what} {j} moved from 0x{p:x} to 0x{ptrs[j]:x}"
@@ -104,16 +102,20 @@ def demote_in_pool(fn, call, in_pool) -> str | None:
     gone = [j for j in declared if kinds[j] == STATIC and in_pool(ptrs[j])]
     if not gone:
         return None
-    spans = call.arg_spans
-    written = {j for i in fn.mutates if i < len(spans) for j in range(spans[i][0], sum(spans[i]))}
-    if written.intersection(gone):
-        return (f"static input(s) {sorted(written.intersection(gone))} of the compiled graph, which it writes in "
+    written = set(_declared_leaves(fn, call)).intersection(gone)
+    if written:
+        return (f"static input(s) {sorted(written)} of the compiled graph, which it writes in "
                 "place, live in the graph tree's memory (a module buffer assigned a piece's output): it runs as "
                 "Inductor compiled it")
-    fn.static_positions = tuple(j for j in declared if j not in gone)
-    for j in gone:
-        kinds[j] = EAGER
+    _demote(fn, call, gone)
     return None
+
+
+def _demote(fn, call, gone) -> None:
+    """The declared static inputs at ``gone`` are eager inputs of ``fn`` from now on, this call included."""
+    fn.static_positions = tuple(j for j in fn.static_positions if j not in gone)
+    for j in gone:
+        call.kinds[j] = EAGER
 
 
 def shared_memory(leaves, kinds, ptrs, ops, memo: dict | None = None, key=None) -> tuple:
@@ -207,9 +209,14 @@ def unseen_eager(seen, call) -> bool:
 
 def declared_mutations(fn, call) -> tuple:
     """Eager leaves of the positional arguments ``fn`` declared in ``mutates``."""
-    spans, kinds = call.arg_spans, call.kinds
-    return tuple(j for i in fn.mutates if i < len(spans)
-                 for j in range(spans[i][0], sum(spans[i])) if kinds[j] == EAGER)
+    kinds = call.kinds
+    return tuple(j for j in _declared_leaves(fn, call) if kinds[j] == EAGER)
+
+
+def _declared_leaves(fn, call):
+    """The leaves of the positional arguments ``fn`` declared in ``mutates``."""
+    spans = call.arg_spans
+    return (j for i in fn.mutates if i < len(spans) for j in range(spans[i][0], sum(spans[i])))
 
 
 
