@@ -105,11 +105,16 @@ METHOD = {
               "compiled 2e-3); decode: the 65 greedy tokens of two decodes equal eager's, or, where "
               "a near-tie argmax flips, at least the first 8 (the divergence index is reported)",
     "precision": "float32; cuDNN and cuBLAS TF32 off in every process",
-    "compile": "compiled systems run in child processes, up to --compile-jobs at once (each with "
-               "TORCHINDUCTOR_COMPILE_THREADS = cores / jobs unless set), each capped at "
-               "--compile-cap seconds from its start until it is compiled and checked; then each is "
-               "timed alone while the others wait on stdin. compile_s is the wall time of the first "
-               "three calls (decode: the first 64-token decode), taken while the others compile",
+    "compile": "compiled systems run in child processes, each with its own empty Inductor and "
+               "Triton cache directories (a cold compile), up to --compile-jobs compiling at once "
+               "(default 1; each with TORCHINDUCTOR_COMPILE_THREADS = cores / jobs unless set), each "
+               "capped at --compile-cap seconds from its start until it is compiled and checked. "
+               "compile_s is the wall time of the first three calls (decode: the first 64-token "
+               "decode), setup_calls_s each of them",
+    "interleaving": "a workload's compiled systems are timed in turns: each child runs its warm-up "
+                    "calls, then one burst per turn, the children of the workload taking turns "
+                    "(the order reversed every round) while the others wait on stdin; so a change "
+                    "of the machine's speed during the run falls on every system alike",
 }
 
 
@@ -411,13 +416,14 @@ def _assert_close(got, want, tol: dict, what: str) -> None:
 def _check_forward(wl: Workload, call, tol: dict) -> tuple[float, dict]:
     """Three set-up calls (warm-up, record, first replay; a compile's first calls) and two on fresh
     inputs, each compared with eager right away (a graph's output lives until the next call)."""
-    setup_s = 0.0
+    calls_s = []
     for i in range(5):
         xs = wl.inputs()
         got, dt = _timed_call(call, xs)
-        setup_s += dt if i < 3 else 0.0
+        if i < 3:
+            calls_s.append(dt)
         _assert_close(got, wl.fn(*xs), tol, f"call {i + 1}")
-    return setup_s, {}
+    return sum(calls_s), {"setup_calls_s": calls_s}
 
 
 def _train_state(step) -> list:
@@ -448,7 +454,7 @@ def _check_train(wl: Workload, call, step, tol: dict, ref=None) -> tuple[float, 
     else:
         eager = wl.new_step()
     deviation = 0.0
-    setup_s = 0.0
+    calls_s = []
     for i in range(TRAIN_CHECK_STEPS):
         with torch.no_grad():
             for t, t_ref in zip(_train_state(step), _train_state(ref), strict=True):
@@ -460,7 +466,8 @@ def _check_train(wl: Workload, call, step, tol: dict, ref=None) -> tuple[float, 
                         t.copy_(t_ref)
         xs = wl.inputs()
         got, dt = _timed_call(call, xs)
-        setup_s += dt if i < 3 else 0.0
+        if i < 3:
+            calls_s.append(dt)
         _assert_close(got, ref(*xs), tol, f"step {i + 1}: loss")
         if eager is not None:
             eager(*xs)
@@ -472,7 +479,10 @@ def _check_train(wl: Workload, call, step, tol: dict, ref=None) -> tuple[float, 
                 raise CheckFailed(f"step {i + 1}: state {k} exists in one model only")
             if t is not None:
                 _assert_close(t, t_ref, tol, f"step {i + 1}: state {k}")
-    return setup_s, ({} if eager is None else {"max_abs_ref_vs_eager": deviation})
+    detail = {"setup_calls_s": calls_s}
+    if eager is not None:
+        detail["max_abs_ref_vs_eager"] = deviation
+    return sum(calls_s), detail
 
 
 def _first_divergence(got: list, ref: list):
@@ -508,12 +518,15 @@ def _check_decode(wl: Workload, call, prefill) -> tuple[float, dict]:
 # ---------------------------------------------------------------- timing
 
 
-def _bursts(burst, n: int, repeats: int, prepare=None) -> dict:
+def _bursts(burst, n: int, repeats: int, prepare=None, turn=None) -> dict:
     """Per call: host time of a burst with and without its final synchronise, and the device time
     between events around it; medians over ``repeats``. ``prepare()`` (untimed) gives the state
-    that ``burst(state)`` starts from."""
+    that ``burst(state)`` starts from; ``turn()`` (untimed) runs before each burst: a child process
+    waits there while the other systems of its workload take their turn."""
     host, submit, device = [], [], []
     for _ in range(repeats):
+        if turn is not None:
+            turn()
         state = prepare() if prepare is not None else None
         _sync()
         start, end = _event(), _event()
@@ -533,7 +546,7 @@ def _bursts(burst, n: int, repeats: int, prepare=None) -> dict:
             "loops": n, "repeats": repeats}
 
 
-def _time(wl: Workload, call, loops: tuple, prefill=None) -> dict:
+def _time(wl: Workload, call, loops: tuple, prefill=None, turn=None) -> dict:
     n, repeats, warm = loops
     if wl.kind == "decode":
         def burst(tok):
@@ -541,7 +554,7 @@ def _time(wl: Workload, call, loops: tuple, prefill=None) -> dict:
 
         for _ in range(warm):
             burst(prefill())
-        res = _bursts(burst, LLAMA_NEW, repeats, prepare=prefill)
+        res = _bursts(burst, LLAMA_NEW, repeats, prepare=prefill, turn=turn)
         res["timed_calls"] = (warm + repeats) * LLAMA_NEW
         return res
     pair = (wl.inputs(), wl.inputs())  # two input sets, alternated: inputs change address every call
@@ -552,7 +565,7 @@ def _time(wl: Workload, call, loops: tuple, prefill=None) -> dict:
 
     for k in range(warm):
         call(*pair[k & 1])
-    res = _bursts(burst, n, repeats)
+    res = _bursts(burst, n, repeats, turn=turn)
     res["timed_calls"] = warm + n * repeats
     return res
 
@@ -615,9 +628,10 @@ def _graph_stats(g):
             "rerecord_reasons": list(st.rerecord_reasons[-3:])}
 
 
-def _measure(wl: Workload, system: str, *, quick: bool, ready=None) -> dict:
+def _measure(wl: Workload, system: str, *, quick: bool, ready=None, turn=None) -> dict:
     """Build ``system`` for ``wl``, check it against eager, then time it. ``ready(row)`` runs
-    between the check and the timing (a child process waits there for its turn)."""
+    between the check and the timing, ``turn()`` before each timed burst (a child process waits
+    in both for its turn)."""
     row = {"workload": wl.name, "system": system, **wl.info}
     compiled = system in COMPILED
     loops = (QUICK_LOOPS if quick else LOOPS)[wl.kind]
@@ -719,7 +733,7 @@ def _measure(wl: Workload, system: str, *, quick: bool, ready=None) -> dict:
     if ready is not None:
         ready(row)
     try:
-        row.update(_time(wl, call, loops, prefill))
+        row.update(_time(wl, call, loops, prefill, turn))
     except Exception as exc:  # noqa: BLE001 -- reported in the row; the other systems still run
         row["error"] = f"while timing: {_text(exc)}"
     after = _graph_stats(g)
@@ -785,7 +799,14 @@ class _Child:
         else:
             self.result = msg  # its check failed or its set-up raised: nothing to time
 
+    @property
+    def timing(self) -> bool:
+        """Ready, not failed, and its result not in yet."""
+        return self.ready is not None and self.failure is None and self.result is None
+
     def go(self, cap_s: float) -> None:
+        """Let the child run until its next turn (its warm-up calls, or one timed burst) or its
+        result."""
         try:
             self.proc.stdin.write("go\n")
             self.proc.stdin.flush()
@@ -797,7 +818,7 @@ class _Child:
             self._fail(f"timing exceeded {cap_s:g} s")
         elif msg is None:
             self._fail(f"child exited (rc {self.proc.wait()}) while timing: {self.stderr_tail()}")
-        else:
+        elif msg.get("phase") != "turn":
             self.result = msg
 
     def _fail(self, why: str) -> None:
@@ -850,25 +871,43 @@ def _child_cmd(workload: str, system: str, args) -> list:
             "--device", args.device, *(["--quick"] if args.quick else [])]
 
 
+def _take_turns(kids: list, cap_s: float) -> None:
+    """Time ready children together: each runs its warm-up, then one burst per turn, in rounds
+    whose order is reversed every other round, until each has said its result."""
+    for kid in kids:
+        if kid.timing:
+            kid.go(cap_s)  # its warm-up calls, up to its first turn
+    order = list(kids)
+    while any(kid.timing for kid in order):
+        for kid in order:
+            if kid.timing:
+                kid.go(cap_s)
+        order.reverse()
+
+
 def _children(rep: Report, rows: dict, pairs: list, args) -> None:
-    jobs = max(1, min(args.compile_jobs or len(pairs), len(pairs)))
+    jobs = max(1, min(args.compile_jobs or 1, len(pairs)))
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
-    for start in range(0, len(pairs), jobs):
-        wave = pairs[start:start + jobs]
-        print(f"[models] compiling {len(wave)} system(s) in child processes (cap {args.compile_cap:g} s): "
-              + ", ".join(f"{w}/{s}" for w, s in wave), flush=True)
-        kids = []
-        done = False
+    kids = []
+    done = False
+    with tempfile.TemporaryDirectory(prefix="cgraw_models_", ignore_cleanup_errors=True) as caches:
         try:
-            for w, s in wave:
-                kids.append(_Child(w, s, _child_cmd(w, s, args), env))
-            for kid in kids:  # all compile at once; each is waited for until its own cap
-                kid.wait_ready(args.compile_cap)
-            for kid in kids:  # timed one at a time, while the others wait on stdin
-                if kid.ready is not None and kid.failure is None:
-                    kid.go(TIMING_CAP_S[args.quick])
+            for start in range(0, len(pairs), jobs):
+                wave = pairs[start:start + jobs]
+                print(f"[models] compiling {len(wave)} system(s) in child processes (cap {args.compile_cap:g} s): "
+                      + ", ".join(f"{w}/{s}" for w, s in wave), flush=True)
+                started = []
+                for w, s in wave:
+                    cache = os.path.join(caches, f"{w}-{s}")  # a cold compile for every system
+                    kid_env = {**env, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+                    started.append(_Child(w, s, _child_cmd(w, s, args), kid_env))
+                kids += started
+                for kid in started:  # each is waited for until its own cap
+                    kid.wait_ready(args.compile_cap)
+            for workload in dict.fromkeys(w for w, _ in pairs):
+                _take_turns([kid for kid in kids if kid.workload == workload], TIMING_CAP_S[args.quick])
             done = True
         finally:
             for kid in kids:
@@ -876,8 +915,8 @@ def _children(rep: Report, rows: dict, pairs: list, args) -> None:
                     kid.close()
                 else:
                     kid.kill()  # interrupted: no child outlives the parent
-        for kid in kids:
-            _add(rep, rows, kid.row(len(wave)))
+    for kid in kids:
+        _add(rep, rows, kid.row(jobs))
 
 
 def _child_main(args) -> int:
@@ -896,12 +935,13 @@ def _child_main(args) -> int:
         _say({**head, "check": "not run", "error": _text(exc), "traceback_tail": traceback.format_exc()[-1500:]})
         return 1
 
-    def ready(row):
-        _say({**row, "phase": "ready"})
+    def wait(phase: str, row=None):
+        _say({**(row or {}), "phase": phase})
         if not sys.stdin.readline():  # the parent is gone or gave up on us
             raise SystemExit(1)
 
-    row = _measure(wl, system, quick=args.quick, ready=ready if args.handshake else None)
+    row = _measure(wl, system, quick=args.quick, ready=(lambda row: wait("ready", row)) if args.handshake else None,
+                   turn=(lambda: wait("turn")) if args.handshake else None)
     if system in COMPILED:
         row["dynamo"] = _dynamo_counters()
     _say({**row, "phase": "result"})
@@ -1017,8 +1057,8 @@ def _parse(argv):
     ap.add_argument("--systems", default=None, help=f"comma-separated systems, of {', '.join(SYSTEMS)}")
     ap.add_argument("--compile-cap", type=float, default=120.0,
                     help="seconds a compiled system's child may take to compile and check (default 120)")
-    ap.add_argument("--compile-jobs", type=int, default=0,
-                    help="compiled systems compiling at once (default: all of them)")
+    ap.add_argument("--compile-jobs", type=int, default=1,
+                    help="compiled systems compiling at once (default 1: compile_s of each alone)")
     ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile systems")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/models.json, "
                                                 "models_quick.json with --quick)")
@@ -1098,7 +1138,7 @@ def main(argv=None) -> int:
     out = args.out or os.path.join(RESULTS_DIR, "models_quick.json" if args.quick else "models.json")
     path = rep.save({"method": METHOD, "summary": summary, "total_s": total_s,
                      "options": {"quick": args.quick, "device": DEVICE, "workloads": names, "systems": systems,
-                                 "compile_cap_s": args.compile_cap, "compile_jobs": args.compile_jobs or len(pairs),
+                                 "compile_cap_s": args.compile_cap, "compile_jobs": args.compile_jobs,
                                  "loops": QUICK_LOOPS if args.quick else LOOPS}}, path=out)
     print(f"results: {path}")
     print(f"[models] total {total_s:.1f} s", flush=True)

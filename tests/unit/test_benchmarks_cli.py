@@ -464,3 +464,55 @@ def test_every_memory_program_runs_the_cgraw_backend_against_torchs_trees():
     assert ratios["cgraw_backend/torch_trees"] == {"grown": pytest.approx(0.95, abs=1e-3),
                                                    "grown_after_empty_cache": pytest.approx(1.0)}
     assert "cgraw_backend/eager" in ratios
+
+
+_FAKE_CHILD = r'''
+import json, os, sys
+tag, log, name = sys.argv[1], sys.argv[2], sys.argv[3]
+def say(**m):
+    sys.stdout.write(tag + json.dumps(m) + "\n"); sys.stdout.flush()
+def note(what):
+    with open(log, "a") as f:
+        f.write(f"{name} {what} {os.environ['TORCHINDUCTOR_CACHE_DIR']}\n")
+note("compiled")
+say(phase="ready", workload=name.split("/")[0], system=name.split("/")[1], check="ok")
+sys.stdin.readline()
+note("warm")
+for k in range(3):
+    say(phase="turn")
+    sys.stdin.readline()
+    note(f"burst{k}")
+say(phase="result", workload=name.split("/")[0], system=name.split("/")[1], check="ok", host_us=1.0)
+'''
+
+
+def test_compiled_systems_compile_one_at_a_time_with_cold_caches_and_take_turns_at_their_bursts(tmp_path, monkeypatch):
+    """The children of ``benchmarks.models``: by default each compiles alone, with its own empty
+    cache directories, and a workload's children time one burst per turn, alternately, so a
+    change of the machine's speed falls on every compiled system alike."""
+    from benchmarks import models
+
+    log = tmp_path / "log"
+    script = tmp_path / "child.py"
+    script.write_text(_FAKE_CHILD)
+    monkeypatch.setattr(models, "_child_cmd",
+                        lambda w, s, args: [sys.executable, str(script), models.TAG, str(log), f"{w}/{s}"])
+    added = []
+    monkeypatch.setattr(models, "_add", lambda rep, rows, row: added.append(row))
+    args = models._parse(["--quick"])
+    pairs = [("wa", "ro"), ("wa", "be"), ("wb", "ro")]
+    models._children(None, {}, pairs, args)
+
+    lines = [ln.split() for ln in log.read_text().splitlines()]
+    events = [(name, what) for name, what, _ in lines]
+    # compiled one after another, before any timing
+    assert events[:3] == [("wa/ro", "compiled"), ("wa/be", "compiled"), ("wb/ro", "compiled")]
+    assert len({cache for *_, cache in lines}) == 3  # a cache directory per child
+    timing = [e for e in events[3:] if e[0].startswith("wa/")]
+    assert timing == [("wa/ro", "warm"), ("wa/be", "warm"),
+                      ("wa/ro", "burst0"), ("wa/be", "burst0"),
+                      ("wa/be", "burst1"), ("wa/ro", "burst1"),
+                      ("wa/ro", "burst2"), ("wa/be", "burst2")]
+    assert events.index(("wb/ro", "warm")) > events.index(("wa/be", "burst2"))  # workload by workload
+    assert [(r["workload"], r["system"], r.get("host_us"), r["compile_concurrency"]) for r in added] == [
+        ("wa", "ro", 1.0, 1), ("wa", "be", 1.0, 1), ("wb", "ro", 1.0, 1)]
