@@ -37,7 +37,8 @@ a synchronise, and again after ``gc.collect()`` and ``torch.cuda.empty_cache()``
 inputs and result stay alive, as a user's variables would. Each child also records torch's
 reserved bytes, the peak allocated above the baseline and the bytes of torch's private pools (the
 tree pools). Only then is the last step's result checked against eager on the same inputs.
-Writes ``benchmarks/results/memory.json``; ``--skip-compile`` leaves torch's trees out.
+Writes ``benchmarks/results/memory.json`` after every child (``complete`` false, and ``not_run``
+naming the pairs left, until the last one has run); ``--skip-compile`` leaves torch's trees out.
 """
 
 from __future__ import annotations
@@ -618,23 +619,26 @@ def main(argv=None) -> int:
 
     rep = Report("memory", gpu=args.device == "cuda")
     details = {}
-    for program in programs:
-        for system in systems or DEFAULT_SYSTEMS[program]:
-            if args.skip_compile and system in COMPILED:
-                continue
-            rec = _run_child(program, system, args)
-            details[f"{program}/{system}"] = rec
-            _add_row(rep, rec)
+    config = {"mib": args.mib, "steps": {p: args.steps or DEFAULT_STEPS[p] for p in programs},
+              "resnet_size": args.resnet_size, "timeout_s": args.timeout, "plain_timeout_s": PLAIN_TIMEOUT_S,
+              "skip_compile": args.skip_compile, "device": args.device}
+    todo = [(program, system) for program in programs for system in systems or DEFAULT_SYSTEMS[program]
+            if not (args.skip_compile and system in COMPILED)]
+    for k, (program, system) in enumerate(todo):
+        rec = _run_child(program, system, args)
+        details[f"{program}/{system}"] = rec
+        _add_row(rep, rec)
+        # saved after every child: a run stopped early keeps what it measured, and says so
+        rep.save({"baseline": BASELINE, "config": config, "ratios": _ratios(rep.rows), "children": details,
+                  "complete": False, "not_run": [f"{p}/{s}" for p, s in todo[k + 1:]]}, path=args.out)
     ratios = _ratios(rep.rows)
     print(_table(rep.rows))
     for program, cmp in ratios.items():
         for pair, r in cmp.items():
             if pair.startswith(("cgraw/torch", "cgraw_backend/torch")):
                 print(f"{program}: {pair} grown {r['grown']}x, after empty_cache {r['grown_after_empty_cache']}x")
-    config = {"mib": args.mib, "steps": {p: args.steps or DEFAULT_STEPS[p] for p in programs},
-              "resnet_size": args.resnet_size, "timeout_s": args.timeout, "plain_timeout_s": PLAIN_TIMEOUT_S,
-              "skip_compile": args.skip_compile, "device": args.device}
-    path = rep.save({"baseline": BASELINE, "config": config, "ratios": ratios, "children": details}, path=args.out)
+    path = rep.save({"baseline": BASELINE, "config": config, "ratios": ratios, "children": details,
+                     "complete": True, "not_run": []}, path=args.out)
     print(f"results: {path}")
     return 1 if any(r["error"] for r in rep.rows) else 0
 

@@ -516,3 +516,32 @@ def test_compiled_systems_compile_one_at_a_time_with_cold_caches_and_take_turns_
     assert events.index(("wb/ro", "warm")) > events.index(("wa/be", "burst2"))  # workload by workload
     assert [(r["workload"], r["system"], r.get("host_us"), r["compile_concurrency"]) for r in added] == [
         ("wa", "ro", 1.0, 1), ("wa", "be", 1.0, 1), ("wb", "ro", 1.0, 1)]
+
+
+def test_a_memory_run_stopped_early_keeps_what_it_measured(tmp_path, monkeypatch):
+    """``benchmarks.memory`` saves its JSON after every child: a run stopped during its third
+    child keeps the first two, marked incomplete, with the pairs it did not run."""
+    from benchmarks import memory
+
+    ran = []
+
+    def child(program, system, args):
+        if len(ran) == 2:
+            raise KeyboardInterrupt  # the run is stopped here
+        ran.append((program, system))
+        return {"program": program, "system": system, "grown_bytes": 2 * memory.MIB, "result_checked": True}
+
+    monkeypatch.setattr(memory, "_run_child", child)
+    out = tmp_path / "memory.json"
+    with pytest.raises(KeyboardInterrupt):
+        memory.main(["--device", "cpu", "--programs", "gpt2", "--systems", "eager,cgraw,torch_trees",
+                     "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is False and doc["not_run"] == ["gpt2/torch_trees"]
+    assert [(r["program"], r["system"], r["grown_mib"]) for r in doc["rows"]] == [("gpt2", "eager", 2.0), ("gpt2", "cgraw", 2.0)]
+    assert doc["ratios"]["gpt2"]["cgraw/eager"]["grown"] == 1.0
+
+    ran.clear()
+    memory.main(["--device", "cpu", "--programs", "gpt2", "--systems", "eager,cgraw", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is True and doc["not_run"] == [] and len(doc["rows"]) == 2
