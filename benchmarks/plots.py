@@ -93,7 +93,7 @@ def per_call(plt, gc_: dict) -> str:
     return _save(fig, "per_call.png")
 
 
-_CASE_KEYS = ("case", "batch", "variant", "mode", "phase")  # what else tells two rows of one model apart
+_CASE_KEYS = ("case", "batch", "variant", "mode", "phase", "optimizer")  # what else tells two rows of one model apart
 
 
 def _model_label(r: dict) -> str:
@@ -104,7 +104,8 @@ def _model_label(r: dict) -> str:
 
 def _speedups(rows: list, key_us: str, key_speedup: str) -> dict:
     """``{model label: {system: speedup over eager}}``: the row's own speedup, else eager's time
-    over the row's for the same model label."""
+    over the row's for the same model label; none for a row whose speedup the benchmark withheld
+    (``speedup_note``: a cgraw system that did not replay every timed call)."""
     eager = {}
     for r in rows:
         if str(r.get("system", "")).startswith("eager") and r.get(key_us):
@@ -115,7 +116,7 @@ def _speedups(rows: list, key_us: str, key_speedup: str) -> dict:
         if system is None:
             continue
         sp = r.get(key_speedup)
-        if sp is None and r.get(key_us) and label in eager:
+        if sp is None and r.get(key_us) and label in eager and not r.get("speedup_note"):
             sp = eager[label] / r[key_us]
         if sp is not None:
             out.setdefault(label, {})[str(system)] = float(sp)
@@ -158,7 +159,7 @@ def models(plt, doc: dict) -> str | None:
     for ax, (data, what) in zip(axes[:, 0], panels):
         _grouped_bars(ax, data, f"speedup over eager ({what})")
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_title(f"Real models: speedup over eager, {what} per call ({_gpu_of(doc)})")
+        ax.set_title(f"Real models: speedup over eager, {what} per call\n{_gpu_of(doc)}")
     _footer(fig, doc, "models")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     return _save(fig, "models.png")

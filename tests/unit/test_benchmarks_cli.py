@@ -545,3 +545,20 @@ def test_a_memory_run_stopped_early_keeps_what_it_measured(tmp_path, monkeypatch
     memory.main(["--device", "cpu", "--programs", "gpt2", "--systems", "eager,cgraw", "--out", str(out)])
     doc = json.loads(out.read_text())
     assert doc["complete"] is True and doc["not_run"] == [] and len(doc["rows"]) == 2
+
+
+def test_the_models_plot_keeps_a_training_row_apart_and_withholds_a_speedup_the_benchmark_withheld():
+    """``benchmarks.plots``: ResNet-18 inference and its training step share a model label unless
+    the optimizer tells them apart; a row whose speedup the benchmark withheld (``speedup_note``)
+    gets no bar from eager's time over its own."""
+    from benchmarks import plots
+
+    rows = [{"model": "resnet18", "batch": 8, "system": "eager", "host_us": 1000.0},
+            {"model": "resnet18", "batch": 8, "system": "cgraw_graphed", "host_us": 500.0, "speedup_host": 2.0},
+            {"model": "resnet18", "batch": 8, "optimizer": "SGD", "system": "eager", "host_us": 9000.0},
+            {"model": "resnet18", "batch": 8, "optimizer": "SGD", "system": "cgraw_graphed", "host_us": 3000.0},
+            {"model": "resnet18", "batch": 8, "optimizer": "SGD", "system": "cgraw_over_compile", "host_us": 2000.0,
+             "speedup_host": None, "speedup_note": "cgraw did not replay every timed call"}]
+    out = plots._speedups(rows, "host_us", "speedup_host")
+    assert out["resnet18, batch 8"] == {"eager": 1.0, "cgraw_graphed": 2.0}
+    assert out["resnet18, batch 8, optimizer SGD"] == {"eager": 1.0, "cgraw_graphed": 3.0}
