@@ -430,6 +430,40 @@ def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(monkeypatch)
     assert s.rerecords == 0, (s.rerecord_reasons, _diagnosis())
 
 
+def test_a_buffer_in_the_pool_that_the_graph_writes_in_place_runs_as_compiled_with_the_reason():
+    """A module buffer that the graph both writes in place and assigns a new tensor: from the
+    second call on it holds the piece's output (the tree's pool), and its copy out of the pool
+    would take the graph's write instead of the buffer. The recording refuses the piece, which
+    runs as Inductor compiled it, with the reason in ``report()``; every output and the buffer
+    equal eager's."""
+
+    class Decay(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+            self.register_buffer("acc", torch.zeros(64))
+
+        def forward(self, x):
+            self.acc.mul_(0.5)  # written in place
+            y = self.lin(x) + self.acc
+            self.acc = self.acc + y.mean(0)  # and assigned the piece's output
+            return y
+
+    torch.manual_seed(0)
+    m = Decay().cuda()
+    ref = Decay().cuda()
+    ref.load_state_dict(m.state_dict())
+    c = torch.compile(m, backend="cgraw", options={"name": "decay"})
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = trand(16, 64)
+            torch.testing.assert_close(c(x), ref(x), **TOL)
+            torch.testing.assert_close(m.acc, ref.acc, **TOL)
+    parts = _partitions("decay [")
+    reasons = [r for s in parts.values() for r in s.skip_reasons]
+    assert any("which it writes in place" in r for r in reasons), (reasons, _diagnosis())
+
+
 @pytest.mark.parametrize("partitions", ["all", "none"])
 def test_an_input_written_in_place_at_an_unaligned_offset_equals_eager(partitions):
     """Compiled for an aligned input, called with one starting 4 bytes into its storage, which the

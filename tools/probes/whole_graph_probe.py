@@ -1,0 +1,99 @@
+"""What graphing a whole compiled graph would gain on the Llama decode step: the backend's host time
+per token against a graph over Inductor's whole compiled callable.
+
+``torch.compile(backend="cgraw")`` graphs each of Inductor's partitions, so every token still runs
+dynamo's guards, AOT autograd's runtime wrapper and Inductor's Python ``call`` around the
+partition. Where Inductor makes one partition and nothing runs outside it (an inference graph),
+the compiled callable as a whole could be one graphed function: dynamo's guards, then a replay.
+This probe measures that route before it is built: a dynamo backend that compiles with Inductor
+(no partition wrapper, no CUDA graphs) and returns ``cgraw.graphed`` over the compiled callable,
+its inputs guarded by dynamo and the graph's parameters and marked static inputs (transformers'
+``StaticCache``) read in place. A diagnostic, not a test: it checks the tokens against eager's and
+prints per-token host times, the systems timed in turns (one 64-token decode each per round).
+
+From the repository root, on a GPU: ``python3 -m tools.probes.whole_graph_probe [--rounds 7]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def whole_graph_backend(gm, example_inputs):
+    """A dynamo backend: Inductor's compiled callable as one graphed function."""
+    import torch
+    from torch._inductor.compile_fx import compile_fx
+
+    import cgraw
+
+    compiled = compile_fx(gm, example_inputs)
+
+    def whole(*args):
+        return compiled(*args)
+
+    whole.__qualname__ = whole.__name__ = "whole graph"
+    g = cgraw.graphed(whole)
+    g.inputs_guarded = True  # dynamo guards every graph input's dtype, device, sizes and strides
+    g.static_positions = tuple(i for i, t in enumerate(example_inputs)
+                               if isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None))
+    return g
+
+
+def _systems(wl, cache):
+    import torch
+
+    from benchmarks import models
+
+    def cloned(inner):
+        return lambda tok, pos: inner(tok, pos).clone()
+
+    out = {}
+    for name in ("reduce_overhead", "cgraw_backend", "cgraw_over_compile"):
+        call, _ = models._make_call(name, wl.step, (cache,))
+        out[name] = cloned(call) if name in ("reduce_overhead", "cgraw_backend") else call
+    compiled = torch.compile(wl.step, backend=whole_graph_backend, dynamic=False)
+    out["whole_graph"] = cloned(lambda tok, pos: compiled(tok, pos, cache))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m tools.probes.whole_graph_probe", description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args(argv)
+    import torch
+
+    import cgraw
+    from benchmarks import models
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    wl = models._build("llama_decode")
+    ref = wl.reference_tokens()
+    cache = wl.new_cache()
+    systems = _systems(wl, cache)
+    for name, call in systems.items():  # compile, warm up, record; then the tokens against eager's
+        for _ in range(3):
+            got = models._decode(call, wl.prefill(cache), wl.positions, collect=True)
+        d = models._first_divergence(got, ref)
+        print(f"{name}: tokens {'equal eager' if d is None else f'differ from eager from token {d}'}", flush=True)
+    times: dict = {name: [] for name in systems}
+    order = list(systems)
+    for _ in range(args.rounds):
+        for name in order:
+            tok = wl.prefill(cache)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            models._decode(systems[name], tok, wl.positions, collect=False)
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - t0) / len(wl.positions) * 1e6)
+        order.reverse()
+    for name, ts in times.items():
+        print(f"{name:20s} {statistics.median(ts):8.1f} us per token (min {min(ts):.1f}, max {max(ts):.1f})")
+    print(cgraw.report())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
