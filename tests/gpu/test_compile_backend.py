@@ -386,6 +386,22 @@ def test_a_decode_loop_fed_its_own_token_replays_every_step():
     _assert_replayed(_partitions("decode ["), steps)
 
 
+def _buffer_steps_against_eager(cls, name: str, buffer: str) -> dict:
+    """``CALLS`` calls of module ``cls`` compiled with the backend, each output and ``buffer``
+    after each call against an eager copy's; the partitions named ``name``."""
+    torch.manual_seed(0)
+    m = cls().cuda()
+    ref = cls().cuda()
+    ref.load_state_dict(m.state_dict())
+    c = torch.compile(m, backend="cgraw", options={"name": name})
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = trand(16, 64)
+            torch.testing.assert_close(c(x), ref(x), **TOL)
+            torch.testing.assert_close(getattr(m, buffer), getattr(ref, buffer), **TOL)
+    return _partitions(f"{name} [")
+
+
 def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(monkeypatch):
     """dynamo guards a frame that assigns a module attribute on torch.nn.Module's registration
     hooks; cgraw's are installed before the guards are built, so the frame compiles once and its
@@ -413,17 +429,7 @@ def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(monkeypatch)
             self.seen = self.seen + 1  # a buffer assigned, not written in place
             return self.lin(x) * self.seen
 
-    torch.manual_seed(0)
-    m = Steps().cuda()
-    ref = Steps().cuda()
-    ref.load_state_dict(m.state_dict())
-    c = torch.compile(m, backend="cgraw", options={"name": "steps"})
-    with torch.no_grad():
-        for _ in range(CALLS):
-            x = trand(16, 64)
-            torch.testing.assert_close(c(x), ref(x), **TOL)
-    torch.testing.assert_close(m.seen, ref.seen)
-    parts = _partitions("steps [")
+    parts = _buffer_steps_against_eager(Steps, "steps", "seen")
     assert list(parts) == ["steps [0/0] inference/partition 0 of 1"], parts
     _assert_replayed(parts)
     (s,) = parts.values()
@@ -449,17 +455,7 @@ def test_a_buffer_in_the_pool_that_the_graph_writes_in_place_runs_as_compiled_wi
             self.acc = self.acc + y.mean(0)  # and assigned the piece's output
             return y
 
-    torch.manual_seed(0)
-    m = Decay().cuda()
-    ref = Decay().cuda()
-    ref.load_state_dict(m.state_dict())
-    c = torch.compile(m, backend="cgraw", options={"name": "decay"})
-    with torch.no_grad():
-        for _ in range(CALLS):
-            x = trand(16, 64)
-            torch.testing.assert_close(c(x), ref(x), **TOL)
-            torch.testing.assert_close(m.acc, ref.acc, **TOL)
-    parts = _partitions("decay [")
+    parts = _buffer_steps_against_eager(Decay, "decay", "acc")
     reasons = [r for s in parts.values() for r in s.skip_reasons]
     assert any("which it writes in place" in r for r in reasons), (reasons, _diagnosis())
 
