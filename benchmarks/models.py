@@ -17,9 +17,9 @@ and ``replay`` with static inputs); ``torch_cudagraph`` (a hand-made ``torch.cud
 (``@cgraw.graphed`` over ``torch.compile`` in its default mode); ``cgraw_backend``
 (``torch.compile(backend="cgraw")``: Inductor's partitions as graphed functions of cgraw's tree;
 the summary gives its host time per call over the device time of ``cgraw_over_compile``'s bursts,
-the same default-mode Inductor kernels replayed by one graph far ahead of the host). The last three
-run in child
-processes (``--child WORKLOAD SYSTEM``) whose compile is capped in wall-clock time
+the same default-mode Inductor kernels replayed by one graph far ahead of the host). Every system
+runs in its own child process (``--child WORKLOAD SYSTEM``), workload by workload, and a workload's
+systems are timed in turns (``METHOD["interleaving"]``); a compile is capped in wall-clock time
 (``--compile-cap``). Every system is checked against eager before it is timed (``Report.check``);
 one that differs or fails is recorded under ``failed_checks``, with the reason in its row, and is
 not timed. ``python3 -m benchmarks.models [--quick]`` writes ``benchmarks/results/models.json``
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import importlib
 import json
 import os
@@ -57,9 +56,9 @@ WORKLOADS = {  # name -> (package, kind)
     "resnet18_train": ("torchvision", "train"),
     "vit_tiny_b8": ("timm", "forward"),
 }
-IN_PROCESS = ("eager", "cgraw_graphed", "cgraw_capture", "torch_cudagraph")
+UNCOMPILED = ("eager", "cgraw_graphed", "cgraw_capture", "torch_cudagraph")
 COMPILED = ("reduce_overhead", "cgraw_over_compile", "cgraw_backend")
-SYSTEMS = IN_PROCESS + COMPILED
+SYSTEMS = UNCOMPILED + COMPILED
 CGRAW_TREE_SYSTEMS = ("cgraw_graphed", "cgraw_over_compile", "cgraw_backend")
 BACKEND_NAME = "bench"  # the name cgraw_backend's compiled code has in cgraw.report()
 
@@ -93,8 +92,7 @@ METHOD = {
     "device_us": "CUDA events on the current stream before the burst's first call and after its "
                  "last, divided by N: the device timeline of the burst, which includes the device's "
                  "idle gaps when the host is the bottleneck (eager)",
-    "speedup": "eager / system, same run; compiled systems ran in child processes and are divided "
-               "into the parent's eager figure. No speedup is given for a cgraw system that did not "
+    "speedup": "eager / system, same run (eager's child timed in turns with the others). No speedup is given for a cgraw system that did not "
                "replay every timed call (eager fallback, re-record or eager call: graph_replayed false)",
     "summary_ratios": "cgraw / peer: below 1 means cgraw takes less time",
     "checks": "before timing, each system against eager: forward outputs with assert_close (graph "
@@ -105,15 +103,16 @@ METHOD = {
               "compiled 2e-3); decode: the 65 greedy tokens of two decodes equal eager's, or, where "
               "a near-tie argmax flips, at least the first 8 (the divergence index is reported)",
     "precision": "float32; cuDNN and cuBLAS TF32 off in every process",
-    "compile": "compiled systems run in child processes, each with its own empty Inductor and "
-               "Triton cache directories (a cold compile), up to --compile-jobs compiling at once "
+    "compile": "every system runs in a child process with its own empty Inductor and Triton "
+               "cache directories (a cold compile); a workload's systems that compile nothing start "
+               "together, then its compiled ones, up to --compile-jobs compiling at once "
                "(default 1; each with TORCHINDUCTOR_COMPILE_THREADS = cores / jobs unless set), each "
                "capped at --compile-cap seconds from its start until it is compiled and checked. "
                "compile_s is the wall time of the torch.compile(...) call (compile_call_s: "
                "reduce-overhead imports Inductor there, a backend named by a string does at its "
                "first call) plus the first three calls (decode: the first 64-token decode), "
                "setup_calls_s each of those calls",
-    "interleaving": "a workload's compiled systems are timed in turns: each child runs its warm-up "
+    "interleaving": "a workload's systems are timed in turns: each child runs its warm-up "
                     "calls, then one burst per turn, the children of the workload taking turns "
                     "(the order reversed every round) while the others wait on stdin; so a change "
                     "of the machine's speed during the run falls on every system alike",
@@ -907,37 +906,47 @@ def _take_turns(kids: list, cap_s: float) -> None:
 
 
 def _children(rep: Report, rows: dict, pairs: list, args) -> None:
-    jobs = max(1, min(args.compile_jobs or 1, len(pairs)))
+    """Each (workload, system) of ``pairs`` in a child process, workload by workload: the systems
+    that compile nothing start together, the compiled ones ``--compile-jobs`` at a time, each with
+    empty Inductor and Triton caches; then the workload's children take turns at their bursts and
+    close before the next workload's start."""
+    jobs = max(1, args.compile_jobs or 1)
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
-    kids = []
-    done = False
     with tempfile.TemporaryDirectory(prefix="cgraw_models_", ignore_cleanup_errors=True) as caches:
-        try:
-            for start in range(0, len(pairs), jobs):
-                wave = pairs[start:start + jobs]
-                print(f"[models] compiling {len(wave)} system(s) in child processes (cap {args.compile_cap:g} s): "
-                      + ", ".join(f"{w}/{s}" for w, s in wave), flush=True)
-                started = []
-                for w, s in wave:
-                    cache = os.path.join(caches, f"{w}-{s}")  # a cold compile for every system
-                    kid_env = {**env, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
-                    started.append(_Child(w, s, _child_cmd(w, s, args), kid_env))
-                kids += started
-                for kid in started:  # each is waited for until its own cap
-                    kid.wait_ready(args.compile_cap)
-            for workload in dict.fromkeys(w for w, _ in pairs):
-                _take_turns([kid for kid in kids if kid.workload == workload], TIMING_CAP_S[args.quick])
-            done = True
-        finally:
-            for kid in kids:
-                if done:
-                    kid.close()
-                else:
-                    kid.kill()  # interrupted: no child outlives the parent
-    for kid in kids:
-        _add(rep, rows, kid.row(jobs))
+
+        def start(w: str, s: str) -> _Child:
+            cache = os.path.join(caches, f"{w}-{s}")  # a cold compile for every system
+            kid_env = {**env, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+            return _Child(w, s, _child_cmd(w, s, args), kid_env)
+
+        for workload in dict.fromkeys(w for w, _ in pairs):
+            t0 = time.perf_counter()
+            systems = [s for w, s in pairs if w == workload]
+            plain = [s for s in systems if s not in COMPILED]
+            compiled = [s for s in systems if s in COMPILED]
+            waves = ([plain] if plain else []) + [compiled[i:i + jobs] for i in range(0, len(compiled), jobs)]
+            kids: list = []
+            done = False
+            try:
+                for wave in waves:
+                    print(f"[models] {workload}: starting {', '.join(wave)} (cap {args.compile_cap:g} s)", flush=True)
+                    started = [start(workload, s) for s in wave]
+                    kids += started
+                    for kid in started:  # each is waited for until its own cap
+                        kid.wait_ready(args.compile_cap)
+                _take_turns(kids, TIMING_CAP_S[args.quick])
+                done = True
+            finally:
+                for kid in kids:
+                    if done:
+                        kid.close()
+                    else:
+                        kid.kill()  # interrupted: no child outlives the parent
+            for kid in kids:  # eager first: the others' speedups are over its figures
+                _add(rep, rows, kid.row(jobs if kid.system in COMPILED else len(plain)))
+            print(f"[models] {workload}: {time.perf_counter() - t0:.1f} s", flush=True)
 
 
 def _child_main(args) -> int:
@@ -1089,13 +1098,6 @@ def _parse(argv):
     return ap.parse_args(argv)  # None: the command line
 
 
-def _reset_trees() -> None:
-    if DEVICE != "cpu":
-        import cgraw
-
-        cgraw.reset()
-
-
 def main(argv=None) -> int:
     global DEVICE
     args = _parse(argv)
@@ -1126,30 +1128,9 @@ def main(argv=None) -> int:
     names = [n for n in names if WORKLOADS[n][0] not in missing]
 
     rows: dict = {}
-    for name in names:
-        t0 = time.perf_counter()
-        _reset_trees()
-        try:
-            wl = _build(name)
-        except Exception as exc:  # noqa: BLE001 -- reported; the other models still run
-            _add(rep, rows, {"workload": name, "system": "build", "check": "not run", "error": _text(exc)})
-            continue
-        for system in [s for s in systems if s in IN_PROCESS]:
-            _reset_trees()  # before each model and system: no tree holds memory under the next
-            _add(rep, rows, _measure(wl, system, quick=args.quick))
-            gc.collect()
-        del wl
-        gc.collect()
-        _reset_trees()
-        if DEVICE != "cpu":
-            torch.cuda.empty_cache()
-        print(f"[models] {name}: in-process systems took {time.perf_counter() - t0:.1f} s", flush=True)
-
-    pairs = [(n, s) for n in names for s in systems if s in COMPILED]
+    pairs = [(n, s) for n in names for s in systems]
     if pairs:
-        t0 = time.perf_counter()
         _children(rep, rows, pairs, args)
-        print(f"[models] compiled systems took {time.perf_counter() - t0:.1f} s", flush=True)
 
     summary = {name: _summary(by_system) for name, by_system in rows.items()}
     for name, s in summary.items():

@@ -486,10 +486,13 @@ say(phase="result", workload=name.split("/")[0], system=name.split("/")[1], chec
 '''
 
 
-def test_compiled_systems_compile_one_at_a_time_with_cold_caches_and_take_turns_at_their_bursts(tmp_path, monkeypatch):
-    """The children of ``benchmarks.models``: by default each compiles alone, with its own empty
-    cache directories, and a workload's children time one burst per turn, alternately, so a
-    change of the machine's speed falls on every compiled system alike."""
+def test_each_system_runs_in_a_child_with_cold_caches_and_a_workloads_systems_take_turns_at_their_bursts(
+        tmp_path, monkeypatch):
+    """The children of ``benchmarks.models``, workload by workload: the systems that compile nothing
+    start together, the compiled ones one at a time by default, each with its own empty cache
+    directories; then the workload's children time one burst per turn, in rounds whose order is
+    reversed every round, so a change of the machine's speed falls on every system alike; they
+    close before the next workload's start."""
     from benchmarks import models
 
     log = tmp_path / "log"
@@ -500,22 +503,24 @@ def test_compiled_systems_compile_one_at_a_time_with_cold_caches_and_take_turns_
     added = []
     monkeypatch.setattr(models, "_add", lambda rep, rows, row: added.append(row))
     args = models._parse(["--quick"])
-    pairs = [("wa", "ro"), ("wa", "be"), ("wb", "ro")]
+    pairs = [("wa", "eager"), ("wa", "reduce_overhead"), ("wa", "cgraw_backend"), ("wb", "eager")]
     models._children(None, {}, pairs, args)
 
     lines = [ln.split() for ln in log.read_text().splitlines()]
     events = [(name, what) for name, what, _ in lines]
-    # compiled one after another, before any timing
-    assert events[:3] == [("wa/ro", "compiled"), ("wa/be", "compiled"), ("wb/ro", "compiled")]
-    assert len({cache for *_, cache in lines}) == 3  # a cache directory per child
-    timing = [e for e in events[3:] if e[0].startswith("wa/")]
-    assert timing == [("wa/ro", "warm"), ("wa/be", "warm"),
-                      ("wa/ro", "burst0"), ("wa/be", "burst0"),
-                      ("wa/be", "burst1"), ("wa/ro", "burst1"),
-                      ("wa/ro", "burst2"), ("wa/be", "burst2")]
-    assert events.index(("wb/ro", "warm")) > events.index(("wa/be", "burst2"))  # workload by workload
+    assert len({cache for *_, cache in lines}) == 4  # a cache directory per child
+    wa = [e for e in events if e[0].startswith("wa/")]
+    # eager first, then the compiled systems one after another, before any timing
+    assert wa[:3] == [("wa/eager", "compiled"), ("wa/reduce_overhead", "compiled"), ("wa/cgraw_backend", "compiled")]
+    e, ro, be = "wa/eager", "wa/reduce_overhead", "wa/cgraw_backend"
+    assert wa[3:] == [(e, "warm"), (ro, "warm"), (be, "warm"),
+                      (e, "burst0"), (ro, "burst0"), (be, "burst0"),
+                      (be, "burst1"), (ro, "burst1"), (e, "burst1"),
+                      (e, "burst2"), (ro, "burst2"), (be, "burst2")]
+    assert events.index(("wb/eager", "compiled")) > events.index((be, "burst2"))  # workload by workload
     assert [(r["workload"], r["system"], r.get("host_us"), r["compile_concurrency"]) for r in added] == [
-        ("wa", "ro", 1.0, 1), ("wa", "be", 1.0, 1), ("wb", "ro", 1.0, 1)]
+        ("wa", "eager", 1.0, 1), ("wa", "reduce_overhead", 1.0, 1), ("wa", "cgraw_backend", 1.0, 1),
+        ("wb", "eager", 1.0, 1)]
 
 
 def test_a_memory_run_stopped_early_keeps_what_it_measured(tmp_path, monkeypatch):
