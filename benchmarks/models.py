@@ -745,7 +745,7 @@ def _measure(wl: Workload, system: str, *, quick: bool, ready=None, turn=None) -
     row.update(detail)
     row["setup_s"] = setup_s
     if compiled:
-        # from the torch.compile(...) call on: reduce-overhead's imports Inductor there, a backend
+        # from the torch.compile(...) call on: reduce-overhead imports Inductor there, a backend
         # named by a string at its first call
         row["compile_call_s"] = made.s
         row["compile_s"] = made.s + setup_s
@@ -893,7 +893,7 @@ def _child_cmd(workload: str, system: str, args) -> list:
 
 def _take_turns(kids: list, cap_s: float) -> None:
     """Time ready children together: each runs its warm-up, then one burst per turn, in rounds
-    whose order is reversed every other round, until each has said its result."""
+    whose order is reversed after every round, until each has said its result."""
     for kid in kids:
         if kid.timing:
             kid.go(cap_s)  # its warm-up calls, up to its first turn
