@@ -2,7 +2,9 @@
 
 ``python3 -m tools.call_walk`` traces one replay of ``@cgraw.graphed`` over a one-tensor function
 and prints the modules of ``cgraw/`` it runs code in, in order ("stays"), and how often the path
-comes back to a module it had left ("returns"); ``--time`` adds the host time per call.
+comes back to a module it had left ("returns"), for three calls: a root function's (its last
+output dropped), one that extends the path, and a root function's while its last output is held
+(the backend poisons it); ``--time`` adds the host time per call.
 
 Without ``--device`` it runs on the CPU (torch needed): the real ``GraphedFunction``,
 ``TreeManager``, ``calls`` and ``Recording.replay``, over CPU tensors that report device 0, with
@@ -159,15 +161,23 @@ def main(argv=None) -> int:
 
     for _ in range(4):  # warm-ups, recordings, first replays
         step()
+    held = []
+
+    def hold():  # y = double(x) in a loop: the last output is alive when the next call begins
+        held[0] = double(x)
+
     cases = {
         "root": ("a call of a root function (each call begins a generation)", lambda: double(x)),
         "path": ("a call that extends the path under way (a model's second graphed function)",
                  lambda: shift(double(x))),
+        "held": ("a call of a root function while the last one's output is held (the backend poisons it)", hold),
     }
     for name, (what, call) in cases.items():
         if name == "path":
             a = double(x)
             call = lambda: shift(a)  # noqa: E731 -- trace shift(a) alone
+        elif name == "held":
+            held.append(double(x))
         stays = walk(call)
         print(f"{name}: {what}")
         print("  stays:", " -> ".join(m.removeprefix("cgraw.") for m in stays))

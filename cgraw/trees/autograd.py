@@ -195,7 +195,9 @@ class AutogradBook:
     """The pending-backward bookkeeping of one tree (section 4 of the module docstring).
 
     ``tickets``, ``issue`` and ``end_generation`` belong to the owning thread; the tickets' events
-    only write ``trains`` entries and ``last_backward``.
+    only write ``trains`` entries and ``last_backward``. With no ticket, a generation's end only
+    advances ``generation`` and ``last_backward``; the tree does that itself, on the path of every
+    call of a root function (``manager.TreeManager._end_generation``).
     """
 
     def __init__(self) -> None:

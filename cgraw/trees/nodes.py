@@ -309,9 +309,16 @@ class Backend(Protocol):
     def renew(self) -> Any:
         """Start over on a fresh pool; returns its root checkpoint."""
 
+    # what the backend handed out itself that a generation's end invalidates (the outputs of the
+    # backward nodes it attaches): while this is not empty, every generation's end calls
+    # ``end_generation``, else only one with outputs handed out
+    autograd_views: Any
+
     def end_generation(self, handed: list, cloning: str | None) -> None:
         """Invalidate (or clone out) the outputs handed out that are still alive, ``[(function
-        name, output)]``; those the backend cannot invalidate (CuPy arrays) it passes over."""
+        name, output)]``; those the backend cannot invalidate (CuPy arrays) it passes over, and
+        with them those in ``autograd_views`` whose generation has ended. A generation with
+        nothing handed out and no ``autograd_views`` ends without this call."""
 
     def with_backward(self, ticket, out, call) -> Any:
         """Outputs of a call made with grad enabled (``call`` is None when the call ran eagerly

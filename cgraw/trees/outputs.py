@@ -1,5 +1,6 @@
 """What the calls of one generation of a graph tree handed out, held weakly, so that the tree sees
-when all of it is dead (``manager.TreeManager._path_is_dead``), and what to poison when it ends.
+when all of it is dead (``manager.TreeManager._path_is_dead``), and what to poison when it ends
+(``manager.TreeManager._take_outputs`` takes them then).
 
 Layer L6: pure Python over ``arrays``/``frameworks`` (no CUDA, frameworks through their ``Ops``).
 """
@@ -73,21 +74,6 @@ class PathOutputs:
             if r() is not None:
                 return True
         return any(r() is not None for r in self.watched) or memory_in_use(self.memory)
-
-    def take(self) -> list:
-        """``[(function name, output)]`` of the handed-out outputs alive now; forgets everything.
-        (A root function's every call ends a generation: a loop, no comprehension, costs least.)"""
-        live = []
-        for name, r in self.handed:
-            t = r()
-            if t is not None:
-                live.append((name, t))
-        self.handed = []
-        if self.watched:
-            self.watched = []
-        if self.memory:
-            self.memory = []
-        return live
 
 
 def memory_in_use(users) -> bool:

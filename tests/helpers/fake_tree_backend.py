@@ -231,6 +231,8 @@ class FakeTreeBackend:
     ``stale``, once). ``log`` lists every protocol call in order (``inspect`` through the spy).
     """
 
+    autograd_views = ()  # it attaches no backward of its own
+
     def __init__(self, *, warm_in_pool: bool = False, **pool_kwargs) -> None:
         self.warm_in_pool = warm_in_pool
         self.warm_stash: set = set()  # hook: these functions' warm-ups keep a pool block beyond their outputs

@@ -1,5 +1,6 @@
 """CPU tier: the replay path of a graphed call, module by module (``tools.call_walk``), is the one
-``docs/architecture.md`` shows, with at most three returns to a module already left."""
+``docs/architecture.md`` shows, with at most two returns to a module already left, for a call that
+extends the path and for a root function's call that begins a generation."""
 
 from __future__ import annotations
 
@@ -44,3 +45,12 @@ def test_a_replay_extending_the_path_runs_the_documented_modules():
 def test_a_root_call_classifies_and_replays_once():
     stays, _ = _walks()["root"]
     assert stays.count("trees.calls") <= 2 and stays.count("trees.recording") == 1, stays
+
+
+def test_a_root_call_ending_a_generation_with_nothing_alive_leaves_the_manager_only_to_classify_and_replay():
+    walks = _walks()
+    stays, back = walks["root"]
+    assert back == len(stays) - len(set(stays)) and back <= 2, stays
+    assert stays == walks["path"][0], "a root call runs other modules than a call extending the path"
+    held, _ = walks["held"]  # the last output is alive: the generation's end poisons it
+    assert held.count("trees.calls") == 1 and held.count("trees.recording") == 1, held

@@ -356,6 +356,9 @@ class TorchAutograd:
     backend sets ``mgr`` (its ``TreeManager``) and calls ``grad_views`` when a generation ends."""
 
     mgr = None
+    # [(function name, weak reference, ticket)] of the outputs ``_Graphed`` handed out, until their
+    # generation has ended (``grad_views``); the tree calls ``end_generation`` while any is listed
+    autograd_views: list = ()
 
     def with_backward(self, ticket, out, call):
         flat: list = []
@@ -383,7 +386,7 @@ class TorchAutograd:
             idx = info.out_idx
             link = _Link(self, ticket, info, ticket.node.fn.fn, call)
             outs = _apply(link, [call.leaves[j] for j in info.leaves] + info.params, [flat[i] for i in idx])
-            views = self.__dict__.setdefault("_grad_views", [])
+            views = self.__dict__.setdefault("autograd_views", [])
             views.extend((ticket.name, weakref.ref(b), ticket) for b in outs)
         for i, b in zip(idx, outs):
             flat[i] = b
@@ -415,7 +418,7 @@ class TorchAutograd:
     def grad_views(self) -> list:
         """``[(function name, output)]`` handed out by ``_Graphed`` in generations that have ended
         (poisoned or cloned out with the tree's own outputs, which they alias)."""
-        views = self.__dict__.get("_grad_views")
+        views = self.__dict__.get("autograd_views")
         if not views:
             return []
         ended, live = [], []
@@ -427,5 +430,5 @@ class TorchAutograd:
                 b = ref()
                 if b is not None:
                     ended.append((name, b))
-        self._grad_views = live
+        self.autograd_views = live
         return ended
