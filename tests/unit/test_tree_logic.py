@@ -409,6 +409,34 @@ def test_inference_rule_root_call_starts_new_generation(tree, rng):
     assert tree.all_paths() == [("affine",)]
 
 
+def test_a_root_function_in_a_loop_ends_each_generation_steadily_with_its_output_dropped_or_held(tree, rng):
+    """``f(x)`` then ``y = f(x)`` in a loop: every call begins a generation. With the last output
+    dropped the backend is never asked to poison anything; with it held, each call hands the
+    backend exactly that output, which is poisoned; the pool and the tree's bookkeeping stay put."""
+    f = tree.fn(affine)
+    x = tree.tensor(rand(rng, 64))
+    ref = values(affine(x))
+    for _ in range(3):  # warm-up, recording, first replay
+        f(x)
+    reserved, stats = tree.be.source.reserved_bytes, tree.pool.stats()
+    told, gen = len(tree.be.generations), tree.mgr.generation
+    for _ in range(500):  # dropped: each call's output dies before the next call
+        assert_same(f(x), ref)
+    assert tree.mgr.generation == gen + 500 and len(tree.be.generations) == told
+    assert len(tree.mgr.outs.handed) == 1 and len(tree.mgr.tree_outputs) == 1 and tree.mgr.book.tickets == []
+    y = f(x)
+    for i in range(500):  # held: the last output is alive when the next call begins
+        last, y = y, f(x)
+        handed, cloning = tree.be.generations[-1]
+        assert [t for _, t in handed] == [last] and cloning is None
+        assert last.poisoned == "affine" and y.poisoned is None
+        assert_same(y, ref)
+    assert len(tree.be.generations) == told + 500 and tree.mgr.generation == gen + 1001
+    assert tree.be.source.reserved_bytes == reserved and tree.pool.stats() == stats
+    assert tree.be.count("record") == 1 and tree.mgr.stats[f.fn_id].replays == 1 + 1001
+    check_invariants(tree.pool)
+
+
 def test_non_root_function_called_twice_becomes_child(tree, rng):
     a, g = tree.fn(affine), tree.fn(square)
     for _ in range(5):
