@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 IMPORTABLE = ("tools.call_walk", "tools.probes.pool_probe", "tools.probes.conditional_probe", "tools.probes.rebind_probe", "tools.probes.rebind_resnet_probe",
-              "tools.sanitize_smoke", "tools.diag.pytest_diag")  # rng_probe runs its checks on import
+              "tools.probes.train_step_probe", "tools.probes.whole_graph_probe", "tools.sanitize_smoke", "tools.diag.pytest_diag")  # rng_probe runs its checks on import
 
 
 def test_benchmarks_holds_no_probes_diagnostics_or_session_script():
@@ -40,11 +40,12 @@ def test_tools_import_from_the_repository_root(module):
     assert mod.__doc__ and "tools" in mod.__doc__, module
 
 
-def test_pool_probe_parses_its_command_line_without_a_device():
-    out = subprocess.run([sys.executable, "-m", "tools.probes.pool_probe", "--help"], cwd=ROOT,
+@pytest.mark.parametrize("probe", ["pool_probe", "train_step_probe", "whole_graph_probe"])
+def test_probes_parse_their_command_lines_without_a_device(probe):
+    out = subprocess.run([sys.executable, "-m", f"tools.probes.{probe}", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "python3 -m tools.probes.pool_probe" in out.stdout
+    assert f"python3 -m tools.probes.{probe}" in out.stdout
 
 
 def test_the_session_script_names_modules_and_files_that_exist():

@@ -1,0 +1,128 @@
+"""Where a ResNet-18 training step under ``torch.compile(backend="cgraw")`` spends its time, against
+``mode="reduce-overhead"``: the kernels of a step by name, and the host time of a step alone.
+
+A diagnostic, not a benchmark (``benchmarks.models`` times the step). Both systems compile the
+model of ``benchmarks.models``' ``resnet18_train`` workload (loss, ``backward()`` and SGD eager,
+gradients set to None) and warm up; then, per system:
+
+- **kernels**: ``torch.profiler`` over four steps: per kernel name, launches and device time per
+  step, and the names whose device time differs most between the systems;
+- **host**: ten steps timed while a long sleep kernel holds the GPU behind, so that no step waits
+  for the device: the host's own time per step, three rounds in turns;
+- **syncs**: whether a step synchronises with the device (``torch.cuda.set_sync_debug_mode``).
+
+A step whose host time exceeds its kernels' device time is bound by the host, and the system
+with the cheaper host path is faster however alike their kernels are.
+
+From the repository root, on a GPU: ``python3 -m tools.probes.train_step_probe``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+import warnings
+
+
+def _systems():
+    import torch
+
+    from benchmarks import models
+
+    wl = models._build("resnet18_train")
+    x, y = wl.inputs()
+    backend = wl.new_step(lambda m: torch.compile(m, backend="cgraw", dynamic=False), set_to_none=True)
+    ro = wl.new_step(lambda m: torch.compile(m, mode="reduce-overhead", dynamic=False), set_to_none=True)
+    mark = torch.compiler.cudagraph_mark_step_begin
+
+    def ro_step():
+        mark()  # torch requires it before each step
+        return ro(x, y)
+
+    return {"reduce_overhead": ro_step, "cgraw_backend": lambda: backend(x, y)}
+
+
+def kernels(step, steps: int = 4) -> dict:
+    """``{kernel name: (launches, device us)}`` per step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    agg: dict = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            a = agg[e.name[:90]]
+            a[0] += 1
+            a[1] += getattr(e, "device_time_total", 0.0)
+    return {k: (n / steps, us / steps) for k, (n, us) in agg.items()}
+
+
+def host_us(step, steps: int = 10) -> float:
+    """The host's time per step while the GPU is held behind by a sleep kernel."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock cycles: no step waits for the device
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    us = (time.perf_counter() - t0) / steps * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def syncs(step, steps: int = 3) -> list[str]:
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m tools.probes.train_step_probe", description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of host timing, the systems in turns")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    systems = _systems()
+    for _ in range(8):  # compiles, warm-ups, recordings
+        for step in systems.values():
+            step()
+    per = {name: kernels(step) for name, step in systems.items()}
+    for name, ks in per.items():
+        print(f"{name}: {sum(n for n, _ in ks.values()):.0f} kernels, {sum(us for _, us in ks.values()):.0f} us "
+              f"of kernel time per step; syncs per 3 steps: {len(syncs(systems[name]))}")
+    a, b = per["reduce_overhead"], per["cgraw_backend"]
+    rows = sorted(((b.get(k, (0, 0))[1] - a.get(k, (0, 0))[1], k) for k in set(a) | set(b)), key=lambda r: -abs(r[0]))
+    print(f"{'backend - RO us':>16}  kernel")
+    for diff, k in rows[:12]:
+        print(f"{diff:16.1f}  {k}")
+    times: dict = {name: [] for name in systems}
+    order = list(systems)
+    for _ in range(args.rounds):
+        for name in order:
+            times[name].append(host_us(systems[name]))
+        order.reverse()
+    for name, ts in times.items():
+        print(f"{name}: host {min(ts):.0f}-{max(ts):.0f} us per step with the GPU held behind")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
