@@ -391,25 +391,32 @@ def _inspect_guarded(fn, args, tree_outputs, device: int) -> Call:
     there: module buffers, tensors marked with ``torch._dynamo.mark_static_address``). A call whose
     arguments do not start with a tensor takes ``inspect``'s general path."""
     T, P = _tensor
-    n = 0
-    for a in args:
-        if type(a) is not T and type(a) is not P:
-            break
-        n += 1
+    kind_of = {T: EAGER, P: STATIC}
+    types = tuple(map(type, args))
+    n = len(types)
+    while n and types[n - 1] not in kind_of:  # the symbolic sizes after the tensors
+        n -= 1
     if n == 0:
         return _inspect_general(fn, args, {}, tree_outputs, device)
-    tensors = args[:n] if n < len(args) else args
+    tensors, types = (args[:n], types[:n]) if n < len(args) else (args, types)
+    try:  # C loops: a partition takes a model's parameters and activations, a hundred tensors or more
+        kinds = list(map(kind_of.__getitem__, types))  # STATIC for a parameter, else EAGER
+    except KeyError:  # a non-tensor among the tensors: the general path classifies the call
+        return _inspect_general(fn, args, {}, tree_outputs, device)
     try:
-        ptrs = [a.data_ptr() for a in tensors]
+        ptrs = list(map(T.data_ptr, tensors))  # the unbound method: a parameter's too
     except RuntimeError as exc:  # sparse, meta, ...: no storage to copy or read in place
         raise SkipCall(f"a tensor input has no data pointer ({exc})") from None
     if tensors[0].get_device() != device:
         _wrong_device(tensors, device)
     if _static_ids:
-        kinds = [STATIC if type(a) is P or id(a) in _static_ids else (TREE if p in tree_outputs else EAGER)
-                 for a, p in zip(tensors, ptrs)]
-    else:
-        kinds = [STATIC if type(a) is P else (TREE if p in tree_outputs else EAGER) for a, p in zip(tensors, ptrs)]
+        for j, a in enumerate(tensors):
+            if id(a) in _static_ids:
+                kinds[j] = STATIC
+    if tree_outputs and not tree_outputs.keys().isdisjoint(ptrs):  # outputs of the calls before it
+        for j, p in enumerate(ptrs):
+            if p in tree_outputs and kinds[j] == EAGER:
+                kinds[j] = TREE
     for j in fn.static_positions:  # the graph's static inputs (module buffers, tensors marked static)
         if kinds[j] == EAGER:  # a tree output stays one
             kinds[j] = STATIC
@@ -430,7 +437,6 @@ def _inspect_guarded(fn, args, tree_outputs, device: int) -> Call:
     call = Call(tuple(parts), leaves, kinds, ptrs, ops, spans, specs)
     _key_tail(fn, call, leaves, kinds, ptrs)
     return call
-
 
 
 def _wrong_device(args, device: int):

@@ -21,6 +21,8 @@ generators' step of a recording that draws random numbers) and through the memcp
 
 from __future__ import annotations
 
+import operator
+
 from cgraw import _cuda
 from cgraw.runtime import stream as _streams
 from cgraw.interop.torch import private_api
@@ -232,7 +234,8 @@ class Recording:
         "copy_slow",  # copy_slow(rec, call, rows or None): copies them on the replay's stream
         "out_leaves",  # the recording's output arrays, flattened
         "out_kinds",  # per output leaf: OWNED, EXTERNAL, an InputAlias or a ClosureView
-        "out_alias",  # per output leaf: the bound alias maker of an OWNED one (t.detach, a.view), else None
+        "_out_alias",  # per output leaf: the bound alias maker of an OWNED one (t.detach, a.view), else None
+        "all_owned",  # the alias makers when every output leaf is OWNED (the property out_alias), else None
         "_out_spec",  # arrays.out_spec of the output structure (the property out_spec)
         "out_build",  # arrays.builder(out_spec), set with it: the structure from the output leaves
         "out_args",  # whether it hands out the call's own argument objects (arrays.names_inputs)
@@ -303,6 +306,15 @@ class Recording:
         return None if why is None else Rewarm(why)
 
     @property
+    def out_alias(self) -> list:
+        return self._out_alias
+
+    @out_alias.setter
+    def out_alias(self, aliases) -> None:
+        self._out_alias = aliases
+        self.all_owned = tuple(aliases) if aliases and None not in aliases else None
+
+    @property
     def out_spec(self):
         return self._out_spec
 
@@ -354,7 +366,8 @@ class Recording:
             o = alias0()
             return o, (o,)
         outs = self._outputs(call)
-        owned = [outs[i] for i in self.owned_idx]
+        # every output owned (a compiled piece's activations): all of them, in order
+        owned = outs[:] if self.all_owned is not None else [outs[i] for i in self.owned_idx]
         if self.tree_views:
             owned += [outs[i] for i in self.tree_views]
         objects = argument_objects(call.arg_specs, call.kwarg_specs) if self.out_args else None
@@ -387,6 +400,12 @@ class Recording:
         return self.out_build(outs, objects), owned
 
     def _outputs(self, call) -> list:
+        makers = self.all_owned
+        if makers is not None:  # a C loop: a training forward's piece hands out a hundred activations
+            outs = list(map(_call, makers))
+            for i, first in self.out_same:
+                outs[i] = outs[first]
+            return outs
         outs = []
         for t, k, alias in zip(self.out_leaves, self.out_kinds, self.out_alias):
             if alias is not None:
@@ -400,6 +419,9 @@ class Recording:
         for i, first in self.out_same:  # one object returned twice is one object, as eager returns it
             outs[i] = outs[first]
         return outs
+
+
+_call = operator.call
 
 
 def repeated_leaves(leaves) -> tuple:

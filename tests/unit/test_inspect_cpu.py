@@ -237,6 +237,32 @@ def test_plain_replay_patches_only_moved_inputs_and_hands_out_its_owned_output(m
     assert patched == [("n0", 0xA00, 0x300, 256)] and launches == [("exec", 0x5001)] * 3
 
 
+def test_a_replay_hands_out_fresh_aliases_of_every_output_in_order_whether_or_not_all_are_owned(monkeypatch):
+    """A recording whose output leaves are all its own (a compiled piece's activations) hands out
+    a fresh alias of each, in order, all of them owned, one object for a leaf returned twice; with
+    an external leaf among them, that leaf is handed out as it is and is not owned."""
+    from cgraw.trees.recording import EXTERNAL, OWNED, Recording
+
+    _fake_launch(monkeypatch)
+    arrays = [SliceableArray(0xC00 + 0x100 * i, (i + 2, 4)) for i in range(4)]
+    for external in (False, True):
+        rec = Recording("piece")
+        rec.exec_ = "exec"
+        rec.out_leaves = arrays + [arrays[1]]  # the last leaf is the second one again
+        rec.out_spec = ("seq", tuple, [("t",)] * 5)
+        rec.out_kinds = [OWNED, OWNED, EXTERNAL if external else OWNED, OWNED, OWNED]
+        rec.owned_idx = [i for i, k in enumerate(rec.out_kinds) if k is OWNED]
+        rec.out_alias = [t.view if k is OWNED else None for t, k in zip(rec.out_leaves, rec.out_kinds)]
+        rec.out_same = ((4, 1),)
+        assert (rec.all_owned is None) == external
+        out, owned = rec.replay(types.SimpleNamespace(rows=None, ptrs=[], leaves=[]))
+        assert [o.data.ptr for o in out] == [t.data.ptr for t in rec.out_leaves]
+        assert out[4] is out[1] and all(o is not t for o, t in zip(out, arrays) if o is not arrays[2])
+        assert (out[2] is arrays[2]) == external
+        want = [out[i] for i in range(5) if not (external and i == 2)]
+        assert len(owned) == len(want) and all(a is b for a, b in zip(owned, want))
+
+
 def test_generation_end_poisons_the_torch_outputs_and_skips_cupy_ones(monkeypatch):
     """Replays hand out their owned outputs of every framework (the tree watches whether they
     live); the CUDA backend poisons the torch ones still alive and passes over CuPy arrays,
