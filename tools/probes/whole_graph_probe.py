@@ -12,6 +12,8 @@ its inputs guarded by dynamo and the graph's parameters and marked static inputs
 prints per-token host times, the systems timed in turns (one 64-token decode each per round).
 Two floors are timed beside them: ``dynamo_floor``, a backend whose graph returns fixed outputs
 (dynamo's guards and input gathering alone), and ``loop_floor``, the decode loop with no model.
+"host alone" is the best of three decodes timed while a sleep kernel holds the GPU behind: the
+host's own time per token, which a system bound by its kernels hides in the first figure.
 
 From the repository root, on a GPU: ``python3 -m tools.probes.whole_graph_probe [--rounds 7]``.
 """
@@ -117,8 +119,20 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             times[name].append((time.perf_counter() - t0) / len(wl.positions) * 1e6)
         order.reverse()
+    held: dict = {name: [] for name in systems}
+    for _ in range(3):  # the host's own time: the GPU held behind by a sleep kernel, no token waits for it
+        for name in order:
+            tok = wl.prefill(cache)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(1_000_000_000)
+            t0 = time.perf_counter()
+            models._decode(systems[name], tok, wl.positions, collect=False)
+            held[name].append((time.perf_counter() - t0) / len(wl.positions) * 1e6)
+            torch.cuda.synchronize()
+        order.reverse()
     for name, ts in times.items():
-        print(f"{name:20s} {statistics.median(ts):8.1f} us per token (min {min(ts):.1f}, max {max(ts):.1f})")
+        print(f"{name:20s} {statistics.median(ts):8.1f} us per token (min {min(ts):.1f}, max {max(ts):.1f}); "
+              f"host alone {min(held[name]):.1f}")
     print(cgraw.report())
     return 0
 
