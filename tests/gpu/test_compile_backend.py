@@ -3,7 +3,9 @@ cgraw's tree (warmed up, recorded, replayed; named in ``cgraw.report()``), their
 Triton kernels, what Inductor cuts out (a ``cudagraph_unsafe`` custom op, ``.item()``, ``nonzero``)
 runs between graphed pieces, training graphs forward and backward, dynamic shapes record per
 shape, results equal eager on fresh random inputs, the backend is found without ``import cgraw``,
-and a default ``torch.compile`` in the same process is untouched."""
+and a default ``torch.compile`` in the same process is untouched. With ``options={"whole_graph":
+True}`` an inference graph of one partition replays as one whole graph, and any other keeps its
+partitions."""
 
 from __future__ import annotations
 
@@ -482,3 +484,85 @@ def test_an_input_written_in_place_at_an_unaligned_offset_equals_eager(partition
         ref = x.clone()
         torch.testing.assert_close(c(x), f(ref), **TOL)
         torch.testing.assert_close(x, ref, **TOL)
+
+
+# ---------------------------------------------------------------- options={"whole_graph": True}
+
+
+def _whole(prefix: str) -> dict:
+    """``{name: FunctionStats}`` of the compiled code named ``prefix`` graphed as a whole."""
+    mgr = graphed_mod._managers[0]
+    return {s.name: s for s in mgr.stats.values() if s.name.startswith(prefix) and s.name.endswith("/whole graph")}
+
+
+def test_an_inference_graph_of_one_partition_replays_as_one_whole_graph_and_equals_eager():
+    m = _mlp()
+    c = torch.compile(m, backend="cgraw", options={"name": "mlpw", "whole_graph": True})
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = trand(16, 64)
+            torch.testing.assert_close(c(x), m(x), **TOL)
+    whole = _whole("mlpw [")
+    assert all(re.fullmatch(r"mlpw \[\d+/\d+\] inference/whole graph", n) for n in whole), whole
+    _assert_replayed(whole)
+    assert not _partitions("mlpw ["), "the partition ran through the tree besides the whole graph\n" + _diagnosis()
+
+
+def test_a_decode_loop_writing_its_cache_in_place_replays_whole_and_equals_eager():
+    """The step writes its module buffers (the cache) in place: the whole graph reads and writes them
+    where they are, and every step after the recording replays."""
+    torch.manual_seed(0)
+    m = Decoder().cuda()
+    ref = Decoder().cuda()
+    ref.load_state_dict(m.state_dict())
+    c = torch.compile(m, backend="cgraw", options={"name": "decodew", "whole_graph": True})
+    steps = 16
+    with torch.no_grad():
+        tok = torch.randint(0, 128, (1, 1), device="cuda")
+        for i in range(steps):
+            pos = torch.tensor([i], device="cuda")
+            want = ref(tok, pos)
+            tok = c(tok, pos)
+            torch.testing.assert_close(tok, want)
+        torch.testing.assert_close(m.k_cache, ref.k_cache, **TOL)
+        torch.testing.assert_close(m.v_cache, ref.v_cache, **TOL)
+    _assert_replayed(_whole("decodew ["), steps)
+
+
+@pytest.mark.parametrize("kind", ["unsafe_op", "nonzero"])
+def test_under_whole_graph_a_graph_that_inductor_cuts_keeps_its_graphed_partitions(kind):
+    m = CutModel(kind).cuda()
+    c = torch.compile(m, backend="cgraw", options={"name": f"cutw_{kind}", "whole_graph": True})
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = trand(16, 64)
+            torch.testing.assert_close(c(x), m(x), **TOL)
+    parts, whole = _partitions(f"cutw_{kind} ["), _whole(f"cutw_{kind} [")
+    pieces = {**parts, **whole}  # dynamo's graphs on either side of a break may each be graphed whole
+    assert len(pieces) >= 2, (pieces, _diagnosis())
+    for frame_pieces, calls in _last_compiles(pieces):
+        _assert_replayed(frame_pieces, calls)
+    if kind == "unsafe_op":  # one dynamo graph, two partitions around the op: never one whole graph
+        assert len(parts) == 2 and not whole, (parts, whole, _diagnosis())
+
+
+def test_under_whole_graph_a_training_step_graphs_its_forward_and_backward_partitions():
+    torch.manual_seed(0)
+    m = _mlp()
+    ref = _mlp()
+    ref.load_state_dict(m.state_dict())
+    c = torch.compile(m, backend="cgraw", options={"name": "trainw", "whole_graph": True})
+    for _ in range(CALLS):
+        x, y = trand(16, 64), trand(16, 32)
+        losses = []
+        for run in (c, ref):
+            loss = torch.nn.functional.mse_loss(run(x), y)
+            loss.backward()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-3, atol=1e-5)
+        for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4)
+            p.grad = q.grad = None
+    parts = _partitions("trainw [")
+    _assert_replayed(parts)
+    assert any(" backward/partition" in n for n in parts) and not _whole("trainw ["), parts

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import pathlib
+import re
 import subprocess
 import sys
 import threading
@@ -35,7 +36,8 @@ def no_notes():
 
 def test_options_default_and_checked():
     o = cb.Options.parse(None)
-    assert (o.name, o.partitions, o.fallback, o.inductor) == (None, "all", "inductor", None)
+    assert (o.name, o.partitions, o.fallback, o.inductor, o.whole_graph) == (None, "all", "inductor", None, False)
+    assert cb.Options.parse({"whole_graph": True}).whole_graph is True
     assert o.select(0) is None and o.select(7) is None
     o = cb.Options.parse({"name": "mlp", "partitions": [0, 2], "fallback": "raise",
                           "inductor": {"max_autotune": False}})
@@ -53,6 +55,7 @@ def test_options_default_and_checked():
     ({"partitions": [True]}, "non-negative ints"),
     ({"fallback": "eager"}, "must be one of"),
     ({"inductor": [("a", 1)]}, "dict of torch._inductor.config"),
+    ({"whole_graph": 1}, "True or False"),
     (["name"], "options as a dict"),
 ])
 def test_options_refused_with_the_reason(bad, match):
@@ -469,6 +472,129 @@ def test_cpu_partitions_replay_and_equal_eager(inductor):
     _assert_replayed(parts, 6)
     assert "mlp [0/0] inference/partition 0 of 1: 1 recording(s)" in graphed_mod.report()
     assert not any(k.startswith("mlp [") for k in graphed_mod.without_graphs())
+
+
+def _fake_graph(fn, *shapes, device="cuda"):
+    """``fn`` traced into an ATen FX graph over fake tensors of ``device`` (no GPU needed), as
+    Inductor gets it; a shape environment gives data-dependent sizes and values symbols."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with FakeTensorMode(shape_env=ShapeEnv()):
+        args = [torch.empty(s, device=device) for s in shapes]
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("cuda", None),
+    ("cpu", "CPU tensors"),
+    ("nonzero", "depends on data"),
+    ("item", "depends on data"),
+    ("unsafe", "cudagraph_unsafe"),
+    ("two_devices", "2 devices"),
+])
+def test_what_may_run_outside_inductors_partitions_is_named(case, match):
+    """An inference graph is one graphed function as a whole only where none of its ops can run
+    outside Inductor's partitions: CPU tensors, another device, a size or value that depends on
+    data, an op tagged ``cudagraph_unsafe`` each say why not."""
+    torch = pytest.importorskip("torch")
+
+    def cuda(x, w):
+        return torch.nn.functional.gelu(x @ w).softmax(-1)
+
+    fns = {
+        "cuda": cuda,
+        "cpu": lambda x, w: cuda(x, w).cpu() * 2,
+        "nonzero": lambda x, w: torch.nonzero(cuda(x, w) > 0.1),
+        "item": lambda x, w: cuda(x, w) * cuda(x, w).sum().item(),
+        "unsafe": lambda x, w: torch.ops.cgrawtest_cpu.host_step(cuda(x, w)),
+        "two_devices": lambda x, w: cuda(x, w).to("cuda:1"),
+    }
+    if case == "unsafe" and not hasattr(torch.ops.cgrawtest_cpu, "host_step"):
+        lib = torch.library.Library("cgrawtest_cpu", "FRAGMENT")
+        lib.define("host_step(Tensor x) -> Tensor", tags=(torch._C.Tag.cudagraph_unsafe,))
+        lib.impl("host_step", lambda x: x.clone(), "Meta")
+        _LIBS.append(lib)
+    # fake CUDA tensors have no nonzero without a GPU: that graph is traced on the CPU, and the size
+    # that depends on data is named before the device is looked at
+    gm = _fake_graph(fns[case], (4, 8), (8, 8), device="cpu" if case == "nonzero" else "cuda")
+    why = tcomp.outside_partitions(gm)
+    if match is None:
+        assert why is None
+    else:
+        assert why is not None and re.search(match, why), why
+
+
+_LIBS: list = []  # the custom op's library lives as long as the process
+
+
+def test_only_an_inference_graph_of_one_partition_with_nothing_outside_it_is_graphed_whole():
+    made, notes = [], []
+    w = tcomp.Wrapping("m [0/0]", _runtime(made, notes), cb.Options.parse(None).select)
+    w.phases, w.outside, w.seen, w.wrapped = {"inference"}, None, 1, ["m [0/0] inference/partition 0 of 1"]
+    assert tcomp.whole_graph_reason(w) is None
+    w.outside = "it holds CPU tensors (Inductor runs their ops outside its partitions)"
+    assert tcomp.whole_graph_reason(w) == w.outside
+    w.outside, w.seen, w.wrapped = None, 2, w.wrapped + ["m [0/0] inference/partition 1 of 2"]
+    assert "2 partition(s)" in tcomp.whole_graph_reason(w)
+    w.seen, w.wrapped, w.phases = 1, w.wrapped[:1], {"forward", "backward"}
+    assert "not as one inference graph" in tcomp.whole_graph_reason(w)
+    w.phases = {"inference"}
+    w.outside = "not looked at"  # a compile whose graph was never read is not graphed whole
+    assert tcomp.whole_graph_reason(w) == "not looked at"
+
+
+def test_a_graph_graphed_whole_is_named_and_reads_dynamos_static_inputs_in_place():
+    torch = pytest.importorskip("torch")
+    made, notes = [], []
+    rt = _runtime(made, notes)
+    buf, x = torch.randn(3), torch.randn(3)
+    buf._dynamo_static_input_type = "unguarded"
+    gf = tcomp.whole_graph(lambda *a: [a[0] + a[1]], [x, buf], rt, "m [0/0] inference/whole graph")
+    assert gf.inputs_guarded and gf.static_positions == (1,)
+    assert gf.fn.__qualname__ == "m [0/0] inference/whole graph"
+    out = gf.fn(x, buf)
+    torch.testing.assert_close(out[0], x + buf)
+
+
+def test_whole_graph_on_the_cpu_falls_back_to_partitions_that_replay_and_equal_eager(inductor):
+    """On the CPU the graph's tensors are not CUDA tensors: ``whole_graph`` leaves it to the
+    partitions, which replay as without the option."""
+    import torch
+
+    m = _mlp()
+    c = inductor.compile(m, name="mlp_whole", whole_graph=True)
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(3, 8)
+            torch.testing.assert_close(c(x), m(x))
+    parts = inductor.partitions("mlp_whole [")
+    assert list(parts) == ["mlp_whole [0/0] inference/partition 0 of 1"]
+    _assert_replayed(parts, 6)
+    assert "whole graph" not in graphed_mod.report()
+
+
+def test_a_graph_graphed_whole_replays_and_equals_eager(inductor, monkeypatch):
+    """The CPU's tensors standing for one GPU's (``outside_partitions`` finds nothing outside the
+    partition), ``whole_graph`` makes the compiled graph one graphed function: it warms up, records
+    and replays, and its results equal eager's. (On the CPU a replay runs the function's Python
+    again, which calls its partition as a graphed function of its own; on a GPU a replay is one
+    launch, and the partition runs only inline in the whole graph's warm-up and recording.)"""
+    import torch
+
+    monkeypatch.setattr(tcomp, "outside_partitions", lambda gm: None)
+    m = _mlp()
+    c = inductor.compile(m, name="whole_cpu", whole_graph=True)
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(3, 8)
+            torch.testing.assert_close(c(x), m(x))
+    whole = {s.name: s for s in inductor.tree.stats.values() if s.name.endswith("/whole graph")}
+    assert list(whole) == ["whole_cpu [0/0] inference/whole graph"]
+    _assert_replayed(whole, 6)
+    assert "whole_cpu [0/0] inference/whole graph: 1 recording(s)" in graphed_mod.report()
 
 
 def test_cpu_training_step_graphs_forward_and_backward(inductor):

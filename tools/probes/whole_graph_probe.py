@@ -5,7 +5,8 @@ per token against a graph over Inductor's whole compiled callable.
 dynamo's guards, AOT autograd's runtime wrapper and Inductor's Python ``call`` around the
 partition. Where Inductor makes one partition and nothing runs outside it (an inference graph),
 the compiled callable as a whole could be one graphed function: dynamo's guards, then a replay.
-This probe measures that route before it is built: a dynamo backend that compiles with Inductor
+This probe measures that route two ways: the backend with ``options={"whole_graph": True}``
+(``backend_whole_graph``), and a dynamo backend that compiles with Inductor
 (no partition wrapper, no CUDA graphs) and returns ``cgraw.graphed`` over the compiled callable,
 its inputs guarded by dynamo and the graph's parameters and marked static inputs (transformers'
 ``StaticCache``) read in place. A diagnostic, not a test: it checks the tokens against eager's and
@@ -76,6 +77,9 @@ def _systems(wl, cache):
         out[name] = cloned(call) if name in ("reduce_overhead", "cgraw_backend") else call
     compiled = torch.compile(wl.step, backend=whole_graph_backend, dynamic=False)
     out["whole_graph"] = cloned(lambda tok, pos: compiled(tok, pos, cache))
+    backend_whole = torch.compile(wl.step, backend="cgraw", dynamic=False,
+                                  options={"name": "whole", "whole_graph": True})
+    out["backend_whole_graph"] = cloned(lambda tok, pos: backend_whole(tok, pos, cache))
     floor = torch.compile(wl.step, backend=floor_backend, dynamic=False)
     out["dynamo_floor"] = cloned(lambda tok, pos: floor(tok, pos, cache))
     out["loop_floor"] = cloned(lambda tok, pos: tok)  # the decode loop and the clone alone

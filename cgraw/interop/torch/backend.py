@@ -18,32 +18,39 @@ Options (``torch.compile(m, backend="cgraw", options={...})``):
 - ``"fallback"``: ``"inductor"`` (default: a failure of cgraw's part of a compile falls back to
   Inductor without graphs, with the reason in ``report()``) or ``"raise"``;
 - ``"inductor"``: a dict of ``torch._inductor.config`` settings for the compile (the backend
-  keeps ``triton.cudagraphs`` off and ``graph_partition`` on).
+  keeps ``triton.cudagraphs`` off and ``graph_partition`` on);
+- ``"whole_graph"``: ``False`` (default) or ``True``: an inference graph whose one partition
+  holds every op (``partitions.whole_graph_reason``) becomes one graphed function as a whole,
+  named ``<name> inference/whole graph``, so a call runs none of AOT autograd's or Inductor's
+  Python around the partition; any other graph is graphed by partitions as usual.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 
 from cgraw.trees.graphed import graphed, note_without_graphs, tree_here
 
-OPTIONS = ("name", "partitions", "fallback", "inductor")
+OPTIONS = ("name", "partitions", "fallback", "inductor", "whole_graph")
 FALLBACKS = ("inductor", "raise")
 _frames = itertools.count()
+log = logging.getLogger("cgraw")
 _lock = threading.Lock()
 
 
 class Options:
     """The backend's ``options=``, checked."""
 
-    __slots__ = ("name", "partitions", "fallback", "inductor")
+    __slots__ = ("name", "partitions", "fallback", "inductor", "whole_graph")
 
-    def __init__(self, name=None, partitions="all", fallback="inductor", inductor=None):
+    def __init__(self, name=None, partitions="all", fallback="inductor", inductor=None, whole_graph=False):
         self.name = name
         self.partitions = partitions
         self.fallback = fallback
         self.inductor = inductor
+        self.whole_graph = whole_graph
 
     @classmethod
     def parse(cls, options) -> "Options":
@@ -71,7 +78,10 @@ class Options:
         inductor = options.get("inductor")
         if inductor is not None and not (isinstance(inductor, dict) and all(isinstance(k, str) for k in inductor)):
             raise ValueError("options['inductor'] must be a dict of torch._inductor.config settings")
-        return cls(name, parts, fallback, dict(inductor) if inductor else None)
+        whole = options.get("whole_graph", False)
+        if not isinstance(whole, bool):
+            raise ValueError(f"options['whole_graph'] must be True or False, not {whole!r}")
+        return cls(name, parts, fallback, dict(inductor) if inductor else None, whole)
 
     def select(self, index: int) -> str | None:
         """Why partition ``index`` is not graphed, or None when it is."""
@@ -111,6 +121,11 @@ def cgraw_backend(gm, example_inputs, *, options=None, mode=None):
     except Exception as exc:  # noqa: BLE001 -- an unsupported torch: Inductor without graphs
         return _fall_back(opts, name, exc, gm, example_inputs)
     compiled = torch_compile.compile_graph(gm, example_inputs, wrapping, patches)
+    if opts.whole_graph and opts.partitions == "all":
+        why = torch_compile.whole_graph_reason(wrapping)
+        if why is None:
+            return torch_compile.whole_graph(compiled, example_inputs, rt, f"{name} inference/whole graph")
+        log.info("cgraw: %s is graphed by partitions, not as a whole: %s", name, why)
     if wrapping.seen == 0:
         note_without_graphs(name, "Inductor made no partition that can be graphed (every op runs where graphs "
                                   "cannot, or the graph holds no GPU kernel)")

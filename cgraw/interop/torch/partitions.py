@@ -46,6 +46,7 @@ How Inductor's partition hook works (torch 2.9 to 2.13; read in ``torch/_inducto
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 
 from cgraw.interop.torch import observe, private_api
@@ -56,6 +57,7 @@ PATCHES = {"triton.cudagraphs": False, "graph_partition": True}
 # compiles cache changes (2: a forward's output strides reach its backward, ``finish_post_compile``)
 CACHE_MARKER = "cgraw::partition_wrapper_2"
 _lock = threading.Lock()  # guards the process-wide hook while a compile installs or restores it
+_getitem = operator.getitem
 
 
 class Runtime:
@@ -161,6 +163,8 @@ class Wrapping:
         self.wrapped: list[str] = []
         self.seen = 0
         self.first: dict = {}  # phase -> index of its graph's first graphed partition
+        self.phases: set = set()  # the phases Inductor compiled ("inference", "forward", "backward")
+        self.outside = "not looked at"  # why an inference graph's ops may run outside its partitions, or None
 
     def name(self, index: int, count: int) -> str:
         phase = getattr(self.phase, "value", None)
@@ -204,6 +208,9 @@ class Wrapping:
         def compile_with_wrapper(gm, example_inputs, **kwargs):
             phase = ("backward" if kwargs.get("is_backward") else
                      "inference" if kwargs.get("is_inference") else "forward")
+            self.phases.add(phase)
+            if phase == "inference":
+                self.outside = outside_partitions(gm)
             before, self.phase.value = getattr(self.phase, "value", None), phase
             made_before, self.phase.made = getattr(self.phase, "made", None), {}
             try:
@@ -218,6 +225,77 @@ class Wrapping:
             return compiled
 
         return compile_with_wrapper
+
+
+def outside_partitions(gm) -> str | None:
+    """Why an op of ``gm`` (a graph as Inductor lowers it, after AOT autograd) may run outside
+    Inductor's graphable partitions, or None when none can: Inductor cuts around CPU tensors and
+    device copies, tensors of several devices, higher-order operators (control flow), sizes that
+    depend on data (unbacked symbols: ``.item()``, ``nonzero``) and ops tagged
+    ``torch._C.Tag.cudagraph_unsafe`` (``Scheduler.should_partition``). This reads the same from
+    the graph's FX nodes, conservatively: an op it cannot read counts as one that may."""
+    import importlib
+
+    symbolic = importlib.import_module("torch.fx.experimental.symbolic_shapes")
+    hop, unsafe = private_api.higher_order_operator_class(), private_api.cudagraph_unsafe_tag()
+    devices = set()
+    try:
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is not _getitem:
+                if hop is not None and isinstance(node.target, hop):
+                    return f"it runs the higher-order operator {node.target.name()} (control flow)"
+                tags = getattr(node.target, "tags", None)
+                if tags is None:
+                    return f"it calls {node.target!r}, which is not an operator Inductor partitions"
+                if unsafe is not None and unsafe in tags:
+                    return f"it calls {node.target}, tagged torch._C.Tag.cudagraph_unsafe"
+            elif node.op not in ("placeholder", "output", "get_attr"):
+                return f"it holds a {node.op} node"
+            vals = node.meta.get("val")
+            for v in vals if isinstance(vals, (list, tuple)) else (vals,):
+                if hasattr(v, "device"):
+                    devices.add(v.device)
+                if v is not None and symbolic.free_unbacked_symbols(v):
+                    return f"{node.name} has a size or value that depends on data"
+    except Exception as exc:  # noqa: BLE001 -- unreadable: say so rather than guess
+        return f"its graph could not be read ({type(exc).__name__}: {exc})"
+    if any(d.type != "cuda" for d in devices):
+        return "it holds CPU tensors (Inductor runs their ops outside its partitions)"
+    if len(devices) > 1:
+        return f"it holds tensors of {len(devices)} devices"
+    return None
+
+
+def whole_graph_reason(wrapping: Wrapping) -> str | None:
+    """Why the graph ``wrapping`` saw compiled is not one graphed function as a whole, or None when
+    it can be: an inference graph (no backward) whose one partition holds every op of it."""
+    if wrapping.phases != {"inference"}:
+        return f"it compiled as {sorted(wrapping.phases)}, not as one inference graph"
+    if wrapping.outside is not None:
+        return wrapping.outside
+    if wrapping.seen != 1 or len(wrapping.wrapped) != 1:
+        return f"Inductor made {wrapping.seen} partition(s), {len(wrapping.wrapped)} of them graphed"
+    return None
+
+
+def whole_graph(compiled, example_inputs, runtime: Runtime, name: str):
+    """``compiled`` (what Inductor compiled of one dynamo graph) as one graphed function named
+    ``name``: a replay is dynamo's guards, then one launch, with none of AOT autograd's or
+    Inductor's Python around the partition. Its partition, called inside the whole graph's warm-up
+    and recording, runs inline there (a graphed call inside another's does); where the whole
+    graph's capture fails, it runs as compiled and its partition is graphed on its own. Dynamo
+    guards every input (``inputs_guarded``); parameters and the inputs dynamo marks static
+    (module buffers, ``mark_static_address``) are read in place."""
+
+    def body(*args):
+        return compiled(*args)
+
+    body.__qualname__ = body.__name__ = name
+    gf = runtime.graphed(body)
+    gf.inputs_guarded = True
+    gf.static_positions = tuple(j for j, t in enumerate(example_inputs)
+                                if getattr(t, "_dynamo_static_input_type", None) is not None)
+    return gf
 
 
 def declare_mutations(compiled, made: dict) -> None:
@@ -363,4 +441,5 @@ def plain_compile(gm, example_inputs, extra: dict | None):
 
 
 __all__ = ["CACHE_MARKER", "PATCHES", "PENDING", "Home", "Runtime", "Wrapping", "adapt", "check", "compile_graph", "config_patches",
-           "declare_mutations", "finish_post_compile", "graph_body", "installed", "graph_positions", "plain_compile"]
+           "declare_mutations", "finish_post_compile", "graph_body", "installed", "graph_positions", "outside_partitions",
+           "plain_compile", "whole_graph", "whole_graph_reason"]
