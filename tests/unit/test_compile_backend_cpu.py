@@ -534,16 +534,19 @@ def test_only_an_inference_graph_of_one_partition_with_nothing_outside_it_is_gra
     made, notes = [], []
     w = tcomp.Wrapping("m [0/0]", _runtime(made, notes), cb.Options.parse(None).select)
     w.phases, w.outside, w.seen, w.wrapped = {"inference"}, None, 1, ["m [0/0] inference/partition 0 of 1"]
-    assert tcomp.whole_graph_reason(w) is None
+    marker = {"custom_should_partition_ops": [tcomp.CACHE_MARKER]}  # the backend's own: cuts nothing
+    assert tcomp.whole_graph_reason(w, marker) is None and tcomp.whole_graph_reason(w, {}) is None
+    assert "aten::nonzero" in tcomp.whole_graph_reason(  # a registered op named: Inductor cuts there
+        w, {"custom_should_partition_ops": ["aten::nonzero", tcomp.CACHE_MARKER, "cgraw::cpu_partitions_2"]})
     w.outside = "it holds CPU tensors (Inductor runs their ops outside its partitions)"
-    assert tcomp.whole_graph_reason(w) == w.outside
+    assert tcomp.whole_graph_reason(w, marker) == w.outside
     w.outside, w.seen, w.wrapped = None, 2, w.wrapped + ["m [0/0] inference/partition 1 of 2"]
-    assert "2 partition(s)" in tcomp.whole_graph_reason(w)
+    assert "2 partition(s)" in tcomp.whole_graph_reason(w, marker)
     w.seen, w.wrapped, w.phases = 1, w.wrapped[:1], {"forward", "backward"}
-    assert "not as one inference graph" in tcomp.whole_graph_reason(w)
+    assert "not as one inference graph" in tcomp.whole_graph_reason(w, marker)
     w.phases = {"inference"}
     w.outside = "not looked at"  # a compile whose graph was never read is not graphed whole
-    assert tcomp.whole_graph_reason(w) == "not looked at"
+    assert tcomp.whole_graph_reason(w, marker) == "not looked at"
 
 
 def test_a_graph_graphed_whole_is_named_and_reads_dynamos_static_inputs_in_place():

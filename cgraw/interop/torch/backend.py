@@ -122,7 +122,7 @@ def cgraw_backend(gm, example_inputs, *, options=None, mode=None):
         return _fall_back(opts, name, exc, gm, example_inputs)
     compiled = torch_compile.compile_graph(gm, example_inputs, wrapping, patches)
     if opts.whole_graph and opts.partitions == "all":
-        why = torch_compile.whole_graph_reason(wrapping)
+        why = torch_compile.whole_graph_reason(wrapping, patches)
         if why is None:
             return torch_compile.whole_graph(compiled, example_inputs, rt, f"{name} inference/whole graph")
         log.info("cgraw: %s is graphed by partitions, not as a whole: %s", name, why)

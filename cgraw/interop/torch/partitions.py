@@ -229,11 +229,9 @@ class Wrapping:
 
 def outside_partitions(gm) -> str | None:
     """Why an op of ``gm`` (a graph as Inductor lowers it, after AOT autograd) may run outside
-    Inductor's graphable partitions, or None when none can: Inductor cuts around CPU tensors and
-    device copies, tensors of several devices, higher-order operators (control flow), sizes that
-    depend on data (unbacked symbols: ``.item()``, ``nonzero``) and ops tagged
-    ``torch._C.Tag.cudagraph_unsafe`` (``Scheduler.should_partition``). This reads the same from
-    the graph's FX nodes, conservatively: an op it cannot read counts as one that may."""
+    Inductor's partitions, or None: Inductor cuts around CPU tensors and device copies, several
+    devices, higher-order operators, data-dependent sizes (``.item()``, ``nonzero``) and ops tagged
+    ``cudagraph_unsafe`` (``Scheduler.should_partition``); an op this cannot read counts as one."""
     import importlib
 
     symbolic = importlib.import_module("torch.fx.experimental.symbolic_shapes")
@@ -266,9 +264,11 @@ def outside_partitions(gm) -> str | None:
     return None
 
 
-def whole_graph_reason(wrapping: Wrapping) -> str | None:
-    """Why the graph ``wrapping`` saw compiled is not one graphed function as a whole, or None when
-    it can be: an inference graph (no backward) whose one partition holds every op of it."""
+def whole_graph_reason(wrapping: Wrapping, patches: dict) -> str | None:
+    """Why the graph ``wrapping`` saw compiled under Inductor settings ``patches`` is not one graphed
+    function as a whole, or None: an inference graph whose one partition holds every op of it."""
+    if cut_at := [op for op in patches.get("custom_should_partition_ops", ()) if _is_op(op)]:
+        return f"Inductor cuts its graphs at {cut_at} (custom_should_partition_ops)"
     if wrapping.phases != {"inference"}:
         return f"it compiled as {sorted(wrapping.phases)}, not as one inference graph"
     if wrapping.outside is not None:
@@ -278,14 +278,19 @@ def whole_graph_reason(wrapping: Wrapping) -> str | None:
     return None
 
 
+def _is_op(name: str) -> bool:
+    """Whether ``namespace::op`` names a registered operator (cache markers name none)."""
+    import torch
+
+    ns, _, op = name.partition("::")
+    return not op or hasattr(getattr(torch.ops, ns), op.split(".")[0])
+
+
 def whole_graph(compiled, example_inputs, runtime: Runtime, name: str):
-    """``compiled`` (what Inductor compiled of one dynamo graph) as one graphed function named
-    ``name``: a replay is dynamo's guards, then one launch, with none of AOT autograd's or
-    Inductor's Python around the partition. Its partition, called inside the whole graph's warm-up
-    and recording, runs inline there (a graphed call inside another's does); where the whole
-    graph's capture fails, it runs as compiled and its partition is graphed on its own. Dynamo
-    guards every input (``inputs_guarded``); parameters and the inputs dynamo marks static
-    (module buffers, ``mark_static_address``) are read in place."""
+    """``compiled`` (Inductor's code of one dynamo graph) as one graphed function named ``name``: a
+    call is dynamo's guards and one launch. Its partition runs inline in the whole graph's warm-up
+    and recording; where that capture fails, it runs as compiled, its partition graphed on its own.
+    Dynamo guards every input; parameters and inputs dynamo marks static are read in place."""
 
     def body(*args):
         return compiled(*args)
