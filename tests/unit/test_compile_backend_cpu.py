@@ -489,6 +489,7 @@ def _fake_graph(fn, *shapes, device="cuda"):
 
 @pytest.mark.parametrize("case, match", [
     ("cuda", None),
+    ("attention", None),  # a multi-output op, its outputs taken with getitem
     ("cpu", "CPU tensors"),
     ("nonzero", "depends on data"),
     ("item", "depends on data"),
@@ -506,6 +507,8 @@ def test_what_may_run_outside_inductors_partitions_is_named(case, match):
 
     fns = {
         "cuda": cuda,
+        "attention": lambda x, w: torch.ops.aten._scaled_dot_product_flash_attention(
+            *(cuda(x, w).half().view(1, 1, 4, 8),) * 3)[0].float() * 2,
         "cpu": lambda x, w: cuda(x, w).cpu() * 2,
         "nonzero": lambda x, w: torch.nonzero(cuda(x, w) > 0.1),
         "item": lambda x, w: cuda(x, w) * cuda(x, w).sum().item(),

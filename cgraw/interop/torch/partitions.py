@@ -228,10 +228,9 @@ class Wrapping:
 
 
 def outside_partitions(gm) -> str | None:
-    """Why an op of ``gm`` (a graph as Inductor lowers it, after AOT autograd) may run outside
-    Inductor's partitions, or None: Inductor cuts around CPU tensors and device copies, several
-    devices, higher-order operators, data-dependent sizes (``.item()``, ``nonzero``) and ops tagged
-    ``cudagraph_unsafe`` (``Scheduler.should_partition``); an op this cannot read counts as one."""
+    """Why an op of ``gm`` (as Inductor lowers it) may run outside Inductor's partitions, or None: it
+    cuts around CPU tensors, several devices, higher-order operators, data-dependent sizes and
+    ``cudagraph_unsafe`` ops (``Scheduler.should_partition``); an op this cannot read counts."""
     import importlib
 
     symbolic = importlib.import_module("torch.fx.experimental.symbolic_shapes")
@@ -239,19 +238,20 @@ def outside_partitions(gm) -> str | None:
     devices = set()
     try:
         for node in gm.graph.nodes:
-            if node.op == "call_function" and node.target is not _getitem:
-                if hop is not None and isinstance(node.target, hop):
-                    return f"it runs the higher-order operator {node.target.name()} (control flow)"
-                tags = getattr(node.target, "tags", None)
+            target = node.target
+            if node.op == "call_function" and target is not _getitem:
+                if hop is not None and isinstance(target, hop):
+                    return f"it runs the higher-order operator {target.name()} (control flow)"
+                tags = getattr(target, "tags", None)
                 if tags is None:
-                    return f"it calls {node.target!r}, which is not an operator Inductor partitions"
+                    return f"it calls {target!r}, which is not an operator Inductor partitions"
                 if unsafe is not None and unsafe in tags:
-                    return f"it calls {node.target}, tagged torch._C.Tag.cudagraph_unsafe"
-            elif node.op not in ("placeholder", "output", "get_attr"):
+                    return f"it calls {target}, tagged torch._C.Tag.cudagraph_unsafe"
+            elif node.op not in ("call_function", "placeholder", "output", "get_attr"):
                 return f"it holds a {node.op} node"
             vals = node.meta.get("val")
             for v in vals if isinstance(vals, (list, tuple)) else (vals,):
-                if hasattr(v, "device"):
+                if hasattr(v, "device") and v.device.type != "meta":  # meta: a device chosen when it runs
                     devices.add(v.device)
                 if v is not None and symbolic.free_unbacked_symbols(v):
                     return f"{node.name} has a size or value that depends on data"
