@@ -809,6 +809,36 @@ def test_the_llama_decode_step_compiles_once_and_replays(no_module_hooks, induct
     _assert_replayed(parts, 2 * 8)
 
 
+@pytest.mark.parametrize("workload", ["llama_decode", "gpt2_b1"])
+def test_the_benchmarks_transformers_graphs_hold_nothing_outside_their_partition_but_cpu_tensors(
+        no_module_hooks, inductor, monkeypatch, workload):
+    """``whole_graph``'s reading of a real model's inference graph (transformers Llama with a
+    ``StaticCache``, GPT-2; the benchmark's workloads on the CPU): every op is one Inductor puts in
+    its partition, and only the device (the CPU's here, a GPU's there) keeps it from being graphed
+    whole."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from benchmarks import models
+
+    monkeypatch.setattr(models, "DEVICE", "cpu")
+    monkeypatch.setattr(models, "LLAMA_NEW", 4)
+    read, reasons = tcomp.outside_partitions, []
+    monkeypatch.setattr(tcomp, "outside_partitions", lambda gm: reasons.append(read(gm)) or reasons[-1])
+    wl = models._build(workload)
+    if workload == "llama_decode":
+        cache = wl.new_cache()
+        c = inductor.compile(wl.step, name=workload, dynamic=False, whole_graph=True)
+        tokens = models._decode(lambda t, pos: c(t, pos, cache).clone(), wl.prefill(cache), wl.positions, collect=True)
+        assert tokens == wl.reference_tokens()
+    else:
+        c = inductor.compile(wl.fn, name=workload, dynamic=False, whole_graph=True)
+        with torch.no_grad():
+            x = wl.inputs()
+            torch.testing.assert_close(c(*x), wl.fn(*x))
+    assert reasons == ["it holds CPU tensors (Inductor runs their ops outside its partitions)"]
+
+
 def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(no_module_hooks, inductor):
     """dynamo guards the frame on torch.nn.Module's registration hooks when its code assigns a
     module attribute (a buffer here; transformers' Llama decode step too). A tree installs its
