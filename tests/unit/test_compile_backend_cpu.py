@@ -458,15 +458,22 @@ def _assert_replayed(parts: dict, calls: int):
         assert s.recordings == 1 and s.replays == calls - 2, (name, s)
 
 
-def test_cpu_partitions_replay_and_equal_eager(inductor):
+def _mlp_calls_equal_eager(inductor, name: str, **options) -> None:
+    """Six calls of ``_mlp()`` compiled with the backend (``name``, ``options``) on fresh inputs,
+    each equal to eager's."""
     import torch
 
     m = _mlp()
-    c = inductor.compile(m, name="mlp")
+    c = inductor.compile(m, name=name, **options)
     with torch.no_grad():
         for _ in range(6):
             x = torch.randn(3, 8)
             torch.testing.assert_close(c(x), m(x))
+
+
+def test_cpu_partitions_replay_and_equal_eager(inductor):
+
+    _mlp_calls_equal_eager(inductor, "mlp")
     parts = inductor.partitions("mlp [")
     assert list(parts) == ["mlp [0/0] inference/partition 0 of 1"]
     _assert_replayed(parts, 6)
@@ -539,8 +546,6 @@ def test_only_an_inference_graph_of_one_partition_with_nothing_outside_it_is_gra
     w.phases, w.outside, w.seen, w.wrapped = {"inference"}, None, 1, ["m [0/0] inference/partition 0 of 1"]
     marker = {"custom_should_partition_ops": [tcomp.CACHE_MARKER]}  # the backend's own: cuts nothing
     assert tcomp.whole_graph_reason(w, marker) is None and tcomp.whole_graph_reason(w, {}) is None
-    assert "aten::nonzero" in tcomp.whole_graph_reason(  # a registered op named: Inductor cuts there
-        w, {"custom_should_partition_ops": ["aten::nonzero", tcomp.CACHE_MARKER, "cgraw::cpu_partitions_2"]})
     w.outside = "it holds CPU tensors (Inductor runs their ops outside its partitions)"
     assert tcomp.whole_graph_reason(w, marker) == w.outside
     w.outside, w.seen, w.wrapped = None, 2, w.wrapped + ["m [0/0] inference/partition 1 of 2"]
@@ -550,6 +555,16 @@ def test_only_an_inference_graph_of_one_partition_with_nothing_outside_it_is_gra
     w.phases = {"inference"}
     w.outside = "not looked at"  # a compile whose graph was never read is not graphed whole
     assert tcomp.whole_graph_reason(w, marker) == "not looked at"
+
+
+def test_a_registered_op_that_inductor_cuts_at_keeps_a_graph_from_being_graphed_whole():
+    pytest.importorskip("torch")
+    w = tcomp.Wrapping("m [0/0]", _runtime([], []), cb.Options.parse(None).select)
+    w.phases, w.outside, w.seen, w.wrapped = {"inference"}, None, 1, ["m [0/0] inference/partition 0 of 1"]
+    markers = [tcomp.CACHE_MARKER, "cgraw::cpu_partitions_2"]  # name no op: they only key caches apart
+    assert tcomp.whole_graph_reason(w, {"custom_should_partition_ops": markers}) is None
+    why = tcomp.whole_graph_reason(w, {"custom_should_partition_ops": ["aten::nonzero", *markers]})
+    assert why is not None and "aten::nonzero" in why and "cpu_partitions" not in why
 
 
 def test_a_graph_graphed_whole_is_named_and_reads_dynamos_static_inputs_in_place():
@@ -568,14 +583,8 @@ def test_a_graph_graphed_whole_is_named_and_reads_dynamos_static_inputs_in_place
 def test_whole_graph_on_the_cpu_falls_back_to_partitions_that_replay_and_equal_eager(inductor):
     """On the CPU the graph's tensors are not CUDA tensors: ``whole_graph`` leaves it to the
     partitions, which replay as without the option."""
-    import torch
 
-    m = _mlp()
-    c = inductor.compile(m, name="mlp_whole", whole_graph=True)
-    with torch.no_grad():
-        for _ in range(6):
-            x = torch.randn(3, 8)
-            torch.testing.assert_close(c(x), m(x))
+    _mlp_calls_equal_eager(inductor, "mlp_whole", whole_graph=True)
     parts = inductor.partitions("mlp_whole [")
     assert list(parts) == ["mlp_whole [0/0] inference/partition 0 of 1"]
     _assert_replayed(parts, 6)
@@ -588,15 +597,9 @@ def test_a_graph_graphed_whole_replays_and_equals_eager(inductor, monkeypatch):
     and replays, and its results equal eager's. (On the CPU a replay runs the function's Python
     again, which calls its partition as a graphed function of its own; on a GPU a replay is one
     launch, and the partition runs only inline in the whole graph's warm-up and recording.)"""
-    import torch
 
     monkeypatch.setattr(tcomp, "outside_partitions", lambda gm: None)
-    m = _mlp()
-    c = inductor.compile(m, name="whole_cpu", whole_graph=True)
-    with torch.no_grad():
-        for _ in range(6):
-            x = torch.randn(3, 8)
-            torch.testing.assert_close(c(x), m(x))
+    _mlp_calls_equal_eager(inductor, "whole_cpu", whole_graph=True)
     whole = {s.name: s for s in inductor.tree.stats.values() if s.name.endswith("/whole graph")}
     assert list(whole) == ["whole_cpu [0/0] inference/whole graph"]
     _assert_replayed(whole, 6)

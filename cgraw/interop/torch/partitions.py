@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import sys
 import threading
 
 from cgraw.interop.torch import observe, private_api
@@ -280,10 +281,8 @@ def whole_graph_reason(wrapping: Wrapping, patches: dict) -> str | None:
 
 def _is_op(name: str) -> bool:
     """Whether ``namespace::op`` names a registered operator (cache markers name none)."""
-    import torch
-
-    ns, _, op = name.partition("::")
-    return not op or hasattr(getattr(torch.ops, ns), op.split(".")[0])
+    torch, (ns, _, op) = sys.modules.get("torch"), name.partition("::")
+    return torch is not None and (not op or hasattr(getattr(torch.ops, ns), op.split(".")[0]))
 
 
 def whole_graph(compiled, example_inputs, runtime: Runtime, name: str):
