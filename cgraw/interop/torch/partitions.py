@@ -165,6 +165,7 @@ class Wrapping:
         self.seen = 0
         self.first: dict = {}  # phase -> index of its graph's first graphed partition
         self.phases: set = set()  # the phases Inductor compiled ("inference", "forward", "backward")
+        self.whole = False  # whether the compile may graph an inference graph whole (read its FX graph)
         self.outside = "not looked at"  # why an inference graph's ops may run outside its partitions, or None
 
     def name(self, index: int, count: int) -> str:
@@ -210,7 +211,7 @@ class Wrapping:
             phase = ("backward" if kwargs.get("is_backward") else
                      "inference" if kwargs.get("is_inference") else "forward")
             self.phases.add(phase)
-            if phase == "inference":
+            if phase == "inference" and self.whole:
                 self.outside = outside_partitions(gm)
             before, self.phase.value = getattr(self.phase, "value", None), phase
             made_before, self.phase.made = getattr(self.phase, "made", None), {}
