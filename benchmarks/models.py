@@ -579,8 +579,8 @@ def _text(exc: BaseException, limit: int = 1500) -> str:
 
 
 class Partitions:
-    """The graphed partitions of ``torch.compile(backend="cgraw")`` code named ``name``: their
-    stats, summed (replays: the fewest of any partition, so one per call that replayed them all).
+    """The graphed partitions (or whole graphs, ``options={"whole_graph": True}``) of
+    ``torch.compile(backend="cgraw")`` code named ``name``: their stats, summed (replays: the fewest of any partition, so one per call that replayed them all).
     Only the partitions of each dynamo frame's last compile count (names ``<name> [frame/compile]
     ...``): a frame recompiled stops calling its earlier compile's partitions; ``compiles`` says
     how many each frame had."""
@@ -591,7 +591,8 @@ class Partitions:
     def stats(self, mgr) -> dict | None:
         import re
 
-        parts = [s for s in list(mgr.stats.values()) if s.name.startswith(self.prefix) and "/partition " in s.name]
+        parts = [s for s in list(mgr.stats.values())
+                 if s.name.startswith(self.prefix) and ("/partition " in s.name or s.name.endswith("/whole graph"))]
         if not parts:
             return None
         ids = {id(s): tuple(int(v) for v in m.groups()) if (m := re.search(r"\[(\d+)/(\d+)\]", s.name)) else (-1, 0)

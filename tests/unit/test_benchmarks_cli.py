@@ -445,6 +445,10 @@ def test_backend_partitions_count_each_frames_last_compile():
     got = Partitions("bench").stats(mgr)
     assert got["partitions"] == 3 and got["compiles"] == {"0": 2, "1": 1}
     assert (got["warmups"], got["recordings"], got["replays"]) == (3, 3, 299)
+    # a graph graphed whole (options={"whole_graph": True}) counts as its one piece
+    whole = [st("bench [0/0] inference/whole graph", 1, 1, 318), st("other [0/0] inference/whole graph", 1, 0, 0)]
+    got = Partitions("bench").stats(types.SimpleNamespace(stats=dict(enumerate(whole))))
+    assert got["partitions"] == 1 and (got["recordings"], got["replays"]) == (1, 318)
 
 
 def test_every_memory_program_runs_the_cgraw_backend_against_torchs_trees():
