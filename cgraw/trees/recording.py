@@ -403,19 +403,17 @@ class Recording:
         makers = self.all_owned
         if makers is not None:  # a C loop: a training forward's piece hands out a hundred activations
             outs = list(map(_call, makers))
-            for i, first in self.out_same:
-                outs[i] = outs[first]
-            return outs
-        outs = []
-        for t, k, alias in zip(self.out_leaves, self.out_kinds, self.out_alias):
-            if alias is not None:
-                outs.append(alias())
-            elif k is EXTERNAL:
-                outs.append(t)
-            elif type(k) is ClosureView:
-                outs.append(k.rebuild())
-            else:
-                outs.append(k.rebuild(call.leaves[k.j]))
+        else:
+            outs = []
+            for t, k, alias in zip(self.out_leaves, self.out_kinds, self.out_alias):
+                if alias is not None:
+                    outs.append(alias())
+                elif k is EXTERNAL:
+                    outs.append(t)
+                elif type(k) is ClosureView:
+                    outs.append(k.rebuild())
+                else:
+                    outs.append(k.rebuild(call.leaves[k.j]))
         for i, first in self.out_same:  # one object returned twice is one object, as eager returns it
             outs[i] = outs[first]
         return outs

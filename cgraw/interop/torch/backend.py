@@ -117,8 +117,7 @@ def cgraw_backend(gm, example_inputs, *, options=None, mode=None):
     try:
         torch_compile.check()
         patches = torch_compile.config_patches(opts.inductor, mode)
-        wrapping = torch_compile.Wrapping(name, rt, opts.select)
-        wrapping.whole = opts.whole_graph and opts.partitions == "all"
+        wrapping = torch_compile.Wrapping(name, rt, opts.select, whole=opts.whole_graph and opts.partitions == "all")
     except Exception as exc:  # noqa: BLE001 -- an unsupported torch: Inductor without graphs
         return _fall_back(opts, name, exc, gm, example_inputs)
     compiled = torch_compile.compile_graph(gm, example_inputs, wrapping, patches)

@@ -155,7 +155,7 @@ class Wrapping:
     """The partition wrapper of one backend compile: names the partitions, graphs the selected
     ones (``select(index) -> reason or None``), counts what it wrapped."""
 
-    def __init__(self, label: str, runtime: Runtime, select, home: Home | None = None):
+    def __init__(self, label: str, runtime: Runtime, select, home: Home | None = None, whole: bool = False):
         self.label = label
         self.runtime = runtime
         self.select = select
@@ -165,7 +165,7 @@ class Wrapping:
         self.seen = 0
         self.first: dict = {}  # phase -> index of its graph's first graphed partition
         self.phases: set = set()  # the phases Inductor compiled ("inference", "forward", "backward")
-        self.whole = False  # whether the compile may graph an inference graph whole (read its FX graph)
+        self.whole = whole  # whether the compile may graph an inference graph whole (read its FX graph)
         self.outside = "not looked at"  # why an inference graph's ops may run outside its partitions, or None
 
     def name(self, index: int, count: int) -> str:
