@@ -1,11 +1,11 @@
-"""GPU tier: ``torch.compile(model, backend="cgraw")``. Inductor's partitions are graphed functions of
-cgraw's tree (warmed up, recorded, replayed; named in ``cgraw.report()``), their recordings hold
-Triton kernels, what Inductor cuts out (a ``cudagraph_unsafe`` custom op, ``.item()``, ``nonzero``)
-runs between graphed pieces, training graphs forward and backward, dynamic shapes record per
-shape, results equal eager on fresh random inputs, the backend is found without ``import cgraw``,
-and a default ``torch.compile`` in the same process is untouched. With ``options={"whole_graph":
-True}`` an inference graph of one partition replays as one whole graph, and any other keeps its
-partitions."""
+"""GPU tier: ``torch.compile(model, backend="cgraw")``. An inference graph of one partition is one
+graphed function as a whole; other graphs' partitions (and every partition under
+``options={"whole_graph": False}``) are graphed functions of cgraw's tree (warmed up, recorded,
+replayed; named in ``cgraw.report()``). Their recordings hold Triton kernels, what Inductor cuts
+out (a ``cudagraph_unsafe`` custom op, ``.item()``, ``nonzero``) runs between graphed pieces,
+training graphs forward and backward, dynamic shapes record per shape, results equal eager on
+fresh random inputs, the backend is found without ``import cgraw``, and a default
+``torch.compile`` in the same process is untouched."""
 
 from __future__ import annotations
 
@@ -43,9 +43,11 @@ def fresh_dynamo():
 
 
 def _partitions(prefix: str) -> dict:
-    """``{name: FunctionStats}`` of the partitions of compiled code named ``prefix``."""
+    """``{name: FunctionStats}`` of the graphed pieces of compiled code named ``prefix``: its
+    partitions, and its inference graphs graphed whole."""
     mgr = graphed_mod._managers[0]
-    return {s.name: s for s in mgr.stats.values() if s.name.startswith(prefix) and "/partition " in s.name}
+    return {s.name: s for s in mgr.stats.values()
+            if s.name.startswith(prefix) and ("/partition " in s.name or s.name.endswith("/whole graph"))}
 
 
 def _assert_replayed(parts: dict, calls: int = CALLS):
@@ -69,9 +71,9 @@ def _mlp(d_in=64, d_hidden=128, d_out=32):
                                torch.nn.Linear(d_hidden, d_out)).cuda()
 
 
-def test_mlp_inference_partitions_replay_and_equal_eager():
+def test_mlp_inference_partitions_replay_and_equal_eager_with_whole_graph_off():
     m = _mlp()
-    c = torch.compile(m, backend="cgraw", options={"name": "mlp"})
+    c = torch.compile(m, backend="cgraw", options={"name": "mlp", "whole_graph": False})
     with torch.no_grad():
         for _ in range(CALLS):
             x = trand(16, 64)
@@ -155,7 +157,7 @@ def test_a_cut_in_the_middle_leaves_both_sides_graphed(kind):
     parts = _partitions(f"cut_{kind} [")
     for frame_parts, calls in _last_compiles(parts):
         _assert_replayed(frame_parts, calls)
-    if kind == "unsafe_op":  # one dynamo graph, cut by Inductor around the op: two pieces
+    if kind == "unsafe_op":  # one dynamo graph, cut by Inductor around the op: two pieces, never one whole graph
         assert len(parts) == 2 and all(n.endswith(("partition 0 of 2", "partition 1 of 2")) for n in parts), parts
     else:  # dynamo breaks the graph (or Inductor cuts it): a piece before and a piece after
         assert len(parts) >= 2, parts
@@ -188,6 +190,7 @@ def test_training_step_graphs_forward_and_backward():
     _assert_replayed(parts)
     assert any(" forward/partition" in n for n in parts), parts
     assert any(" backward/partition" in n for n in parts), parts
+    assert not _whole("train ["), parts  # a training graph keeps its partitions
 
 
 def test_gradient_accumulation_equals_eager_and_its_second_forward_runs_as_compiled():
@@ -223,7 +226,7 @@ def test_dynamic_batch_records_per_shape():
             torch._dynamo.mark_dynamic(x, 0)
             torch.testing.assert_close(c(x), m(x), **TOL)
     parts = _partitions("dyn [")
-    assert parts
+    assert parts and not _whole("dyn ["), parts  # dynamic sizes: partitions, which take the sizes as arguments
     for name, s in parts.items():
         assert s.eager_calls == 0 and not s.skip_reasons, (name, s.skip_reasons)
         assert s.recordings >= 2 and s.replays >= 1, (name, s)  # one recording per batch size
@@ -282,7 +285,7 @@ def test_backend_found_without_importing_cgraw():
                 torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-4)
         import cgraw
         text = cgraw.report()
-        assert "fresh [" in text and "/partition 0 of" in text, text
+        assert "fresh [0/0] inference/whole graph: 1 recording(s)" in text, text
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
@@ -375,7 +378,7 @@ def test_a_decode_loop_fed_its_own_token_replays_every_step():
     m = Decoder().cuda()
     ref = Decoder().cuda()
     ref.load_state_dict(m.state_dict())
-    c = torch.compile(m, backend="cgraw", options={"name": "decode"})
+    c = torch.compile(m, backend="cgraw", options={"name": "decode", "whole_graph": False})
     steps = 16
     with torch.no_grad():
         tok = torch.randint(0, 128, (1, 1), device="cuda")
@@ -388,14 +391,14 @@ def test_a_decode_loop_fed_its_own_token_replays_every_step():
     _assert_replayed(_partitions("decode ["), steps)
 
 
-def _buffer_steps_against_eager(cls, name: str, buffer: str) -> dict:
-    """``CALLS`` calls of module ``cls`` compiled with the backend, each output and ``buffer``
-    after each call against an eager copy's; the partitions named ``name``."""
+def _buffer_steps_against_eager(cls, name: str, buffer: str, **options) -> dict:
+    """``CALLS`` calls of module ``cls`` compiled with the backend (``options``), each output and
+    ``buffer`` after each call against an eager copy's; the graphed pieces named ``name``."""
     torch.manual_seed(0)
     m = cls().cuda()
     ref = cls().cuda()
     ref.load_state_dict(m.state_dict())
-    c = torch.compile(m, backend="cgraw", options={"name": name})
+    c = torch.compile(m, backend="cgraw", options={"name": name, **options})
     with torch.no_grad():
         for _ in range(CALLS):
             x = trand(16, 64)
@@ -404,13 +407,15 @@ def _buffer_steps_against_eager(cls, name: str, buffer: str) -> dict:
     return _partitions(f"{name} [")
 
 
-def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(monkeypatch):
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(monkeypatch, whole):
     """dynamo guards a frame that assigns a module attribute on torch.nn.Module's registration
     hooks; cgraw's are installed before the guards are built, so the frame compiles once and its
     partition replays (the Llama decode step compiled twice, its first compile's piece ran once).
     The buffer is a static input of the graph (dynamo marks module buffers so); from the second
     call on it holds the partition's output, memory of the tree's pool, so the recording takes it
-    as an eager input (copied out of the pool first): no re-record."""
+    as an eager input (copied out of the pool first): no re-record. The same as one whole graph
+    (the default) and as its partition (``whole_graph`` off)."""
     import collections
 
     from cgraw.interop.torch import observe
@@ -431,8 +436,9 @@ def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(monkeypatch)
             self.seen = self.seen + 1  # a buffer assigned, not written in place
             return self.lin(x) * self.seen
 
-    parts = _buffer_steps_against_eager(Steps, "steps", "seen")
-    assert list(parts) == ["steps [0/0] inference/partition 0 of 1"], parts
+    parts = _buffer_steps_against_eager(Steps, f"steps{int(whole)}", "seen", whole_graph=whole)
+    piece = "inference/whole graph" if whole else "inference/partition 0 of 1"
+    assert list(parts) == [f"steps{int(whole)} [0/0] {piece}"], parts
     _assert_replayed(parts)
     (s,) = parts.values()
     assert s.rerecords == 0, (s.rerecord_reasons, _diagnosis())
@@ -486,7 +492,7 @@ def test_an_input_written_in_place_at_an_unaligned_offset_equals_eager(partition
         torch.testing.assert_close(x, ref, **TOL)
 
 
-# ---------------------------------------------------------------- options={"whole_graph": True}
+# ---------------------------------------------------------------- inference graphs graphed whole (the default)
 
 
 def _whole(prefix: str) -> dict:
@@ -497,7 +503,7 @@ def _whole(prefix: str) -> dict:
 
 def test_an_inference_graph_of_one_partition_replays_as_one_whole_graph_and_equals_eager():
     m = _mlp()
-    c = torch.compile(m, backend="cgraw", options={"name": "mlpw", "whole_graph": True})
+    c = torch.compile(m, backend="cgraw", options={"name": "mlpw"})
     with torch.no_grad():
         for _ in range(CALLS):
             x = trand(16, 64)
@@ -505,7 +511,7 @@ def test_an_inference_graph_of_one_partition_replays_as_one_whole_graph_and_equa
     whole = _whole("mlpw [")
     assert all(re.fullmatch(r"mlpw \[\d+/\d+\] inference/whole graph", n) for n in whole), whole
     _assert_replayed(whole)
-    assert not _partitions("mlpw ["), "the partition ran through the tree besides the whole graph\n" + _diagnosis()
+    assert _partitions("mlpw [") == whole, "the partition ran through the tree besides the whole graph\n" + _diagnosis()
 
 
 def test_a_decode_loop_writing_its_cache_in_place_replays_whole_and_equals_eager():
@@ -515,7 +521,7 @@ def test_a_decode_loop_writing_its_cache_in_place_replays_whole_and_equals_eager
     m = Decoder().cuda()
     ref = Decoder().cuda()
     ref.load_state_dict(m.state_dict())
-    c = torch.compile(m, backend="cgraw", options={"name": "decodew", "whole_graph": True})
+    c = torch.compile(m, backend="cgraw", options={"name": "decodew"})
     steps = 16
     with torch.no_grad():
         tok = torch.randint(0, 128, (1, 1), device="cuda")
@@ -527,42 +533,3 @@ def test_a_decode_loop_writing_its_cache_in_place_replays_whole_and_equals_eager
         torch.testing.assert_close(m.k_cache, ref.k_cache, **TOL)
         torch.testing.assert_close(m.v_cache, ref.v_cache, **TOL)
     _assert_replayed(_whole("decodew ["), steps)
-
-
-@pytest.mark.parametrize("kind", ["unsafe_op", "nonzero"])
-def test_under_whole_graph_a_graph_that_inductor_cuts_keeps_its_graphed_partitions(kind):
-    m = CutModel(kind).cuda()
-    c = torch.compile(m, backend="cgraw", options={"name": f"cutw_{kind}", "whole_graph": True})
-    with torch.no_grad():
-        for _ in range(CALLS):
-            x = trand(16, 64)
-            torch.testing.assert_close(c(x), m(x), **TOL)
-    parts, whole = _partitions(f"cutw_{kind} ["), _whole(f"cutw_{kind} [")
-    pieces = {**parts, **whole}  # dynamo's graphs on either side of a break may each be graphed whole
-    assert len(pieces) >= 2, (pieces, _diagnosis())
-    for frame_pieces, calls in _last_compiles(pieces):
-        _assert_replayed(frame_pieces, calls)
-    if kind == "unsafe_op":  # one dynamo graph, two partitions around the op: never one whole graph
-        assert len(parts) == 2 and not whole, (parts, whole, _diagnosis())
-
-
-def test_under_whole_graph_a_training_step_graphs_its_forward_and_backward_partitions():
-    torch.manual_seed(0)
-    m = _mlp()
-    ref = _mlp()
-    ref.load_state_dict(m.state_dict())
-    c = torch.compile(m, backend="cgraw", options={"name": "trainw", "whole_graph": True})
-    for _ in range(CALLS):
-        x, y = trand(16, 64), trand(16, 32)
-        losses = []
-        for run in (c, ref):
-            loss = torch.nn.functional.mse_loss(run(x), y)
-            loss.backward()
-            losses.append(loss.detach())
-        torch.testing.assert_close(losses[0], losses[1], rtol=1e-3, atol=1e-5)
-        for p, q in zip(m.parameters(), ref.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4)
-            p.grad = q.grad = None
-    parts = _partitions("trainw [")
-    _assert_replayed(parts)
-    assert any(" backward/partition" in n for n in parts) and not _whole("trainw ["), parts

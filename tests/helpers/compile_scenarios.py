@@ -4,7 +4,7 @@ behaviour, run by tests/gpu/test_compile_backend_trees.py on the GPU and, where 
 (tests/helpers/compile_cpu.py) can show it, by tests/unit/test_compile_backend_trees_cpu.py.
 
 A scenario takes an ``Env``: the device, ``compile(fn, name, **options)``, fresh random inputs, the
-partitions' statistics, and ``overwritten(t)``: whether the tree invalidated ``t`` (on the GPU,
+graphed pieces' statistics (partitions, and on a GPU inference graphs graphed whole), and ``overwritten(t)``: whether the tree invalidated ``t`` (on the GPU,
 reading it raises cgraw's error; on the CPU, the tree handed it to its backend to poison).
 Results are compared with eager on fresh random inputs. The docstrings name the torch tests with
 the same behaviour; where cgraw deliberately differs from torch's trees, the scenario checks
@@ -43,14 +43,16 @@ class Env:
         return graphed_mod._managers[0]
 
     def partitions(self, prefix: str) -> dict:
+        """The graphed pieces of ``prefix``: its partitions, and its inference graphs graphed whole."""
         mgr = graphed_mod.tree_here(0)
         if mgr is None:
             return {}
-        return {s.name: s for s in mgr.stats.values() if s.name.startswith(prefix + " [") and "/partition " in s.name}
+        return {s.name: s for s in mgr.stats.values() if s.name.startswith(prefix + " [")
+                and ("/partition " in s.name or s.name.endswith("/whole graph"))}
 
 
 def replayed(env: Env, prefix: str, *, at_least: int = 1) -> dict:
-    """The partitions of ``prefix``: none ran eagerly, each was recorded and replayed ``at_least`` times."""
+    """The graphed pieces of ``prefix``: none ran eagerly, each was recorded and replayed ``at_least`` times."""
     parts = env.partitions(prefix)
     assert parts, f"no partition of {prefix!r} ran as a graphed function"
     for name, s in parts.items():

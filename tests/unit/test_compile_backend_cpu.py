@@ -17,7 +17,7 @@ import threading
 
 import pytest
 
-from cgraw.interop.torch import backend as cb, partitions as tcomp
+from cgraw.interop.torch import backend as cb, partitions as tcomp, whole_graph as wg
 
 graphed_mod = importlib.import_module("cgraw.trees.graphed")  # the module (cgraw.graphed is also the decorator)
 
@@ -36,8 +36,8 @@ def no_notes():
 
 def test_options_default_and_checked():
     o = cb.Options.parse(None)
-    assert (o.name, o.partitions, o.fallback, o.inductor, o.whole_graph) == (None, "all", "inductor", None, False)
-    assert cb.Options.parse({"whole_graph": True}).whole_graph is True
+    assert (o.name, o.partitions, o.fallback, o.inductor, o.whole_graph) == (None, "all", "inductor", None, True)
+    assert cb.Options.parse({"whole_graph": False}).whole_graph is False
     assert o.select(0) is None and o.select(7) is None
     o = cb.Options.parse({"name": "mlp", "partitions": [0, 2], "fallback": "raise",
                           "inductor": {"max_autotune": False}})
@@ -502,11 +502,12 @@ def _fake_graph(fn, *shapes, device="cuda"):
     ("item", "depends on data"),
     ("unsafe", "cudagraph_unsafe"),
     ("two_devices", "2 devices"),
+    ("dynamic", "dynamic .*size"),
 ])
 def test_what_may_run_outside_inductors_partitions_is_named(case, match):
     """An inference graph is one graphed function as a whole only where none of its ops can run
     outside Inductor's partitions: CPU tensors, another device, a size or value that depends on
-    data, an op tagged ``cudagraph_unsafe`` each say why not."""
+    data, an op tagged ``cudagraph_unsafe``, dynamic input sizes each say why not."""
     torch = pytest.importorskip("torch")
 
     def cuda(x, w):
@@ -529,8 +530,13 @@ def test_what_may_run_outside_inductors_partitions_is_named(case, match):
         _LIBS.append(lib)
     # fake CUDA tensors have no nonzero without a GPU: that graph is traced on the CPU, and the size
     # that depends on data is named before the device is looked at
-    gm = _fake_graph(fns[case], (4, 8), (8, 8), device="cpu" if case == "nonzero" else "cuda")
-    why = tcomp.outside_partitions(gm)
+    if case == "dynamic":  # symbolic sizes (traced on the CPU: the sizes are named before the device)
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        gm = make_fx(cuda, tracing_mode="symbolic")(torch.randn(4, 8), torch.randn(8, 8))
+    else:
+        gm = _fake_graph(fns[case], (4, 8), (8, 8), device="cpu" if case == "nonzero" else "cuda")
+    why = wg.outside_partitions(gm)
     if match is None:
         assert why is None
     else:
@@ -540,30 +546,51 @@ def test_what_may_run_outside_inductors_partitions_is_named(case, match):
 _LIBS: list = []  # the custom op's library lives as long as the process
 
 
-def test_only_an_inference_graph_of_one_partition_with_nothing_outside_it_is_graphed_whole():
-    made, notes = [], []
-    w = tcomp.Wrapping("m [0/0]", _runtime(made, notes), cb.Options.parse(None).select)
+def _one_partition_wrapping(made=None, notes=None):
+    """A ``Wrapping`` that saw one inference graph of two inputs and graphed its one partition."""
+    w = tcomp.Wrapping("m [0/0]", _runtime([] if made is None else made, [] if notes is None else notes),
+                       cb.Options.parse(None).select)
     w.phases, w.outside, w.seen, w.wrapped = {"inference"}, None, 1, ["m [0/0] inference/partition 0 of 1"]
+    w.inner_inputs = 2
+    return w
+
+
+def test_only_an_inference_graph_of_one_partition_with_nothing_outside_it_is_graphed_whole():
+    w, two = _one_partition_wrapping(), (object(), 3)
     marker = {"custom_should_partition_ops": [tcomp.CACHE_MARKER]}  # the backend's own: cuts nothing
-    assert tcomp.whole_graph_reason(w, marker) is None and tcomp.whole_graph_reason(w, {}) is None
+    assert wg.reason(w, marker, two) is None and wg.reason(w, {}, two) is None
     w.outside = "it holds CPU tensors (Inductor runs their ops outside its partitions)"
-    assert tcomp.whole_graph_reason(w, marker) == w.outside
+    assert wg.reason(w, marker, two) == w.outside
     w.outside, w.seen, w.wrapped = None, 2, w.wrapped + ["m [0/0] inference/partition 1 of 2"]
-    assert "2 partition(s)" in tcomp.whole_graph_reason(w, marker)
+    assert "2 partition(s)" in wg.reason(w, marker, two)
     w.seen, w.wrapped, w.phases = 1, w.wrapped[:1], {"forward", "backward"}
-    assert "not as one inference graph" in tcomp.whole_graph_reason(w, marker)
+    assert "not as one inference graph" in wg.reason(w, marker, two)
     w.phases = {"inference"}
     w.outside = "not looked at"  # a compile whose graph was never read is not graphed whole
-    assert tcomp.whole_graph_reason(w, marker) == "not looked at"
+    assert wg.reason(w, marker, two) == "not looked at"
+    w.outside = None  # AOT autograd merged two aliased inputs into one base: its wrapper runs each call
+    assert "passes its graph 2 inputs for the 3" in wg.reason(w, marker, (*two, object()))
+
+
+def test_a_tensor_subclass_input_keeps_a_graph_from_being_graphed_whole():
+    torch = pytest.importorskip("torch")
+
+    class Tagged(torch.Tensor):
+        pass
+
+    w = _one_partition_wrapping()
+    x = torch.randn(3)
+    assert wg.reason(w, {}, (x, torch.nn.Parameter(x))) is None
+    why = wg.reason(w, {}, (x, x.as_subclass(Tagged)))
+    assert why is not None and "Tagged" in why and "subclass" in why
 
 
 def test_a_registered_op_that_inductor_cuts_at_keeps_a_graph_from_being_graphed_whole():
     pytest.importorskip("torch")
-    w = tcomp.Wrapping("m [0/0]", _runtime([], []), cb.Options.parse(None).select)
-    w.phases, w.outside, w.seen, w.wrapped = {"inference"}, None, 1, ["m [0/0] inference/partition 0 of 1"]
+    w, two = _one_partition_wrapping(), (object(), 3)
     markers = [tcomp.CACHE_MARKER, "cgraw::cpu_partitions_2"]  # name no op: they only key caches apart
-    assert tcomp.whole_graph_reason(w, {"custom_should_partition_ops": markers}) is None
-    why = tcomp.whole_graph_reason(w, {"custom_should_partition_ops": ["aten::nonzero", *markers]})
+    assert wg.reason(w, {"custom_should_partition_ops": markers}, two) is None
+    why = wg.reason(w, {"custom_should_partition_ops": ["aten::nonzero", *markers]}, two)
     assert why is not None and "aten::nonzero" in why and "cpu_partitions" not in why
 
 
@@ -573,7 +600,7 @@ def test_a_graph_graphed_whole_is_named_and_reads_dynamos_static_inputs_in_place
     rt = _runtime(made, notes)
     buf, x = torch.randn(3), torch.randn(3)
     buf._dynamo_static_input_type = "unguarded"
-    gf = tcomp.whole_graph(lambda *a: [a[0] + a[1]], [x, buf], rt, "m [0/0] inference/whole graph")
+    gf = wg.graphed_whole(lambda *a: [a[0] + a[1]], [x, buf], rt, "m [0/0] inference/whole graph")
     assert gf.inputs_guarded and gf.static_positions == (1,)
     assert gf.fn.__qualname__ == "m [0/0] inference/whole graph"
     out = gf.fn(x, buf)
@@ -598,12 +625,91 @@ def test_a_graph_graphed_whole_replays_and_equals_eager(inductor, monkeypatch):
     again, which calls its partition as a graphed function of its own; on a GPU a replay is one
     launch, and the partition runs only inline in the whole graph's warm-up and recording.)"""
 
-    monkeypatch.setattr(tcomp, "outside_partitions", lambda gm: None)
+    monkeypatch.setattr(wg, "outside_partitions", lambda gm: None)
     _mlp_calls_equal_eager(inductor, "whole_cpu", whole_graph=True)
-    whole = {s.name: s for s in inductor.tree.stats.values() if s.name.endswith("/whole graph")}
+    whole = _whole(inductor, "whole_cpu [")
     assert list(whole) == ["whole_cpu [0/0] inference/whole graph"]
     _assert_replayed(whole, 6)
     assert "whole_cpu [0/0] inference/whole graph: 1 recording(s)" in graphed_mod.report()
+
+
+def _whole(inductor, prefix: str) -> dict:
+    return {s.name: s for s in inductor.tree.stats.values() if s.name.startswith(prefix) and s.name.endswith("/whole graph")}
+
+
+@pytest.mark.parametrize("case", ["resized_input", "aliased_inputs_written"])
+def test_a_graph_is_graphed_whole_only_where_aot_autograds_wrapper_has_nothing_to_redo(inductor, monkeypatch,
+                                                                                       case, caplog):
+    """An input resized in place (``x.unsqueeze_(0)``) is resized by dynamo's own code around the
+    graph, so the graph is graphed whole and the caller's tensor ends as eager leaves it. A graph
+    writing one of two inputs that share memory takes them merged into one base, which AOT
+    autograd's wrapper makes at every call: it is graphed by partitions, the reason logged. The
+    results equal eager's both ways."""
+    import logging
+
+    import torch
+
+    monkeypatch.setattr(wg, "outside_partitions", lambda gm: None)
+
+    def resized_input(x, y):
+        x.unsqueeze_(0)
+        return (x * 2 + y).relu()
+
+    def aliased_inputs_written(x, y):
+        x.add_(1.0)
+        return (y * 2).relu()
+
+    fn = {"resized_input": resized_input, "aliased_inputs_written": aliased_inputs_written}[case]
+    c = inductor.compile(fn, name=f"aot_{case}", whole_graph=True)
+    with caplog.at_level(logging.INFO, logger="cgraw"):
+        for _ in range(5):
+            base = torch.randn(2, 8)
+            if case == "resized_input":
+                args, ref = (base[0].clone(), base[1].clone()), (base[0].clone(), base[1].clone())
+            else:
+                b2 = base.clone()
+                args, ref = (base, base[1]), (b2, b2[1])
+            out, want = c(*args), fn(*ref)
+            torch.testing.assert_close(out, want)
+            torch.testing.assert_close(args[0], ref[0])
+            assert args[0].shape == ref[0].shape
+    whole = _whole(inductor, f"aot_{case} [")
+    if case == "resized_input":
+        assert len(whole) == 1 and all(s.replays >= 3 for s in whole.values()), inductor.tree.stats
+    else:
+        assert not whole, inductor.tree.stats
+        assert any("passes its graph" in r.getMessage() and "not as a whole" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_aot_autograds_work_around_a_graph_is_read_from_its_metadata():
+    """``private_api.aot_runtime_work`` names what AOT autograd's wrapper would redo in Python around
+    the graph it compiles (read from the tracing context's ``fw_metadata``): an input's sizes,
+    strides or storage changed, ops with side effects; None for a graph with none of it, and a
+    reason when there is no metadata to read."""
+    pytest.importorskip("torch")
+    from types import SimpleNamespace as NS
+
+    from torch._guards import TracingContext, tracing
+
+    from cgraw.interop.torch import private_api
+
+    def meta(*infos, tokens=None):
+        return NS(input_info=[NS(mutates_metadata=m, mutates_storage_metadata=st) for m, st in infos],
+                  tokens=tokens or {}, is_rng_op_functionalized=False)
+
+    cases = [(meta((False, False), (False, False)), None),
+             (meta((False, False), (True, False)), "graph input(s) [1]"),
+             (meta((True, True)), "graph input(s) [0]"),
+             (meta((False, False), tokens={0: object()}), "side effects")]
+    for m, expect in cases:
+        ctx = TracingContext(None)
+        ctx.fw_metadata = m
+        with tracing(ctx):
+            why = private_api.aot_runtime_work()
+        assert (why is None) if expect is None else (why is not None and expect in why), (m, why)
+    with tracing(None):
+        assert "could not be read" in private_api.aot_runtime_work()
 
 
 def test_cpu_training_step_graphs_forward_and_backward(inductor):
@@ -818,7 +924,8 @@ def test_the_benchmarks_transformers_graphs_hold_nothing_outside_their_partition
     """``whole_graph``'s reading of a real model's inference graph (transformers Llama with a
     ``StaticCache``, GPT-2; the benchmark's workloads on the CPU): every op is one Inductor puts in
     its partition, and only the device (the CPU's here, a GPU's there) keeps it from being graphed
-    whole."""
+    whole: with the CPU's tensors standing for one GPU's, it is graphed whole (AOT autograd's
+    wrapper has nothing to redo around it) and its results equal eager's."""
     pytest.importorskip("transformers")
     import torch
 
@@ -826,8 +933,8 @@ def test_the_benchmarks_transformers_graphs_hold_nothing_outside_their_partition
 
     monkeypatch.setattr(models, "DEVICE", "cpu")
     monkeypatch.setattr(models, "LLAMA_NEW", 4)
-    read, reasons = tcomp.outside_partitions, []
-    monkeypatch.setattr(tcomp, "outside_partitions", lambda gm: reasons.append(read(gm)) or reasons[-1])
+    read, reasons = wg.outside_partitions, []
+    monkeypatch.setattr(wg, "outside_partitions", lambda gm: reasons.append(read(gm)))
     wl = models._build(workload)
     if workload == "llama_decode":
         cache = wl.new_cache()
@@ -840,6 +947,7 @@ def test_the_benchmarks_transformers_graphs_hold_nothing_outside_their_partition
             x = wl.inputs()
             torch.testing.assert_close(c(*x), wl.fn(*x))
     assert reasons == ["it holds CPU tensors (Inductor runs their ops outside its partitions)"]
+    assert list(_whole(inductor, f"{workload} [")) == [f"{workload} [0/0] inference/whole graph"], inductor.tree.stats
 
 
 def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(no_module_hooks, inductor):

@@ -46,11 +46,9 @@ How Inductor's partition hook works (torch 2.9 to 2.13; read in ``torch/_inducto
 from __future__ import annotations
 
 import contextlib
-import operator
-import sys
 import threading
 
-from cgraw.interop.torch import observe, private_api
+from cgraw.interop.torch import observe, private_api, whole_graph
 
 # Inductor settings every compile of the backend runs with
 PATCHES = {"triton.cudagraphs": False, "graph_partition": True}
@@ -58,7 +56,6 @@ PATCHES = {"triton.cudagraphs": False, "graph_partition": True}
 # compiles cache changes (2: a forward's output strides reach its backward, ``finish_post_compile``)
 CACHE_MARKER = "cgraw::partition_wrapper_2"
 _lock = threading.Lock()  # guards the process-wide hook while a compile installs or restores it
-_getitem = operator.getitem
 
 
 class Runtime:
@@ -167,6 +164,7 @@ class Wrapping:
         self.phases: set = set()  # the phases Inductor compiled ("inference", "forward", "backward")
         self.whole = whole  # whether the compile may graph an inference graph whole (read its FX graph)
         self.outside = "not looked at"  # why an inference graph's ops may run outside its partitions, or None
+        self.inner_inputs = -1  # the inputs AOT autograd passes the inference graph it compiles
 
     def name(self, index: int, count: int) -> str:
         phase = getattr(self.phase, "value", None)
@@ -212,7 +210,8 @@ class Wrapping:
                      "inference" if kwargs.get("is_inference") else "forward")
             self.phases.add(phase)
             if phase == "inference" and self.whole:
-                self.outside = outside_partitions(gm)
+                self.outside = whole_graph.outside_partitions(gm) or private_api.aot_runtime_work()
+                self.inner_inputs = len(example_inputs)
             before, self.phase.value = getattr(self.phase, "value", None), phase
             made_before, self.phase.made = getattr(self.phase, "made", None), {}
             try:
@@ -227,80 +226,6 @@ class Wrapping:
             return compiled
 
         return compile_with_wrapper
-
-
-def outside_partitions(gm) -> str | None:
-    """Why an op of ``gm`` (as Inductor lowers it) may run outside Inductor's partitions, or None: it
-    cuts around CPU tensors, several devices, higher-order operators, data-dependent sizes and
-    ``cudagraph_unsafe`` ops (``Scheduler.should_partition``); an op this cannot read counts."""
-    import importlib
-
-    symbolic = importlib.import_module("torch.fx.experimental.symbolic_shapes")
-    hop, unsafe = private_api.higher_order_operator_class(), private_api.cudagraph_unsafe_tag()
-    devices = set()
-    try:
-        for node in gm.graph.nodes:
-            target = node.target
-            if node.op == "call_function" and target is not _getitem:
-                if hop is not None and isinstance(target, hop):
-                    return f"it runs the higher-order operator {target.name()} (control flow)"
-                tags = getattr(target, "tags", None)
-                if tags is None:
-                    return f"it calls {target!r}, which is not an operator Inductor partitions"
-                if unsafe is not None and unsafe in tags:
-                    return f"it calls {target}, tagged torch._C.Tag.cudagraph_unsafe"
-            elif node.op not in ("call_function", "placeholder", "output", "get_attr"):
-                return f"it holds a {node.op} node"
-            vals = node.meta.get("val")
-            for v in vals if isinstance(vals, (list, tuple)) else (vals,):
-                if hasattr(v, "device") and v.device.type != "meta":  # meta: a device chosen when it runs
-                    devices.add(v.device)
-                if v is not None and symbolic.free_unbacked_symbols(v):
-                    return f"{node.name} has a size or value that depends on data"
-    except Exception as exc:  # noqa: BLE001 -- unreadable: say so rather than guess
-        return f"its graph could not be read ({type(exc).__name__}: {exc})"
-    if any(d.type != "cuda" for d in devices):
-        return "it holds CPU tensors (Inductor runs their ops outside its partitions)"
-    if len(devices) > 1:
-        return f"it holds tensors of {len(devices)} devices"
-    return None
-
-
-def whole_graph_reason(wrapping: Wrapping, patches: dict) -> str | None:
-    """Why the graph ``wrapping`` saw compiled under Inductor settings ``patches`` is not one graphed
-    function as a whole, or None: an inference graph whose one partition holds every op of it."""
-    if cut_at := [op for op in patches.get("custom_should_partition_ops", ()) if _is_op(op)]:
-        return f"Inductor cuts its graphs at {cut_at} (custom_should_partition_ops)"
-    if wrapping.phases != {"inference"}:
-        return f"it compiled as {sorted(wrapping.phases)}, not as one inference graph"
-    if wrapping.outside is not None:
-        return wrapping.outside
-    if wrapping.seen != 1 or len(wrapping.wrapped) != 1:
-        return f"Inductor made {wrapping.seen} partition(s), {len(wrapping.wrapped)} of them graphed"
-    return None
-
-
-def _is_op(name: str) -> bool:
-    """Whether ``namespace::op`` names a registered operator (cache markers name none)."""
-    torch, (ns, _, op) = sys.modules.get("torch"), name.partition("::")
-    return torch is not None and (not op or hasattr(getattr(torch.ops, ns), op.split(".")[0]))
-
-
-def whole_graph(compiled, example_inputs, runtime: Runtime, name: str):
-    """``compiled`` (Inductor's code of one dynamo graph) as one graphed function named ``name``: a
-    call is dynamo's guards and one launch. Its partition runs inline in the whole graph's warm-up
-    and recording; where that capture fails, it runs as compiled, its partition graphed on its own.
-    Dynamo guards every input; parameters and inputs dynamo marks static are read in place."""
-
-    def body(*args):
-        return compiled(*args)
-
-    body.__qualname__ = body.__name__ = name
-    gf = runtime.graphed(body)
-    gf.inputs_guarded = True
-    gf.static_positions = tuple(j for j, t in enumerate(example_inputs)
-                                if getattr(t, "_dynamo_static_input_type", None) is not None)
-    return gf
 
 
 def declare_mutations(compiled, made: dict) -> None:
@@ -446,5 +371,5 @@ def plain_compile(gm, example_inputs, extra: dict | None):
 
 
 __all__ = ["CACHE_MARKER", "PATCHES", "PENDING", "Home", "Runtime", "Wrapping", "adapt", "check", "compile_graph", "config_patches",
-           "declare_mutations", "finish_post_compile", "graph_body", "installed", "graph_positions", "outside_partitions",
-           "plain_compile", "whole_graph", "whole_graph_reason"]
+           "declare_mutations", "finish_post_compile", "graph_body", "installed", "graph_positions",
+           "plain_compile"]

@@ -272,6 +272,30 @@ def dynamo_frames() -> int:
         return 0
 
 
+def aot_runtime_work() -> str | None:
+    """What AOT autograd's runtime wrapper does in Python around the graph being compiled, which a
+    replay of the whole compiled callable would not redo, or None: an input whose sizes, strides or
+    storage the graph changes (``x.unsqueeze_(0)``, ``x.set_(...)``), ops with side effects (effect
+    tokens), functionalized random numbers. Read from the ``ViewAndMutationMeta`` AOT autograd
+    sets on ``torch._guards.TracingContext`` before it calls the inner compile; unreadable counts."""
+    guards = sys.modules.get("torch._guards")
+    try:
+        meta = guards.TracingContext.try_get().fw_metadata
+        infos, tokens = list(meta.input_info), meta.tokens
+        rng = bool(getattr(meta, "is_rng_op_functionalized", False))
+    except Exception as exc:  # noqa: BLE001 -- another torch, or no tracing context: say so
+        return f"AOT autograd's metadata of the graph could not be read ({type(exc).__name__}: {exc})"
+    changed = [j for j, info in enumerate(infos) if info.mutates_metadata or info.mutates_storage_metadata]
+    if changed:
+        return (f"it changes the sizes, strides or storage of graph input(s) {changed} (x.unsqueeze_(0), "
+                f"x.set_()), which AOT autograd's wrapper redoes in Python at every call")
+    if tokens:
+        return f"it runs {len(tokens)} op(s) with side effects (effect tokens)"
+    if rng:
+        return "AOT autograd functionalizes its random numbers (functionalize_rng_ops)"
+    return None
+
+
 def partition_wrapper_slot():
     """The object holding Inductor's current partition wrapper (its ``wrapper`` attribute), or None
     where torch keeps it elsewhere: read only to put back what another user installed."""
