@@ -1,11 +1,11 @@
-"""GPU tier: ``torch.compile(model, backend="cgraw")``. An inference graph of one partition is one
-graphed function as a whole; other graphs' partitions (and every partition under
-``options={"whole_graph": False}``) are graphed functions of cgraw's tree (warmed up, recorded,
-replayed; named in ``cgraw.report()``). Their recordings hold Triton kernels, what Inductor cuts
-out (a ``cudagraph_unsafe`` custom op, ``.item()``, ``nonzero``) runs between graphed pieces,
-training graphs forward and backward, dynamic shapes record per shape, results equal eager on
-fresh random inputs, the backend is found without ``import cgraw``, and a default
-``torch.compile`` in the same process is untouched."""
+"""GPU tier: ``torch.compile(model, backend="cgraw")``. Inductor's partitions are graphed functions of
+cgraw's tree (warmed up, recorded, replayed; named in ``cgraw.report()``), their recordings hold
+Triton kernels, what Inductor cuts out (a ``cudagraph_unsafe`` custom op, ``.item()``, ``nonzero``)
+runs between graphed pieces, training graphs forward and backward, dynamic shapes record per
+shape, results equal eager on fresh random inputs, the backend is found without ``import cgraw``,
+and a default ``torch.compile`` in the same process is untouched. With ``options={"whole_graph":
+True}`` an inference graph of one partition replays as one whole graph, and any other (cut by
+Inductor, training, dynamic sizes) keeps its partitions."""
 
 from __future__ import annotations
 
@@ -146,10 +146,13 @@ def _last_compiles(parts: dict) -> list:
     return [(by_compile[max(by_compile)], CALLS - max(by_compile)) for by_compile in frames.values()]
 
 
+@pytest.mark.parametrize("whole", [False, True])
 @pytest.mark.parametrize("kind", ["unsafe_op", "item", "nonzero"])
-def test_a_cut_in_the_middle_leaves_both_sides_graphed(kind):
+def test_a_cut_in_the_middle_leaves_both_sides_graphed(kind, whole):
+    """With ``whole_graph`` on, dynamo's graphs on either side of a break may each be graphed whole;
+    a graph Inductor cuts (around the unsafe op) never is."""
     m = CutModel(kind).cuda()
-    c = torch.compile(m, backend="cgraw", options={"name": f"cut_{kind}"})
+    c = torch.compile(m, backend="cgraw", options={"name": f"cut_{kind}", "whole_graph": whole})
     with torch.no_grad():
         for _ in range(CALLS):
             x = trand(16, 64)
@@ -171,7 +174,7 @@ def test_training_step_graphs_forward_and_backward():
     m = _mlp()
     ref = _mlp()
     ref.load_state_dict(m.state_dict())
-    c = torch.compile(m, backend="cgraw", options={"name": "train"})
+    c = torch.compile(m, backend="cgraw", options={"name": "train", "whole_graph": True})
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     for _ in range(CALLS):
@@ -190,7 +193,7 @@ def test_training_step_graphs_forward_and_backward():
     _assert_replayed(parts)
     assert any(" forward/partition" in n for n in parts), parts
     assert any(" backward/partition" in n for n in parts), parts
-    assert not _whole("train ["), parts  # a training graph keeps its partitions
+    assert not _whole("train ["), parts  # a training graph keeps its partitions under whole_graph
 
 
 def test_gradient_accumulation_equals_eager_and_its_second_forward_runs_as_compiled():
@@ -219,14 +222,14 @@ def test_gradient_accumulation_equals_eager_and_its_second_forward_runs_as_compi
 
 def test_dynamic_batch_records_per_shape():
     m = _mlp()
-    c = torch.compile(m, backend="cgraw", options={"name": "dyn"})
+    c = torch.compile(m, backend="cgraw", options={"name": "dyn", "whole_graph": True})
     with torch.no_grad():
         for i in range(2 * CALLS):
             x = trand(8 if i % 2 else 16, 64)
             torch._dynamo.mark_dynamic(x, 0)
             torch.testing.assert_close(c(x), m(x), **TOL)
     parts = _partitions("dyn [")
-    assert parts and not _whole("dyn ["), parts  # dynamic sizes: partitions, which take the sizes as arguments
+    assert parts and not _whole("dyn ["), parts  # dynamic sizes: partitions, which take the sizes as arguments, under whole_graph too
     for name, s in parts.items():
         assert s.eager_calls == 0 and not s.skip_reasons, (name, s.skip_reasons)
         assert s.recordings >= 2 and s.replays >= 1, (name, s)  # one recording per batch size
@@ -285,7 +288,7 @@ def test_backend_found_without_importing_cgraw():
                 torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-4)
         import cgraw
         text = cgraw.report()
-        assert "fresh [0/0] inference/whole graph: 1 recording(s)" in text, text
+        assert "fresh [" in text and "/partition 0 of" in text, text
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
@@ -415,7 +418,7 @@ def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(monkeypatch,
     The buffer is a static input of the graph (dynamo marks module buffers so); from the second
     call on it holds the partition's output, memory of the tree's pool, so the recording takes it
     as an eager input (copied out of the pool first): no re-record. The same as one whole graph
-    (the default) and as its partition (``whole_graph`` off)."""
+    (``whole_graph`` on) and as its partition."""
     import collections
 
     from cgraw.interop.torch import observe
@@ -492,7 +495,7 @@ def test_an_input_written_in_place_at_an_unaligned_offset_equals_eager(partition
         torch.testing.assert_close(x, ref, **TOL)
 
 
-# ---------------------------------------------------------------- inference graphs graphed whole (the default)
+# ---------------------------------------------------------------- options={"whole_graph": True}
 
 
 def _whole(prefix: str) -> dict:
@@ -503,7 +506,7 @@ def _whole(prefix: str) -> dict:
 
 def test_an_inference_graph_of_one_partition_replays_as_one_whole_graph_and_equals_eager():
     m = _mlp()
-    c = torch.compile(m, backend="cgraw", options={"name": "mlpw"})
+    c = torch.compile(m, backend="cgraw", options={"name": "mlpw", "whole_graph": True})
     with torch.no_grad():
         for _ in range(CALLS):
             x = trand(16, 64)
@@ -521,7 +524,7 @@ def test_a_decode_loop_writing_its_cache_in_place_replays_whole_and_equals_eager
     m = Decoder().cuda()
     ref = Decoder().cuda()
     ref.load_state_dict(m.state_dict())
-    c = torch.compile(m, backend="cgraw", options={"name": "decodew"})
+    c = torch.compile(m, backend="cgraw", options={"name": "decodew", "whole_graph": True})
     steps = 16
     with torch.no_grad():
         tok = torch.randint(0, 128, (1, 1), device="cuda")

@@ -2,7 +2,9 @@
 exercise ``mode="reduce-overhead"``, run against ``torch.compile(backend="cgraw")``
 (tests/helpers/compile_scenarios.py; the CPU harness runs them too, in
 tests/unit/test_compile_backend_trees_cpu.py). Here an ended step's output raises cgraw's error
-when read, and the pieces are captured and replayed as CUDA graphs."""
+when read, and the pieces are captured and replayed as CUDA graphs. Each scenario runs twice:
+by partitions, and with ``options={"whole_graph": True}`` (inference graphs graphed whole, where
+a replay runs none of AOT autograd's or Inductor's Python)."""
 
 from __future__ import annotations
 
@@ -19,13 +21,14 @@ import compile_scenarios as sc  # noqa: E402
 graphed_mod = importlib.import_module("cgraw.trees.graphed")
 
 
-@pytest.fixture
-def env():
+@pytest.fixture(params=["partitions", "whole_graph"])
+def env(request):
     torch._dynamo.reset()
     graphed_mod.forget_without_graphs()
+    whole = {"whole_graph": True} if request.param == "whole_graph" else {}
 
     def compile_fn(fn, dynamic, options):
-        return torch.compile(fn, backend="cgraw", dynamic=dynamic, options=options)
+        return torch.compile(fn, backend="cgraw", dynamic=dynamic, options={**whole, **options})
 
     def overwritten(t):
         try:
