@@ -15,7 +15,7 @@
 #                "--only models,graphed", or "" for the quick run)
 #         parallel  every non-slow tier at once on one GPU (about 6 min on the H200; each tier stops
 #                at CGRAW_PARALLEL_TIMEOUT seconds, default 540): the GPU
-#                tier in five shards, the random walk, the gc-stress tier without third-party tests (in four shards),
+#                tier in six shards, the random walk, the gc-stress tier without third-party tests (in four shards),
 #                the tier with cuda-bindings 12.9.10 (when build/cb12/*.whl was carried; CGRAW_CB12_FILES
 #                picks test files, default all) and memcheck of CGRAW_MEMCHECK_FILES (default
 #                tests/gpu/test_rebind.py), then tools.call_walk --device; the soak reads device-wide memory,
@@ -62,8 +62,11 @@ if has parallel; then
   # the compile tests (Inductor's compile time dominates them) apart from the other files
   fourth="tests/gpu/test_compile_backend.py tests/gpu/test_compile_backend_trees.py tests/gpu/test_compiled.py \
     tests/gpu/test_higher_order.py tests/gpu/test_fidelity.py"
-  rest="$rest $(for f in $fourth; do echo "--ignore=$f"; done)"
+  # the backend on the benchmark's models (their compiles take most of its time)
+  sixth="tests/gpu/test_third_party_backend.py"
+  rest="$rest $(for f in $fourth $sixth; do echo "--ignore=$f"; done)"
   $P -m "gpu and not slow" $fourth "$@" > "$L/shard4.log" 2>&1 &
+  $P -m "gpu and not slow" $sixth "$@" > "$L/shard6.log" 2>&1 &
   $P -m "gpu and not slow" tests/gpu $rest "$@" > "$L/shard5.log" 2>&1 &
   $P -m "gpu and slow" -s tests/gpu/test_random_walk.py > "$L/walk.log" 2>&1 &
   # the gc-stress tier in four shards (test files dealt round-robin): in two halves it took 206 and 303 s

@@ -16,7 +16,8 @@ Two floors are timed beside them: ``dynamo_floor``, a backend whose graph return
 "host alone" is the best of three decodes timed while a sleep kernel holds the GPU behind: the
 host's own time per token, which a system bound by its kernels hides in the first figure.
 
-From the repository root, on a GPU: ``python3 -m tools.probes.whole_graph_probe [--rounds 7]``.
+From the repository root, on a GPU: ``python3 -m tools.probes.whole_graph_probe [--rounds 7]
+[--profile backend_whole_graph]``.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ TIMED_ONLY = ("dynamo_floor", "loop_floor")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m tools.probes.whole_graph_probe", description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--profile", default=None, metavar="SYSTEM",
+                    help="after the timings, cProfile three decodes of SYSTEM (the GPU held behind) and "
+                         "print the 30 functions with the most time of their own")
     args = ap.parse_args(argv)
     import torch
 
@@ -137,8 +141,33 @@ def main(argv=None) -> int:
     for name, ts in times.items():
         print(f"{name:20s} {statistics.median(ts):8.1f} us per token (min {min(ts):.1f}, max {max(ts):.1f}); "
               f"host alone {min(held[name]):.1f}")
+    if args.profile:
+        _profile(systems[args.profile], wl, cache)
     print(cgraw.report())
     return 0
+
+
+def _profile(call, wl, cache) -> None:
+    """cProfile of three decodes by ``call``, the GPU held behind by a sleep kernel (host time only)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    from benchmarks import models
+
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    prof.enable()
+    for _ in range(3):
+        models._decode(call, wl.prefill(cache), wl.positions, collect=False)
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+    print(out.getvalue())
 
 
 if __name__ == "__main__":

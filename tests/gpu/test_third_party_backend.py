@@ -1,0 +1,99 @@
+"""GPU tier: ``torch.compile(model, backend="cgraw")`` on code nobody here wrote, the models of
+``benchmarks/models.py`` built from configs with random weights: transformers GPT-2 (batch 1 and
+8) and Llama greedy decoding with a ``StaticCache``, torchvision ResNet-18 (inference and a whole
+training step with SGD and momentum), timm ViT-tiny. Inference runs by partitions and with
+``options={"whole_graph": True}``. Every result is compared with eager's on fresh inputs, and the
+compiled code's graphed pieces must have recorded and replayed (a silent fallback to Inductor's
+code without graphs fails)."""
+
+from __future__ import annotations
+
+import importlib
+import io
+
+import pytest
+from gpu_data import full_fp32
+
+pytestmark = [pytest.mark.gpu, pytest.mark.third_party, pytest.mark.usefixtures("fresh_trees", "fresh_dynamo")]
+torch = pytest.importorskip("torch")
+
+models = importlib.import_module("benchmarks.models")
+graphed_mod = importlib.import_module("cgraw.trees.graphed")
+
+CALLS = 5
+TOL = {"rtol": 1e-3, "atol": 1e-3}  # Inductor's fused kernels against eager's, float32, TF32 off
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    graphed_mod.forget_without_graphs()
+    try:
+        with full_fp32():
+            yield
+    finally:
+        torch._dynamo.reset()
+        graphed_mod.forget_without_graphs()
+
+
+def _compile(fn, name: str, whole: bool):
+    return torch.compile(fn, backend="cgraw", dynamic=False, options={"name": name, "whole_graph": whole})
+
+
+def _pieces(prefix: str) -> dict:
+    """``{name: FunctionStats}`` of the graphed pieces of the compiled code named ``prefix``."""
+    mgr = graphed_mod._managers[0]
+    return {s.name: s for s in mgr.stats.values() if s.name.startswith(prefix + " [")
+            and ("/partition " in s.name or s.name.endswith("/whole graph"))}
+
+
+def _assert_replayed(prefix: str, whole: bool, replays: int) -> dict:
+    pieces = _pieces(prefix)
+    report = graphed_mod.report(file=io.StringIO())
+    assert pieces, f"no graphed piece of {prefix}\n{report}"
+    for name, s in pieces.items():
+        assert s.eager_calls == 0 and not s.skip_reasons, (name, s.skip_reasons, report)
+        assert s.recordings >= 1 and s.replays >= replays, (name, s, report)
+    if whole:
+        assert all(n.endswith("/whole graph") for n in pieces), (list(pieces), report)
+    return pieces
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["partitions", "whole_graph"])
+@pytest.mark.parametrize("workload", ["gpt2_b1", "gpt2_b8", "resnet18_b8", "vit_tiny_b8"])
+def test_an_inference_model_compiled_with_the_backend_equals_eager(workload, whole):
+    wl = models._build(workload)
+    name = f"{workload}_{int(whole)}"
+    c = _compile(wl.fn, name, whole)
+    for _ in range(CALLS):
+        xs = wl.inputs()
+        torch.testing.assert_close(c(*xs), wl.fn(*xs), **TOL)
+    _assert_replayed(name, whole, CALLS - 2)
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["partitions", "whole_graph"])
+def test_llama_greedy_decoding_with_a_static_cache_gives_eagers_tokens(whole):
+    wl = models._build("llama_decode")
+    ref = wl.reference_tokens()
+    cache = wl.new_cache()
+    name = f"llama_{int(whole)}"
+    c = _compile(wl.step, name, whole)
+    for _ in range(3):  # the compile, warm-up and recording, then decodes that only replay
+        got = models._decode(lambda tok, pos: c(tok, pos, cache), wl.prefill(cache), wl.positions, collect=True)
+        assert got == ref
+    _assert_replayed(name, whole, 2 * len(wl.positions))
+
+
+def test_a_resnet18_training_step_compiled_with_the_backend_equals_eager():
+    """Forward and backward compiled (their partitions graphed), cross-entropy and SGD with momentum
+    eager; after each step the loss and every parameter equal an eager copy's."""
+    wl = models._build("resnet18_train")
+    step = wl.new_step(wrap=lambda m: _compile(m, "resnet_train", True))
+    ref = wl.new_step()
+    for _ in range(CALLS):
+        x, y = wl.inputs()
+        torch.testing.assert_close(step(x, y), ref(x, y), rtol=1e-3, atol=1e-4)
+        for p, q in zip(step.model.parameters(), ref.model.parameters(), strict=True):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-3, atol=1e-3)
+    pieces = _assert_replayed("resnet_train", False, CALLS - 2)
+    assert any(" forward/partition" in n for n in pieces) and any(" backward/partition" in n for n in pieces), pieces
