@@ -71,3 +71,26 @@ def fresh_trees():
     cgraw.mark_step_begin()
     cgraw.reset()
     gc.collect()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """dynamo's caches and cgraw's list of code run without graphs emptied before and after the
+    test, which runs with TF32 off (``gpu_data.full_fp32``); a failure's captured log says why a
+    frame recompiled (modules that compile opt in with ``usefixtures``)."""
+    import importlib
+
+    import torch
+    from gpu_data import full_fp32
+
+    graphed_mod = importlib.import_module("cgraw.trees.graphed")
+    torch._dynamo.reset()
+    graphed_mod.forget_without_graphs()
+    torch._logging.set_logs(recompiles=True)
+    try:
+        with full_fp32():
+            yield
+    finally:
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+        graphed_mod.forget_without_graphs()

@@ -16,7 +16,7 @@ import sys
 import textwrap
 
 import pytest
-from gpu_data import full_fp32, trand
+from gpu_data import trand
 
 import cgraw
 
@@ -26,20 +26,6 @@ graphed_mod = importlib.import_module("cgraw.trees.graphed")
 
 CALLS = 6
 TOL = {"rtol": 1e-4, "atol": 1e-4}  # Inductor's fused kernels against eager's, float32, TF32 off
-
-
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    graphed_mod.forget_without_graphs()
-    torch._logging.set_logs(recompiles=True)  # a failure's captured log says why a frame recompiled
-    try:
-        with full_fp32():
-            yield
-    finally:
-        torch._logging.set_logs()
-        torch._dynamo.reset()
-        graphed_mod.forget_without_graphs()
 
 
 def _partitions(prefix: str) -> dict:

@@ -12,7 +12,6 @@ import importlib
 import io
 
 import pytest
-from gpu_data import full_fp32
 
 pytestmark = [pytest.mark.gpu, pytest.mark.third_party, pytest.mark.usefixtures("fresh_trees", "fresh_dynamo")]
 torch = pytest.importorskip("torch")
@@ -22,18 +21,6 @@ graphed_mod = importlib.import_module("cgraw.trees.graphed")
 
 CALLS = 5
 TOL = {"rtol": 1e-3, "atol": 1e-3}  # Inductor's fused kernels against eager's, float32, TF32 off
-
-
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    graphed_mod.forget_without_graphs()
-    try:
-        with full_fp32():
-            yield
-    finally:
-        torch._dynamo.reset()
-        graphed_mod.forget_without_graphs()
 
 
 def _compile(fn, name: str, whole: bool):
