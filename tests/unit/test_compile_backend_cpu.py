@@ -600,11 +600,39 @@ def test_a_graph_graphed_whole_is_named_and_reads_dynamos_static_inputs_in_place
     rt = _runtime(made, notes)
     buf, x = torch.randn(3), torch.randn(3)
     buf._dynamo_static_input_type = "unguarded"
-    gf = wg.graphed_whole(lambda *a: [a[0] + a[1]], [x, buf], rt, "m [0/0] inference/whole graph")
-    assert gf.inputs_guarded and gf.static_positions == (1,)
-    assert gf.fn.__qualname__ == "m [0/0] inference/whole graph"
-    out = gf.fn(x, buf)
-    torch.testing.assert_close(out[0], x + buf)
+    whole = wg.graphed_whole(lambda *a: [a[0] + a[1]], [x, buf], rt, "m [0/0] inference/whole graph")
+    gf = whole.cgraw_graphed
+    assert made == [gf] and gf.inputs_guarded and gf.static_positions == (1,)
+    assert gf.fn.__qualname__ == whole.__qualname__ == "m [0/0] inference/whole graph"
+    torch.testing.assert_close(whole(x, buf)[0], x + buf)
+    assert gf.calls == [(x, buf)]
+
+
+def test_a_graph_graphed_whole_is_called_with_grad_disabled_and_grad_mode_is_put_back():
+    """dynamo calls an inference graph with its caller's grad mode, and the graph never makes an
+    output that requires grad: the graphed function is called with grad disabled (no gradient
+    entry in its key, no autograd ticket), and the caller's grad mode is as it was afterwards,
+    also when the call raises."""
+    torch = pytest.importorskip("torch")
+    modes = []
+
+    def body(x, fail=False):
+        modes.append(torch.is_grad_enabled())
+        if fail:
+            raise RuntimeError("the compiled graph failed")
+        return [x * 2]
+
+    whole = wg.graphed_whole(body, [torch.randn(3)], _runtime([], []), "m [0/0] inference/whole graph")
+    p = torch.nn.Parameter(torch.randn(3))
+    assert torch.is_grad_enabled()
+    out = whole(p)
+    assert not out[0].requires_grad and torch.is_grad_enabled()
+    with torch.no_grad():
+        whole(p)
+        assert not torch.is_grad_enabled()
+    with pytest.raises(RuntimeError, match="compiled graph failed"):
+        whole(p, True)
+    assert torch.is_grad_enabled() and modes == [False, False, False]
 
 
 def test_whole_graph_on_the_cpu_falls_back_to_partitions_that_replay_and_equal_eager(inductor):

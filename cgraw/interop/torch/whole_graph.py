@@ -94,7 +94,15 @@ def graphed_whole(compiled, example_inputs, runtime, name: str):
     by ``runtime`` (a ``partitions.Runtime``): a call is dynamo's guards and one launch. Its
     partition runs inline in the whole graph's warm-up and recording; where that capture fails, it
     runs as compiled, its partition graphed on its own. Dynamo guards every input; parameters and
-    inputs dynamo marks static are read in place."""
+    inputs dynamo marks static are read in place.
+
+    dynamo calls an inference graph with grad mode as its caller has it (a ``torch.no_grad()``
+    inside the compiled function is part of the graph), and AOT autograd's wrapper runs the graph
+    with grad disabled: none of its outputs requires grad. The graphed function is called with
+    grad disabled too, as its body runs anyway, so the tree sees a call that records no backward:
+    no gradient entry in its key (which would read every parameter's ``requires_grad``), no
+    autograd ticket per call. The callable returned calls it so; ``cgraw_graphed`` is the graphed
+    function."""
 
     def body(*args):
         return compiled(*args)
@@ -104,7 +112,20 @@ def graphed_whole(compiled, example_inputs, runtime, name: str):
     gf.inputs_guarded = True
     gf.static_positions = tuple(j for j, t in enumerate(example_inputs)
                                 if getattr(t, "_dynamo_static_input_type", None) is not None)
-    return gf
+    grad_enabled, set_grad = sys.modules["torch"].is_grad_enabled, private_api.grad_mode_setter()
+
+    def whole(*args):
+        if not grad_enabled():
+            return gf(*args)
+        set_grad(False)
+        try:
+            return gf(*args)
+        finally:
+            set_grad(True)
+
+    whole.__qualname__ = whole.__name__ = name
+    whole.cgraw_graphed = gf
+    return whole
 
 
 __all__ = ["graphed_whole", "outside_partitions", "reason"]
