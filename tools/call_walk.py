@@ -12,7 +12,8 @@ the two CUDA calls of a replay replaced by C functions that do nothing (on a GPU
 functions too, ``cuGraphLaunch`` and torch's current-stream query, and leave no Python frame).
 ``--device`` runs the real ``@cgraw.graphed`` on CUDA device 0. ``--time`` also times a call of
 a function whose inputs are guarded (``inputs_guarded``: a piece of ``torch.compile(backend="cgraw")``)
-with 120 tensors, as a model's parameters and buffers make it.
+with 120 tensors, as a model's parameters and buffers make it, and one that also returns 160
+outputs of the tree's memory, as a training forward's piece returns the activations it saves.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "cgraw"
 PIECE_TENSORS = 120  # tensors of the compiled piece timed with --time
+PIECE_OUTPUTS = 160  # outputs of the training forward's piece timed with --time (ResNet-18's: 162)
 
 
 def _parse(argv):
@@ -95,7 +97,7 @@ def _cpu_setup():
     from cgraw.trees.calls import use_kernel_state, use_torch
     from cgraw.trees.config import grad_probe
     from cgraw.trees import graphed as graphed_mod
-    from cgraw.trees import recording
+    from cgraw.trees import arrays, recording
     from cgraw.trees.manager import TreeManager
 
     torch.Tensor.get_device = lambda self: 0  # CPU tensors stand for device 0's
@@ -123,6 +125,12 @@ def _cpu_setup():
             out = fn.fn(*call.leaves)
             rec = Rec(fn.name)
             rec.exec_ = 0
+            if isinstance(out, tuple):  # a piece's outputs, every one of them the tree's memory
+                rec.out_spec = arrays.out_spec(out, leaves := [], ())
+                rec.out_leaves, rec.out_kinds = leaves, [recording.OWNED] * len(leaves)
+                rec.owned_idx, rec.out_alias = list(range(len(leaves))), [t.detach for t in leaves]
+                rec.out_ptrs, rec.keep = [t.data_ptr() for t in leaves], out
+                return rec
             rec.out_leaves, rec.out_kinds, rec.owned_idx = [out], [recording.OWNED], [0]
             rec.out_ptrs, rec.keep = [out.data_ptr()], out
             rec.alias0 = out.detach
@@ -194,6 +202,15 @@ def main(argv=None) -> int:
         with torch.no_grad():
             print(f"a compiled piece's call, {PIECE_TENSORS} tensors, grad off: "
                   f"{per_call_us(lambda: piece(*xs), n=2_000):.2f} us")
+        # a training forward's piece: the tensors in, a saved activation out per tensor (its backward's inputs)
+        outs = [x.new_empty(64, 8).normal_() for _ in range(PIECE_OUTPUTS)]
+        forward = cgraw.graphed(lambda *ts: tuple(o.mul_(1) for o in outs))
+        forward.inputs_guarded = True
+        with torch.no_grad():
+            for _ in range(4):
+                forward(*xs)
+            print(f"a training forward's piece, {PIECE_TENSORS} tensors in, {PIECE_OUTPUTS} out, grad off: "
+                  f"{per_call_us(lambda: forward(*xs), n=2_000):.2f} us")
     cgraw.reset()
     return 0
 
