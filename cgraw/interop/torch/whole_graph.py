@@ -100,9 +100,9 @@ def graphed_whole(compiled, example_inputs, runtime, name: str):
     inside the compiled function is part of the graph), and AOT autograd's wrapper runs the graph
     with grad disabled: none of its outputs requires grad. The graphed function is called with
     grad disabled too, as its body runs anyway, so the tree sees a call that records no backward:
-    no gradient entry in its key (which would read every parameter's ``requires_grad``), no
-    autograd ticket per call. The callable returned calls it so; ``cgraw_graphed`` is the graphed
-    function."""
+    no gradient entry in its key (which would read every parameter's ``requires_grad`` at every
+    call), and a recording without autograd's bookkeeping (saved-tensor hooks, placeholders that
+    require grad). The callable returned calls it so; ``cgraw_graphed`` is the graphed function."""
 
     def body(*args):
         return compiled(*args)
