@@ -611,8 +611,8 @@ def test_a_graph_graphed_whole_is_named_and_reads_dynamos_static_inputs_in_place
 def test_a_graph_graphed_whole_is_called_with_grad_disabled_and_grad_mode_is_put_back():
     """dynamo calls an inference graph with its caller's grad mode, and the graph never makes an
     output that requires grad: the graphed function is called with grad disabled (no gradient
-    entry in its key, no autograd bookkeeping in its recording), and the caller's grad mode is as it was afterwards,
-    also when the call raises."""
+    entry in its key, no autograd bookkeeping in its recording), and the caller's grad mode is as
+    it was afterwards, also when the call raises."""
     torch = pytest.importorskip("torch")
     modes = []
 
