@@ -3,8 +3,8 @@
 8) and Llama greedy decoding with a ``StaticCache``, torchvision ResNet-18 (inference and a whole
 training step with SGD and momentum), timm ViT-tiny. Inference runs by partitions and with
 ``options={"whole_graph": True}``. Every result is compared with eager's on fresh inputs (the
-training step's with Inductor's without graphs), and the compiled code's graphed pieces must have recorded and replayed (a silent fallback to Inductor's
-code without graphs fails)."""
+training step's with Inductor's without graphs), and the compiled code's graphed pieces must
+have recorded and replayed (a silent fallback to Inductor's code without graphs fails)."""
 
 from __future__ import annotations
 

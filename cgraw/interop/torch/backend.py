@@ -7,9 +7,9 @@ backward) with its own CUDA graphs off and graph partition on; each partition it
 ``cgraw.graphed`` function of the calling thread's tree, named ``<name> <phase>/partition <i> of
 <n>`` in ``cgraw.report()``. With ``options={"whole_graph": True}`` an inference graph that
 Inductor keeps in one partition with nothing around it is one graphed function as a whole
-(``<name> inference/whole graph``; ``interop.torch.whole_graph``). What is not graphed (an op Inductor cuts out, a
-partition left out by ``options``, a compile that fell back to Inductor) runs as Inductor
-compiled it, and ``report()`` says why. The torch side is
+(``<name> inference/whole graph``; ``interop.torch.whole_graph``). What is not graphed (an op
+Inductor cuts out, a partition left out by ``options``, a compile that fell back to Inductor)
+runs as Inductor compiled it, and ``report()`` says why. The torch side is
 ``interop.torch.partitions``; this module holds the decisions: options, names, fallback.
 
 Options (``torch.compile(m, backend="cgraw", options={...})``):

@@ -60,10 +60,10 @@ def outside_partitions(gm) -> str | None:
 
 
 def reason(wrapping, patches: dict, example_inputs) -> str | None:
-    """Why the graph ``wrapping`` (a ``partitions.Wrapping``) saw compiled under Inductor settings ``patches`` from
-    ``example_inputs`` is not one graphed function as a whole, or None: an inference graph of plain
-    tensors whose one partition holds every op of it and around which AOT autograd's wrapper has
-    nothing to redo in Python (``private_api.aot_runtime_work``)."""
+    """Why the graph ``wrapping`` (a ``partitions.Wrapping``) saw compiled under Inductor settings
+    ``patches`` from ``example_inputs`` is not one graphed function as a whole, or None: an
+    inference graph of plain tensors whose one partition holds every op of it and around which AOT
+    autograd's wrapper has nothing to redo in Python (``private_api.aot_runtime_work``)."""
     torch = sys.modules.get("torch")
     plain = (torch.Tensor, torch.nn.Parameter) if torch is not None else ()
     odd = sorted({type(t).__name__ for t in example_inputs if isinstance(t, plain) and type(t) not in plain})
