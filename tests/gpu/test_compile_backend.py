@@ -146,7 +146,7 @@ def test_a_cut_in_the_middle_leaves_both_sides_graphed(kind, whole):
     parts = _partitions(f"cut_{kind} [")
     for frame_parts, calls in _last_compiles(parts):
         _assert_replayed(frame_parts, calls)
-    if kind == "unsafe_op":  # one dynamo graph, cut by Inductor around the op: two pieces, never one whole graph
+    if kind == "unsafe_op":  # one dynamo graph cut by Inductor around the op: two pieces, never one whole graph
         assert len(parts) == 2 and all(n.endswith(("partition 0 of 2", "partition 1 of 2")) for n in parts), parts
     else:  # dynamo breaks the graph (or Inductor cuts it): a piece before and a piece after
         assert len(parts) >= 2, parts
@@ -215,7 +215,8 @@ def test_dynamic_batch_records_per_shape():
             torch._dynamo.mark_dynamic(x, 0)
             torch.testing.assert_close(c(x), m(x), **TOL)
     parts = _partitions("dyn [")
-    assert parts and not _whole("dyn ["), parts  # dynamic sizes: partitions, which take the sizes as arguments, under whole_graph too
+    # dynamic sizes, under whole_graph too: partitions, which take the sizes as arguments
+    assert parts and not _whole("dyn ["), parts
     for name, s in parts.items():
         assert s.eager_calls == 0 and not s.skip_reasons, (name, s.skip_reasons)
         assert s.recordings >= 2 and s.replays >= 1, (name, s)  # one recording per batch size
