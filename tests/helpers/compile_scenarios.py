@@ -4,8 +4,9 @@ behaviour, run by tests/gpu/test_compile_backend_trees.py on the GPU and, where 
 (tests/helpers/compile_cpu.py) can show it, by tests/unit/test_compile_backend_trees_cpu.py.
 
 A scenario takes an ``Env``: the device, ``compile(fn, name, **options)``, fresh random inputs, the
-graphed pieces' statistics (partitions, and on a GPU inference graphs graphed whole), and ``overwritten(t)``: whether the tree invalidated ``t`` (on the GPU,
-reading it raises cgraw's error; on the CPU, the tree handed it to its backend to poison).
+graphed pieces' statistics (partitions, and on a GPU inference graphs graphed whole), and
+``overwritten(t)``: whether the tree invalidated ``t`` (on the GPU, reading it raises cgraw's
+error; on the CPU, the tree handed it to its backend to poison).
 Results are compared with eager on fresh random inputs. The docstrings name the torch tests with
 the same behaviour; where cgraw deliberately differs from torch's trees, the scenario checks
 cgraw's behaviour (docs/guides/torch-compile.md says the difference).
