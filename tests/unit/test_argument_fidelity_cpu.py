@@ -613,6 +613,26 @@ def test_the_cuda_backends_warm_up_finds_the_inputs_written(dev0, write, expecte
     assert tuple(warmup.run(backend, f, call, (x,), {}).mutated) == expected
 
 
+@pytest.mark.parametrize("guarded", [False, True], ids=["user code", "compiled piece"])
+def test_a_warm_up_warns_of_a_non_contiguous_input_written_only_in_user_code(dev0, guarded, caplog):
+    """A function that writes a non-contiguous eager input is warned of at its warm-up; a piece of
+    compiled code (``inputs_guarded``) is not: Inductor's backward reuses the saved activations it
+    owns, which are eager inputs of its warm-up. The write is found either way."""
+    import logging
+
+    from cgraw.trees import warmup
+
+    f = cgraw.graphed(lambda x: x.add_(1.0) * 2.0)
+    f.inputs_guarded = guarded
+    x = torch.rand(4, 6)[:, ::2]
+    call = calls.inspect(f, (x,), {}, {}, 0)
+    backend = types.SimpleNamespace(_torch=torch, _tts=None, warm_in_pool=False)
+    with caplog.at_level(logging.WARNING, logger="cgraw"):
+        assert tuple(warmup.run(backend, f, call, (x,), {}).mutated) == (0,)
+    warned = [r.getMessage() for r in caplog.records if "mutates non-contiguous eager input 0" in r.getMessage()]
+    assert len(warned) == (0 if guarded else 1), warned
+
+
 def test_a_function_turning_grad_on_inside_a_no_grad_call_runs_eagerly_with_the_reason(mgr):
     """``torch.enable_grad()`` inside, called under ``no_grad``: eager's output requires grad and
     its backward reaches the input; a recording made with grad off would hand out a detached one."""
