@@ -661,6 +661,32 @@ def test_a_graph_graphed_whole_replays_and_equals_eager(inductor, monkeypatch):
     assert "whole_cpu [0/0] inference/whole graph: 1 recording(s)" in graphed_mod.report()
 
 
+def test_a_whole_graph_whose_recording_fails_runs_as_compiled_and_its_partition_is_graphed(inductor, monkeypatch):
+    """Where the whole graph's recording fails, the graph runs as Inductor compiled it, with the
+    reason in its statistics, and the partition it calls is a graphed function of its own that
+    records and replays; every result equals eager's."""
+    import compile_cpu
+
+    from cgraw.errors import SkipCall
+
+    monkeypatch.setattr(wg, "outside_partitions", lambda gm: None)
+    real = compile_cpu.CompileCpuBackend.record
+
+    def record(self, fn, call, warm):
+        if fn.name.endswith("/whole graph"):
+            raise SkipCall("the capture failed (the test's stand-in)")
+        return real(self, fn, call, warm)
+
+    monkeypatch.setattr(compile_cpu.CompileCpuBackend, "record", record)
+    _mlp_calls_equal_eager(inductor, "whole_fails", whole_graph=True)
+    (whole,) = _whole(inductor, "whole_fails [").values()
+    assert whole.recordings == 0 and whole.eager_calls == 5, whole
+    assert "the capture failed (the test's stand-in)" in whole.skip_reasons
+    parts = inductor.partitions("whole_fails [")
+    assert list(parts) == ["whole_fails [0/0] inference/partition 0 of 1"]
+    _assert_replayed(parts, 5)  # its first call is the whole graph's warm-up, inline
+
+
 def _whole(inductor, prefix: str) -> dict:
     return {s.name: s for s in inductor.tree.stats.values() if s.name.startswith(prefix) and s.name.endswith("/whole graph")}
 
