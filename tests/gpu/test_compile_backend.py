@@ -57,13 +57,19 @@ def _mlp(d_in=64, d_hidden=128, d_out=32):
                                torch.nn.Linear(d_hidden, d_out)).cuda()
 
 
-def test_mlp_inference_partitions_replay_and_equal_eager_with_whole_graph_off():
+def _mlp_calls_equal_eager(name: str, calls: int = CALLS, **options) -> None:
+    """``calls`` calls of ``_mlp()`` compiled with the backend (``name``, ``options``) under
+    ``torch.no_grad()``, on fresh inputs, each equal to eager's."""
     m = _mlp()
-    c = torch.compile(m, backend="cgraw", options={"name": "mlp", "whole_graph": False})
+    c = torch.compile(m, backend="cgraw", options={"name": name, **options})
     with torch.no_grad():
-        for _ in range(CALLS):
+        for _ in range(calls):
             x = trand(16, 64)
             torch.testing.assert_close(c(x), m(x), **TOL)
+
+
+def test_mlp_inference_partitions_replay_and_equal_eager_with_whole_graph_off():
+    _mlp_calls_equal_eager("mlp", whole_graph=False)
     parts = _partitions("mlp [")
     _assert_replayed(parts)
     assert all(re.fullmatch(r"mlp \[\d+/\d+\] (inference|forward)/partition \d+ of \d+", n) for n in parts), parts
@@ -79,12 +85,7 @@ def _kernels(names) -> list[str]:
 
 
 def test_recorded_partitions_hold_triton_kernels():
-    m = _mlp()
-    c = torch.compile(m, backend="cgraw", options={"name": "kern"})
-    with torch.no_grad():
-        for _ in range(3):
-            x = trand(16, 64)
-            torch.testing.assert_close(c(x), m(x), **TOL)
+    _mlp_calls_equal_eager("kern", 3)
     names = _kernels(set(_partitions("kern [")))
     assert any("triton" in k for k in names), names  # Inductor's fused bias + activation kernels
     assert not any("at6native" in k or "at::native" in k for k in names), names  # no eager ATen elementwise
@@ -361,24 +362,33 @@ class Decoder(torch.nn.Module):
         return self.out(att @ self.v_cache).argmax(-1)
 
 
-def test_a_decode_loop_fed_its_own_token_replays_every_step():
-    """``tok = step(tok, pos)``, the step writing its cache in place: every step after the recording
-    replays (a call fed its previous output ran eagerly whenever it wrote any input)."""
+DECODE_STEPS = 16
+
+
+def _decode_against_eager(name: str, whole: bool):
+    """``DECODE_STEPS`` steps of ``tok = step(tok, pos)`` compiled with the backend (``name``,
+    ``whole_graph=whole``), each token against an eager copy's; the compiled model and the copy."""
     torch.manual_seed(0)
     m = Decoder().cuda()
     ref = Decoder().cuda()
     ref.load_state_dict(m.state_dict())
-    c = torch.compile(m, backend="cgraw", options={"name": "decode", "whole_graph": False})
-    steps = 16
+    c = torch.compile(m, backend="cgraw", options={"name": name, "whole_graph": whole})
     with torch.no_grad():
         tok = torch.randint(0, 128, (1, 1), device="cuda")
-        for i in range(steps):
+        for i in range(DECODE_STEPS):
             pos = torch.tensor([i], device="cuda")
             want = ref(tok, pos)  # eager on the same token (an output of the compiled step)
             tok = c(tok, pos)  # fed its own previous output
             torch.testing.assert_close(tok, want)
-        torch.testing.assert_close(m.k_cache, ref.k_cache, **TOL)
-    _assert_replayed(_partitions("decode ["), steps)
+    return m, ref
+
+
+def test_a_decode_loop_fed_its_own_token_replays_every_step():
+    """``tok = step(tok, pos)``, the step writing its cache in place: every step after the recording
+    replays (a call fed its previous output ran eagerly whenever it wrote any input)."""
+    m, ref = _decode_against_eager("decode", False)
+    torch.testing.assert_close(m.k_cache, ref.k_cache, **TOL)
+    _assert_replayed(_partitions("decode ["), DECODE_STEPS)
 
 
 def _buffer_steps_against_eager(cls, name: str, buffer: str, **options) -> dict:
@@ -492,12 +502,7 @@ def _whole(prefix: str) -> dict:
 
 
 def test_an_inference_graph_of_one_partition_replays_as_one_whole_graph_and_equals_eager():
-    m = _mlp()
-    c = torch.compile(m, backend="cgraw", options={"name": "mlpw", "whole_graph": True})
-    with torch.no_grad():
-        for _ in range(CALLS):
-            x = trand(16, 64)
-            torch.testing.assert_close(c(x), m(x), **TOL)
+    _mlp_calls_equal_eager("mlpw", whole_graph=True)
     whole = _whole("mlpw [")
     assert all(re.fullmatch(r"mlpw \[\d+/\d+\] inference/whole graph", n) for n in whole), whole
     _assert_replayed(whole)
@@ -507,19 +512,7 @@ def test_an_inference_graph_of_one_partition_replays_as_one_whole_graph_and_equa
 def test_a_decode_loop_writing_its_cache_in_place_replays_whole_and_equals_eager():
     """The step writes its module buffers (the cache) in place: the whole graph reads and writes them
     where they are, and every step after the recording replays."""
-    torch.manual_seed(0)
-    m = Decoder().cuda()
-    ref = Decoder().cuda()
-    ref.load_state_dict(m.state_dict())
-    c = torch.compile(m, backend="cgraw", options={"name": "decodew", "whole_graph": True})
-    steps = 16
-    with torch.no_grad():
-        tok = torch.randint(0, 128, (1, 1), device="cuda")
-        for i in range(steps):
-            pos = torch.tensor([i], device="cuda")
-            want = ref(tok, pos)
-            tok = c(tok, pos)
-            torch.testing.assert_close(tok, want)
-        torch.testing.assert_close(m.k_cache, ref.k_cache, **TOL)
-        torch.testing.assert_close(m.v_cache, ref.v_cache, **TOL)
-    _assert_replayed(_whole("decodew ["), steps)
+    m, ref = _decode_against_eager("decodew", True)
+    torch.testing.assert_close(m.k_cache, ref.k_cache, **TOL)
+    torch.testing.assert_close(m.v_cache, ref.v_cache, **TOL)
+    _assert_replayed(_whole("decodew ["), DECODE_STEPS)
