@@ -139,12 +139,13 @@ def test_a_cut_in_the_middle_leaves_both_sides_graphed(kind, whole):
     """With ``whole_graph`` on, dynamo's graphs on either side of a break may each be graphed whole;
     a graph Inductor cuts (around the unsafe op) never is."""
     m = CutModel(kind).cuda()
-    c = torch.compile(m, backend="cgraw", options={"name": f"cut_{kind}", "whole_graph": whole})
+    name = f"cut_{kind}_{'whole' if whole else 'parts'}"  # one name per case: a repeated one gets "#2" in the report
+    c = torch.compile(m, backend="cgraw", options={"name": name, "whole_graph": whole})
     with torch.no_grad():
         for _ in range(CALLS):
             x = trand(16, 64)
             torch.testing.assert_close(c(x), m(x), **TOL)
-    parts = _partitions(f"cut_{kind} [")
+    parts = _partitions(f"{name} [")
     for frame_parts, calls in _last_compiles(parts):
         _assert_replayed(frame_parts, calls)
     if kind == "unsafe_op":  # one dynamo graph cut by Inductor around the op: two pieces, never one whole graph

@@ -391,7 +391,8 @@ def test_a_forward_while_an_earlier_backward_is_pending_runs_as_compiled():
     """Gradient accumulation: forward, forward, backward. The second forward of a training graph
     would begin a new generation and reuse the memory of the first one's saved activations, so it
     runs the partitions as Inductor compiled them (with the reason in the report) until a backward
-    runs; the next forward is graphed again."""
+    runs; the next forward is graphed again. The reason is noted under the name the report lists the
+    piece by."""
     made, notes, seen = [], [], []
     home = tcomp.Home()
     rt = _runtime(made, notes)
@@ -399,9 +400,9 @@ def test_a_forward_while_an_earlier_backward_is_pending_runs_as_compiled():
 
     def forward_part(i):
         fn = _partition(seen)
-        gf = FakeGraphed(tcomp.graph_body(fn, f"f{i}"))
-        return fn, gf, tcomp.adapt(fn, gf, home, rt, lambda: in_backward[0], phase="forward", index=i,
-                                   name=f"t [0/0] forward/partition {i} of 2")
+        # a second compile under the same name: the report lists its pieces as "...#2"
+        gf = FakeGraphed(tcomp.graph_body(fn, f"t [0/0] forward/partition {i} of 2#2"))
+        return fn, gf, tcomp.adapt(fn, gf, home, rt, lambda: in_backward[0], phase="forward", index=i)
 
     (_, g0, p0), (_, g1, p1) = forward_part(0), forward_part(1)
     gb = FakeGraphed(tcomp.graph_body(_partition(seen), "b"))
@@ -419,7 +420,7 @@ def test_a_forward_while_an_earlier_backward_is_pending_runs_as_compiled():
 
     assert forward() == (4.0,) and (len(g0.calls), len(g1.calls)) == (1, 1)  # graphed
     assert forward() == (4.0,) and (len(g0.calls), len(g1.calls)) == (1, 1)  # the first's backward waits
-    assert [n for n, _ in notes] == ["t [0/0] forward/partition 0 of 2", "t [0/0] forward/partition 1 of 2"]
+    assert [n for n, _ in notes] == ["t [0/0] forward/partition 0 of 2#2", "t [0/0] forward/partition 1 of 2#2"]
     assert all(why == tcomp.PENDING for _, why in notes)
     backward()
     backward()

@@ -90,14 +90,14 @@ PENDING = ("a forward ran while the backward of an earlier forward of the same g
            "runs")
 
 
-def adapt(fn, gf, home: Home, runtime: Runtime, in_backward, *, phase: str | None = None, index: int = 0,
-          name: str = ""):
+def adapt(fn, gf, home: Home, runtime: Runtime, in_backward, *, phase: str | None = None, index: int = 0):
     """The callable Inductor calls in place of partition ``fn`` (``index`` of its graph, compiled as
     ``phase``): it takes Inductor's argument list, clears it as the partition would, and calls
     graphed function ``gf`` with the items as positional arguments. ``in_backward()`` says whether
     autograd's backward pass is running. A forward of a training graph (``phase`` "forward") that
-    begins while an earlier forward's backward has not run runs ``fn`` itself (``PENDING``)."""
-    training = phase == "forward"
+    begins while an earlier forward's backward has not run runs ``fn`` itself (``PENDING``), noted under
+    ``gf.name``, the name ``report()`` lists it by."""
+    training, name = phase == "forward", gf.name
     if training and (home.first_forward is None or index < home.first_forward):
         home.first_forward = index
 
@@ -191,7 +191,7 @@ class Wrapping:
             # function, its call would end the step while the earlier pieces' outputs are alive in
             # Inductor's frame, and its recording could not reuse their memory
             gf.continues_step = self.first.setdefault(phase, index) < index
-            wrapped = adapt(fn, gf, self.home, self.runtime, _in_backward(), phase=phase, index=index, name=name)
+            wrapped = adapt(fn, gf, self.home, self.runtime, _in_backward(), phase=phase, index=index)
             made = getattr(self.phase, "made", None)
             if made is not None:
                 made[index] = gf
