@@ -1,11 +1,11 @@
-"""GPU tier: ``torch.compile(model, backend="cgraw")``. Inductor's partitions are graphed functions of
-cgraw's tree (warmed up, recorded, replayed; named in ``cgraw.report()``), their recordings hold
-Triton kernels, what Inductor cuts out (a ``cudagraph_unsafe`` custom op, ``.item()``, ``nonzero``)
-runs between graphed pieces, training graphs forward and backward, dynamic shapes record per
-shape, results equal eager on fresh random inputs, the backend is found without ``import cgraw``,
-and a default ``torch.compile`` in the same process is untouched. With ``options={"whole_graph":
-True}`` an inference graph of one partition replays as one whole graph, and any other (cut by
-Inductor, training, dynamic sizes) keeps its partitions."""
+"""GPU tier: ``torch.compile(model, backend="cgraw")``. An inference graph of one partition is one
+graphed function as a whole; other graphs' partitions (and every partition under
+``options={"whole_graph": False}``) are graphed functions of cgraw's tree (warmed up, recorded,
+replayed; named in ``cgraw.report()``). Their recordings hold Triton kernels, what Inductor cuts
+out (a ``cudagraph_unsafe`` custom op, ``.item()``, ``nonzero``) runs between graphed pieces,
+training graphs forward and backward, dynamic shapes record per shape, results equal eager on
+fresh random inputs, the backend is found without ``import cgraw``, and a default
+``torch.compile`` in the same process is untouched."""
 
 from __future__ import annotations
 
@@ -181,7 +181,7 @@ def test_training_step_graphs_forward_and_backward():
     _assert_replayed(parts)
     assert any(" forward/partition" in n for n in parts), parts
     assert any(" backward/partition" in n for n in parts), parts
-    assert not _whole("train ["), parts  # a training graph keeps its partitions under whole_graph
+    assert not _whole("train ["), parts  # a training graph keeps its partitions
 
 
 def test_gradient_accumulation_equals_eager_and_its_second_forward_runs_as_compiled():
@@ -277,7 +277,7 @@ def test_backend_found_without_importing_cgraw():
                 torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-4)
         import cgraw
         text = cgraw.report()
-        assert "fresh [" in text and "/partition 0 of" in text, text
+        assert "fresh [0/0] inference/whole graph: 1 recording(s)" in text, text
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
@@ -493,7 +493,7 @@ def test_an_input_written_in_place_at_an_unaligned_offset_equals_eager(partition
         torch.testing.assert_close(x, ref, **TOL)
 
 
-# ---------------------------------------------------------------- options={"whole_graph": True}
+# ---------------------------------------------------------------- inference graphs graphed whole (the default)
 
 
 def _whole(prefix: str) -> dict:

@@ -3,8 +3,8 @@ exercise ``mode="reduce-overhead"``, run against ``torch.compile(backend="cgraw"
 (tests/helpers/compile_scenarios.py; the CPU harness runs them too, in
 tests/unit/test_compile_backend_trees_cpu.py). Here an ended step's output raises cgraw's error
 when read, and the pieces are captured and replayed as CUDA graphs. Each scenario runs twice:
-by partitions, and with ``options={"whole_graph": True}`` (inference graphs graphed whole, where
-a replay runs none of AOT autograd's or Inductor's Python)."""
+with ``options={"whole_graph": False}`` (by partitions), and with inference graphs graphed whole
+(the default), where a replay runs none of AOT autograd's or Inductor's Python."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ graphed_mod = importlib.import_module("cgraw.trees.graphed")
 def env(request):
     torch._dynamo.reset()
     graphed_mod.forget_without_graphs()
-    whole = {"whole_graph": True} if request.param == "whole_graph" else {}
+    whole = {"whole_graph": request.param == "whole_graph"}
 
     def compile_fn(fn, dynamic, options):
         return torch.compile(fn, backend="cgraw", dynamic=dynamic, options={**whole, **options})

@@ -36,8 +36,8 @@ def no_notes():
 
 def test_options_default_and_checked():
     o = cb.Options.parse(None)
-    assert (o.name, o.partitions, o.fallback, o.inductor, o.whole_graph) == (None, "all", "inductor", None, False)
-    assert cb.Options.parse({"whole_graph": True}).whole_graph is True
+    assert (o.name, o.partitions, o.fallback, o.inductor, o.whole_graph) == (None, "all", "inductor", None, True)
+    assert cb.Options.parse({"whole_graph": False}).whole_graph is False
     assert o.select(0) is None and o.select(7) is None
     o = cb.Options.parse({"name": "mlp", "partitions": [0, 2], "fallback": "raise",
                           "inductor": {"max_autotune": False}})

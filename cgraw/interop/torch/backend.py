@@ -3,13 +3,13 @@
 Layer L9 (public API, beside ``graphed``). The backend is registered through the
 ``torch_dynamo_backends`` entry point (``pyproject.toml``), so ``backend="cgraw"`` works without
 ``import cgraw``. Inductor compiles each dynamo graph (forward, and through AOT autograd the
-backward) with its own CUDA graphs off and graph partition on; each partition it cuts is a
-``cgraw.graphed`` function of the calling thread's tree, named ``<name> <phase>/partition <i> of
-<n>`` in ``cgraw.report()``. With ``options={"whole_graph": True}`` an inference graph that
-Inductor keeps in one partition with nothing around it is one graphed function as a whole
-(``<name> inference/whole graph``; ``interop.torch.whole_graph``). What is not graphed (an op
-Inductor cuts out, a partition left out by ``options``, a compile that fell back to Inductor)
-runs as Inductor compiled it, and ``report()`` says why. The torch side is
+backward) with its own CUDA graphs off and graph partition on. An inference graph that Inductor
+keeps in one partition with nothing around it is one ``cgraw.graphed`` function as a whole
+(``<name> inference/whole graph`` in ``cgraw.report()``; ``interop.torch.whole_graph``); otherwise
+each partition it cuts is a ``cgraw.graphed`` function of the calling thread's tree, named
+``<name> <phase>/partition <i> of <n>``. What is not graphed (an op Inductor cuts out, a
+partition left out by ``options``, a compile that fell back to Inductor) runs as Inductor
+compiled it, and ``report()`` says why. The torch side is
 ``interop.torch.partitions``; this module holds the decisions: options, names, fallback.
 
 Options (``torch.compile(m, backend="cgraw", options={...})``):
@@ -21,10 +21,10 @@ Options (``torch.compile(m, backend="cgraw", options={...})``):
   Inductor without graphs, with the reason in ``report()``) or ``"raise"``;
 - ``"inductor"``: a dict of ``torch._inductor.config`` settings for the compile (the backend
   keeps ``triton.cudagraphs`` off and ``graph_partition`` on);
-- ``"whole_graph"``: ``False`` (default) or ``True``: an inference graph whose one partition
+- ``"whole_graph"``: ``True`` (default) or ``False``: an inference graph whose one partition
   holds every op (``whole_graph.reason``) is one graphed function as a whole, so a call runs none
-  of AOT autograd's or Inductor's Python around the partition; any other graph (training, cut by
-  Inductor, dynamic sizes) keeps its graphed partitions.
+  of AOT autograd's or Inductor's Python around the partition; with ``False``, or for any other
+  graph (training, cut by Inductor, dynamic sizes), the partitions are graphed.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class Options:
 
     __slots__ = ("name", "partitions", "fallback", "inductor", "whole_graph")
 
-    def __init__(self, name=None, partitions="all", fallback="inductor", inductor=None, whole_graph=False):
+    def __init__(self, name=None, partitions="all", fallback="inductor", inductor=None, whole_graph=True):
         self.name = name
         self.partitions = partitions
         self.fallback = fallback
@@ -80,7 +80,7 @@ class Options:
         inductor = options.get("inductor")
         if inductor is not None and not (isinstance(inductor, dict) and all(isinstance(k, str) for k in inductor)):
             raise ValueError("options['inductor'] must be a dict of torch._inductor.config settings")
-        whole = options.get("whole_graph", False)
+        whole = options.get("whole_graph", True)
         if not isinstance(whole, bool):
             raise ValueError(f"options['whole_graph'] must be True or False, not {whole!r}")
         return cls(name, parts, fallback, dict(inductor) if inductor else None, whole)
