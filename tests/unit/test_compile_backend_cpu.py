@@ -692,11 +692,12 @@ def _whole(inductor, prefix: str) -> dict:
     return {s.name: s for s in inductor.tree.stats.values() if s.name.startswith(prefix) and s.name.endswith("/whole graph")}
 
 
-@pytest.mark.parametrize("case", ["resized_input", "aliased_inputs_written"])
+@pytest.mark.parametrize("case", ["resized_input", "offset_input_written", "aliased_inputs_written"])
 def test_a_graph_is_graphed_whole_only_where_aot_autograds_wrapper_has_nothing_to_redo(inductor, monkeypatch,
                                                                                        case, caplog):
     """An input resized in place (``x.unsqueeze_(0)``) is resized by dynamo's own code around the
-    graph, so the graph is graphed whole and the caller's tensor ends as eager leaves it. A graph
+    graph, so the graph is graphed whole and the caller's tensor ends as eager leaves it; so is an
+    input written in place, a view at an offset of its storage one call in two. A graph
     writing one of two inputs that share memory takes them merged into one base, which AOT
     autograd's wrapper makes at every call: it is graphed by partitions, the reason logged. The
     results equal eager's both ways."""
@@ -710,17 +711,26 @@ def test_a_graph_is_graphed_whole_only_where_aot_autograds_wrapper_has_nothing_t
         x.unsqueeze_(0)
         return (x * 2 + y).relu()
 
+    def offset_input_written(x, y):
+        x.mul_(2.0)
+        return x + y
+
     def aliased_inputs_written(x, y):
         x.add_(1.0)
         return (y * 2).relu()
 
-    fn = {"resized_input": resized_input, "aliased_inputs_written": aliased_inputs_written}[case]
+    fn = {"resized_input": resized_input, "offset_input_written": offset_input_written,
+          "aliased_inputs_written": aliased_inputs_written}[case]
     c = inductor.compile(fn, name=f"aot_{case}", whole_graph=True)
     with caplog.at_level(logging.INFO, logger="cgraw"):
-        for _ in range(5):
+        for i in range(5):
             base = torch.randn(2, 8)
             if case == "resized_input":
                 args, ref = (base[0].clone(), base[1].clone()), (base[0].clone(), base[1].clone())
+            elif case == "offset_input_written":
+                flat = torch.randn(17)
+                x = flat[1:] if i % 2 else flat[:16]
+                args, ref = (x, base.reshape(16)), (x.clone(), base.reshape(16).clone())
             else:
                 b2 = base.clone()
                 args, ref = (base, base[1]), (b2, b2[1])
@@ -729,7 +739,7 @@ def test_a_graph_is_graphed_whole_only_where_aot_autograds_wrapper_has_nothing_t
             torch.testing.assert_close(args[0], ref[0])
             assert args[0].shape == ref[0].shape
     whole = _whole(inductor, f"aot_{case} [")
-    if case == "resized_input":
+    if case != "aliased_inputs_written":
         assert len(whole) == 1 and all(s.replays >= 3 for s in whole.values()), inductor.tree.stats
     else:
         assert not whole, inductor.tree.stats
