@@ -16,15 +16,92 @@ Two floors are timed beside them: ``dynamo_floor``, a backend whose graph return
 "host alone" is the best of three decodes timed while a sleep kernel holds the GPU behind: the
 host's own time per token, which a system bound by its kernels hides in the first figure.
 
+``--split SYSTEM`` times the parts of cgraw's call in three decodes of SYSTEM, the GPU held behind:
+each part's inclusive time per token (``Split``: a ``perf_counter_ns`` wrapper around the callable,
+whose own cost per wrapped call is printed beside), so the host's time per token divides into
+dynamo's and the rest, cgraw's call, its classification, replay, launch, staging copies and outputs.
+
 From the repository root, on a GPU: ``python3 -m tools.probes.whole_graph_probe [--rounds 7]
-[--profile backend_whole_graph]``.
+[--profile backend_whole_graph] [--split backend_whole_graph]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import time
+
+# (label, module, attribute): cgraw's call, nested as the labels' indentation shows
+SPLIT_PARTS = (
+    ("graphed call", "cgraw.trees.graphed", "GraphedFunction.__call__"),
+    ("  manager call", "cgraw.trees.manager", "TreeManager._call"),
+    ("    classify and key", "cgraw.trees.calls", "_inspect_guarded"),
+    ("    replay", "cgraw.trees.recording", "Recording.replay"),
+    ("      launch", "cgraw.trees.recording", "_launch"),
+    ("      staging copy", "cgraw._cuda", "memcpy_dtod_async"),
+    ("      outputs", "cgraw.trees.recording", "Recording._outputs"),
+)
+
+
+def _timed(label, f, ns: dict, calls: dict):
+    """``f`` adding its inclusive ``perf_counter_ns`` time to ``ns[label]`` and a call to ``calls[label]``."""
+    clock = time.perf_counter_ns
+
+    def timed(*args, **kwargs):
+        t0 = clock()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            ns[label] += clock() - t0
+            calls[label] += 1
+
+    return timed
+
+
+class Split:
+    """While active, the inclusive ``perf_counter_ns`` time and the number of calls of each
+    ``(label, module, attribute)`` of ``parts`` (``attribute``: a module's function, or
+    ``Class.method``), the originals put back on exit. ``overhead_ns``: one wrapped call's own cost."""
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.ns = dict.fromkeys((label for label, _, _ in parts), 0)
+        self.calls = dict.fromkeys(self.ns, 0)
+        self._saved = []
+        self.overhead_ns = _overhead()
+
+    def __enter__(self):
+        for label, module, attr in self.parts:
+            owner = importlib.import_module(module)
+            cls, _, name = attr.rpartition(".")
+            if cls:
+                owner = getattr(owner, cls)
+            original = owner.__dict__[name] if cls else getattr(owner, name)
+            self._saved.append((owner, name, original))
+            setattr(owner, name, _timed(label, original, self.ns, self.calls))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+        return False
+
+
+def _overhead(n: int = 20000) -> float:
+    """A wrapped call's own cost in ns: a wrapped empty function against the bare one."""
+    def empty():
+        return None
+
+    timed = _timed("x", empty, {"x": 0}, {"x": 0})
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        timed()
+    t1 = time.perf_counter_ns()
+    for _ in range(n):
+        empty()
+    return max(0.0, ((t1 - t0) - (time.perf_counter_ns() - t1)) / n)
 
 
 def whole_graph_backend(gm, example_inputs):
@@ -96,6 +173,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, metavar="SYSTEM",
                     help="after the timings, cProfile three decodes of SYSTEM (the GPU held behind) and "
                          "print the 30 functions with the most time of their own")
+    ap.add_argument("--split", default=None, metavar="SYSTEM",
+                    help="after the timings, the parts of cgraw's call per token in three decodes of SYSTEM "
+                         "(the GPU held behind)")
     args = ap.parse_args(argv)
     import torch
 
@@ -143,6 +223,8 @@ def main(argv=None) -> int:
               f"host alone {min(held[name]):.1f}")
     if args.profile:
         _profile(systems[args.profile], wl, cache)
+    if args.split:
+        _split(systems[args.split], wl, cache)
     print(cgraw.report())
     return 0
 
@@ -169,6 +251,33 @@ def _profile(call, wl, cache) -> None:
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
     print(out.getvalue())
 
+
+def _split(call, wl, cache) -> None:
+    """``Split`` of three decodes by ``call``, the GPU held behind by a sleep kernel: the host time per
+    token, and each part's inclusive time and calls per token."""
+    import torch
+
+    from benchmarks import models
+
+    tokens, total = 3 * len(wl.positions), 0
+    ns, calls = dict.fromkeys((label for label, _, _ in SPLIT_PARTS), 0), dict.fromkeys((label for label, _, _ in SPLIT_PARTS), 0)
+    with Split(SPLIT_PARTS) as split:
+        for _ in range(3):
+            tok = wl.prefill(cache)  # eager: outside the counts
+            torch.cuda.synchronize()
+            ns0, calls0 = dict(split.ns), dict(split.calls)
+            torch.cuda._sleep(1_000_000_000)
+            t0 = time.perf_counter_ns()
+            models._decode(call, tok, wl.positions, collect=False)
+            total += time.perf_counter_ns() - t0
+            for label in ns:
+                ns[label] += split.ns[label] - ns0[label]
+                calls[label] += split.calls[label] - calls0[label]
+            torch.cuda.synchronize()
+    print(f"split: {total / tokens / 1e3:.1f} us per token, host alone, with the wrappers "
+          f"({split.overhead_ns / 1e3:.2f} us per wrapped call)")
+    for label in ns:
+        print(f"  {label:24s} {ns[label] / tokens / 1e3:8.2f} us per token, {calls[label] / tokens:.2f} calls")
 
 if __name__ == "__main__":
     raise SystemExit(main())

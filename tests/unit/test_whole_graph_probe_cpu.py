@@ -1,0 +1,47 @@
+"""CPU tier: the whole-graph probe's ``Split`` (tools/probes/whole_graph_probe.py), which the device
+runs around cgraw's call: it counts a class's method and a module's function while active, nested
+calls inclusively, and puts the originals back."""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+
+from tools.probes import whole_graph_probe as probe
+
+
+def test_split_times_methods_and_functions_inclusively_and_puts_them_back():
+    mod = types.ModuleType("split_fixture")
+
+    def leaf(x):
+        time.sleep(0.002)
+        return x + 1
+
+    class Outer:
+        def run(self, x):
+            return mod.leaf(x) * 2
+
+    mod.leaf, mod.Outer = leaf, Outer
+    sys.modules["split_fixture"] = mod
+    try:
+        parts = (("outer", "split_fixture", "Outer.run"), ("  leaf", "split_fixture", "leaf"))
+        with probe.Split(parts) as split:
+            assert [Outer().run(i) for i in range(3)] == [2, 4, 6]
+        assert split.calls == {"outer": 3, "  leaf": 3}
+        assert split.ns["outer"] >= split.ns["  leaf"] >= 3 * 2_000_000  # inclusive: the outer holds the leaf
+        assert mod.leaf is leaf and Outer.__dict__["run"] is not None and Outer().run(1) == 4
+        assert "timed" not in Outer.run.__qualname__ and mod.leaf.__qualname__.endswith("leaf")
+        assert split.overhead_ns >= 0
+    finally:
+        del sys.modules["split_fixture"]
+
+
+def test_split_parts_name_callables_that_exist():
+    import importlib
+
+    for _, module, attr in probe.SPLIT_PARTS:
+        owner = importlib.import_module(module)
+        for name in attr.split("."):
+            owner = getattr(owner, name)
+        assert callable(owner), (module, attr)
