@@ -78,9 +78,9 @@ def test_a_resnet18_training_step_compiled_with_the_backend_equals_inductors():
     graphs (Inductor's training numerics differ from eager's by more than the graphs', which
     ``benchmarks/models.py`` measured: 0.0076 in a gradient)."""
     wl = models._build("resnet18_train")
-    # cuDNN's deterministic algorithms in full precision for both: its default TF32 weight
-    # gradients differ between algorithms (6e-4 in the first convolution's weights after a step on
-    # an H200), and a recording may meet another algorithm than the reference's calls
+    # cuDNN's deterministic algorithms in full precision for both: with cuDNN's defaults (TF32, an
+    # algorithm chosen per call, which a recording and the reference's calls may choose apart) the
+    # first convolution's weights differed by up to 6e-4 after a step on an H200, the loss equal
     with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True, allow_tf32=False):
         step = wl.new_step(lambda m: _compile(m, "resnet_train", True), set_to_none=True)
         ref = wl.new_step(lambda m: torch.compile(m, dynamic=False), set_to_none=True)
