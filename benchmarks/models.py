@@ -15,7 +15,8 @@ Systems: ``eager``; ``cgraw_graphed`` (``@cgraw.graphed``); ``cgraw_capture`` (`
 and ``replay`` with static inputs); ``torch_cudagraph`` (a hand-made ``torch.cuda.CUDAGraph``);
 ``reduce_overhead`` (``torch.compile(mode="reduce-overhead")``); ``cgraw_over_compile``
 (``@cgraw.graphed`` over ``torch.compile`` in its default mode); ``cgraw_backend``
-(``torch.compile(backend="cgraw")``: Inductor's partitions as graphed functions of cgraw's tree;
+(``torch.compile(backend="cgraw")``: an inference graph of one partition graphed whole, other
+graphs' partitions graphed functions of cgraw's tree;
 the summary gives its host time per call over the device time of ``cgraw_over_compile``'s bursts,
 the same default-mode Inductor kernels replayed by one graph far ahead of the host). Every system
 runs in its own child process (``--child WORKLOAD SYSTEM``), workload by workload, and a workload's
@@ -579,7 +580,7 @@ def _text(exc: BaseException, limit: int = 1500) -> str:
 
 
 class Partitions:
-    """The graphed partitions (or whole graphs, ``options={"whole_graph": True}``) of
+    """The graphed partitions (and whole graphs: an inference graph of one partition, by default) of
     ``torch.compile(backend="cgraw")`` code named ``name``: their stats, summed (replays: the fewest of any partition, so one per call that replayed them all).
     Only the partitions of each dynamo frame's last compile count (names ``<name> [frame/compile]
     ...``): a frame recompiled stops calling its earlier compile's partitions; ``compiles`` says
