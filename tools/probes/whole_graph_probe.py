@@ -1,16 +1,17 @@
-"""What graphing a whole compiled graph would gain on the Llama decode step: the backend's host time
-per token against a graph over Inductor's whole compiled callable.
+"""What graphing a whole compiled graph gains on the Llama decode step: the backend's host time per
+token graphed whole against the same backend by partitions and a graph over Inductor's whole
+compiled callable.
 
-``torch.compile(backend="cgraw")`` graphs each of Inductor's partitions, so every token still runs
-dynamo's guards, AOT autograd's runtime wrapper and Inductor's Python ``call`` around the
-partition. Where Inductor makes one partition and nothing runs outside it (an inference graph),
-the compiled callable as a whole could be one graphed function: dynamo's guards, then a replay.
-This probe measures that route two ways: the backend with ``options={"whole_graph": True}``
-(``backend_whole_graph``), and a dynamo backend that compiles with Inductor
-(no partition wrapper, no CUDA graphs) and returns ``cgraw.graphed`` over the compiled callable,
-its inputs guarded by dynamo and the graph's parameters and marked static inputs (transformers'
-``StaticCache``) read in place. A diagnostic, not a test: it checks the tokens against eager's and
-prints per-token host times, the systems timed in turns (one 64-token decode each per round).
+By partitions (``torch.compile(backend="cgraw", options={"whole_graph": False})``,
+``backend_partitions``), every token still runs dynamo's guards, AOT autograd's runtime wrapper
+and Inductor's Python ``call`` around the partition. Where Inductor makes one partition and
+nothing runs outside it (an inference graph), the backend graphs the compiled callable as a whole
+by default (``cgraw_backend``): dynamo's guards, then a replay. Beside it, ``whole_graph``: a
+dynamo backend that compiles with Inductor (no partition wrapper, no CUDA graphs) and returns
+``cgraw.graphed`` over the compiled callable, its inputs guarded by dynamo and the graph's
+parameters and marked static inputs (transformers' ``StaticCache``) read in place. A diagnostic,
+not a test: it checks the tokens against eager's and prints per-token host times, the systems
+timed in turns (one 64-token decode each per round).
 Two floors are timed beside them: ``dynamo_floor``, a backend whose graph returns fixed outputs
 (dynamo's guards and input gathering alone), and ``loop_floor``, the decode loop with no model.
 "host alone" is the best of three decodes timed while a sleep kernel holds the GPU behind: the
@@ -22,7 +23,7 @@ whose own cost per wrapped call is printed beside), so the host's time per token
 dynamo's and the rest, cgraw's call, its classification, replay, launch, staging copies and outputs.
 
 From the repository root, on a GPU: ``python3 -m tools.probes.whole_graph_probe [--rounds 7]
-[--profile backend_whole_graph] [--split backend_whole_graph]``.
+[--profile cgraw_backend] [--split cgraw_backend]``.
 """
 
 from __future__ import annotations
@@ -155,9 +156,9 @@ def _systems(wl, cache):
         out[name] = cloned(call) if name in ("reduce_overhead", "cgraw_backend") else call
     compiled = torch.compile(wl.step, backend=whole_graph_backend, dynamic=False)
     out["whole_graph"] = cloned(lambda tok, pos: compiled(tok, pos, cache))
-    backend_whole = torch.compile(wl.step, backend="cgraw", dynamic=False,
-                                  options={"name": "whole", "whole_graph": True})
-    out["backend_whole_graph"] = cloned(lambda tok, pos: backend_whole(tok, pos, cache))
+    by_parts = torch.compile(wl.step, backend="cgraw", dynamic=False,
+                             options={"name": "parts", "whole_graph": False})
+    out["backend_partitions"] = cloned(lambda tok, pos: by_parts(tok, pos, cache))
     floor = torch.compile(wl.step, backend=floor_backend, dynamic=False)
     out["dynamo_floor"] = cloned(lambda tok, pos: floor(tok, pos, cache))
     out["loop_floor"] = cloned(lambda tok, pos: tok)  # the decode loop and the clone alone
