@@ -223,9 +223,10 @@ def run(backend, fn, call, args, kwargs) -> Warm:
         mutated = _mutated(call, before)
     # compiled code's pieces write buffers their compiler owns (Inductor reuses a backward's saved
     # activations, eager inputs at its warm-up): not the caller's business, so not warned of
-    for j in () if fn.inputs_guarded else mutated:
-        if not ops[j].contiguous(call.leaves[j]):
-            log.warning("cgraw: %s mutates non-contiguous eager input %d", fn.name, j)
+    if not fn.inputs_guarded:
+        for j in mutated:
+            if not ops[j].contiguous(call.leaves[j]):
+                log.warning("cgraw: %s mutates non-contiguous eager input %d", fn.name, j)
     w = Warm(out, mutated)
     w.runs_backward = backward[0] or (obs is not None and obs.backward) or getattr(fn, "is_backward", False)
     if torch is not None and w.runs_backward:

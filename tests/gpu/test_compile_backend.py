@@ -22,18 +22,13 @@ import cgraw
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_trees", "fresh_dynamo")]
 torch = pytest.importorskip("torch")
+
+import compile_scenarios as sc  # noqa: E402
+
 graphed_mod = importlib.import_module("cgraw.trees.graphed")
 
 CALLS = 6
 TOL = {"rtol": 1e-4, "atol": 1e-4}  # Inductor's fused kernels against eager's, float32, TF32 off
-
-
-def _partitions(prefix: str) -> dict:
-    """``{name: FunctionStats}`` of the graphed pieces of compiled code named ``prefix``: its
-    partitions, and its inference graphs graphed whole."""
-    mgr = graphed_mod._managers[0]
-    return {s.name: s for s in mgr.stats.values()
-            if s.name.startswith(prefix) and ("/partition " in s.name or s.name.endswith("/whole graph"))}
 
 
 def _assert_replayed(parts: dict, calls: int = CALLS):
@@ -70,7 +65,7 @@ def _mlp_calls_equal_eager(name: str, calls: int = CALLS, **options) -> None:
 
 def test_mlp_inference_partitions_replay_and_equal_eager_with_whole_graph_off():
     _mlp_calls_equal_eager("mlp", whole_graph=False)
-    parts = _partitions("mlp [")
+    parts = sc.graphed_pieces("mlp")
     _assert_replayed(parts)
     assert all(re.fullmatch(r"mlp \[\d+/\d+\] (inference|forward)/partition \d+ of \d+", n) for n in parts), parts
     text = cgraw.report()
@@ -86,7 +81,7 @@ def _kernels(names) -> list[str]:
 
 def test_recorded_partitions_hold_triton_kernels():
     _mlp_calls_equal_eager("kern", 3)
-    names = _kernels(set(_partitions("kern [")))
+    names = _kernels(set(sc.graphed_pieces("kern")))
     assert any("triton" in k for k in names), names  # Inductor's fused bias + activation kernels
     assert not any("at6native" in k or "at::native" in k for k in names), names  # no eager ATen elementwise
 
@@ -145,7 +140,7 @@ def test_a_cut_in_the_middle_leaves_both_sides_graphed(kind, whole):
         for _ in range(CALLS):
             x = trand(16, 64)
             torch.testing.assert_close(c(x), m(x), **TOL)
-    parts = _partitions(f"{name} [")
+    parts = sc.graphed_pieces(f"{name}")
     for frame_parts, calls in _last_compiles(parts):
         _assert_replayed(frame_parts, calls)
     if kind == "unsafe_op":  # one dynamo graph cut by Inductor around the op: two pieces, never one whole graph
@@ -177,11 +172,11 @@ def test_training_step_graphs_forward_and_backward():
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-3, atol=1e-5)
         for p, q in zip(m.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-3, atol=1e-4)
-    parts = _partitions("train [")
+    parts = sc.graphed_pieces("train")
     _assert_replayed(parts)
     assert any(" forward/partition" in n for n in parts), parts
     assert any(" backward/partition" in n for n in parts), parts
-    assert not _whole("train ["), parts  # a training graph keeps its partitions
+    assert not _whole("train"), parts  # a training graph keeps its partitions
 
 
 def test_gradient_accumulation_equals_eager_and_its_second_forward_runs_as_compiled():
@@ -204,7 +199,7 @@ def test_gradient_accumulation_equals_eager_and_its_second_forward_runs_as_compi
         for g, r in zip(*grads, strict=True):
             torch.testing.assert_close(g, r, rtol=1e-3, atol=1e-5)
     assert "runs as Inductor compiled it, without graphs, until a backward runs" in cgraw.report()
-    parts = _partitions("accum [")
+    parts = sc.graphed_pieces("accum")
     assert any(" backward/partition" in n and s.replays >= 1 for n, s in parts.items()), parts
 
 
@@ -216,9 +211,9 @@ def test_dynamic_batch_records_per_shape():
             x = trand(8 if i % 2 else 16, 64)
             torch._dynamo.mark_dynamic(x, 0)
             torch.testing.assert_close(c(x), m(x), **TOL)
-    parts = _partitions("dyn [")
+    parts = sc.graphed_pieces("dyn")
     # dynamic sizes, under whole_graph too: partitions, which take the sizes as arguments
-    assert parts and not _whole("dyn ["), parts
+    assert parts and not _whole("dyn"), parts
     for name, s in parts.items():
         assert s.eager_calls == 0 and not s.skip_reasons, (name, s.skip_reasons)
         assert s.recordings >= 2 and s.replays >= 1, (name, s)  # one recording per batch size
@@ -244,7 +239,7 @@ def test_cupy_through_dlpack_inside_the_compiled_model():
         for _ in range(CALLS):
             x = trand(16, 64)
             torch.testing.assert_close(c(x), m(x), **TOL)
-    _assert_replayed(_partitions("cupy ["))
+    _assert_replayed(sc.graphed_pieces("cupy"))
 
 
 def test_default_compile_in_the_same_process_is_untouched():
@@ -312,7 +307,7 @@ def test_conv_batchnorm_training_step_equals_eager(layout):
             o.step()
         for p, q in zip(m.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-3, atol=1e-3)
-    parts = _partitions(f"cnn_{layout} [")
+    parts = sc.graphed_pieces(f"cnn_{layout}")
     _assert_replayed(parts)
     assert any(" backward/partition" in n for n in parts), parts
 
@@ -337,7 +332,7 @@ def test_gradient_accumulation_after_a_recompile_equals_eager():
                 grads.append([p.grad.clone() for p in model.parameters()])
             for g, r in zip(*grads, strict=True):
                 torch.testing.assert_close(g, r, rtol=1e-3, atol=1e-5)
-        parts = _partitions(f"again{attempt} [")
+        parts = sc.graphed_pieces(f"again{attempt}")
         assert any(" forward/partition" in n for n in parts), parts
         assert any(" backward/partition" in n for n in parts), parts
 
@@ -389,7 +384,7 @@ def test_a_decode_loop_fed_its_own_token_replays_every_step():
     replays (a call fed its previous output ran eagerly whenever it wrote any input)."""
     m, ref = _decode_against_eager("decode", False)
     torch.testing.assert_close(m.k_cache, ref.k_cache, **TOL)
-    _assert_replayed(_partitions("decode ["), DECODE_STEPS)
+    _assert_replayed(sc.graphed_pieces("decode"), DECODE_STEPS)
 
 
 def _buffer_steps_against_eager(cls, name: str, buffer: str, **options) -> dict:
@@ -405,7 +400,7 @@ def _buffer_steps_against_eager(cls, name: str, buffer: str, **options) -> dict:
             x = trand(16, 64)
             torch.testing.assert_close(c(x), ref(x), **TOL)
             torch.testing.assert_close(getattr(m, buffer), getattr(ref, buffer), **TOL)
-    return _partitions(f"{name} [")
+    return sc.graphed_pieces(f"{name}")
 
 
 @pytest.mark.parametrize("whole", [True, False])
@@ -498,16 +493,15 @@ def test_an_input_written_in_place_at_an_unaligned_offset_equals_eager(partition
 
 def _whole(prefix: str) -> dict:
     """``{name: FunctionStats}`` of the compiled code named ``prefix`` graphed as a whole."""
-    mgr = graphed_mod._managers[0]
-    return {s.name: s for s in mgr.stats.values() if s.name.startswith(prefix) and s.name.endswith("/whole graph")}
+    return {n: s for n, s in sc.graphed_pieces(prefix).items() if n.endswith("/whole graph")}
 
 
 def test_an_inference_graph_of_one_partition_replays_as_one_whole_graph_and_equals_eager():
     _mlp_calls_equal_eager("mlpw", whole_graph=True)
-    whole = _whole("mlpw [")
+    whole = _whole("mlpw")
     assert all(re.fullmatch(r"mlpw \[\d+/\d+\] inference/whole graph", n) for n in whole), whole
     _assert_replayed(whole)
-    assert _partitions("mlpw [") == whole, "the partition ran through the tree besides the whole graph\n" + _diagnosis()
+    assert sc.graphed_pieces("mlpw") == whole, "the partition ran through the tree besides the whole graph\n" + _diagnosis()
 
 
 def test_a_decode_loop_writing_its_cache_in_place_replays_whole_and_equals_eager():
@@ -516,4 +510,4 @@ def test_a_decode_loop_writing_its_cache_in_place_replays_whole_and_equals_eager
     m, ref = _decode_against_eager("decodew", True)
     torch.testing.assert_close(m.k_cache, ref.k_cache, **TOL)
     torch.testing.assert_close(m.v_cache, ref.v_cache, **TOL)
-    _assert_replayed(_whole("decodew ["), DECODE_STEPS)
+    _assert_replayed(_whole("decodew"), DECODE_STEPS)

@@ -16,6 +16,8 @@ import pytest
 pytestmark = [pytest.mark.gpu, pytest.mark.third_party, pytest.mark.usefixtures("fresh_trees", "fresh_dynamo")]
 torch = pytest.importorskip("torch")
 
+import compile_scenarios as sc  # noqa: E402
+
 models = importlib.import_module("benchmarks.models")
 graphed_mod = importlib.import_module("cgraw.trees.graphed")
 
@@ -27,15 +29,8 @@ def _compile(fn, name: str, whole: bool):
     return torch.compile(fn, backend="cgraw", dynamic=False, options={"name": name, "whole_graph": whole})
 
 
-def _pieces(prefix: str) -> dict:
-    """``{name: FunctionStats}`` of the graphed pieces of the compiled code named ``prefix``."""
-    mgr = graphed_mod._managers[0]
-    return {s.name: s for s in mgr.stats.values() if s.name.startswith(prefix + " [")
-            and ("/partition " in s.name or s.name.endswith("/whole graph"))}
-
-
 def _assert_replayed(prefix: str, whole: bool, replays: int) -> dict:
-    pieces = _pieces(prefix)
+    pieces = sc.graphed_pieces(prefix)
     report = graphed_mod.report(file=io.StringIO())
     assert pieces, f"no graphed piece of {prefix}\n{report}"
     for name, s in pieces.items():
@@ -78,9 +73,10 @@ def test_a_resnet18_training_step_compiled_with_the_backend_equals_inductors():
     graphs (Inductor's training numerics differ from eager's by more than the graphs', which
     ``benchmarks/models.py`` measured: 0.0076 in a gradient)."""
     wl = models._build("resnet18_train")
-    # cuDNN's deterministic algorithms in full precision for both: with cuDNN's defaults (TF32, an
-    # algorithm chosen per call, which a recording and the reference's calls may choose apart) the
-    # first convolution's weights differed by up to 6e-4 after a step on an H200, the loss equal
+    # cuDNN's deterministic algorithms for both (TF32 stays off, as ``fresh_dynamo`` set it; the
+    # flags would otherwise turn it on): with cuDNN free to choose (an algorithm per call, which a
+    # recording and the reference's calls may choose apart, some with atomics) the first
+    # convolution's weights differed by up to 6e-4 after a step on an H200, the loss equal
     with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True, allow_tf32=False):
         step = wl.new_step(lambda m: _compile(m, "resnet_train", True), set_to_none=True)
         ref = wl.new_step(lambda m: torch.compile(m, dynamic=False), set_to_none=True)

@@ -45,11 +45,18 @@ class Env:
 
     def partitions(self, prefix: str) -> dict:
         """The graphed pieces of ``prefix``: its partitions, and its inference graphs graphed whole."""
-        mgr = graphed_mod.tree_here(0)
-        if mgr is None:
-            return {}
-        return {s.name: s for s in mgr.stats.values() if s.name.startswith(prefix + " [")
-                and ("/partition " in s.name or s.name.endswith("/whole graph"))}
+        return graphed_pieces(prefix)
+
+
+def graphed_pieces(prefix: str) -> dict:
+    """``{name: FunctionStats}`` of the graphed pieces of the compiled code named ``prefix`` (names
+    ``<prefix> [frame/compile] ...``) in the calling thread's tree on device 0: its partitions, and
+    its inference graphs graphed whole."""
+    mgr = graphed_mod.tree_here(0)
+    if mgr is None:
+        return {}
+    return {s.name: s for s in mgr.stats.values() if s.name.startswith(prefix + " [")
+            and ("/partition " in s.name or s.name.endswith("/whole graph"))}
 
 
 def replayed(env: Env, prefix: str, *, at_least: int = 1) -> dict:
