@@ -440,12 +440,15 @@ def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(monkeypatch,
     assert s.rerecords == 0, (s.rerecord_reasons, _diagnosis())
 
 
-def test_a_buffer_in_the_pool_that_the_graph_writes_in_place_runs_as_compiled_with_the_reason():
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_buffer_in_the_pool_that_the_graph_writes_in_place_equals_eager(whole):
     """A module buffer that the graph both writes in place and assigns a new tensor: from the
-    second call on it holds the piece's output (the tree's pool), and its copy out of the pool
-    would take the graph's write instead of the buffer. The recording refuses the piece, which
-    runs as Inductor compiled it, with the reason in ``report()``; every output and the buffer
-    equal eager's."""
+    second call on it holds the graph's output (the tree's pool). Graphed whole (the default) the
+    call stages the buffer into the recording's copy and copies the graph's write back into it
+    after the replay, so the piece replays. By partitions, a partition's copy out of the pool would
+    take the graph's write instead of the buffer: the recording refuses the piece, which runs as
+    Inductor compiled it, with the reason in ``report()``. Every output and the buffer equal
+    eager's either way."""
 
     class Decay(torch.nn.Module):
         def __init__(self):
@@ -459,9 +462,13 @@ def test_a_buffer_in_the_pool_that_the_graph_writes_in_place_runs_as_compiled_wi
             self.acc = self.acc + y.mean(0)  # and assigned the piece's output
             return y
 
-    parts = _buffer_steps_against_eager(Decay, "decay", "acc")
-    reasons = [r for s in parts.values() for r in s.skip_reasons]
-    assert any("which it writes in place" in r for r in reasons), (reasons, _diagnosis())
+    parts = _buffer_steps_against_eager(Decay, f"decay{int(whole)}", "acc", whole_graph=whole)
+    if whole:
+        assert list(parts) == [f"decay{int(whole)} [0/0] inference/whole graph"], parts
+        _assert_replayed(parts)
+    else:
+        reasons = [r for s in parts.values() for r in s.skip_reasons]
+        assert any("which it writes in place" in r for r in reasons), (reasons, _diagnosis())
 
 
 @pytest.mark.parametrize("partitions", ["all", "none"])

@@ -20,7 +20,8 @@ host's own time per token, which a system bound by its kernels hides in the firs
 ``--split SYSTEM`` times the parts of cgraw's call in three decodes of SYSTEM, the GPU held behind:
 each part's inclusive time per token (``Split``: a ``perf_counter_ns`` wrapper around the callable,
 whose own cost per wrapped call is printed beside), so the host's time per token divides into
-dynamo's and the rest, cgraw's call, its classification, replay, launch, staging copies and outputs.
+dynamo's and the rest, cgraw's call, its classification, replay (its staleness check, the nodes
+re-pointed at moved inputs, staging copies, launch and outputs).
 
 From the repository root, on a GPU: ``python3 -m tools.probes.whole_graph_probe [--rounds 7]
 [--profile cgraw_backend] [--split cgraw_backend]``.
@@ -39,8 +40,14 @@ SPLIT_PARTS = (
     ("  manager call", "cgraw.trees.manager", "TreeManager._call"),
     ("    classify and key", "cgraw.trees.calls", "_inspect_guarded"),
     ("    replay", "cgraw.trees.recording", "Recording.replay"),
-    ("      launch", "cgraw.trees.recording", "_launch"),
+    ("      stale check", "cgraw.trees.recording", "Recording.stale"),
+    ("      copy node re-point", "cgraw._cuda.graphs", "MemcpyNodeSetter.__call__"),
+    ("      input re-point", "cgraw.trees.recording", "InputRebind.patch"),
+    ("      staged buffer", "cgraw.trees.recording", "InputRebind.staging"),
+    ("      context check", "cgraw._cuda", "ctx_get_current"),
     ("      staging copy", "cgraw._cuda", "memcpy_dtod_async"),
+    ("      copies back", "cgraw.trees.cuda_backend", "_copy_on"),
+    ("      launch", "cgraw.trees.recording", "_launch"),
     ("      outputs", "cgraw.trees.recording", "Recording._outputs"),
 )
 
