@@ -46,7 +46,7 @@ __all__ = ["EAGER", "GRAD", "GUARDED", "REQUIRES_GRAD", "SHARED", "STATIC", "TRE
 _static_ids: dict[int, object] = {}  # id(array) -> weakref, filled by mark_static
 _tensor = [NoType, NoType]  # [torch.Tensor, torch.nn.Parameter] once torch is loaded: the exact-type fast path
 _grad_mode: list = [None]  # [a probe: does autograd record now?] (torch.is_grad_enabled), or [None]
-_call = operator.call
+_call = getattr(operator, "call", None) or operator.methodcaller("__call__")  # operator.call: Python 3.11+
 _kernel: list = [None, ()]  # [interop.torch.kernel_state.KernelState, its getters of every group], or [None, ()]
 
 

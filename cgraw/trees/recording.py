@@ -419,7 +419,7 @@ class Recording:
         return outs
 
 
-_call = operator.call
+_call = getattr(operator, "call", None) or operator.methodcaller("__call__")  # operator.call: Python 3.11+
 
 
 def repeated_leaves(leaves) -> tuple:

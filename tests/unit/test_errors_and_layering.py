@@ -65,6 +65,25 @@ def test_import_makes_no_driver_call():
     assert out.stdout.strip() == "ok"
 
 
+def test_cgraw_imports_and_calls_without_operator_call_as_on_python_3_10():
+    """``operator.call`` is Python 3.11's; cgraw supports 3.10. With it removed before the import,
+    the modules that call bound methods in C loops import and call them alike."""
+    code = (
+        "import operator\n"
+        "del operator.call\n"
+        "import importlib\n"
+        "mods = ['cgraw.trees.calls', 'cgraw.trees.recording', 'cgraw.interop.torch.kernel_state']\n"
+        "for name in mods:\n"
+        "    f = importlib.import_module(name)._call\n"
+        "    assert f is not getattr(operator, 'call', None) and f([3, 1, 2].copy) == [3, 1, 2], name\n"
+        "    assert list(map(f, [(7).__neg__, 'ab'.upper])) == [-7, 'AB'], name\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
 def test_first_use_without_driver_gives_one_clear_error():
     ok, reason = _cuda.driver_available()
     if ok:

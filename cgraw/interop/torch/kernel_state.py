@@ -144,7 +144,7 @@ def _guard_sees_changes(torch, guard_cls) -> bool:
         return False
 
 
-_call = operator.call
+_call = getattr(operator, "call", None) or operator.methodcaller("__call__")  # operator.call: Python 3.11+
 _state: list = [None]
 
 
