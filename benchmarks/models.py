@@ -24,7 +24,8 @@ systems are timed in turns (``METHOD["interleaving"]``); a compile is capped in 
 (``--compile-cap``). Every system is checked against eager before it is timed (``Report.check``);
 one that differs or fails is recorded under ``failed_checks``, with the reason in its row, and is
 not timed. ``python3 -m benchmarks.models [--quick]`` writes ``benchmarks/results/models.json``
-(``models_quick.json`` with ``--quick``); ``METHOD`` below is saved with it.
+(``models_quick.json`` with ``--quick``) after every workload (``complete`` false, and ``not_run``
+the pairs left, until the last one); ``METHOD`` below is saved with it.
 """
 
 from __future__ import annotations
@@ -907,11 +908,12 @@ def _take_turns(kids: list, cap_s: float) -> None:
         order.reverse()
 
 
-def _children(rep: Report, rows: dict, pairs: list, args) -> None:
+def _children(rep: Report, rows: dict, pairs: list, args, finished=None) -> None:
     """Each (workload, system) of ``pairs`` in a child process, workload by workload: the systems
     that compile nothing start together, the compiled ones ``--compile-jobs`` at a time, each with
     empty Inductor and Triton caches; then the workload's children take turns at their bursts and
-    close before the next workload's start."""
+    close before the next workload's start. ``finished(workload)`` is called after each workload's
+    rows are added."""
     jobs = max(1, args.compile_jobs or 1)
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -949,6 +951,8 @@ def _children(rep: Report, rows: dict, pairs: list, args) -> None:
             for kid in kids:  # eager first: the others' speedups are over its figures
                 _add(rep, rows, kid.row(jobs if kid.system in COMPILED else len(plain)))
             print(f"[models] {workload}: {time.perf_counter() - t0:.1f} s", flush=True)
+            if finished is not None:
+                finished(workload)
 
 
 def _child_main(args) -> int:
@@ -1131,19 +1135,29 @@ def main(argv=None) -> int:
 
     rows: dict = {}
     pairs = [(n, s) for n in names for s in systems]
-    if pairs:
-        _children(rep, rows, pairs, args)
+    out = args.out or os.path.join(RESULTS_DIR, "models_quick.json" if args.quick else "models.json")
 
-    summary = {name: _summary(by_system) for name, by_system in rows.items()}
-    for name, s in summary.items():
+    def save(done: list) -> str:
+        """The JSON of the workloads ``done`` so far; ``not_run`` lists the pairs of the others
+        (a run stopped before its end keeps what it measured, ``complete`` false)."""
+        summary = {name: _summary(by_system) for name, by_system in rows.items()}
+        not_run = [f"{n}/{s}" for n, s in pairs if n not in done]
+        return rep.save({"method": METHOD, "summary": summary, "total_s": time.perf_counter() - t_start,
+                         "complete": not not_run, "not_run": not_run,
+                         "options": {"quick": args.quick, "device": DEVICE, "workloads": names, "systems": systems,
+                                     "compile_cap_s": args.compile_cap, "compile_jobs": args.compile_jobs,
+                                     "loops": QUICK_LOOPS if args.quick else LOOPS}}, path=out)
+
+    done: list = []
+    if pairs:
+        _children(rep, rows, pairs, args, finished=lambda w: (done.append(w), save(done)))
+
+    for name, by_system in rows.items():
+        s = _summary(by_system)
         known = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in s.items() if v is not None)
         print(f"[models] summary {name}: {known or 'no ratio (systems missing or not checked)'}", flush=True)
     total_s = time.perf_counter() - t_start
-    out = args.out or os.path.join(RESULTS_DIR, "models_quick.json" if args.quick else "models.json")
-    path = rep.save({"method": METHOD, "summary": summary, "total_s": total_s,
-                     "options": {"quick": args.quick, "device": DEVICE, "workloads": names, "systems": systems,
-                                 "compile_cap_s": args.compile_cap, "compile_jobs": args.compile_jobs,
-                                 "loops": QUICK_LOOPS if args.quick else LOOPS}}, path=out)
+    path = save(names)
     print(f"results: {path}")
     print(f"[models] total {total_s:.1f} s", flush=True)
     return 0

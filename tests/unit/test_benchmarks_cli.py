@@ -508,7 +508,9 @@ def test_each_system_runs_in_a_child_with_cold_caches_and_a_workloads_systems_ta
     monkeypatch.setattr(models, "_add", lambda rep, rows, row: added.append(row))
     args = models._parse(["--quick"])
     pairs = [("wa", "eager"), ("wa", "reduce_overhead"), ("wa", "cgraw_backend"), ("wb", "eager")]
-    models._children(None, {}, pairs, args)
+    finished = []
+    models._children(None, {}, pairs, args, finished=lambda w: finished.append((w, len(added))))
+    assert finished == [("wa", 3), ("wb", 4)]  # after each workload's rows are added
 
     lines = [ln.split() for ln in log.read_text().splitlines()]
     events = [(name, what) for name, what, _ in lines]
@@ -525,6 +527,42 @@ def test_each_system_runs_in_a_child_with_cold_caches_and_a_workloads_systems_ta
     assert [(r["workload"], r["system"], r.get("host_us"), r["compile_concurrency"]) for r in added] == [
         ("wa", "eager", 1.0, 1), ("wa", "reduce_overhead", 1.0, 1), ("wa", "cgraw_backend", 1.0, 1),
         ("wb", "eager", 1.0, 1)]
+
+
+def test_a_models_run_stopped_early_keeps_the_workloads_it_finished(tmp_path, monkeypatch):
+    """``benchmarks.models`` saves its JSON after every workload: a run stopped during its second
+    workload keeps the first one's rows and ratios, marked incomplete, with the pairs it did not
+    run; a run to its end is complete."""
+    pytest.importorskip("torch")
+    from benchmarks import models
+
+    monkeypatch.setattr(models, "WORKLOADS", {"wa": ("json", "forward"), "wb": ("json", "forward")})
+    stop_at = ["wb"]
+
+    def children(rep, rows, pairs, args, finished=None):
+        for w in dict.fromkeys(w for w, _ in pairs):
+            if w in stop_at:
+                raise KeyboardInterrupt  # the run is stopped here
+            for s in (s for pw, s in pairs if pw == w):
+                models._add(rep, rows, {"workload": w, "system": s, "check": "reference" if s == "eager" else "ok",
+                                        "host_us": 4.0 if s == "eager" else 2.0, "device_us": 4.0 if s == "eager" else 2.0})
+            finished(w)
+
+    monkeypatch.setattr(models, "_children", children)
+    out = tmp_path / "models.json"
+    argv = ["--device", "cpu", "--only", "wa,wb", "--out", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        models.main(argv)
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is False and doc["not_run"] == ["wb/eager", "wb/reduce_overhead"]
+    assert [(r["workload"], r["system"], r["host_us"]) for r in doc["rows"]] == [("wa", "eager", 4.0),
+                                                                               ("wa", "reduce_overhead", 2.0)]
+    assert list(doc["summary"]) == ["wa"] and doc["rows"][1]["speedup_host"] == 2.0
+
+    stop_at.clear()
+    models.main(argv)
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is True and doc["not_run"] == [] and len(doc["rows"]) == 4
 
 
 def test_a_memory_run_stopped_early_keeps_what_it_measured(tmp_path, monkeypatch):
