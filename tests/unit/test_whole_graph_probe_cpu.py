@@ -45,3 +45,16 @@ def test_split_parts_name_callables_that_exist():
         for name in attr.split("."):
             owner = getattr(owner, name)
         assert callable(owner), (module, attr)
+
+
+def test_the_train_step_split_keeps_the_parts_that_exist_and_names_the_others():
+    """``train_step_probe --split`` times what this torch and cgraw have: every cgraw part of
+    ``STEP_PARTS`` exists; a part whose module or attribute is missing is named, not timed."""
+    from tools.probes import train_step_probe as tp
+
+    extra = (("no attribute", "cgraw.trees.graphed", "NoSuch.call"), ("no module", "cgraw.no_such_module", "f"))
+    have, missing = tp.present(tp.STEP_PARTS + extra)
+    assert missing[-2:] == ["no attribute", "no module"]
+    cgraw_parts = [p for p in tp.STEP_PARTS if p[1].startswith("cgraw.")]
+    assert cgraw_parts and all(p in have for p in cgraw_parts)
+    assert set(missing[:-2]) <= {label.strip() for label, module, _ in tp.STEP_PARTS if module.startswith("torch.")}

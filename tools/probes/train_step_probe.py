@@ -9,12 +9,16 @@ gradients set to None) and warm up; then, per system:
   step, and the names whose device time differs most between the systems;
 - **host**: ten steps timed while a long sleep kernel holds the GPU behind, so that no step waits
   for the device: the host's own time per step, three rounds in turns;
-- **syncs**: whether a step synchronises with the device (``torch.cuda.set_sync_debug_mode``).
+- **syncs**: whether a step synchronises with the device (``torch.cuda.set_sync_debug_mode``);
+- **split** (``--split``): ten steps per system, the GPU held behind, with the inclusive host time
+  per step of Inductor's compiled forward and backward (``CompiledFxGraph.__call__``: each system's
+  graph runtime inside), of torch's trees' call (``CUDAGraphTreeManager.run``) and of the parts of
+  cgraw's call (``whole_graph_probe.Split``; a part torch or cgraw lacks is left out, said so).
 
 A step whose host time exceeds its kernels' device time is bound by the host, and the system
 with the cheaper host path is faster however alike their kernels are.
 
-From the repository root, on a GPU: ``python3 -m tools.probes.train_step_probe``.
+From the repository root, on a GPU: ``python3 -m tools.probes.train_step_probe [--split]``.
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ def syncs(step, steps: int = 3) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m tools.probes.train_step_probe", description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3, help="rounds of host timing, the systems in turns")
+    ap.add_argument("--split", action="store_true", help="also time the parts of each system's step")
     args = ap.parse_args(argv)
     import torch
 
@@ -121,7 +126,58 @@ def main(argv=None) -> int:
         order.reverse()
     for name, ts in times.items():
         print(f"{name}: host {min(ts):.0f}-{max(ts):.0f} us per step with the GPU held behind")
+    if args.split:
+        for name, step in systems.items():
+            split_step(name, step)
     return 0
+
+
+# (label, module, attribute) timed by --split, nested as the labels' indentation shows
+STEP_PARTS = (
+    ("Inductor's compiled code", "torch._inductor.output_code", "CompiledFxGraph.__call__"),
+    ("  torch's trees", "torch._inductor.cudagraph_trees", "CUDAGraphTreeManager.run"),
+    ("  cgraw's graphed call", "cgraw.trees.graphed", "GraphedFunction.__call__"),
+    ("    manager call", "cgraw.trees.manager", "TreeManager._call"),
+    ("      classify and key", "cgraw.trees.calls", "_inspect_guarded"),
+    ("      replay", "cgraw.trees.recording", "Recording.replay"),
+    ("        launch", "cgraw.trees.recording", "_launch"),
+    ("        outputs", "cgraw.trees.recording", "Recording._outputs"),
+    ("      with backward", "cgraw.trees.manager", "TreeManager._with_backward"),
+)
+
+
+def present(parts) -> tuple[list, list]:
+    """``(parts whose callable exists, labels of those that do not)``."""
+    import importlib
+
+    have, missing = [], []
+    for label, module, attr in parts:
+        try:
+            owner = importlib.import_module(module)
+            for name in attr.split("."):
+                owner = getattr(owner, name)
+            have.append((label, module, attr))
+        except (ImportError, AttributeError):
+            missing.append(label.strip())
+    return have, missing
+
+
+def split_step(name: str, step, steps: int = 10) -> None:
+    """Print the inclusive host time per step of each part of ``STEP_PARTS`` over ``steps`` steps,
+    the GPU held behind."""
+    import torch
+
+    from tools.probes.whole_graph_probe import Split
+
+    parts, missing = present(STEP_PARTS)
+    with Split(parts) as split:
+        us = host_us(step, steps)
+    print(f"split {name}: {us:.0f} us per step, host alone, with the wrappers "
+          f"({split.overhead_ns / 1e3:.2f} us per wrapped call)" + (f"; not in this torch: {missing}" if missing else ""))
+    for label, _, _ in parts:
+        if split.calls[label]:
+            print(f"  {label:28s} {split.ns[label] / steps / 1e3:9.1f} us per step, {split.calls[label] / steps:.1f} calls")
+    torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
