@@ -52,6 +52,14 @@ def test_unknown_code_still_named():
     assert "123456" in e.name and e.call == "cuFoo"
 
 
+def _python(code: str, timeout: int = 120) -> str:
+    """Run ``code`` in a fresh interpreter from the repository root: its stripped output, once it
+    exits with status 0."""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
 def test_import_makes_no_driver_call():
     code = (
         "import sys, cgraw, allocator\n"
@@ -60,9 +68,7 @@ def test_import_makes_no_driver_call():
         "assert 'torch' not in sys.modules and 'cupy' not in sys.modules\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    assert _python(code) == "ok"
 
 
 def test_cgraw_imports_and_calls_without_operator_call_as_on_python_3_10():
@@ -79,9 +85,7 @@ def test_cgraw_imports_and_calls_without_operator_call_as_on_python_3_10():
         "    assert list(map(f, [(7).__neg__, 'ab'.upper])) == [-7, 'AB'], name\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    assert _python(code) == "ok"
 
 
 def test_first_use_without_driver_gives_one_clear_error():
@@ -100,8 +104,7 @@ def test_allocator_imports_alone():
     # cuda-bindings 12.9's .pth file imports the ``cuda`` namespace at start-up: only new modules count
     code = ("import sys\nbefore = set(sys.modules)\nimport allocator\n"
             "assert not any(m == 'cgraw' or m.startswith('cuda') for m in set(sys.modules) - before)\nprint('ok')")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    assert _python(code, timeout=60) == "ok"
 
 
 # The one-way stack: a module may import only from its own or lower layers.

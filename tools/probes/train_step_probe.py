@@ -28,6 +28,8 @@ import collections
 import time
 import warnings
 
+from tools.probes.whole_graph_probe import SPLIT_PARTS, Split
+
 
 def _systems():
     import torch
@@ -132,16 +134,12 @@ def main(argv=None) -> int:
     return 0
 
 
-# (label, module, attribute) timed by --split, nested as the labels' indentation shows
+# (label, module, attribute) timed by --split, nested as the labels' indentation shows: Inductor's
+# compiled forward and backward, inside them torch's trees' call or cgraw's (whole_graph_probe's parts)
 STEP_PARTS = (
     ("Inductor's compiled code", "torch._inductor.output_code", "CompiledFxGraph.__call__"),
     ("  torch's trees", "torch._inductor.cudagraph_trees", "CUDAGraphTreeManager.run"),
-    ("  cgraw's graphed call", "cgraw.trees.graphed", "GraphedFunction.__call__"),
-    ("    manager call", "cgraw.trees.manager", "TreeManager._call"),
-    ("      classify and key", "cgraw.trees.calls", "_inspect_guarded"),
-    ("      replay", "cgraw.trees.recording", "Recording.replay"),
-    ("        launch", "cgraw.trees.recording", "_launch"),
-    ("        outputs", "cgraw.trees.recording", "Recording._outputs"),
+    *(("  " + label, module, attr) for label, module, attr in SPLIT_PARTS),
     ("      with backward", "cgraw.trees.manager", "TreeManager._with_backward"),
 )
 
@@ -166,8 +164,6 @@ def split_step(name: str, step, steps: int = 10) -> None:
     """Print the inclusive host time per step of each part of ``STEP_PARTS`` over ``steps`` steps,
     the GPU held behind."""
     import torch
-
-    from tools.probes.whole_graph_probe import Split
 
     parts, missing = present(STEP_PARTS)
     with Split(parts) as split:
