@@ -140,7 +140,7 @@ def test_a_cut_in_the_middle_leaves_both_sides_graphed(kind, whole):
         for _ in range(CALLS):
             x = trand(16, 64)
             torch.testing.assert_close(c(x), m(x), **TOL)
-    parts = sc.graphed_pieces(f"{name}")
+    parts = sc.graphed_pieces(name)
     for frame_parts, calls in _last_compiles(parts):
         _assert_replayed(frame_parts, calls)
     if kind == "unsafe_op":  # one dynamo graph cut by Inductor around the op: two pieces, never one whole graph
@@ -400,7 +400,7 @@ def _buffer_steps_against_eager(cls, name: str, buffer: str, **options) -> dict:
             x = trand(16, 64)
             torch.testing.assert_close(c(x), ref(x), **TOL)
             torch.testing.assert_close(getattr(m, buffer), getattr(ref, buffer), **TOL)
-    return sc.graphed_pieces(f"{name}")
+    return sc.graphed_pieces(name)
 
 
 @pytest.mark.parametrize("whole", [True, False])

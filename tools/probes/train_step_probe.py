@@ -169,7 +169,7 @@ def split_step(name: str, step, steps: int = 10) -> None:
     with Split(parts) as split:
         us = host_us(step, steps)
     print(f"split {name}: {us:.0f} us per step, host alone, with the wrappers "
-          f"({split.overhead_ns / 1e3:.2f} us per wrapped call)" + (f"; not in this torch: {missing}" if missing else ""))
+          f"({split.overhead_ns / 1e3:.2f} us per wrapped call)" + (f"; not here, left out: {missing}" if missing else ""))
     for label, _, _ in parts:
         if split.calls[label]:
             print(f"  {label:28s} {split.ns[label] / steps / 1e3:9.1f} us per step, {split.calls[label] / steps:.1f} calls")

@@ -288,5 +288,6 @@ def _split(call, wl, cache) -> None:
     for label in ns:
         print(f"  {label:24s} {ns[label] / tokens / 1e3:8.2f} us per token, {calls[label] / tokens:.2f} calls")
 
+
 if __name__ == "__main__":
     raise SystemExit(main())
