@@ -58,3 +58,29 @@ def test_the_train_step_split_keeps_the_parts_that_exist_and_names_the_others():
     cgraw_parts = [p for p in tp.STEP_PARTS if p[1].startswith("cgraw.")]
     assert cgraw_parts and all(p in have for p in cgraw_parts)
     assert set(missing[:-2]) <= {label.strip() for label, module, _ in tp.STEP_PARTS if module.startswith("torch.")}
+
+
+def test_the_split_wraps_every_present_part_and_puts_each_back_inherited_ones_included():
+    """``Split`` times a method a class inherits (the manager's ``_with_backward`` comes from its
+    autograd base) by the subclass's name, and on exit leaves every owner's attributes as they were."""
+    import importlib
+
+    from tools.probes import train_step_probe as tp
+
+    have, _ = tp.present(tp.STEP_PARTS)
+    assert ("      with backward", "cgraw.trees.manager", "TreeManager._with_backward") in have
+
+    def owner_and_name(module, attr):
+        owner = importlib.import_module(module)
+        *classes, name = attr.split(".")
+        for cls in classes:
+            owner = getattr(owner, cls)
+        return owner, name
+
+    before = [dict(vars(owner_and_name(m, a)[0])) for _, m, a in have]
+    with probe.Split(have) as split:
+        for (_, m, a), saved in zip(have, before):
+            owner, name = owner_and_name(m, a)
+            assert name in vars(owner) and vars(owner)[name] is not saved.get(name), (m, a)
+    assert [dict(vars(owner_and_name(m, a)[0])) for _, m, a in have] == before
+    assert set(split.ns) == {label for label, _, _ in have}

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import statistics
 import time
 
@@ -85,14 +86,18 @@ class Split:
             cls, _, name = attr.rpartition(".")
             if cls:
                 owner = getattr(owner, cls)
-            original = owner.__dict__[name] if cls else getattr(owner, name)
-            self._saved.append((owner, name, original))
+            # a class's own or inherited function, unbound; a module's function as it is
+            original = inspect.getattr_static(owner, name) if cls else getattr(owner, name)
+            self._saved.append((owner, name, original, not cls or name in owner.__dict__))
             setattr(owner, name, _timed(label, original, self.ns, self.calls))
         return self
 
     def __exit__(self, *exc):
-        for owner, name, original in reversed(self._saved):
-            setattr(owner, name, original)
+        for owner, name, original, own in reversed(self._saved):
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)  # inherited: the base's function shows through again
         self._saved.clear()
         return False
 
