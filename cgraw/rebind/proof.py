@@ -23,6 +23,12 @@ host's side of its generators (torch's offset, CuPy's ``_rk_seed``, the records'
 the generators move once. The proof holds ``rng.plan.STEP`` meanwhile, so no other thread's replay
 starts from a generator state that is put back.
 
+An input that was memory of the tree's pool when the graph was recorded (an earlier call's output
+fed back, as a decoded token is) keeps its copy without a proof: read in place, every replay would
+first stage it into a copy by a driver call of its own (the graph may write that memory), where
+its copy node, which runs before any other node of the graph, costs no driver call while the input
+stays at one address.
+
 Equal: the inputs are read in place from now on (``recording.InputRebind``) and their
 placeholders are freed. Different (a read the scan did not see, a non-deterministic kernel):
 the ranges are put back once more, the graph is restored as recorded and replayed with its
@@ -65,6 +71,10 @@ POINTER_TABLE = "it is read through a pointer table in device memory, which cgra
 MEMSET = "a memset node writes into it (cgraw re-points kernel arguments and 1-D copies only)"
 COPY_SHAPE = "a 2-D or 3-D copy node reads or writes it (cgraw re-points 1-D copies only)"
 TWO_INPUTS = "one copy node moves data between two eager inputs (cgraw re-points one end only)"
+FED_BACK = ("it was memory of the tree's pool when the graph was recorded (an earlier call's output fed "
+            "back, as a decoded token is): its copy node reads it before any node of the graph runs, with "
+            "no driver call while it stays at one address, where read in place it would be staged into a "
+            "copy by a driver call before every launch (the graph may write that memory)")
 
 _ALLOWED_TYPES = ("CU_GRAPH_NODE_TYPE_KERNEL", "CU_GRAPH_NODE_TYPE_MEMCPY", "CU_GRAPH_NODE_TYPE_MEMSET",
                   "CU_GRAPH_NODE_TYPE_EMPTY", "CU_GRAPH_NODE_TYPE_WAIT_EVENT",
@@ -96,11 +106,15 @@ class Pending:
         self.copy_nodes = copy_nodes  # leaf -> [InputCopy] (its copy in, and back when mutated)
 
 
-def plan(rec, g, call, placeholders: dict, config) -> None:
-    """Fill ``rec.input_notes`` and, when an input may be read in place, ``rec.proof``."""
+def plan(rec, g, call, placeholders: dict, config, fed_back=()) -> None:
+    """Fill ``rec.input_notes`` and, when an input may be read in place, ``rec.proof``. The leaves
+    ``fed_back`` were memory of the tree's pool at the recording: they keep their copies."""
     copies_in = [c for c in rec.copies if not c.back]
     notes = rec.input_notes = {c.leaf: None for c in copies_in}
-    if not notes:
+    for leaf in fed_back:
+        if leaf in notes:
+            notes[leaf] = FED_BACK
+    if not any(why is None for why in notes.values()):
         return
     if not config.rebind_inputs:
         _all(notes, OFF)

@@ -104,11 +104,11 @@ class CudaBackend(TorchAutograd):
             raise SkipCall("an eager input's .grad holds a gradient that a backward inside the function adds to")
         # An eager input in the tree's pool (h = f(h) across a new branch) may sit in blocks the restore
         # just freed, where this recording's placeholders can land: copy it out first (nothing wrote there)
-        for j, t in enumerate(leaves):
-            if kinds[j] == EAGER and in_pool(call.ptrs[j]):
-                clone = ops[j].clone_layout(t)
-                leaves[j] = clone
-                call.ptrs[j] = ops[j].ptr(clone)
+        fed_back = [j for j in range(len(leaves)) if kinds[j] == EAGER and in_pool(call.ptrs[j])]
+        for j in fed_back:
+            clone = ops[j].clone_layout(leaves[j])
+            leaves[j] = clone
+            call.ptrs[j] = ops[j].ptr(clone)
         rec = Recording(fn.name)
         cap = capture.for_tree(self.pool, self.device, warm_cublas=config.warm_cublas,
                                route="stream" if warm.runs_backward else "thread",
@@ -154,7 +154,7 @@ class CudaBackend(TorchAutograd):
                 h.clear()
             raise capture_failed(reason, private_api.dynamo_frames() != frames)
         try:
-            self._finish_recording(rec, g, call, placeholders, warm, out)
+            self._finish_recording(rec, g, call, placeholders, warm, out, fed_back)
         except BaseException as exc:
             g.close()
             if isinstance(exc, SkipCall):
@@ -179,7 +179,7 @@ class CudaBackend(TorchAutograd):
         rec.mode_epoch = warm.mode_epoch
         return rec
 
-    def _finish_recording(self, rec: Recording, g, call: Call, placeholders: dict, warm: Warm, out) -> None:
+    def _finish_recording(self, rec: Recording, g, call: Call, placeholders: dict, warm: Warm, out, fed_back) -> None:
         leaves, kinds, ops, mutated = call.leaves, call.kinds, call.ops, warm.mutated
         rec.graph = g
         rec.exec_, rec.ordinal = g.exec_handle(), g.device.ordinal
@@ -242,7 +242,7 @@ class CudaBackend(TorchAutograd):
         try:
             # a backward reads the placeholders the forward saved: copied inputs, only when one can run
             backward = call.grad and any(getattr(t, "requires_grad", False) for t in out_leaves)
-            rebind_proof.plan(rec, g, call, placeholders, NoRebind if backward else config)
+            rebind_proof.plan(rec, g, call, placeholders, NoRebind if backward else config, fed_back)
         except CudaError as exc:
             rec.proof = None
             rec.input_notes = {c.leaf: f"cgraw could not read the graph's nodes ({exc.call}: {exc.name})"

@@ -640,6 +640,29 @@ def test_input_is_the_previous_output_of_its_own_recording():
     _nodes(f.name, _report())  # the recording reports its input, whichever way it goes
 
 
+def test_an_input_fed_back_from_the_pool_keeps_its_copy_node_and_equals_eager():
+    """``h = f(h)``, ``f`` a root function (each call begins a step): from the recording on, ``h``
+    is the previous call's output, memory of the tree's pool that the graph writes. The input keeps its copy node (the
+    reason in the report), which runs before the graph's other nodes, so no replay stages it with
+    a driver copy of its own; every step equals eager."""
+    w = trand(64, 64) / 8.0
+
+    def step(h):
+        return torch.tanh(h @ w) + 0.5 * h
+
+    f = cgraw.graphed(step)
+    with full_fp32():
+        h = trand(16, 64)
+        ref = h.clone()
+        for i in range(12):
+            h, ref = f(h), step(ref)
+            torch.testing.assert_close(h, ref, rtol=1e-4, atol=1e-4, msg=lambda m, i=i: f"step {i}: {m}")
+    st = _stats(f)
+    assert not st.skip_reasons and st.eager_calls == 0 and st.replays >= 9, _report()
+    node = _assert_inputs(f, rebound=0, copied=1)
+    assert "fed back" in node.reasons[0], node.reasons
+
+
 _MISALIGNED_CHILD = r"""
 import io
 import sys

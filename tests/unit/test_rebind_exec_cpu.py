@@ -131,6 +131,28 @@ def test_plan_finds_words_per_input_and_shares_kernel_buffers(fake_graph):
     assert {PH_A + 64, 7, PH_B, PH_A, CALLER} <= p.values
 
 
+def test_plan_keeps_the_copy_of_an_input_fed_back_from_the_pool(fake_graph):
+    """An input that was memory of the tree's pool when the graph was recorded (an earlier call's
+    output fed back, as a decoded token is) keeps its copy node with the reason; the other input
+    read by as few nodes is still a candidate for reading in place. With nothing fed back both are."""
+    nodes = [
+        (MEMCPY, (PH_A, CALLER, 4096)),  # 0: input copy of leaf 0
+        (MEMCPY, (PH_B, CALLER + 0x10000, 4096)),  # 1: input copy of leaf 1
+        (KERNEL, [word(PH_A)]),  # 2: reads leaf 0
+        (KERNEL, [word(PH_B)]),  # 3: reads leaf 1
+    ]
+    for fed_back, want in (([0], [1]), ([], [0, 1])):
+        g = fake_graph(nodes)
+        rec, call = make_rec([copy_in(0, 0, PH_A), copy_in(1, 1, PH_B)])
+        rebind_proof.plan(rec, g, call, {0: "ph0", 1: "ph1"}, Config(), fed_back)
+        assert [r.leaf for r in rec.proof.rebinds] == want
+        assert rec.input_notes == {0: rebind_proof.FED_BACK if fed_back else None, 1: None}
+    g = fake_graph(nodes[:1] + nodes[2:3])  # the fed-back input alone: no proof to make
+    rec, call = make_rec([copy_in(0, 0, PH_A)])
+    rebind_proof.plan(rec, g, call, {0: "ph0"}, Config(), [0])
+    assert rec.proof is None and rec.input_notes == {0: rebind_proof.FED_BACK}
+
+
 def test_plan_decides_by_node_count_whatever_the_framework(fake_graph):
     """A small input read by three kernels keeps its copy (re-pointing costs more than updating
     it), whether its framework counts writes or not, with or without a copy back; with a margin
