@@ -8,12 +8,16 @@ gradients set to None) and warm up; then, per system:
 - **kernels**: ``torch.profiler`` over four steps: per kernel name, launches and device time per
   step, and the names whose device time differs most between the systems;
 - **host**: ten steps timed while a long sleep kernel holds the GPU behind, so that no step waits
-  for the device: the host's own time per step, three rounds in turns;
+  for the device, and ten steps each started on an idle GPU (a step of more launches than the
+  device's queue holds waits for room behind the sleep): the host's own time per step, three
+  rounds in turns;
 - **syncs**: whether a step synchronises with the device (``torch.cuda.set_sync_debug_mode``);
-- **split** (``--split``): ten steps per system, the GPU held behind, with the inclusive host time
-  per step of Inductor's compiled forward and backward (``CompiledFxGraph.__call__``: each system's
-  graph runtime inside), of torch's trees' call (``CUDAGraphTreeManager.run``) and of the parts of
-  cgraw's call (``whole_graph_probe.Split``; a part torch or cgraw lacks is left out, said so).
+- **split** (``--split``): ten steps per system, each from an idle GPU, with the inclusive host
+  time per step of the step's eager parts (``zero_grad``, the compiled model's call, ``backward()``,
+  SGD's step), of Inductor's compiled forward and backward (``CompiledFxGraph.__call__``: each
+  system's graph runtime inside), of torch's trees (``CUDAGraphTreeManager.run``, a node's run and
+  its graph's replay) and of the parts of cgraw's call (``whole_graph_probe.Split``; a part torch
+  or cgraw lacks is left out, said so).
 
 A step whose host time exceeds its kernels' device time is bound by the host, and the system
 with the cheaper host path is faster however alike their kernels are.
@@ -120,14 +124,16 @@ def main(argv=None) -> int:
     print(f"{'backend - RO us':>16}  kernel")
     for diff, k in rows[:12]:
         print(f"{diff:16.1f}  {k}")
-    times: dict = {name: [] for name in systems}
+    times: dict = {name: ([], []) for name in systems}
     order = list(systems)
     for _ in range(args.rounds):
         for name in order:
-            times[name].append(host_us(systems[name]))
+            times[name][0].append(host_us(systems[name]))
+            times[name][1].append(idle_us(systems[name]))
         order.reverse()
-    for name, ts in times.items():
-        print(f"{name}: host {min(ts):.0f}-{max(ts):.0f} us per step with the GPU held behind")
+    for name, (held, idle) in times.items():
+        print(f"{name}: host {min(held):.0f}-{max(held):.0f} us per step with the GPU held behind, "
+              f"{min(idle):.0f}-{max(idle):.0f} us from an idle GPU")
     if args.split:
         for name, step in systems.items():
             split_step(name, step)
@@ -137,8 +143,14 @@ def main(argv=None) -> int:
 # (label, module, attribute) timed by --split, nested as the labels' indentation shows: Inductor's
 # compiled forward and backward, inside them torch's trees' call or cgraw's (whole_graph_probe's parts)
 STEP_PARTS = (
+    ("zero_grad", "torch.optim.optimizer", "Optimizer.zero_grad"),
+    ("compiled model call", "torch._dynamo.eval_frame", "OptimizedModule.__call__"),
+    ("backward()", "torch.autograd", "backward"),
+    ("optimizer step", "torch.optim.sgd", "SGD.step"),
     ("Inductor's compiled code", "torch._inductor.output_code", "CompiledFxGraph.__call__"),
     ("  torch's trees", "torch._inductor.cudagraph_trees", "CUDAGraphTreeManager.run"),
+    ("  torch's node run", "torch._inductor.cudagraph_trees", "CUDAGraphNode.run"),
+    ("    torch's replay", "torch.cuda.graphs", "CUDAGraph.replay"),
     *(("  " + label, module, attr) for label, module, attr in SPLIT_PARTS),
     ("      with backward", "cgraw.trees.manager", "TreeManager._with_backward"),
 )
@@ -160,15 +172,31 @@ def present(parts) -> tuple[list, list]:
     return have, missing
 
 
+def idle_us(step, steps: int = 10) -> float:
+    """The host's time per step, each step started on an idle GPU (synchronized after it, not
+    timed): a step of more launches than the device's queue holds does not wait for room in it,
+    as it may behind ``host_us``' sleep kernel."""
+    import torch
+
+    total = 0
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        step()
+        total += time.perf_counter_ns() - t0
+    torch.cuda.synchronize()
+    return total / steps / 1e3
+
+
 def split_step(name: str, step, steps: int = 10) -> None:
     """Print the inclusive host time per step of each part of ``STEP_PARTS`` over ``steps`` steps,
-    the GPU held behind."""
+    each started on an idle GPU (``idle_us``)."""
     import torch
 
     parts, missing = present(STEP_PARTS)
     with Split(parts) as split:
-        us = host_us(step, steps)
-    print(f"split {name}: {us:.0f} us per step, host alone, with the wrappers "
+        us = idle_us(step, steps)
+    print(f"split {name}: {us:.0f} us per step, host alone from an idle GPU, with the wrappers "
           f"({split.overhead_ns / 1e3:.2f} us per wrapped call)" + (f"; not here, left out: {missing}" if missing else ""))
     for label, _, _ in parts:
         if split.calls[label]:
