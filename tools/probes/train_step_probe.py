@@ -140,8 +140,9 @@ def main(argv=None) -> int:
     return 0
 
 
-# (label, module, attribute) timed by --split, nested as the labels' indentation shows: Inductor's
-# compiled forward and backward, inside them torch's trees' call or cgraw's (whole_graph_probe's parts)
+# (label, module, attribute) timed by --split, nested as the labels' indentation shows: the step's
+# eager parts, then Inductor's compiled forward and backward (inside the compiled call and backward()),
+# inside them torch's trees or cgraw's call (whole_graph_probe's parts)
 STEP_PARTS = (
     ("zero_grad", "torch.optim.optimizer", "Optimizer.zero_grad"),
     ("compiled model call", "torch._dynamo.eval_frame", "OptimizedModule.__call__"),
