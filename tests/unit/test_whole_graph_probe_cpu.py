@@ -84,3 +84,38 @@ def test_the_split_wraps_every_present_part_and_puts_each_back_inherited_ones_in
             assert name in vars(owner) and vars(owner)[name] is not saved.get(name), (m, a)
     assert [dict(vars(owner_and_name(m, a)[0])) for _, m, a in have] == before
     assert set(split.ns) == {label for label, _, _ in have}
+
+
+def test_the_train_step_split_times_the_steps_eager_parts_and_the_probe_saves_its_record(tmp_path, monkeypatch):
+    """A training step's ``zero_grad``, ``backward()`` and SGD step are each timed once per step
+    (the split patches ``torch.autograd.backward``, which ``Tensor.backward`` calls, and the
+    optimizer classes); ``save`` writes the record with the run's environment to ``$OUT``."""
+    import json
+
+    import torch
+
+    from tools.probes import train_step_probe as tp
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)  # a CPU step: nothing to wait for
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(3, 4)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        opt.step()
+
+    split = tp.split_step("cpu", step, steps=4)
+    parts = split["parts"]
+    for label in ("zero_grad", "backward()", "optimizer step"):
+        assert parts[label][1] == 1.0 and parts[label][0] > 0, (label, parts)
+    assert "compiled model call" not in parts  # not called: not listed
+    assert split["step_us"] >= parts["backward()"][0]
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    path = tp.save({"cpu": {"split": split}})
+    doc = json.loads(open(path).read())
+    assert path == str(tmp_path / "train_step_probe.json")
+    assert doc["benchmark"] == "train_step_probe" and doc["environment"]["run_id"]
+    assert doc["systems"]["cpu"]["split"]["parts"]["zero_grad"][1] == 1.0

@@ -22,13 +22,17 @@ gradients set to None) and warm up; then, per system:
 A step whose host time exceeds its kernels' device time is bound by the host, and the system
 with the cheaper host path is faster however alike their kernels are.
 
-From the repository root, on a GPU: ``python3 -m tools.probes.train_step_probe [--split]``.
+From the repository root, on a GPU: ``python3 -m tools.probes.train_step_probe [--split]``; it
+writes what it prints to ``train_step_probe.json`` in ``$OUT`` (or the current directory), with
+the run's record (``benchmarks._harness.environment``).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
+import os
 import time
 import warnings
 
@@ -116,9 +120,13 @@ def main(argv=None) -> int:
         for step in systems.values():
             step()
     per = {name: kernels(step) for name, step in systems.items()}
+    record: dict = {name: {} for name in systems}
     for name, ks in per.items():
-        print(f"{name}: {sum(n for n, _ in ks.values()):.0f} kernels, {sum(us for _, us in ks.values()):.0f} us "
-              f"of kernel time per step; syncs per 3 steps: {len(syncs(systems[name]))}")
+        n_syncs = len(syncs(systems[name]))
+        record[name].update(kernels=round(sum(n for n, _ in ks.values())), kernel_us=sum(us for _, us in ks.values()),
+                            syncs_per_3_steps=n_syncs)
+        print(f"{name}: {record[name]['kernels']} kernels, {record[name]['kernel_us']:.0f} us "
+              f"of kernel time per step; syncs per 3 steps: {n_syncs}")
     a, b = per["reduce_overhead"], per["cgraw_backend"]
     rows = sorted(((b.get(k, (0, 0))[1] - a.get(k, (0, 0))[1], k) for k in set(a) | set(b)), key=lambda r: -abs(r[0]))
     print(f"{'backend - RO us':>16}  kernel")
@@ -132,12 +140,25 @@ def main(argv=None) -> int:
             times[name][1].append(idle_us(systems[name]))
         order.reverse()
     for name, (held, idle) in times.items():
+        record[name].update(host_held_us=held, host_idle_us=idle)
         print(f"{name}: host {min(held):.0f}-{max(held):.0f} us per step with the GPU held behind, "
               f"{min(idle):.0f}-{max(idle):.0f} us from an idle GPU")
     if args.split:
         for name, step in systems.items():
-            split_step(name, step)
+            record[name]["split"] = split_step(name, step)
+    print(f"results: {save(record)}")
     return 0
+
+
+def save(record: dict) -> str:
+    """Write ``record`` with the run's record to ``train_step_probe.json`` in ``$OUT`` (or the
+    current directory); return its path."""
+    from benchmarks._harness import environment
+
+    path = os.path.join(os.environ.get("OUT") or ".", "train_step_probe.json")
+    with open(path, "w") as fh:
+        json.dump({"benchmark": "train_step_probe", "environment": environment(), "systems": record}, fh, indent=1)
+    return path
 
 
 # (label, module, attribute) timed by --split, nested as the labels' indentation shows: the step's
@@ -189,9 +210,10 @@ def idle_us(step, steps: int = 10) -> float:
     return total / steps / 1e3
 
 
-def split_step(name: str, step, steps: int = 10) -> None:
+def split_step(name: str, step, steps: int = 10) -> dict:
     """Print the inclusive host time per step of each part of ``STEP_PARTS`` over ``steps`` steps,
-    each started on an idle GPU (``idle_us``)."""
+    each started on an idle GPU (``idle_us``); return ``{"step_us", "wrapper_us", "parts": {label:
+    [us per step, calls per step]}, "missing": [labels]}``."""
     import torch
 
     parts, missing = present(STEP_PARTS)
@@ -199,10 +221,12 @@ def split_step(name: str, step, steps: int = 10) -> None:
         us = idle_us(step, steps)
     print(f"split {name}: {us:.0f} us per step, host alone from an idle GPU, with the wrappers "
           f"({split.overhead_ns / 1e3:.2f} us per wrapped call)" + (f"; not here, left out: {missing}" if missing else ""))
-    for label, _, _ in parts:
-        if split.calls[label]:
-            print(f"  {label:28s} {split.ns[label] / steps / 1e3:9.1f} us per step, {split.calls[label] / steps:.1f} calls")
+    timed = {label: [split.ns[label] / steps / 1e3, split.calls[label] / steps] for label, _, _ in parts
+             if split.calls[label]}
+    for label, (part_us, calls) in timed.items():
+        print(f"  {label:28s} {part_us:9.1f} us per step, {calls:.1f} calls")
     torch.cuda.synchronize()
+    return {"step_us": us, "wrapper_us": split.overhead_ns / 1e3, "parts": timed, "missing": missing}
 
 
 if __name__ == "__main__":
