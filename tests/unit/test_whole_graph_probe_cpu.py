@@ -8,6 +8,8 @@ import sys
 import time
 import types
 
+import pytest
+
 from tools.probes import whole_graph_probe as probe
 
 
@@ -92,8 +94,7 @@ def test_the_train_step_split_times_the_steps_eager_parts_and_the_probe_saves_it
     optimizer classes); ``save`` writes the record with the run's environment to ``$OUT``."""
     import json
 
-    import torch
-
+    torch = pytest.importorskip("torch")
     from tools.probes import train_step_probe as tp
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)  # a CPU step: nothing to wait for
