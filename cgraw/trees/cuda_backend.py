@@ -8,9 +8,10 @@ caller's address changed (``recording.InputCopy``); eager inputs found mutated a
 declared in ``mutates``) are copied back by a memcpy node at the end of the graph.
 
 Outputs are classified at record time: memory the recording allocated in the tree's pool is
-*owned* (aliased per call, poisoned when its generation ends); an output that is an input or a
-view of one is rebuilt from the caller's input on every call (as eager returns it); any other
-tensor (a parameter, a closure buffer) is returned as is, a view of one made anew per call
+*owned* (aliased per call, or by the last call's aliases where compiled code dropped them:
+``outputs.Reuse``; poisoned when its generation ends); an output that is an input or a view of
+one is rebuilt from the caller's input on every call (as eager returns it); any other tensor
+(a parameter, a closure buffer) is returned as is, a view of one made anew per call
 (``recording.output_kinds``). Only owned memory is ever poisoned.
 
 Tensors a function reads through its closure (found by the warm-up's observer,
@@ -25,9 +26,8 @@ import logging
 import sys
 
 from cgraw import _cuda
-from cgraw.trees import buckets
+from cgraw.trees import buckets, warmup as pool_warmup
 from cgraw.rebind import proof as rebind_proof, ranges as rebind_ranges
-from cgraw.trees import warmup as pool_warmup
 from cgraw.runtime import stream as _streams
 from cgraw.trees.arrays import EAGER, SINGLE, TORCH, argument_objects, names_inputs, ops_of, out_spec, replace_leaves
 from cgraw.trees.calls import Call, use_kernel_state, use_torch
@@ -42,6 +42,7 @@ from cgraw.trees.recording import OWNED, InputCopy, Recording, output_kinds, rep
 from cgraw.trees.nodes import Warm, capture_failed, split_external
 from cgraw.trees.config import config, grad_probe
 from cgraw.trees.input_plan import demote_in_pool
+from cgraw.trees.outputs import reuse_for
 
 log = logging.getLogger("cgraw")
 
@@ -229,6 +230,7 @@ class CudaBackend(TorchAutograd):
         if rec.out_spec is SINGLE and call.bucket is None and rec.out_kinds[0] is OWNED:
             rec.alias0 = rec.out_alias[0]
         rec.bucket, rec.padded = call.bucket, call.padded
+        rec.reuse = reuse_for(fn, rec)  # compiled code's pieces hand their output objects out again
         rec.out_rows = ([i for i in buckets.out_rows(out_leaves, call.bucket, warm.rows, rec.out_spec)
                          if rec.out_kinds[i] is OWNED]
                         if call.bucket is not None else [])  # inputs and closure tensors are returned whole
@@ -291,9 +293,7 @@ class CudaBackend(TorchAutograd):
         then, torch's owner of their block included (otherwise it keeps a 64 MiB placeholder of a
         rebound input allocated for the life of the recording; ``tools/probes/pool_probe.py``)."""
         gone = {id(p) for p in placeholders}
-        kept, out = rec.keep
-        kept = [p for p in kept if id(p) not in gone]
-        rec.keep = (kept, out)
+        rec.keep = ([p for p in rec.keep[0] if id(p) not in gone], rec.keep[1])
         if self._tts is not None:
             for p in placeholders:
                 if ops_of(p) is TORCH:
@@ -328,13 +328,13 @@ class CudaBackend(TorchAutograd):
         return 0 if rec.graph.rng is None else rec.graph.rng.draws
 
     def discard(self, rec: Recording) -> None:
-        rec.proof = None
-        rec.rebinds = []
+        rec.proof, rec.rebinds = None, []
         rec.graph.close()
         rec.keep = None
         _observe.unwatch(rec.external)
-        rec.external, rec.keyed = (), ()
-        rec.same_external = None
+        rec.external, rec.keyed, rec.same_external = (), (), None
+        if rec.reuse is not None:
+            rec.reuse.forget()
 
     # ------------------------------------------------------------------ pool checkpoints
 

@@ -15,6 +15,7 @@ copied element by element before each launch.
 
 from __future__ import annotations
 
+import operator
 import sys
 
 from cgraw.errors import SkipCall
@@ -90,6 +91,32 @@ class Ops:
         """A count that every in-place write to ``t`` raises, or None when the framework keeps none."""
         return None
 
+    def reuse_probe(self):
+        """What ``trees.outputs.Reuse`` asks of the arrays it hands out again, or None where the
+        framework cannot tell: ``(holders, marks, spoiled)``; ``holders(a)`` counts the references to
+        array ``a`` beyond its own Python object (1 when only that object holds it), ``marks(arrays)``
+        gives what in-place changes to their memory or layout move (equal while none ran),
+        ``spoiled(arrays)`` whether one holds state a new array would not (a leaf that requires grad)."""
+        return None
+
+
+_version, _requires_grad = operator.attrgetter("_version"), operator.attrgetter("requires_grad")
+
+
+def _torch_marks(ts) -> tuple:
+    """Version counters (every in-place write, ``squeeze_``, ``set_``, ``resize_`` moves them) and data
+    pointers (``t.data = other`` moves them) of tensors ``ts``."""
+    return list(map(_version, ts)), list(map(sys.modules["torch"].Tensor.data_ptr, ts))
+
+
+def _torch_spoiled(ts) -> bool:
+    """Whether one of tensors ``ts`` is a leaf that requires grad (``requires_grad_()``: a backward would
+    add to its ``.grad``) or keeps its ``.grad`` (``retain_grad()``); a tensor that autograd.Function
+    made an output of (AOT autograd's forward) requires grad with a ``grad_fn``, which the next
+    forward replaces."""
+    rg = list(map(_requires_grad, ts))
+    return True in rg and any(r and (t.grad_fn is None or t.retains_grad) for t, r in zip(ts, rg))
+
 
 CONJ_NEG = ("a conjugate or negative view input (x.conj(), torch._neg_view): a recording copies its memory, "
             "not its values; call .resolve_conj() or .resolve_neg() first")
@@ -126,6 +153,10 @@ class _TorchOps(Ops):
 
     def version(self, t) -> int | None:
         return private_api.version(t)
+
+    def reuse_probe(self):
+        holders = private_api.tensor_holders()
+        return None if holders is None else (holders, _torch_marks, _torch_spoiled)
 
     def base_ptr(self, t) -> int:
         """Start of the allocation ``t`` views."""

@@ -150,7 +150,11 @@ class TreeGrowth:
         tree-output inputs of later calls, and are poisoned when the generation ends."""
         for ptr in node.recording.out_ptrs:
             self.tree_outputs[ptr] = node
-        if not getattr(node.fn, "copies_out", False):  # a backward's are copied out before anyone sees them
+        if getattr(node.fn, "copies_out", False):  # a backward's are copied out before anyone sees them
+            return
+        if node.recording.reuse is not None:  # objects handed out again (trees.outputs.Reuse)
+            self.outs.reused.append((node.fn.name, node.recording, owned))
+        else:
             self.outs.hand(node.fn.name, owned)
 
     def _new_variant(self, fn, st: FunctionStats, key) -> bool:

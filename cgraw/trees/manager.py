@@ -58,7 +58,7 @@ from cgraw.trees.calls import TREE, grad_enabled, inspect
 from cgraw.trees.growth import TreeGrowth
 from cgraw.trees.input_plan import moved, unseen_eager
 from cgraw.errors import CgrawError, SkipCall, TreeError
-from cgraw.trees.outputs import PathOutputs, memory_in_use
+from cgraw.trees.outputs import PathOutputs, memory_in_use, take_reused
 from cgraw.trees.pool import UNKNOWN, TreePool
 from cgraw.trees.nodes import Backend, FunctionStats, NodeState, Replayable, Rewarm, TreeNode, Warm
 from cgraw.trees.config import config
@@ -130,6 +130,9 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
             if t is not None:
                 live.append((name, t))
         outs.handed = []
+        if outs.reused:
+            take_reused(outs.reused, live)
+            outs.reused = []
         if outs.watched:
             outs.watched = []
         if outs.memory:
@@ -221,9 +224,12 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
                 for ptr in rec.out_ptrs:
                     self.tree_outputs[ptr] = node
                 if owned and not getattr(fn, "copies_out", False):
-                    name, handed = fn.name, self.outs.handed
-                    for t in owned:  # a loop, no comprehension: one output is the common case
-                        handed.append((name, _ref(t)))
+                    if rec.reuse is not None:  # objects handed out again: held ones are found at the generation's end
+                        self.outs.reused.append((fn.name, rec, owned))
+                    else:
+                        name, handed = fn.name, self.outs.handed
+                        for t in owned:  # a loop, no comprehension: one output is the common case
+                            handed.append((name, _ref(t)))
                 # a recording without a backward hands out outputs that need no ticket
                 return self._with_backward(fn, node, out, call) if call.grad and rec.grad is not None else out
             if res is not None:  # what the warm-up learned is out of date: nothing was launched

@@ -264,6 +264,7 @@ class Replayable(Protocol):
     capture_ms: float
     instantiate_ms: float
     grad: Any  # what a backward through its replays needs; None: its outputs need no backward ticket
+    reuse: Any  # trees.outputs.Reuse: the output objects it hands out again (its owned outputs), or None
 
     def replay(self, call, first: bool = False) -> "tuple[Any, Any] | Rewarm":
         """Launch for ``call``: the outputs, and those in the tree's memory (watched while alive,

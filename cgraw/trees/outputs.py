@@ -1,13 +1,16 @@
 """What the calls of one generation of a graph tree handed out, held weakly, so that the tree sees
 when all of it is dead (``manager.TreeManager._path_is_dead``), and what to poison when it ends
-(``manager.TreeManager._take_outputs`` takes them then).
+(``manager.TreeManager._take_outputs`` takes them then); and the output objects a recording of
+compiled code hands out again (``Reuse``).
 
 Layer L6: pure Python over ``arrays``/``frameworks`` (no CUDA, frameworks through their ``Ops``).
 """
 
 from __future__ import annotations
 
+import operator
 import weakref
+from sys import getrefcount
 
 from cgraw.trees.arrays import ops_of, out_spec
 from cgraw.errors import SkipCall
@@ -25,12 +28,13 @@ class PathOutputs:
     Recordings' outputs are counted the same way through ``Replayable.users``
     (``memory_in_use``)."""
 
-    __slots__ = ("handed", "watched", "memory")
+    __slots__ = ("handed", "watched", "memory", "reused")
 
     def __init__(self) -> None:
         self.handed: list = []
         self.watched: list = []
         self.memory: list = []
+        self.reused: list = []  # [(function name, recording, the list of objects its Reuse handed out)]
 
     def hand(self, name: str, outs) -> None:
         """Outputs of a warm-up in the tree's memory, which only the caller holds: each output
@@ -73,7 +77,110 @@ class PathOutputs:
         for _, r in self.handed:
             if r() is not None:
                 return True
+        for _, rec, objs in self.reused:
+            if rec.reuse.held(objs):
+                return True
         return any(r() is not None for r in self.watched) or memory_in_use(self.memory)
+
+
+class Reuse:
+    """The output objects of one recording, handed out again at its next replay where nothing holds
+    them any more and nothing changed them, as torch's trees hand out their cached outputs: a replay
+    of a compiled piece that hands out 160 activations then costs a list, not 160 new tensors
+    (``.detach()`` of each). For functions whose caller is compiled code (``reuse_outputs``: the
+    torch.compile backend's forward and inference pieces), which reads their outputs and drops them.
+    An object something still holds (a Python reference, or autograd's saved tensors in C++) is never
+    handed out again: the replay makes new ones, and the generation's end poisons the held ones as
+    any other output. Nor is one whose memory, layout or autograd state the caller changed in place
+    (``squeeze_()``, ``t.data = ...``, ``requires_grad_()``, ``retain_grad()``).
+
+    ``makers``: the recording's alias makers (``Recording.all_owned``); ``probe``: the framework's
+    ``(holders, marks, spoiled)`` (``frameworks.Ops.reuse_probe``). ``objs``: the objects handed out
+    last, or None; ``seen``: their marks when they were made; ``checked``: whether the end of the
+    generation they were handed out in found them free and unchanged; ``made``: how many times
+    objects were made."""
+
+    __slots__ = ("makers", "holders", "marks", "spoiled", "objs", "seen", "delta", "checked", "made", "refs", "uses")
+
+    def __init__(self, makers, probe):
+        n = len(makers)
+        self.makers = makers
+        self.holders, self.marks, self.spoiled = probe
+        self.objs, self.seen, self.delta, self.checked, self.made = None, None, (), False, 0
+        # what getrefcount (its argument and the list) and holders count of an object only the list holds
+        self.refs, self.uses = [2] * n, [1] * n
+
+    def take(self, rec) -> list:
+        """The objects recording ``rec`` hands out now: the last ones, where nothing else holds them and
+        nothing changed them, else new ones (``rec.users`` counts the new objects as the recording's
+        own: only a caller's alias of their memory keeps it in use)."""
+        objs = self.objs
+        if objs is not None:
+            if self.checked or self.usable(objs):
+                self.checked = False
+                return objs
+            self.drop(rec)
+        users = rec.users
+        before = [u() for u, _ in users]
+        objs = self.objs = list(map(_call, self.makers))
+        self.made += 1
+        self.seen = self.marks(objs)
+        self.delta = [u() - c for (u, _), c in zip(users, before)]
+        rec.users = [(u, b + d) for (u, b), d in zip(users, self.delta)]
+        return objs
+
+    def held(self, objs) -> list:
+        """The indices of the objects of ``objs`` that something besides the list holds."""
+        refs = list(map(getrefcount, objs))
+        uses = list(map(self.holders, objs))
+        if refs == self.refs and uses == self.uses:
+            return []
+        return [i for i, (r, u) in enumerate(zip(refs, uses)) if r > 2 or u > 1]
+
+    def usable(self, objs) -> bool:
+        """Whether ``objs`` (the objects handed out last) may be handed out again: nothing holds them
+        and nothing changed them since they were made."""
+        return not self.held(objs) and self.marks(objs) == self.seen and not self.spoiled(objs)
+
+    def forget(self) -> None:
+        """Let go of the objects (their recording is discarded)."""
+        self.objs = None
+
+    def drop(self, rec) -> None:
+        """Hand out new objects at the next replay of ``rec``."""
+        if self.objs is not None:
+            self.objs = None
+            rec.users = [(u, b - d) for (u, b), d in zip(rec.users, self.delta)]
+            self.delta = ()
+
+
+def reuse_for(fn, rec) -> Reuse | None:
+    """A ``Reuse`` for recording ``rec`` of ``fn``, where ``fn`` allows it (``reuse_outputs``), its
+    outputs are two or more arrays of the tree's memory, none handed out twice or an argument, of one
+    framework that can tell what holds and what changed an array (``Ops.reuse_probe``); else None."""
+    if not getattr(fn, "reuse_outputs", False) or rec.all_owned is None or len(rec.out_leaves) < 2:
+        return None
+    if rec.tree_views or rec.out_same or rec.out_args or rec.alias0 is not None or rec.bucket is not None:
+        return None
+    ops = {ops_of(t) for t in rec.out_leaves}
+    probe = ops.pop().reuse_probe() if len(ops) == 1 else None
+    return None if probe is None else Reuse(rec.all_owned, probe)
+
+
+def take_reused(reused: list, live: list) -> None:
+    """Add ``(function name, object)`` of every object of ``reused`` (``PathOutputs.reused``) that is
+    held to ``live``. A recording whose last objects are held, or were changed, makes new ones at its
+    next replay; one whose objects are free and unchanged hands them out again unchecked."""
+    for name, rec, objs in reused:
+        reuse = rec.reuse
+        idx = reuse.held(objs)
+        if idx:
+            live.extend((name, objs[i]) for i in idx)
+        if reuse.objs is objs:
+            if not idx and reuse.marks(objs) == reuse.seen and not reuse.spoiled(objs):
+                reuse.checked = True
+            else:
+                reuse.drop(rec)
 
 
 def memory_in_use(users) -> bool:
@@ -82,6 +189,7 @@ def memory_in_use(users) -> bool:
 
 
 _ref = weakref.ref
+_call = getattr(operator, "call", None) or operator.methodcaller("__call__")  # operator.call: Python 3.11+
 
 
 def _ptr(ops, t) -> int | None:
@@ -95,4 +203,4 @@ def _always() -> bool:
     return True
 
 
-__all__ = ["PathOutputs", "memory_in_use"]
+__all__ = ["PathOutputs", "Reuse", "memory_in_use", "reuse_for", "take_reused"]

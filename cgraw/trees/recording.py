@@ -262,6 +262,7 @@ class Recording:
         "instantiate_ms",
         "grad",  # interop.torch.autograd.GradInfo of a recording made with grad enabled, or None
         "rng_sync",  # the graph's random-number step before each launch (rng.plan.GraphRng.sync), or None
+        "reuse",  # trees.outputs.Reuse: the output objects handed out again (compiled code's pieces), or None
     )
 
     def __init__(self, name: str):
@@ -285,7 +286,7 @@ class Recording:
         self.mode_epoch, self.mode_now = 0, [0]
         self.capture_ms = self.instantiate_ms = 0.0
         self.grad = None
-        self.rng_sync = None
+        self.rng_sync = self.reuse = None
 
     # ------------------------------------------------------------------ the hot path
 
@@ -365,6 +366,10 @@ class Recording:
         if alias0 is not None:
             o = alias0()
             return o, (o,)
+        reuse = self.reuse
+        if reuse is not None:  # the objects of the last replay where nothing holds them (trees.outputs.Reuse)
+            objs = reuse.take(self)
+            return self.out_build(objs, None), objs
         outs = self._outputs(call)
         # every output owned (a compiled piece's activations): all of them, in order
         owned = outs[:] if self.all_owned is not None else [outs[i] for i in self.owned_idx]

@@ -33,7 +33,7 @@ import importlib
 import types
 
 import torch
-from torch_cpu_backend import CpuTorchBackend, copy_span, cpu_as_device0
+from torch_cpu_backend import ReusingBackend, copy_span, cpu_as_device0
 
 from cgraw.interop.torch import observe
 from cgraw.interop.torch.backend import cgraw_backend
@@ -59,8 +59,9 @@ class _Pool:
         return types.SimpleNamespace(reserved_bytes=0)
 
 
-class CompileCpuBackend(CpuTorchBackend):
-    """``CpuTorchBackend`` for trees that ``cgraw.graphed`` makes (``report()`` reads a pool).
+class CompileCpuBackend(ReusingBackend):
+    """``CpuTorchBackend`` for trees that ``cgraw.graphed`` makes (``report()`` reads a pool); the
+    backend's forward pieces hand out their output objects again (``ReusingBackend``).
 
     Its recording runs the partition once on the inputs read in place (static inputs, tree
     outputs), where a capture computes nothing, and the first replay runs it again. Inductor's

@@ -53,9 +53,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 from cgraw.errors import SkipCall
 from cgraw.interop.torch import observe
 from cgraw.trees import buckets
-from cgraw.trees.arrays import EAGER, TORCH, TREE, argument_objects, out_spec, replace_leaves, unflatten
+from cgraw.trees.arrays import EAGER, TORCH, TREE, argument_objects, names_inputs, out_spec, replace_leaves, unflatten
 from cgraw.trees.nodes import ModeRewarm, Rewarm, Warm, split_external
-from cgraw.trees.recording import EXTERNAL, OWNED, ClosureView, InputAlias, RowsView, rows_view, tree_views
+from cgraw.trees.outputs import reuse_for
+from cgraw.trees.recording import (EXTERNAL, OWNED, ClosureView, InputAlias, RowsView, repeated_leaves, rows_view,
+                                   tree_views)
 from torch_cpu_backend import CpuTorchBackend, copy_span, placeholders
 
 aten = torch.ops.aten
@@ -351,6 +353,7 @@ class GraphRecording:
     holds on the GPU, minus the CUDA graph."""
 
     grad = None  # calls with grad go to CpuTorchBackend's recordings
+    reuse = None  # new output objects at every replay (trees.outputs.Reuse: test_output_reuse_cpu.py)
     keyed = ()
     capture_ms = instantiate_ms = 0.0
 
@@ -434,6 +437,11 @@ class CpuGraphBackend(CpuTorchBackend):
         rec.out_rows = ([i for i in buckets.out_rows(rec.out_leaves, call.bucket, warm.rows, rec.spec)
                          if rec.out_kinds[i] is OWNED] if call.bucket is not None else [])
         rec.out_ptrs = [rec.out_leaves[i].data_ptr() for i in rec.owned_idx]
+        # as cuda_backend.record: a compiled piece hands out its output objects again (trees.outputs.Reuse)
+        rec.all_owned = tuple(t.detach for t in rec.out_leaves) if all(k is OWNED for k in rec.out_kinds) else None
+        rec.tree_views, rec.out_same = tree_views(call, rec.out_kinds), repeated_leaves(rec.out_leaves)
+        rec.out_args, rec.alias0, rec.bucket = names_inputs(rec.spec), None, call.bucket
+        rec.reuse = reuse_for(fn, rec)
         rec.mutated = [j for j in warm.mutated if kinds[j] == EAGER]
         rec.graph.read_from_call({j: leaves[j] for j, _, _ in rec.fixed if kinds[j] == TREE})
         rec.fixed = [(j, None, ptr) for j, _, ptr in rec.fixed]  # the tree keeps them in place
@@ -492,6 +500,9 @@ class CpuGraphBackend(CpuTorchBackend):
                 ph = rec.placeholders[j]
                 copy_span(call.leaves[j], ph[:n] if j in call.padded else ph)
         rec.replays += 1
+        if rec.reuse is not None:  # recording.Recording.replay
+            objs = rec.reuse.take(rec)
+            return unflatten(rec.spec, iter(objs), None), objs
         outs = []
         for t, k in zip(rec.out_leaves, rec.out_kinds):
             if k is OWNED:
@@ -511,3 +522,5 @@ class CpuGraphBackend(CpuTorchBackend):
         rec.discarded = True
         if isinstance(rec, GraphRecording):
             observe.unwatch(rec.external)
+            if rec.reuse is not None:
+                rec.reuse.forget()

@@ -167,6 +167,7 @@ class FakeRecording:
 
     _ids = itertools.count(1)
     grad = None  # the fake backend records no backward
+    reuse = None  # nor hands out its output objects again (trees.outputs.Reuse)
 
     def __init__(self, fn, call, mutated: tuple):
         self.id = next(self._ids)

@@ -21,11 +21,13 @@ import weakref
 import torch
 
 from cgraw.errors import SkipCall
-from cgraw.trees.arrays import EAGER, TORCH, argument_objects, out_spec, replace_leaves, unflatten
+from cgraw.trees.arrays import EAGER, TORCH, argument_objects, names_inputs, ops_of, out_spec, replace_leaves, unflatten
 from cgraw.interop.torch import private_api
 from cgraw.interop.torch.checkpoints import TorchTreeState
 from cgraw.interop.torch.autograd import TorchAutograd, capture_inputs, grad_info, run_saving
 from cgraw.trees.nodes import Warm, capture_failed, next_fn_id
+from cgraw.trees.outputs import reuse_for
+from cgraw.trees.recording import repeated_leaves
 
 
 @contextlib.contextmanager
@@ -114,6 +116,7 @@ class CpuRecording:
         self.backend, self.fn, self.name = backend, fn, fn.name
         self.capture_ms = self.instantiate_ms = 0.0
         self.grad = None
+        self.reuse = None  # new output objects at every replay (ReusingBackend: test_output_reuse_cpu.py)
         self.discarded = False
         self.replays = 0
 
@@ -258,3 +261,39 @@ class CpuTorchBackend(TorchAutograd):
 
     def count(self, what, name=None):
         return sum(1 for e in self.log if e[0] == what and (name is None or e[1] == name))
+
+
+class ReusingBackend(CpuTorchBackend):
+    """``CpuTorchBackend`` whose recordings hand out their output objects again, as
+    ``cuda_backend.CudaBackend``'s do: ``reuse_for`` at the recording, the users of the outputs'
+    memory counted before the first replay, ``Reuse.take`` where ``Recording.replay`` calls it."""
+
+    def record(self, fn, call, warm):
+        rec = super().record(fn, call, warm)
+        # as recording.output_kinds: an output over an input's memory (its placeholder's, or one read
+        # in place) is not the recording's own, so its recording hands out new objects
+        inputs = {t.untyped_storage().data_ptr() for t in (*rec.placeholders.values(), *call.leaves)
+                  if isinstance(t, torch.Tensor)}
+        own = all(t.untyped_storage().data_ptr() not in inputs for t in rec.out_leaves)
+        rec.all_owned = tuple(t.detach for t in rec.out_leaves) if own else None
+        rec.tree_views, rec.out_same, rec.alias0, rec.bucket = (), repeated_leaves(rec.out_leaves), None, None
+        rec.out_args = names_inputs(rec.spec)
+        rec.reuse = reuse_for(fn, rec)
+        return rec
+
+    def first_replay(self, rec, call):
+        if rec.all_owned is not None:  # the memory of its outputs is the recording's own
+            rec.users = [(u, u()) for u in (ops_of(t).users(t) for t in rec.out_leaves)]
+        return self.replay(rec, call)
+
+    def replay(self, rec, call):
+        out, owned = super().replay(rec, call)
+        if rec.reuse is None:
+            return out, owned
+        objs = rec.reuse.take(rec)
+        return unflatten(rec.spec, iter(objs), argument_objects(call.arg_specs, call.kwarg_specs)), objs
+
+    def discard(self, rec):
+        super().discard(rec)
+        if rec.reuse is not None:
+            rec.reuse.forget()

@@ -191,6 +191,10 @@ class Wrapping:
             # function, its call would end the step while the earlier pieces' outputs are alive in
             # Inductor's frame, and its recording could not reuse their memory
             gf.continues_step = self.first.setdefault(phase, index) < index
+            # Inductor's code and AOT autograd read a piece's outputs and drop them: its replays hand out
+            # the same objects while nothing holds them (trees.outputs.Reuse), as torch's trees do. Not a
+            # backward's: a gradient autograd's AccumulateGrad takes as .grad must be the caller's alone
+            gf.reuse_outputs = phase in ("forward", "inference")
             wrapped = adapt(fn, gf, self.home, self.runtime, _in_backward(), phase=phase, index=index)
             made = getattr(self.phase, "made", None)
             if made is not None:

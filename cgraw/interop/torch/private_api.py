@@ -203,6 +203,13 @@ def storage_users(t):
     return users
 
 
+def tensor_holders():
+    """``torch._C.TensorBase._use_count``: the references to a tensor's C++ object (its Python
+    object's, and any C++ holder's: autograd's saved tensors), 1 when only the Python object holds
+    it; None where torch lacks it (a graph tree then makes new output objects at every replay)."""
+    return getattr(getattr(api()._torch._C, "TensorBase", None), "_use_count", None)
+
+
 def memory_segments() -> list:
     """Every segment of torch's CUDA caching allocator, as ``torch.cuda.memory_snapshot()`` lists
     them, each with its ``segment_pool_id``; callers filter.
@@ -344,5 +351,5 @@ def _reset() -> None:
 __all__ = ["INDUCTOR_CONFIG", "KERNEL_STATE", "NEEDED", "NEEDED_ELSEWHERE", "SUPPORTED", "TorchApiError", "api", "check", "cudagraph_unsafe_tag",
            "global_state_guard", "graph_task_id", "higher_order_operator_class", "inductor_config_keys", "kernel_state_getters",
            "memory_segments", "nondeterministic_seeded_tag", "operator_classes", "partition_wrapper_slot",
-           "private", "pytree", "storage_users",
+           "private", "pytree", "storage_users", "tensor_holders",
            "top_saved_tensors_hooks"]
