@@ -161,6 +161,7 @@ class CudaBackend(TorchAutograd):
             if isinstance(exc, SkipCall):
                 exc.dirty = True  # the capture's blocks are in the pool: restore before recording
             raise
+        rec.reuse = reuse_for(fn, rec)  # compiled code's pieces hand their output objects out again
         # the closure tensors the node's key names (warm.keyed: a StaticCache's, reached through an
         # argument) are held weakly, as the node holds them: once they die no call matches the key
         strong, keyed = split_external(warm)
@@ -230,7 +231,6 @@ class CudaBackend(TorchAutograd):
         if rec.out_spec is SINGLE and call.bucket is None and rec.out_kinds[0] is OWNED:
             rec.alias0 = rec.out_alias[0]
         rec.bucket, rec.padded = call.bucket, call.padded
-        rec.reuse = reuse_for(fn, rec)  # compiled code's pieces hand their output objects out again
         rec.out_rows = ([i for i in buckets.out_rows(out_leaves, call.bucket, warm.rows, rec.out_spec)
                          if rec.out_kinds[i] is OWNED]
                         if call.bucket is not None else [])  # inputs and closure tensors are returned whole
@@ -298,7 +298,7 @@ class CudaBackend(TorchAutograd):
             for p in placeholders:
                 if ops_of(p) is TORCH:
                     self._tts.owners.pop(p.untyped_storage().data_ptr(), None)
-            rec.spans = self._tts.spans(kept + [rec.out_leaves[i] for i in rec.owned_idx])
+            rec.spans = self._tts.spans(rec.keep[0] + [rec.out_leaves[i] for i in rec.owned_idx])
 
     def input_notes(self, rec: Recording) -> dict:
         """``{leaf: None (read in place) or why it is copied}`` of the contiguous eager inputs."""

@@ -93,10 +93,11 @@ class Ops:
 
     def reuse_probe(self):
         """What ``trees.outputs.Reuse`` asks of the arrays it hands out again, or None where the
-        framework cannot tell: ``(holders, marks, spoiled)``; ``holders(a)`` counts the references to
+        framework cannot tell: ``(holders, marks, settle)``; ``holders(a)`` counts the references to
         array ``a`` beyond its own Python object (1 when only that object holds it), ``marks(arrays)``
         gives what in-place changes to their memory or layout move (equal while none ran),
-        ``spoiled(arrays)`` whether one holds state a new array would not (a leaf that requires grad)."""
+        ``settle(arrays)`` whether they may be handed out again as new arrays would be, once the state a
+        new array would not hold is dropped where that is safe (a tensor's autograd history)."""
         return None
 
 
@@ -109,13 +110,21 @@ def _torch_marks(ts) -> tuple:
     return list(map(_version, ts)), list(map(sys.modules["torch"].Tensor.data_ptr, ts))
 
 
-def _torch_spoiled(ts) -> bool:
-    """Whether one of tensors ``ts`` is a leaf that requires grad (``requires_grad_()``: a backward would
-    add to its ``.grad``) or keeps its ``.grad`` (``retain_grad()``); a tensor that autograd.Function
-    made an output of (AOT autograd's forward) requires grad with a ``grad_fn``, which the next
-    forward replaces."""
+def _torch_settle(ts) -> bool:
+    """Whether tensors ``ts`` may be handed out again: not if one is a leaf that requires grad
+    (``requires_grad_()``: a backward would add to its ``.grad``) or keeps its ``.grad``
+    (``retain_grad()``). One that autograd.Function made an output of (AOT autograd's forward) requires
+    grad with a ``grad_fn``: it is detached in place, which lets go of its step's autograd graph
+    (the next forward makes it an output again)."""
     rg = list(map(_requires_grad, ts))
-    return True in rg and any(r and (t.grad_fn is None or t.retains_grad) for t, r in zip(ts, rg))
+    if True not in rg:
+        return True
+    made = [t for t, r in zip(ts, rg) if r]
+    if any(t.grad_fn is None or t.retains_grad for t in made):
+        return False
+    for t in made:
+        t.detach_()
+    return True
 
 
 CONJ_NEG = ("a conjugate or negative view input (x.conj(), torch._neg_view): a recording copies its memory, "
@@ -156,7 +165,7 @@ class _TorchOps(Ops):
 
     def reuse_probe(self):
         holders = private_api.tensor_holders()
-        return None if holders is None else (holders, _torch_marks, _torch_spoiled)
+        return None if holders is None else (holders, _torch_marks, _torch_settle)
 
     def base_ptr(self, t) -> int:
         """Start of the allocation ``t`` views."""

@@ -94,18 +94,18 @@ class Reuse:
     any other output. Nor is one whose memory, layout or autograd state the caller changed in place
     (``squeeze_()``, ``t.data = ...``, ``requires_grad_()``, ``retain_grad()``).
 
-    ``makers``: the recording's alias makers (``Recording.all_owned``); ``probe``: the framework's
-    ``(holders, marks, spoiled)`` (``frameworks.Ops.reuse_probe``). ``objs``: the objects handed out
+    ``makers``: the alias makers of the recording's owned outputs; ``probe``: the framework's
+    ``(holders, marks, settle)`` (``frameworks.Ops.reuse_probe``). ``objs``: the objects handed out
     last, or None; ``seen``: their marks when they were made; ``checked``: whether the end of the
     generation they were handed out in found them free and unchanged; ``made``: how many times
     objects were made."""
 
-    __slots__ = ("makers", "holders", "marks", "spoiled", "objs", "seen", "delta", "checked", "made", "refs", "uses")
+    __slots__ = ("makers", "holders", "marks", "settle", "objs", "seen", "delta", "checked", "made", "refs", "uses")
 
     def __init__(self, makers, probe):
         n = len(makers)
         self.makers = makers
-        self.holders, self.marks, self.spoiled = probe
+        self.holders, self.marks, self.settle = probe
         self.objs, self.seen, self.delta, self.checked, self.made = None, None, (), False, 0
         # what getrefcount (its argument and the list) and holders count of an object only the list holds
         self.refs, self.uses = [2] * n, [1] * n
@@ -140,7 +140,7 @@ class Reuse:
     def usable(self, objs) -> bool:
         """Whether ``objs`` (the objects handed out last) may be handed out again: nothing holds them
         and nothing changed them since they were made."""
-        return not self.held(objs) and self.marks(objs) == self.seen and not self.spoiled(objs)
+        return not self.held(objs) and self.marks(objs) == self.seen and self.settle(objs)
 
     def forget(self) -> None:
         """Let go of the objects (their recording is discarded)."""
@@ -155,16 +155,18 @@ class Reuse:
 
 
 def reuse_for(fn, rec) -> Reuse | None:
-    """A ``Reuse`` for recording ``rec`` of ``fn``, where ``fn`` allows it (``reuse_outputs``), its
-    outputs are two or more arrays of the tree's memory, none handed out twice or an argument, of one
-    framework that can tell what holds and what changed an array (``Ops.reuse_probe``); else None."""
-    if not getattr(fn, "reuse_outputs", False) or rec.all_owned is None or len(rec.out_leaves) < 2:
+    """A ``Reuse`` for recording ``rec`` of ``fn``, where ``fn`` allows it (``reuse_outputs``), two or
+    more of its outputs are the tree's memory (``rec.owned_idx``; the others, an input handed back
+    for one, are made per replay as before), none is handed out twice, views a tree output or is an
+    argument object, and their framework can tell what holds and what changed an array
+    (``Ops.reuse_probe``); else None."""
+    if not getattr(fn, "reuse_outputs", False) or len(rec.owned_idx) < 2:
         return None
-    if rec.tree_views or rec.out_same or rec.out_args or rec.alias0 is not None or rec.bucket is not None:
+    if rec.tree_views or rec.out_same or rec.out_args or rec.bucket is not None:
         return None
-    ops = {ops_of(t) for t in rec.out_leaves}
+    ops = {ops_of(rec.out_leaves[i]) for i in rec.owned_idx}
     probe = ops.pop().reuse_probe() if len(ops) == 1 else None
-    return None if probe is None else Reuse(rec.all_owned, probe)
+    return None if probe is None else Reuse(tuple(rec.out_alias[i] for i in rec.owned_idx), probe)
 
 
 def take_reused(reused: list, live: list) -> None:
@@ -177,7 +179,7 @@ def take_reused(reused: list, live: list) -> None:
         if idx:
             live.extend((name, objs[i]) for i in idx)
         if reuse.objs is objs:
-            if not idx and reuse.marks(objs) == reuse.seen and not reuse.spoiled(objs):
+            if not idx and reuse.marks(objs) == reuse.seen and reuse.settle(objs):
                 reuse.checked = True
             else:
                 reuse.drop(rec)

@@ -367,9 +367,9 @@ class Recording:
             o = alias0()
             return o, (o,)
         reuse = self.reuse
-        if reuse is not None:  # the objects of the last replay where nothing holds them (trees.outputs.Reuse)
-            objs = reuse.take(self)
-            return self.out_build(objs, None), objs
+        if reuse is not None:  # the owned outputs' objects of the last replay where nothing holds them
+            objs = reuse.take(self)  # (trees.outputs.Reuse); the other outputs are made as below
+            return self.out_build(objs if self.all_owned is not None else self._outputs(call, objs), None), objs
         outs = self._outputs(call)
         # every output owned (a compiled piece's activations): all of them, in order
         owned = outs[:] if self.all_owned is not None else [outs[i] for i in self.owned_idx]
@@ -404,15 +404,17 @@ class Recording:
         objects = argument_objects(call.arg_specs, call.kwarg_specs) if self.out_args else None
         return self.out_build(outs, objects), owned
 
-    def _outputs(self, call) -> list:
+    def _outputs(self, call, owned=None) -> list:
+        """The output leaves of a replay for ``call``; ``owned``: the owned ones' objects, if made already."""
         makers = self.all_owned
         if makers is not None:  # a C loop: a training forward's piece hands out a hundred activations
             outs = list(map(_call, makers))
         else:
             outs = []
+            take = None if owned is None else iter(owned).__next__
             for t, k, alias in zip(self.out_leaves, self.out_kinds, self.out_alias):
                 if alias is not None:
-                    outs.append(alias())
+                    outs.append(alias() if take is None else take())
                 elif k is EXTERNAL:
                     outs.append(t)
                 elif type(k) is ClosureView:

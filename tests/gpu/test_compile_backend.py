@@ -179,6 +179,45 @@ def test_training_step_graphs_forward_and_backward():
     assert not _whole("train"), parts  # a training graph keeps its partitions
 
 
+def test_a_training_forward_piece_hands_out_its_output_objects_again_and_a_held_one_is_poisoned():
+    """The forward piece's outputs (the activations its backward reads, the prediction) are the same
+    objects at every step while nothing holds them (``trees.outputs.Reuse``); the backward's
+    gradients are new tensors at every step. A prediction kept past its step is poisoned, and the
+    step after it makes new objects; every step's loss and parameters equal eager's."""
+    torch.manual_seed(0)
+    m, ref = _mlp(), _mlp()
+    ref.load_state_dict(m.state_dict())
+    c = torch.compile(m, backend="cgraw", options={"name": "reuse", "whole_graph": False})
+    opt, ref_opt = torch.optim.SGD(m.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
+    kept = None
+    for step in range(2 * CALLS):
+        x, y = trand(16, 64), trand(16, 32)
+        losses = []
+        for o, run in ((opt, c), (ref_opt, ref)):
+            o.zero_grad(set_to_none=True)
+            pred = run(x)
+            loss = torch.nn.functional.mse_loss(pred, y)
+            loss.backward()
+            o.step()
+            losses.append(loss.detach())
+            if run is c and step == CALLS:
+                kept = pred  # held past its step
+        del pred
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-3, atol=1e-5)
+        for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-3, atol=1e-4)
+    with pytest.raises(RuntimeError, match="overwritten by a subsequent run"):
+        kept + 0
+    parts = sc.graphed_pieces("reuse")
+    _assert_replayed(parts, 2 * CALLS)
+    nodes = [n for n in graphed_mod.tree_here(0).nodes() if n.fn.name.startswith("reuse [") and n.recording]
+    forward = [n.recording.reuse for n in nodes if " forward/partition" in n.fn.name]
+    backward = [n.recording.reuse for n in nodes if " backward/partition" in n.fn.name]
+    assert forward and backward and all(r is None for r in backward), nodes
+    # made at the first replay, again after the held prediction: twice, not once per step
+    assert all(r is not None and r.made <= 3 for r in forward), [r and r.made for r in forward]
+
+
 def test_gradient_accumulation_equals_eager_and_its_second_forward_runs_as_compiled():
     """Two micro-batches, then one backward: the second forward of each step begins while the
     first one's backward is pending, so it runs as Inductor compiled it (graphed, it would reuse

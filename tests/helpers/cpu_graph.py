@@ -438,9 +438,9 @@ class CpuGraphBackend(CpuTorchBackend):
                          if rec.out_kinds[i] is OWNED] if call.bucket is not None else [])
         rec.out_ptrs = [rec.out_leaves[i].data_ptr() for i in rec.owned_idx]
         # as cuda_backend.record: a compiled piece hands out its output objects again (trees.outputs.Reuse)
-        rec.all_owned = tuple(t.detach for t in rec.out_leaves) if all(k is OWNED for k in rec.out_kinds) else None
+        rec.out_alias = [t.detach if k is OWNED else None for t, k in zip(rec.out_leaves, rec.out_kinds)]
         rec.tree_views, rec.out_same = tree_views(call, rec.out_kinds), repeated_leaves(rec.out_leaves)
-        rec.out_args, rec.alias0, rec.bucket = names_inputs(rec.spec), None, call.bucket
+        rec.out_args, rec.bucket = names_inputs(rec.spec), call.bucket
         rec.reuse = reuse_for(fn, rec)
         rec.mutated = [j for j in warm.mutated if kinds[j] == EAGER]
         rec.graph.read_from_call({j: leaves[j] for j, _, _ in rec.fixed if kinds[j] == TREE})
@@ -500,13 +500,11 @@ class CpuGraphBackend(CpuTorchBackend):
                 ph = rec.placeholders[j]
                 copy_span(call.leaves[j], ph[:n] if j in call.padded else ph)
         rec.replays += 1
-        if rec.reuse is not None:  # recording.Recording.replay
-            objs = rec.reuse.take(rec)
-            return unflatten(rec.spec, iter(objs), None), objs
+        take = None if rec.reuse is None else iter(objs := rec.reuse.take(rec)).__next__  # recording.Recording.replay
         outs = []
         for t, k in zip(rec.out_leaves, rec.out_kinds):
             if k is OWNED:
-                outs.append(t.detach())
+                outs.append(t.detach() if take is None else take())
             elif k is EXTERNAL:
                 outs.append(t)
             elif isinstance(k, ClosureView):
@@ -515,7 +513,7 @@ class CpuGraphBackend(CpuTorchBackend):
                 outs.append(k.rebuild(call.leaves[k.j]))
         for i in rec.out_rows:  # padding buckets: the call's rows of the bucket's
             outs[i] = outs[i][:n]
-        owned = [outs[i] for i in rec.owned_idx + list(tree_views(call, rec.out_kinds))]  # recording.replay
+        owned = objs if take is not None else [outs[i] for i in rec.owned_idx + list(tree_views(call, rec.out_kinds))]
         return unflatten(rec.spec, iter(outs), argument_objects(call.arg_specs, call.kwarg_specs)), owned
 
     def discard(self, rec):

@@ -264,34 +264,43 @@ class CpuTorchBackend(TorchAutograd):
 
 
 class ReusingBackend(CpuTorchBackend):
-    """``CpuTorchBackend`` whose recordings hand out their output objects again, as
-    ``cuda_backend.CudaBackend``'s do: ``reuse_for`` at the recording, the users of the outputs'
-    memory counted before the first replay, ``Reuse.take`` where ``Recording.replay`` calls it."""
+    """``CpuTorchBackend`` whose recordings hand out their owned outputs' objects again, as
+    ``cuda_backend.CudaBackend``'s do: ``reuse_for`` at the recording, the users of those outputs'
+    memory counted before the first replay, ``Reuse.take`` where ``Recording.replay`` calls it. An
+    output over an input's memory (its placeholder's, or one read in place) is not the recording's
+    own (``recording.output_kinds``): it is made per replay."""
 
     def record(self, fn, call, warm):
         rec = super().record(fn, call, warm)
-        # as recording.output_kinds: an output over an input's memory (its placeholder's, or one read
-        # in place) is not the recording's own, so its recording hands out new objects
+        # a graph reads the inputs it takes in place at their addresses and keeps no object of them (a
+        # forward's objects, handed out again, would be held by its backward): each replay reads the call's
+        rec.args = None
         inputs = {t.untyped_storage().data_ptr() for t in (*rec.placeholders.values(), *call.leaves)
                   if isinstance(t, torch.Tensor)}
-        own = all(t.untyped_storage().data_ptr() not in inputs for t in rec.out_leaves)
-        rec.all_owned = tuple(t.detach for t in rec.out_leaves) if own else None
-        rec.tree_views, rec.out_same, rec.alias0, rec.bucket = (), repeated_leaves(rec.out_leaves), None, None
+        rec.owned_idx = [i for i, t in enumerate(rec.out_leaves) if t.untyped_storage().data_ptr() not in inputs]
+        rec.out_alias = [t.detach if i in rec.owned_idx else None for i, t in enumerate(rec.out_leaves)]
+        rec.tree_views, rec.out_same, rec.bucket = (), repeated_leaves(rec.out_leaves), None
         rec.out_args = names_inputs(rec.spec)
         rec.reuse = reuse_for(fn, rec)
         return rec
 
     def first_replay(self, rec, call):
-        if rec.all_owned is not None:  # the memory of its outputs is the recording's own
-            rec.users = [(u, u()) for u in (ops_of(t).users(t) for t in rec.out_leaves)]
+        if rec.reuse is not None:
+            rec.users = [(u, u()) for u in (ops_of(rec.out_leaves[i]).users(rec.out_leaves[i]) for i in rec.owned_idx)]
         return self.replay(rec, call)
 
     def replay(self, rec, call):
-        out, owned = super().replay(rec, call)
+        rec.args = replace_leaves(call.arg_specs, call.kwarg_specs, call.leaves, rec.subs)
+        try:
+            out, flat = super().replay(rec, call)
+        finally:
+            rec.args = None
         if rec.reuse is None:
-            return out, owned
+            return out, flat
         objs = rec.reuse.take(rec)
-        return unflatten(rec.spec, iter(objs), argument_objects(call.arg_specs, call.kwarg_specs)), objs
+        for i, t in zip(rec.owned_idx, objs):
+            flat[i] = t
+        return unflatten(rec.spec, iter(flat), argument_objects(call.arg_specs, call.kwarg_specs)), objs
 
     def discard(self, rec):
         super().discard(rec)

@@ -24,10 +24,6 @@ def piece(x, w):
     return x * w, x + w, (x - w).sum(0)
 
 
-def eager(x, w):
-    return [t.clone() for t in piece(x, w)]
-
-
 @pytest.fixture
 def tree(monkeypatch):
     with cpu_tree(monkeypatch, ReusingBackend) as mgr:
@@ -48,7 +44,7 @@ def step(mgr, f, w):
     mgr.mark_step_begin()
     x = torch.randn(4, 3)
     outs = f(x, w)
-    for got, want in zip(outs, eager(x, w)):
+    for got, want in zip(outs, [t.clone() for t in f.fn(x, w)], strict=True):
         assert torch.equal(got, want)
     return outs
 
@@ -68,6 +64,24 @@ def test_a_piece_hands_out_its_last_output_objects_again_when_nothing_holds_them
         assert [id(t) for t in step(tree, f, w)] == ids
     assert recording(tree, f).reuse.made == 1
     assert list(tree.backend.poisoned) == []
+
+
+def with_input(x, w):
+    return x, x * w, x + w  # the input handed back, as AOT autograd's forward returns an input it saves
+
+
+def test_an_input_handed_back_is_made_per_call_beside_the_reused_outputs(tree):
+    w = torch.randn(4, 3)
+    f = compiled(tree, fn=with_input)
+    for _ in range(4):
+        step(tree, f, w)
+    first = step(tree, f, w)
+    ids = [id(t) for t in first[1:]]
+    del first
+    outs = step(tree, f, w)
+    assert [id(t) for t in outs[1:]] == ids
+    rec = recording(tree, f)
+    assert rec.owned_idx == [1, 2] and rec.reuse.made == 1
 
 
 def test_a_function_that_does_not_allow_it_hands_out_new_objects_at_every_replay(tree):
@@ -232,11 +246,14 @@ class Rec:
 
     def __init__(self, outs):
         self.out_leaves = outs
-        self.all_owned = tuple(t.detach for t in outs)
-        self.tree_views, self.out_same, self.out_args, self.alias0, self.bucket = (), (), False, None, None
+        self.owned_idx = list(range(len(outs)))
+        self.out_alias = [t.detach for t in outs]
+        self.tree_views, self.out_same, self.out_args, self.bucket = (), (), False, None
 
 
 def test_only_two_or_more_owned_outputs_of_a_function_that_allows_it_are_handed_out_again():
+    """And a function whose other outputs are not the tree's memory (an input handed back) hands
+    out the owned ones again (``test_an_input_handed_back_is_made_per_call_beside_the_reused_outputs``)."""
     class Fn:
         reuse_outputs = True
 
@@ -244,7 +261,7 @@ def test_only_two_or_more_owned_outputs_of_a_function_that_allows_it_are_handed_
     assert isinstance(reuse_for(Fn, Rec(outs)), Reuse)
     assert reuse_for(object(), Rec(outs)) is None  # no reuse_outputs
     assert reuse_for(Fn, Rec(outs[:1])) is None  # one output: the single-alias path
-    for attr, value in (("out_same", ((1, 0),)), ("tree_views", (0,)), ("out_args", True), ("all_owned", None)):
+    for attr, value in (("out_same", ((1, 0),)), ("tree_views", (0,)), ("out_args", True), ("owned_idx", [1])):
         rec = Rec(outs)
         setattr(rec, attr, value)
         assert reuse_for(Fn, rec) is None, attr

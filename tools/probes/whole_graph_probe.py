@@ -38,6 +38,7 @@ import time
 # (label, module, attribute): cgraw's call, nested as the labels' indentation shows
 SPLIT_PARTS = (
     ("graphed call", "cgraw.trees.graphed", "GraphedFunction.__call__"),
+    ("  ended step's outputs", "cgraw.trees.manager", "TreeManager._take_outputs"),
     ("  manager call", "cgraw.trees.manager", "TreeManager._call"),
     ("    classify and key", "cgraw.trees.calls", "_inspect_guarded"),
     ("    replay", "cgraw.trees.recording", "Recording.replay"),
@@ -50,6 +51,7 @@ SPLIT_PARTS = (
     ("      copies back", "cgraw.trees.cuda_backend", "_copy_on"),
     ("      launch", "cgraw.trees.recording", "_launch"),
     ("      outputs", "cgraw.trees.recording", "Recording._outputs"),
+    ("      outputs handed out again", "cgraw.trees.outputs", "Reuse.take"),
 )
 
 
