@@ -27,7 +27,9 @@ An input that was memory of the tree's pool when the graph was recorded (an earl
 fed back, as a decoded token is) keeps its copy without a proof: read in place, every replay would
 first stage it into a copy by a driver call of its own (the graph may write that memory), where
 its copy node, which runs before any other node of the graph, costs no driver call while the input
-stays at one address.
+stays at one address. So does a small read-only input that views its block at an offset (a window
+such as ``positions[i:i+1]``): the next window is a few bytes further, less aligned than the
+recording's, and would be staged the same way; its copy node is re-pointed by one driver call.
 
 Equal: the inputs are read in place from now on (``recording.InputRebind``) and their
 placeholders are freed. Different (a read the scan did not see, a non-deterministic kernel):
@@ -63,6 +65,7 @@ log = logging.getLogger("cgraw")
 
 SNAPSHOT_LIMIT = 1 << 30  # bytes of device ranges one proof may save (three copies are made)
 BIG_INPUT = 1 << 20  # an input this large is read in place however many nodes read it (its copy costs device time)
+WINDOW_INPUT = 64 << 10  # a read-only view at an offset into its block, smaller than this, keeps its copy
 OFF = "cgraw.config.rebind_inputs is False"
 PADDED = "a padded input (padding bucket): its copy node also sets the rows of this call"
 DIFFER = ("a replay reading it in place did not equal the replay with its copy (a read cgraw's "
@@ -75,6 +78,10 @@ FED_BACK = ("it was memory of the tree's pool when the graph was recorded (an ea
             "back, as a decoded token is): its copy node reads it before any node of the graph runs, with "
             "no driver call while it stays at one address, where read in place it would be staged into a "
             "copy by a driver call before every launch (the graph may write that memory)")
+WINDOW = ("it views its block at an offset (a slice such as positions[i:i+1]), and such a window moves by "
+          "less than the 256-byte alignment the graph's kernels were recorded for: read in place, every such "
+          "call would stage it into a copy by a driver call before the launch, where its copy node takes one "
+          "re-point (read-only views of 64 KiB or more are read in place)")
 
 _ALLOWED_TYPES = ("CU_GRAPH_NODE_TYPE_KERNEL", "CU_GRAPH_NODE_TYPE_MEMCPY", "CU_GRAPH_NODE_TYPE_MEMSET",
                   "CU_GRAPH_NODE_TYPE_EMPTY", "CU_GRAPH_NODE_TYPE_WAIT_EVENT",
@@ -108,12 +115,21 @@ class Pending:
 
 def plan(rec, g, call, placeholders: dict, config, fed_back=()) -> None:
     """Fill ``rec.input_notes`` and, when an input may be read in place, ``rec.proof``. The leaves
-    ``fed_back`` were memory of the tree's pool at the recording: they keep their copies."""
+    ``fed_back`` were memory of the tree's pool at the recording, and small read-only inputs that
+    view their block at an offset are windows that move by less than the kernels' alignment: both
+    keep their copies."""
     copies_in = [c for c in rec.copies if not c.back]
     notes = rec.input_notes = {c.leaf: None for c in copies_in}
     for leaf in fed_back:
         if leaf in notes:
             notes[leaf] = FED_BACK
+    written = {c.leaf for c in rec.copies if c.back}
+    for c in copies_in:
+        j = c.leaf
+        if notes[j] is None and j not in written and c.count < WINDOW_INPUT:
+            o, t = call.ops[j], call.leaves[j]
+            if o.ptr(t) != o.base_ptr(t):
+                notes[j] = WINDOW
     if not any(why is None for why in notes.values()):
         return
     if not config.rebind_inputs:
@@ -185,7 +201,6 @@ def plan(rec, g, call, placeholders: dict, config, fed_back=()) -> None:
     n_copies: dict = {}
     for c in rec.copies:
         n_copies[c.leaf] = n_copies.get(c.leaf, 0) + 1
-    written = {c.leaf for c in rec.copies if c.back}
     for leaf in cands:
         why = dearer(len(pl.nodes_of(leaf)) + sum(1 for r in pl.refs if r.leaf == leaf), n_copies[leaf],
                      ph_info[leaf][2], config.rebind_node_margin)

@@ -663,6 +663,36 @@ def test_an_input_fed_back_from_the_pool_keeps_its_copy_node_and_equals_eager():
     assert "fed back" in node.reasons[0], node.reasons
 
 
+def test_a_small_window_moving_through_its_block_keeps_its_copy_node_and_equals_eager(monkeypatch):
+    """``positions[i:i+1]``, one int64 further into one ``arange`` at each call, as a decode loop
+    passes its position: the window keeps its copy node (the reason in the report) and each call
+    re-points it, where read in place every call 8 bytes less aligned than the recording's would
+    be staged by a driver copy before the launch; no replay makes one, and every call equals eager.
+    The other input, a fresh 4 KiB tensor at each call, is read in place."""
+    from cgraw import _cuda
+
+    positions = torch.arange(64, device="cuda")
+    w = trand(1024)
+
+    def step(p, x):
+        return x * w + p.to(torch.float32)
+
+    staged = []
+    real = _cuda.memcpy_dtod_async
+    monkeypatch.setattr(_cuda, "memcpy_dtod_async", lambda *a: (staged.append(a), real(*a))[1])
+    f = cgraw.graphed(step)
+    for i in range(1, 20):
+        x = trand(1024)
+        got = f(positions[i:i + 1], x)
+        torch.testing.assert_close(got, step(positions[i:i + 1], x), rtol=0, atol=0,
+                                   msg=lambda m, i=i: f"call {i}: {m}")
+    st = _stats(f)
+    assert not st.skip_reasons and st.eager_calls == 0 and st.replays >= 16, _report()
+    assert staged == [], f"{len(staged)} staging copies"
+    node = _assert_inputs(f, rebound=1, copied=1)
+    assert "views its block at an offset" in node.reasons[0], node.reasons
+
+
 _MISALIGNED_CHILD = r"""
 import io
 import sys

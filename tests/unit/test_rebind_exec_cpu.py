@@ -81,19 +81,35 @@ def fake_graph(monkeypatch):
 
 
 class Counted:
-    """A framework's ops whose arrays count their writes (torch's version counter)."""
+    """A framework's ops whose arrays count their writes (torch's version counter). An array's
+    address and its block's: ``ptr`` and ``base`` of a ``Window``, else both 0 (the whole block)."""
 
     @staticmethod
     def version(t):
         return 0
 
+    @staticmethod
+    def ptr(t):
+        return getattr(t, "ptr", 0)
 
-class Uncounted:
+    @staticmethod
+    def base_ptr(t):
+        return getattr(t, "base", 0)
+
+
+class Uncounted(Counted):
     """A framework's ops that keep no count of writes (CuPy)."""
 
     @staticmethod
     def version(t):
         return None
+
+
+class Window:
+    """An array viewing its block at ``ptr``, the block starting at ``base``."""
+
+    def __init__(self, ptr, base):
+        self.ptr, self.base = ptr, base
 
 
 def make_rec(copies, bucket=None, ops=Counted):
@@ -151,6 +167,37 @@ def test_plan_keeps_the_copy_of_an_input_fed_back_from_the_pool(fake_graph):
     rec, call = make_rec([copy_in(0, 0, PH_A)])
     rebind_proof.plan(rec, g, call, {0: "ph0"}, Config(), [0])
     assert rec.proof is None and rec.input_notes == {0: rebind_proof.FED_BACK}
+
+
+@pytest.mark.parametrize("ops", [Counted, Uncounted])
+def test_plan_keeps_the_copy_of_a_small_read_only_window_into_a_larger_block(fake_graph, ops):
+    """A small input viewing its block at an offset (``positions[i:i+1]``) keeps its copy node with
+    the reason: the next window is a few bytes further and would be staged by a driver copy before
+    each launch. Read in place instead: the same input at its block's start, a window of 64 KiB
+    or more, and a window the function writes (its copy back would run on every call too)."""
+    nodes = [
+        (MEMCPY, (PH_A, CALLER + 8, 8)),  # 0: input copy of leaf 0, 8 bytes
+        (MEMCPY, (PH_B, CALLER + 0x10000, 4096)),  # 1: input copy of leaf 1
+        (KERNEL, [word(PH_A)]),  # 2: reads leaf 0
+        (KERNEL, [word(PH_B)]),  # 3: reads leaf 1
+    ]
+
+    def planned(leaf0, count=8, back=False):
+        g = fake_graph(nodes + ([(MEMCPY, (CALLER + 8, PH_A, count))] if back else []))
+        copies = [InputCopy(0, 0, PH_A, CALLER + 8, count, 0, back=False), copy_in(1, 1, PH_B)]
+        if back:
+            copies.append(InputCopy(0, 4, PH_A, CALLER + 8, count, 0, back=True))
+        rec, call = make_rec(copies, ops=ops)
+        call.leaves = [leaf0, Window(CALLER + 0x10000, CALLER + 0x10000)]
+        rebind_proof.plan(rec, g, call, {0: "ph0", 1: "ph1"}, Config(rebind_node_margin=2))
+        return rec
+
+    rec = planned(Window(CALLER + 8, CALLER))
+    assert rec.input_notes == {0: rebind_proof.WINDOW, 1: None}
+    assert [r.leaf for r in rec.proof.rebinds] == [1]
+    for rec in (planned(Window(CALLER, CALLER)), planned(Window(CALLER + 8, CALLER), count=64 << 10),
+                planned(Window(CALLER + 8, CALLER), back=True)):
+        assert rec.input_notes[0] is None and 0 in [r.leaf for r in rec.proof.rebinds]
 
 
 def test_plan_decides_by_node_count_whatever_the_framework(fake_graph):
