@@ -682,13 +682,15 @@ def test_a_small_window_moving_through_its_block_keeps_its_copy_node_and_equals_
     monkeypatch.setattr(_cuda, "memcpy_dtod_async", lambda *a: (staged.append(a), real(*a))[1])
     f = cgraw.graphed(step)
     for i in range(1, 20):
+        if i == 4:  # the warm-up, the recording and its first replay (whose proof copies ranges) are done
+            staged.clear()
         x = trand(1024)
         got = f(positions[i:i + 1], x)
         torch.testing.assert_close(got, step(positions[i:i + 1], x), rtol=0, atol=0,
                                    msg=lambda m, i=i: f"call {i}: {m}")
     st = _stats(f)
     assert not st.skip_reasons and st.eager_calls == 0 and st.replays >= 16, _report()
-    assert staged == [], f"{len(staged)} staging copies"
+    assert staged == [], f"{len(staged)} driver copies in 16 replays"
     node = _assert_inputs(f, rebound=1, copied=1)
     assert "views its block at an offset" in node.reasons[0], node.reasons
 
