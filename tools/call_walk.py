@@ -13,7 +13,9 @@ functions too, ``cuGraphLaunch`` and torch's current-stream query, and leave no 
 ``--device`` runs the real ``@cgraw.graphed`` on CUDA device 0. ``--time`` also times a call of
 a function whose inputs are guarded (``inputs_guarded``: a piece of ``torch.compile(backend="cgraw")``)
 with 120 tensors, as a model's parameters and buffers make it, and one that also returns 160
-outputs of the tree's memory, as a training forward's piece returns the activations it saves.
+outputs of the tree's memory, as a training forward's piece returns the activations it saves,
+with new output objects at each call and handed out again (``reuse_outputs``, as the backend's
+pieces hand them out).
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def _cpu_setup():
     from cgraw.trees.calls import use_kernel_state, use_torch
     from cgraw.trees.config import grad_probe
     from cgraw.trees import graphed as graphed_mod
-    from cgraw.trees import arrays, recording
+    from cgraw.trees import arrays, outputs, recording
     from cgraw.trees.manager import TreeManager
 
     torch.Tensor.get_device = lambda self: 0  # CPU tensors stand for device 0's
@@ -130,6 +132,7 @@ def _cpu_setup():
                 rec.out_leaves, rec.out_kinds = leaves, [recording.OWNED] * len(leaves)
                 rec.owned_idx, rec.out_alias = list(range(len(leaves))), [t.detach for t in leaves]
                 rec.out_ptrs, rec.keep = [t.data_ptr() for t in leaves], out
+                rec.reuse = outputs.reuse_for(fn, rec)  # as cuda_backend.record
                 return rec
             rec.out_leaves, rec.out_kinds, rec.owned_idx = [out], [recording.OWNED], [0]
             rec.out_ptrs, rec.keep = [out.data_ptr()], out
@@ -211,6 +214,14 @@ def main(argv=None) -> int:
                 forward(*xs)
             print(f"a training forward's piece, {PIECE_TENSORS} tensors in, {PIECE_OUTPUTS} out, grad off: "
                   f"{per_call_us(lambda: forward(*xs), n=2_000):.2f} us")
+        # the same as the backend makes it: its output objects handed out again (trees.outputs.Reuse)
+        again = cgraw.graphed(lambda *ts: ts[0].new_empty(PIECE_OUTPUTS, 64, 8).fill_(1.0).unbind(0))
+        again.inputs_guarded = again.reuse_outputs = True
+        with torch.no_grad():
+            for _ in range(4):
+                again(*xs)
+            print(f"the same, its output objects handed out again (the backend's pieces): "
+                  f"{per_call_us(lambda: again(*xs), n=2_000):.2f} us")
     cgraw.reset()
     return 0
 

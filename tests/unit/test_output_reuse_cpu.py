@@ -265,3 +265,15 @@ def test_only_two_or_more_owned_outputs_of_a_function_that_allows_it_are_handed_
         rec = Rec(outs)
         setattr(rec, attr, value)
         assert reuse_for(Fn, rec) is None, attr
+
+
+def test_an_attribute_set_on_a_handed_out_output_stays_on_the_object_handed_out_again(tree):
+    """The documented difference from eager (docs/guides/torch-compile.md): the object is the same."""
+    w = torch.randn(4, 3)
+    f = compiled(tree)
+    for _ in range(4):
+        step(tree, f, w)
+    outs = step(tree, f, w)
+    outs[0].tag = 1
+    del outs
+    assert step(tree, f, w)[0].tag == 1
