@@ -15,7 +15,6 @@ copied element by element before each launch.
 
 from __future__ import annotations
 
-import operator
 import sys
 
 from cgraw.errors import SkipCall
@@ -101,32 +100,6 @@ class Ops:
         return None
 
 
-_version, _requires_grad = operator.attrgetter("_version"), operator.attrgetter("requires_grad")
-
-
-def _torch_marks(ts) -> tuple:
-    """Version counters (every in-place write, ``squeeze_``, ``set_``, ``resize_`` moves them) and data
-    pointers (``t.data = other`` moves them) of tensors ``ts``."""
-    return list(map(_version, ts)), list(map(sys.modules["torch"].Tensor.data_ptr, ts))
-
-
-def _torch_settle(ts) -> bool:
-    """Whether tensors ``ts`` may be handed out again: not if one is a leaf that requires grad
-    (``requires_grad_()``: a backward would add to its ``.grad``) or keeps its ``.grad``
-    (``retain_grad()``). One that autograd.Function made an output of (AOT autograd's forward) requires
-    grad with a ``grad_fn``: it is detached in place, which lets go of its step's autograd graph
-    (the next forward makes it an output again)."""
-    rg = list(map(_requires_grad, ts))
-    if True not in rg:
-        return True
-    made = [t for t, r in zip(ts, rg) if r]
-    if any(t.grad_fn is None or t.retains_grad for t in made):
-        return False
-    for t in made:
-        t.detach_()
-    return True
-
-
 CONJ_NEG = ("a conjugate or negative view input (x.conj(), torch._neg_view): a recording copies its memory, "
             "not its values; call .resolve_conj() or .resolve_neg() first")
 
@@ -164,8 +137,7 @@ class _TorchOps(Ops):
         return private_api.version(t)
 
     def reuse_probe(self):
-        holders = private_api.tensor_holders()
-        return None if holders is None else (holders, _torch_marks, _torch_settle)
+        return private_api.reuse_probe()
 
     def base_ptr(self, t) -> int:
         """Start of the allocation ``t`` views."""

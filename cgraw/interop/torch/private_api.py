@@ -10,6 +10,7 @@ capture. ``check()`` looks them all up at once (a tree does so when it is create
 
 from __future__ import annotations
 
+import operator
 import sys
 
 from cgraw.errors import CgrawError
@@ -203,11 +204,40 @@ def storage_users(t):
     return users
 
 
-def tensor_holders():
-    """``torch._C.TensorBase._use_count``: the references to a tensor's C++ object (its Python
-    object's, and any C++ holder's: autograd's saved tensors), 1 when only the Python object holds
-    it; None where torch lacks it (a graph tree then makes new output objects at every replay)."""
-    return getattr(getattr(api()._torch._C, "TensorBase", None), "_use_count", None)
+def reuse_probe():
+    """What ``trees.outputs.Reuse`` asks of the tensors it hands out again (``frameworks.Ops.reuse_probe``):
+    ``(holders, marks, settle)``, or None where torch lacks ``torch._C.TensorBase._use_count`` (a graph
+    tree then makes new output objects at every replay). ``holders``: that count, the references to a
+    tensor's C++ object (its Python object's, and any C++ holder's: autograd's saved tensors), 1 when
+    only the Python object holds it."""
+    holders = getattr(getattr(api()._torch._C, "TensorBase", None), "_use_count", None)
+    return None if holders is None else (holders, _marks, _settle)
+
+
+_version, _requires_grad = operator.attrgetter("_version"), operator.attrgetter("requires_grad")
+
+
+def _marks(ts) -> tuple:
+    """Version counters (every in-place write, ``squeeze_``, ``set_``, ``resize_`` moves them) and data
+    pointers (``t.data = other`` moves them) of tensors ``ts``."""
+    return list(map(_version, ts)), list(map(api()._torch.Tensor.data_ptr, ts))
+
+
+def _settle(ts) -> bool:
+    """Whether tensors ``ts`` may be handed out again: not if one is a leaf that requires grad
+    (``requires_grad_()``: a backward would add to its ``.grad``) or keeps its ``.grad``
+    (``retain_grad()``). One that autograd.Function made an output of (AOT autograd's forward) requires
+    grad with a ``grad_fn``: it is detached in place, which lets go of its step's autograd graph
+    (the next forward makes it an output again)."""
+    rg = list(map(_requires_grad, ts))
+    if True not in rg:
+        return True
+    made = [t for t, r in zip(ts, rg) if r]
+    if any(t.grad_fn is None or t.retains_grad for t in made):
+        return False
+    for t in made:
+        t.detach_()
+    return True
 
 
 def memory_segments() -> list:
@@ -351,5 +381,5 @@ def _reset() -> None:
 __all__ = ["INDUCTOR_CONFIG", "KERNEL_STATE", "NEEDED", "NEEDED_ELSEWHERE", "SUPPORTED", "TorchApiError", "api", "check", "cudagraph_unsafe_tag",
            "global_state_guard", "graph_task_id", "higher_order_operator_class", "inductor_config_keys", "kernel_state_getters",
            "memory_segments", "nondeterministic_seeded_tag", "operator_classes", "partition_wrapper_slot",
-           "private", "pytree", "storage_users", "tensor_holders",
+           "private", "pytree", "reuse_probe", "storage_users",
            "top_saved_tensors_hooks"]
