@@ -49,16 +49,22 @@ def step(mgr, f, w):
     return outs
 
 
+def warmed(mgr, fn=piece, reuse=True):
+    """A compiled piece past its warm-up, recording and first replay: ``(f, w)``."""
+    w = torch.randn(4, 3)
+    f = compiled(mgr, fn, reuse)
+    for _ in range(4):
+        step(mgr, f, w)
+    return f, w
+
+
 def recording(mgr, f):
     (node,) = [n for n in mgr.nodes() if n.fn is f]
     return node.recording
 
 
 def test_a_piece_hands_out_its_last_output_objects_again_when_nothing_holds_them(tree):
-    w = torch.randn(4, 3)
-    f = compiled(tree)
-    for _ in range(3):  # warm-up, recording, first replay
-        step(tree, f, w)
+    f, w = warmed(tree)
     ids = [id(t) for t in step(tree, f, w)]
     for _ in range(5):
         assert [id(t) for t in step(tree, f, w)] == ids
@@ -71,10 +77,7 @@ def with_input(x, w):
 
 
 def test_an_input_handed_back_is_made_per_call_beside_the_reused_outputs(tree):
-    w = torch.randn(4, 3)
-    f = compiled(tree, fn=with_input)
-    for _ in range(4):
-        step(tree, f, w)
+    f, w = warmed(tree, fn=with_input)
     first = step(tree, f, w)
     ids = [id(t) for t in first[1:]]
     del first
@@ -85,10 +88,7 @@ def test_an_input_handed_back_is_made_per_call_beside_the_reused_outputs(tree):
 
 
 def test_a_function_that_does_not_allow_it_hands_out_new_objects_at_every_replay(tree):
-    w = torch.randn(4, 3)
-    f = compiled(tree, reuse=False)
-    for _ in range(3):
-        step(tree, f, w)
+    f, w = warmed(tree, reuse=False)
     held = step(tree, f, w)
     again = step(tree, f, w)
     assert all(a is not b for a, b in zip(held, again))
@@ -96,10 +96,7 @@ def test_a_function_that_does_not_allow_it_hands_out_new_objects_at_every_replay
 
 
 def test_an_output_the_caller_holds_is_poisoned_and_the_next_replay_makes_new_objects(tree):
-    w = torch.randn(4, 3)
-    f = compiled(tree)
-    for _ in range(4):
-        step(tree, f, w)
+    f, w = warmed(tree)
     kept = step(tree, f, w)[1]
     outs = step(tree, f, w)  # the generation's end finds `kept` held
     assert all(t is not kept for t in outs)
@@ -125,10 +122,7 @@ class Saves(torch.autograd.Function):
 
 
 def test_an_output_autograd_saved_in_cpp_is_held_though_no_python_reference_remains(tree):
-    w = torch.randn(4, 3)
-    f = compiled(tree)
-    for _ in range(4):
-        step(tree, f, w)
+    f, w = warmed(tree)
     outs = step(tree, f, w)
     saved = id(outs[2])
     x = torch.randn(3, requires_grad=True)
@@ -163,10 +157,7 @@ def hands(x, out):
 
 
 def test_an_output_autograd_made_its_own_at_every_step_is_handed_out_again(tree):
-    w = torch.randn(4, 3)
-    f = compiled(tree)
-    for _ in range(4):
-        step(tree, f, w)
+    f, w = warmed(tree)
     ids = None
     for _ in range(4):
         outs = step(tree, f, w)
@@ -184,10 +175,7 @@ def test_an_output_autograd_made_its_own_at_every_step_is_handed_out_again(tree)
 
 @pytest.mark.parametrize("change", ["squeeze_", "unsqueeze_", "data", "requires_grad_", "retain_grad", "add_"])
 def test_an_output_changed_in_place_and_dropped_is_not_handed_out_again(tree, change):
-    w = torch.randn(4, 3)
-    f = compiled(tree)
-    for _ in range(4):
-        step(tree, f, w)
+    f, w = warmed(tree)
     outs = step(tree, f, w)
     t = outs[0]
     if change == "squeeze_":
@@ -215,10 +203,7 @@ def test_an_output_changed_in_place_and_dropped_is_not_handed_out_again(tree, ch
 
 
 def test_a_view_of_a_handed_out_output_keeps_its_memory_in_use(tree):
-    w = torch.randn(4, 3)
-    f = compiled(tree)
-    for _ in range(4):
-        step(tree, f, w)
+    f, w = warmed(tree)
     outs = step(tree, f, w)
     rec = recording(tree, f)
     view = outs[0][1:]
@@ -231,10 +216,7 @@ def test_a_view_of_a_handed_out_output_keeps_its_memory_in_use(tree):
 
 
 def test_a_discarded_recording_lets_go_of_its_objects(tree):
-    w = torch.randn(4, 3)
-    f = compiled(tree)
-    for _ in range(4):
-        step(tree, f, w)
+    f, w = warmed(tree)
     rec = recording(tree, f)
     assert rec.reuse.objs is not None
     tree.reset()
@@ -269,10 +251,7 @@ def test_only_two_or_more_owned_outputs_of_a_function_that_allows_it_are_handed_
 
 def test_an_attribute_set_on_a_handed_out_output_stays_on_the_object_handed_out_again(tree):
     """The documented difference from eager (docs/guides/torch-compile.md): the object is the same."""
-    w = torch.randn(4, 3)
-    f = compiled(tree)
-    for _ in range(4):
-        step(tree, f, w)
+    f, w = warmed(tree)
     outs = step(tree, f, w)
     outs[0].tag = 1
     del outs
