@@ -256,3 +256,18 @@ def test_an_attribute_set_on_a_handed_out_output_stays_on_the_object_handed_out_
     outs[0].tag = 1
     del outs
     assert step(tree, f, w)[0].tag == 1
+
+
+def test_with_user_visible_cloning_a_held_output_keeps_its_values_and_the_next_replay_makes_new_objects(
+        tree, saved_config):
+    """``config.generation_cloning = "user_visible"``: the output held past its step is moved to a
+    private copy (not poisoned), keeps the values it had, and is never handed out again."""
+    saved_config.generation_cloning = "user_visible"
+    f, w = warmed(tree)
+    outs = step(tree, f, w)
+    kept, want = outs[0], outs[0].clone()
+    del outs
+    again = step(tree, f, w)
+    assert all(t is not kept for t in again) and torch.equal(kept, want)
+    assert not torch.equal(again[0], want)  # fresh random inputs: the replay wrote new values
+    assert list(tree.backend.poisoned) == [] and recording(tree, f).reuse.made == 2
