@@ -140,7 +140,12 @@ class Reuse:
     def usable(self, objs) -> bool:
         """Whether ``objs`` (the objects handed out last) may be handed out again: nothing holds them
         and nothing changed them since they were made."""
-        return not self.held(objs) and self.marks(objs) == self.seen and self.settle(objs)
+        return not self.held(objs) and self.unchanged(objs)
+
+    def unchanged(self, objs) -> bool:
+        """Whether nothing changed ``objs`` in place since they were made (their marks), and the framework
+        lets them be handed out again (``settle``: autograd's state)."""
+        return self.marks(objs) == self.seen and self.settle(objs)
 
     def forget(self) -> None:
         """Let go of the objects (their recording is discarded)."""
@@ -179,7 +184,7 @@ def take_reused(reused: list, live: list) -> None:
         if idx:
             live.extend((name, objs[i]) for i in idx)
         if reuse.objs is objs:
-            if not idx and reuse.marks(objs) == reuse.seen and reuse.settle(objs):
+            if not idx and reuse.unchanged(objs):
                 reuse.checked = True
             else:
                 reuse.drop(rec)
