@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 IMPORTABLE = ("tools.call_walk", "tools.probes.pool_probe", "tools.probes.conditional_probe", "tools.probes.rebind_probe", "tools.probes.rebind_resnet_probe",
-              "tools.probes.train_step_probe", "tools.probes.whole_graph_probe", "tools.sanitize_smoke", "tools.diag.pytest_diag")  # rng_probe runs its checks on import
+              "tools.probes.train_step_probe", "tools.probes.whole_graph_probe", "tools.probes.compile_probe", "tools.sanitize_smoke", "tools.diag.pytest_diag")  # rng_probe runs its checks on import
 
 
 def test_benchmarks_holds_no_probes_diagnostics_or_session_script():
