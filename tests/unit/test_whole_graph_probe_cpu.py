@@ -1,6 +1,7 @@
 """CPU tier: the whole-graph probe's ``Split`` (tools/probes/whole_graph_probe.py), which the device
 runs around cgraw's call: it counts a class's method and a module's function while active, nested
-calls inclusively, and puts the originals back."""
+calls inclusively, and puts the originals back; and its ``backend_fixed_token`` system, which feeds
+each step's token from one tensor."""
 
 from __future__ import annotations
 
@@ -120,3 +121,26 @@ def test_the_train_step_split_times_the_steps_eager_parts_and_the_probe_saves_it
     assert path == str(tmp_path / "train_step_probe.json")
     assert doc["benchmark"] == "train_step_probe" and doc["environment"]["run_id"]
     assert doc["systems"]["cpu"]["split"]["parts"]["zero_grad"][1] == 1.0
+
+
+def test_the_fixed_token_system_feeds_every_step_from_one_tensor_with_each_steps_token():
+    torch = pytest.importorskip("torch")
+    seen = []
+
+    def step(tok, pos):  # a decode step: the next token from this one and the position
+        seen.append((tok.data_ptr(), tok.item()))
+        return tok * 3 + pos
+
+    fixed = probe._fixed_token(step)
+    tok, positions = torch.tensor([[2]]), torch.arange(10, 14)
+    got = []
+    for i in range(4):
+        tok = fixed(tok, positions[i:i + 1])
+        got.append(tok.item())
+    want, t = [], 2
+    for i in range(4):
+        t = t * 3 + 10 + i
+        want.append(t)
+    assert got == want
+    assert len({ptr for ptr, _ in seen}) == 1  # one address: the graph's copy node never moves
+    assert [v for _, v in seen] == [2] + want[:-1]

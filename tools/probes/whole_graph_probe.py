@@ -12,10 +12,15 @@ dynamo backend that compiles with Inductor (no partition wrapper, no CUDA graphs
 parameters and marked static inputs (transformers' ``StaticCache``) read in place. A diagnostic,
 not a test: it checks the tokens against eager's and prints per-token host times, the systems
 timed in turns (one 64-token decode each per round).
-Two floors are timed beside them: ``dynamo_floor``, a backend whose graph returns fixed outputs
+``backend_fixed_token`` is ``cgraw_backend`` fed its token from one tensor (each step's token
+copied into it) rather than a clone at a new address, so only one of its graph's copy nodes is
+re-pointed per token. Two floors are timed beside them: ``dynamo_floor``, a backend whose graph returns fixed outputs
 (dynamo's guards and input gathering alone), and ``loop_floor``, the decode loop with no model.
 "host alone" is the best of three decodes timed while a sleep kernel holds the GPU behind: the
-host's own time per token, which a system bound by its kernels hides in the first figure.
+host's own time per token, which a system bound by its kernels hides in the first figure. "device
+alone" is the GPU's time per token in the same decodes (CUDA events from the sleep's end to the
+decode's last work, all of it queued behind the sleep and run back to back): where the first
+figure exceeds both, the host waits for the GPU inside a call.
 
 ``--split SYSTEM`` times the parts of cgraw's call in three decodes of SYSTEM, the GPU held behind:
 each part's inclusive time per token (``Split``: a ``perf_counter_ns`` wrapper around the callable,
@@ -168,6 +173,8 @@ def _systems(wl, cache):
     for name in ("reduce_overhead", "cgraw_backend", "cgraw_over_compile"):
         call, _ = models._make_call(name, wl.step, (cache,))
         out[name] = cloned(call) if name in ("reduce_overhead", "cgraw_backend") else call
+        if name == "cgraw_backend":
+            out["backend_fixed_token"] = _fixed_token(call)
     compiled = torch.compile(wl.step, backend=whole_graph_backend, dynamic=False)
     out["whole_graph"] = cloned(lambda tok, pos: compiled(tok, pos, cache))
     by_parts = torch.compile(wl.step, backend="cgraw", dynamic=False,
@@ -177,6 +184,22 @@ def _systems(wl, cache):
     out["dynamo_floor"] = cloned(lambda tok, pos: floor(tok, pos, cache))
     out["loop_floor"] = cloned(lambda tok, pos: tok)  # the decode loop and the clone alone
     return out
+
+
+def _fixed_token(call):
+    """``call`` fed its token from one tensor that each step's token is copied into, where the other
+    systems clone it (a new address every other token): the graph's copy node for the token is then
+    never re-pointed, only the window of the positions moves."""
+    buf = []
+
+    def step(tok, pos):
+        if not buf:
+            buf.append(tok.clone())
+        elif tok is not buf[0]:
+            buf[0].copy_(tok)  # the prefill's token
+        return buf[0].copy_(call(buf[0], pos))
+
+    return step
 
 
 TIMED_ONLY = ("dynamo_floor", "loop_floor")
@@ -223,19 +246,24 @@ def main(argv=None) -> int:
             times[name].append((time.perf_counter() - t0) / len(wl.positions) * 1e6)
         order.reverse()
     held: dict = {name: [] for name in systems}
+    queued: dict = {name: [] for name in systems}
     for _ in range(3):  # the host's own time: the GPU held behind by a sleep kernel, no token waits for it
         for name in order:
             tok = wl.prefill(cache)
             torch.cuda.synchronize()
             torch.cuda._sleep(1_000_000_000)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()  # fires when the sleep ends: the decode's work then runs back to back
             t0 = time.perf_counter()
             models._decode(systems[name], tok, wl.positions, collect=False)
             held[name].append((time.perf_counter() - t0) / len(wl.positions) * 1e6)
+            end.record()
             torch.cuda.synchronize()
+            queued[name].append(start.elapsed_time(end) * 1e3 / len(wl.positions))
         order.reverse()
     for name, ts in times.items():
         print(f"{name:20s} {statistics.median(ts):8.1f} us per token (min {min(ts):.1f}, max {max(ts):.1f}); "
-              f"host alone {min(held[name]):.1f}")
+              f"host alone {min(held[name]):.1f}; device alone {min(queued[name]):.1f}")
     if args.profile:
         _profile(systems[args.profile], wl, cache)
     if args.split:
