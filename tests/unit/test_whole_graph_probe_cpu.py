@@ -144,3 +144,27 @@ def test_the_fixed_token_system_feeds_every_step_from_one_tensor_with_each_steps
     assert got == want
     assert len({ptr for ptr, _ in seen}) == 1  # one address: the graph's copy node never moves
     assert [v for _, v in seen] == [2] + want[:-1]
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_the_split_runs_with_the_gpu_held_or_free_and_says_which(hold, monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    slept = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", slept.append)
+    from benchmarks import models
+
+    n = models.LLAMA_NEW  # the decode loop's steps; the probe divides by its positions
+    wl = types.SimpleNamespace(positions=torch.arange(n), prefill=lambda cache: torch.tensor([[1]]))
+    calls = []
+
+    def call(tok, pos):
+        calls.append(pos.item())
+        return tok + pos
+
+    probe._split(call, wl, None, hold=hold)
+    out = capsys.readouterr().out
+    assert calls == list(range(n)) * 3  # three decodes of every position
+    assert len(slept) == (3 if hold else 0)
+    assert ("host alone" in out) == hold and ("the GPU free" in out) == (not hold)
+    assert "classify and key" in out

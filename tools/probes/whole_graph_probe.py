@@ -29,7 +29,9 @@ dynamo's and the rest, cgraw's call, its classification, replay (its staleness c
 re-pointed at moved inputs, staging copies, launch and outputs).
 
 From the repository root, on a GPU: ``python3 -m tools.probes.whole_graph_probe [--rounds 7]
-[--profile cgraw_backend] [--split cgraw_backend]``.
+[--profile cgraw_backend] [--split cgraw_backend] [--split-free cgraw_backend]``. ``--split-free``
+times the same parts with the GPU free: a part that waits for the GPU (a driver call that blocks
+until a launch in flight ends) takes longer there than in ``--split``.
 """
 
 from __future__ import annotations
@@ -214,6 +216,8 @@ def main(argv=None) -> int:
     ap.add_argument("--split", default=None, metavar="SYSTEM",
                     help="after the timings, the parts of cgraw's call per token in three decodes of SYSTEM "
                          "(the GPU held behind)")
+    ap.add_argument("--split-free", default=None, metavar="SYSTEM",
+                    help="the same split with the GPU free: a part that waits for the GPU shows its wait")
     args = ap.parse_args(argv)
     import torch
 
@@ -268,6 +272,8 @@ def main(argv=None) -> int:
         _profile(systems[args.profile], wl, cache)
     if args.split:
         _split(systems[args.split], wl, cache)
+    if args.split_free:
+        _split(systems[args.split_free], wl, cache, hold=False)
     print(cgraw.report())
     return 0
 
@@ -295,14 +301,15 @@ def _profile(call, wl, cache) -> None:
     print(out.getvalue())
 
 
-def _split(call, wl, cache) -> None:
-    """``Split`` of three decodes by ``call``, the GPU held behind by a sleep kernel: the host time per
+def _split(call, wl, cache, hold: bool = True) -> None:
+    """``Split`` of three decodes by ``call``, the GPU held behind by a sleep kernel (``hold``: the
+    host's own time) or free (a part that waits for the GPU then shows its wait): the host time per
     token, and each part's inclusive time and calls per token."""
     import torch
 
     from benchmarks import models
 
-    tokens, total = 3 * len(wl.positions), 0
+    tokens, total, drained = 3 * len(wl.positions), 0, 0
     labels = [label for label, _, _ in SPLIT_PARTS]
     ns, calls = dict.fromkeys(labels, 0), dict.fromkeys(labels, 0)
     with Split(SPLIT_PARTS) as split:
@@ -310,7 +317,8 @@ def _split(call, wl, cache) -> None:
             tok = wl.prefill(cache)  # eager: outside the counts
             torch.cuda.synchronize()
             ns0, calls0 = dict(split.ns), dict(split.calls)
-            torch.cuda._sleep(1_000_000_000)
+            if hold:
+                torch.cuda._sleep(1_000_000_000)
             t0 = time.perf_counter_ns()
             models._decode(call, tok, wl.positions, collect=False)
             total += time.perf_counter_ns() - t0
@@ -318,11 +326,12 @@ def _split(call, wl, cache) -> None:
                 ns[label] += split.ns[label] - ns0[label]
                 calls[label] += split.calls[label] - calls0[label]
             torch.cuda.synchronize()
-    print(f"split: {total / tokens / 1e3:.1f} us per token, host alone, with the wrappers "
+            drained += time.perf_counter_ns() - t0
+    how = "host alone" if hold else f"the GPU free ({drained / tokens / 1e3:.1f} us with the last synchronise)"
+    print(f"split: {total / tokens / 1e3:.1f} us per token, {how}, with the wrappers "
           f"({split.overhead_ns / 1e3:.2f} us per wrapped call)")
     for label in ns:
         print(f"  {label:24s} {ns[label] / tokens / 1e3:8.2f} us per token, {calls[label] / tokens:.2f} calls")
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
