@@ -10,23 +10,18 @@ calls it for every call; backends only read what it decides.
   ``static_argnums``: read in place), *tree output* (an output of an earlier graphed call in this
   generation: read in place), *eager* (everything else: copied into a placeholder).
 - fast paths with the same result: one exact tensor; exact tensors and parameters only; a function
-  whose caller guarantees its inputs' dtypes and devices (``inputs_guarded``: the torch.compile
-  backend's partitions), keyed by the ``GUARDED`` mark, the number of tensors and the sizes after
-  them, as torch's trees key Inductor's graphs (dynamo's guards fix every other size and stride).
+  whose caller guarantees its inputs' dtypes and devices (``inputs_guarded``: the backend's
+  partitions), keyed by ``GUARDED``, the number of tensors and the sizes after them.
 - inputs sharing memory (``input_plan.shared_memory``): once a warm-up shows a function writing an
   eager input (``writes_inputs``), the key of each of its calls notes which inputs overlap an eager
   one. What a recording assumed of its inputs, and how a call differs, is ``trees.input_plan``.
 - padding buckets (``cgraw.trees.buckets``): the bucket a call is recorded under, part of its key.
 - grad mode (``use_grad_mode``): with autograd recording, the key gains ``(GRAD, indices of the
-  leaves that require grad)``, so calls under ``torch.no_grad()`` select recordings of their own
-  (``cgraw.trees.autograd``). Otherwise (grad disabled, or no probe installed) it gains
-  ``(REQUIRES_GRAD, those indices)`` when a leaf requires grad: a function may branch on
-  ``x.requires_grad`` under ``no_grad`` too, and its recording's placeholder requires grad then.
-- the settings that choose kernels (``use_kernel_state``: autocast, TF32, deterministic
-  algorithms, the default dtype, inference mode, cuDNN and attention flags; see
-  ``interop.torch.kernel_state``): the key ends with an id of their current values, so a call made under
-  other settings selects (or makes) a recording of its own. A function reads the cuDNN and
-  attention flags only once its warm-up has shown it runs such ops (``learn_kernel_groups``).
+  leaves that require grad)`` (``cgraw.trees.autograd``); otherwise ``(REQUIRES_GRAD, those
+  indices)`` when a leaf requires grad (a function may branch on ``x.requires_grad``).
+- the settings that choose kernels (``use_kernel_state``, ``interop.torch.kernel_state``): the key
+  ends with an id of their values; the cuDNN and attention flags are read only for a function
+  whose warm-up ran such ops (``learn_kernel_groups``).
 """
 
 from __future__ import annotations
@@ -375,51 +370,44 @@ def _inspect_tensors(fn, args, tree_outputs, device: int) -> Call:
 
 def _inspect_guarded(fn, args, tree_outputs, device: int) -> Call:
     """``inspect`` of a call of a function whose inputs' dtypes and devices its caller guarantees
-    (``inputs_guarded``: the backend's partitions of Inductor's compiled code, which run under
-    dynamo's guards on every graph input's dtype, device, sizes and strides, and take the other
-    tensors from buffers the compiled code allocates itself; such code never hands a conjugate
-    or negative view to its kernels, and a partition's tensors share one device). Its key holds
-    the number of tensors and the arguments after them (the partition's symbolic sizes, keyed as
-    ``inspect`` keys them), not each tensor's sizes and strides: a partition's code is a function
-    of its tensors' addresses and those sizes alone (dynamo's guards and Inductor's asserts at the
-    graph's entry fix the graph inputs' sizes and strides for one compiled graph; Inductor sizes
-    the buffers it passes between partitions from the same symbols), which is how torch's trees
-    key Inductor's graphs too (their integer arguments). Reading 100 tensors' sizes and strides
-    and hashing them cost more than the rest of such a call. Kinds stay out of the key (a parameter
-    at one call and a view of it at the next select one recording, which checks its kinds). The
-    tensors at ``fn.static_positions`` are static (the backend declares the graph's static inputs
-    there: module buffers, tensors marked with ``torch._dynamo.mark_static_address``). A call whose
-    arguments do not start with a tensor takes ``inspect``'s general path."""
-    T, P = _tensor
-    kind_of = {T: EAGER, P: STATIC}
-    types = tuple(map(type, args))
-    n = len(types)
-    while n and types[n - 1] not in kind_of:  # the symbolic sizes after the tensors
-        n -= 1
-    if n == 0:
+    (``inputs_guarded``: the backend's partitions of Inductor's code, run under dynamo's guards on
+    every graph input's dtype, device, sizes and strides; the other tensors are buffers the code
+    allocates itself, never conjugate or negative views, all on one device). Its key holds the
+    number of tensors and the arguments after them (the partition's symbolic sizes), not each
+    tensor's sizes and strides, which the guards and Inductor's asserts fix for one compiled graph
+    (torch's trees key Inductor's graphs so too); reading a hundred tensors' layouts cost more than
+    the rest of such a call. Kinds stay out of the key (the recording checks them). Tensors at
+    ``fn.static_positions`` (module buffers, ``mark_static_address``) are static. Per tuple of
+    argument types the leading tensors and their kinds are worked out once (``_guarded_kinds``).
+    A call whose arguments do not start with a tensor takes ``inspect``'s general path."""
+    T, types = _tensor[0], tuple(map(type, args))
+    memo, fixed = getattr(fn, "guarded_kinds", None), getattr(fn, "static_positions", ())
+    if memo is None or memo[0] is not fixed:
+        memo = fn.guarded_kinds = (fixed, {})
+    known = memo[1].get(types)
+    if known is None:
+        if len(memo[1]) >= 64:  # a bound: argument types rarely vary for one compiled graph
+            memo[1].clear()
+        known = memo[1][types] = _guarded_kinds(types, fixed)
+    n, base = known
+    if n == 0:  # no tensor first, or a non-tensor among the tensors: the general path classifies the call
         return _inspect_general(fn, args, {}, tree_outputs, device)
-    tensors, types = (args[:n], types[:n]) if n < len(args) else (args, types)
-    try:  # C loops: a partition takes a model's parameters and activations, a hundred tensors or more
-        kinds = list(map(kind_of.__getitem__, types))  # STATIC for a parameter, else EAGER
-    except KeyError:  # a non-tensor among the tensors: the general path classifies the call
-        return _inspect_general(fn, args, {}, tree_outputs, device)
+    tensors = args[:n] if n < len(args) else args
+    kinds = list(base)  # STATIC for a parameter and at the static positions, else EAGER
     try:
         ptrs = list(map(T.data_ptr, tensors))  # the unbound method: a parameter's too
     except RuntimeError as exc:  # sparse, meta, ...: no storage to copy or read in place
         raise SkipCall(f"a tensor input has no data pointer ({exc})") from None
     if tensors[0].get_device() != device:
         _wrong_device(tensors, device)
-    if _static_ids:
+    if tree_outputs and not tree_outputs.keys().isdisjoint(ptrs):  # outputs of the calls before it
+        for j, p in enumerate(ptrs):  # a plain tensor's (at a static position too); a parameter stays static
+            if p in tree_outputs and types[j] is T:
+                kinds[j] = TREE
+    if _static_ids:  # marked static: whatever else it is
         for j, a in enumerate(tensors):
             if id(a) in _static_ids:
                 kinds[j] = STATIC
-    if tree_outputs and not tree_outputs.keys().isdisjoint(ptrs):  # outputs of the calls before it
-        for j, p in enumerate(ptrs):
-            if p in tree_outputs and kinds[j] == EAGER:
-                kinds[j] = TREE
-    for j in fn.static_positions:  # the graph's static inputs (module buffers, tensors marked static)
-        if kinds[j] == EAGER:  # a tree output stays one
-            kinds[j] = STATIC
     parts = [GUARDED, n]
     leaves = list(tensors)
     shared = _PLAIN.get(n)
@@ -437,6 +425,19 @@ def _inspect_guarded(fn, args, tree_outputs, device: int) -> Call:
     call = Call(tuple(parts), leaves, kinds, ptrs, ops, spans, specs)
     _key_tail(fn, call, leaves, kinds, ptrs)
     return call
+
+
+def _guarded_kinds(types, fixed) -> tuple:
+    """``(n, kinds)`` of a guarded call with arguments of ``types``: ``n`` leading tensors (0: take the
+    general path) and their kinds but for tree outputs and ``mark_static``: STATIC for a parameter
+    and at the positions ``fixed`` (``static_positions``), else EAGER."""
+    kind_of = {_tensor[0]: EAGER, _tensor[1]: STATIC}
+    n = len(types)
+    while n and types[n - 1] not in kind_of:  # the symbolic sizes after the tensors
+        n -= 1
+    if n == 0 or any(t not in kind_of for t in types[:n]):
+        return 0, ()
+    return n, tuple(STATIC if j in fixed else kind_of[t] for j, t in enumerate(types[:n]))
 
 
 def _wrong_device(args, device: int):

@@ -192,9 +192,10 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
         keep = []
         handed = self._take_outputs()
         if config.generation_cloning is None and handed:
-            ids = tree_nodes.arg_ids(args)
-            keep = [item for item in handed if id(item[1]) in ids]
-            handed = [item for item in handed if id(item[1]) not in ids]
+            ids = tree_nodes.ids_among_args(args, {id(t) for _, t in handed})
+            if ids:
+                keep = [item for item in handed if id(item[1]) in ids]
+                handed = [item for item in handed if id(item[1]) not in ids]
         self._end_generation(handed)
         return keep
 

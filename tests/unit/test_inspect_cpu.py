@@ -496,3 +496,50 @@ def test_a_tree_capture_takes_a_thread_or_stream_route_only():
         capture.for_tree(None, None, warm_cublas=False, route="device")
     cap = capture.for_tree(None, None, warm_cublas=False, route="stream")
     assert (cap._tree, cap._route) == (True, "stream")
+
+
+def test_one_guarded_function_called_many_ways_classifies_each_call_as_the_generic_path(torch_mod, monkeypatch):
+    """A guarded function remembers, per tuple of argument types, its leading tensors and their
+    kinds. Calls of one such function that vary the types, the tree outputs, ``mark_static`` and its
+    ``static_positions`` between calls get, every one, the kinds of the generic path with the static
+    positions applied (an eager tensor there is static, a tree output stays one, a parameter static)."""
+    import random
+
+    torch = torch_mod
+
+    class OnDevice0(torch.Tensor):
+        def get_device(self):
+            return 0
+
+    class ParamOnDevice0(torch.nn.Parameter):
+        def get_device(self):
+            return 0
+
+    monkeypatch.setattr(calls, "_tensor", [OnDevice0, ParamOnDevice0])
+    rng = random.Random(5)
+    f = _fn()
+    f.inputs_guarded = True
+    pool = [torch.randn(3).as_subclass(OnDevice0) for _ in range(6)] + [
+        ParamOnDevice0(torch.randn(3), requires_grad=False) for _ in range(3)]
+    marked = [calls.mark_static(pool[0])]
+    generic_fn = _fn()
+    generic_fn.plain = False
+    for trial in range(300):
+        if rng.random() < 0.1:
+            f.static_positions = tuple(sorted(rng.sample(range(5), rng.randint(0, 3))))
+        n = rng.randint(1, 5)
+        args = tuple(rng.choice(pool) for _ in range(n)) + tuple(rng.randint(1, 9) for _ in range(rng.randint(0, 2)))
+        if len(args) == 1:
+            continue  # the one-tensor path, not the guarded one
+        tree_outputs = {a.data_ptr(): object() for a in args[:n] if rng.random() < 0.4}
+        got = calls.inspect(f, args, {}, tree_outputs, 0)
+        want = list(calls.inspect(generic_fn, args, {}, tree_outputs, 0).kinds)
+        for j in f.static_positions:
+            if j < n and want[j] is EAGER:
+                want[j] = STATIC
+        assert got.key[0] is calls.GUARDED and list(got.kinds) == want, (trial, f.static_positions)
+        assert list(got.ptrs) == [a.data_ptr() for a in args[:n]]
+    # a non-tensor among the tensors: the general path, every time
+    assert calls.inspect(f, (pool[1], "x", pool[2]), {}, {}, 0).key[0] is not calls.GUARDED
+    assert calls.inspect(f, (pool[1], "x", pool[2]), {}, {}, 0).key[0] is not calls.GUARDED
+    del marked

@@ -1206,3 +1206,37 @@ def test_failed_restore_renews_the_pool_and_stays_correct(tree, rng, caplog):
             assert_same(z, tree.eager(h, tree.tensor(values(y))))
     assert "fresh pool" in caplog.text
     assert tree.be.count("renew") == 1
+
+
+def _all_ids(args) -> set:
+    """Every argument's id and those of everything inside its tuples, lists and dicts, recursively."""
+    out = set()
+    for x in args:
+        out.add(id(x))
+        if type(x) in (tuple, list):
+            out |= _all_ids(x)
+        elif type(x) is dict:
+            out |= _all_ids(list(x.values()))
+    return out
+
+
+_leaf_objects = [object() for _ in range(8)]
+_nested = st.recursive(
+    st.sampled_from(_leaf_objects) | st.integers(0, 3),
+    lambda inner: st.lists(inner, max_size=4) | st.lists(inner, max_size=4).map(tuple)
+    | st.dictionaries(st.integers(0, 5), inner, max_size=3),
+    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(args=st.lists(_nested, max_size=6), wanted_idx=st.sets(st.integers(0, 7), max_size=4))
+def test_a_root_call_finds_the_ending_generations_outputs_among_its_arguments_at_any_depth(args, wanted_idx):
+    """``ids_among_args`` (which outputs of the ending generation a root call takes as arguments,
+    kept readable until it has copied them in) finds exactly the wanted objects present anywhere in
+    the arguments' tuples, lists and dict values, and the containers themselves."""
+    from cgraw.trees.nodes import ids_among_args
+
+    wanted = {id(_leaf_objects[i]) for i in wanted_idx}
+    if args and isinstance(args[0], (list, tuple, dict)):
+        wanted.add(id(args[0]))  # a container among the wanted ids is found too
+    assert ids_among_args(tuple(args), wanted) == wanted & _all_ids(args)
