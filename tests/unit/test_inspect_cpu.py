@@ -288,6 +288,22 @@ def test_generation_end_poisons_the_torch_outputs_and_skips_cupy_ones(monkeypatc
 # ---------------------------------------------------------------------- the plain-tensor fast path
 
 
+def _on_device0(torch, monkeypatch):
+    """A tensor and a parameter type whose instances say they live on device 0, installed as the
+    exact types ``calls.inspect``'s fast paths look for."""
+
+    class OnDevice0(torch.Tensor):
+        def get_device(self):
+            return 0
+
+    class ParamOnDevice0(torch.nn.Parameter):
+        def get_device(self):
+            return 0
+
+    monkeypatch.setattr(calls, "_tensor", [OnDevice0, ParamOnDevice0])
+    return OnDevice0, ParamOnDevice0
+
+
 @pytest.mark.parametrize("keyed", ["bare", "grad_and_settings"])
 def test_the_plain_tensor_fast_path_classifies_as_the_generic_path(torch_mod, monkeypatch, keyed):
     """``calls.inspect`` takes a shortcut when every argument is an exact ``torch.Tensor`` or
@@ -305,14 +321,7 @@ def test_the_plain_tensor_fast_path_classifies_as_the_generic_path(torch_mod, mo
         monkeypatch.setattr(calls, "_grad_mode", [torch.is_grad_enabled])
         ks = KernelState(torch)
         monkeypatch.setattr(calls, "_kernel", [ks, ks.getters(None)])
-
-    class OnDevice0(torch.Tensor):
-        def get_device(self):
-            return 0
-
-    class ParamOnDevice0(torch.nn.Parameter):
-        def get_device(self):
-            return 0
+    OnDevice0, ParamOnDevice0 = _on_device0(torch, monkeypatch)  # the exact types of the fast path
 
     def arg():
         t = torch.randn(rng.choice([(4,), (2, 3), (3, 2)]))
@@ -322,7 +331,6 @@ def test_the_plain_tensor_fast_path_classifies_as_the_generic_path(torch_mod, mo
         t = t.as_subclass(OnDevice0)
         return t.requires_grad_() if grad else t
 
-    monkeypatch.setattr(calls, "_tensor", [OnDevice0, ParamOnDevice0])  # the exact types of the fast path
     rng = random.Random(7)
     for trial in range(200):
         n = rng.randint(1, 4)
@@ -369,16 +377,7 @@ def test_a_call_whose_input_dtypes_its_caller_guarantees_classifies_as_the_gener
     import random
 
     torch = torch_mod
-
-    class OnDevice0(torch.Tensor):
-        def get_device(self):
-            return 0
-
-    class ParamOnDevice0(torch.nn.Parameter):
-        def get_device(self):
-            return 0
-
-    monkeypatch.setattr(calls, "_tensor", [OnDevice0, ParamOnDevice0])
+    OnDevice0, ParamOnDevice0 = _on_device0(torch, monkeypatch)
     monkeypatch.setattr(calls, "_grad_mode", [torch.is_grad_enabled])
     rng = random.Random(11)
 
@@ -506,16 +505,7 @@ def test_one_guarded_function_called_many_ways_classifies_each_call_as_the_gener
     import random
 
     torch = torch_mod
-
-    class OnDevice0(torch.Tensor):
-        def get_device(self):
-            return 0
-
-    class ParamOnDevice0(torch.nn.Parameter):
-        def get_device(self):
-            return 0
-
-    monkeypatch.setattr(calls, "_tensor", [OnDevice0, ParamOnDevice0])
+    OnDevice0, ParamOnDevice0 = _on_device0(torch, monkeypatch)
     rng = random.Random(5)
     f = _fn()
     f.inputs_guarded = True
