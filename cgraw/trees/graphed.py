@@ -158,7 +158,7 @@ class GraphedFunction:
     shared_memo = None  # input_plan.shared_memory's measures of its inputs read in place, by key
     inputs_guarded = False  # its caller guarantees its tensor inputs' dtypes and devices (the torch.compile backend's partitions)
     static_positions = ()  # with inputs_guarded: positions of tensors its caller keeps at one address (read in place)
-    guarded_kinds = None  # with inputs_guarded: (static_positions, {argument types: (tensors, base kinds)}) (calls.inspect)
+    guarded_kinds = None  # with inputs_guarded: (static_positions, {argument types: (leading tensors, their kinds)}) (calls.inspect)
     continues_step = False  # a call of it never begins a generation: it follows another piece of one compiled graph
     is_backward = False
 
