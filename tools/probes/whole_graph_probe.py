@@ -45,7 +45,10 @@ import time
 # (label, module, attribute): cgraw's call, nested as the labels' indentation shows
 SPLIT_PARTS = (
     ("graphed call", "cgraw.trees.graphed", "GraphedFunction.__call__"),
-    ("  ended step's outputs", "cgraw.trees.manager", "TreeManager._take_outputs"),
+    ("  new step", "cgraw.trees.manager", "TreeManager._begin_step"),
+    ("    ended step's outputs", "cgraw.trees.manager", "TreeManager._take_outputs"),
+    ("    generation's end", "cgraw.trees.manager", "TreeManager._end_generation"),
+    ("  fed-back outputs poisoned", "cgraw.trees.cuda_backend", "CudaBackend.end_generation"),
     ("  manager call", "cgraw.trees.manager", "TreeManager._call"),
     ("    classify and key", "cgraw.trees.calls", "_inspect_guarded"),
     ("    replay", "cgraw.trees.recording", "Recording.replay"),
