@@ -21,7 +21,7 @@ calls it for every call; backends only read what it decides.
   indices)`` when a leaf requires grad (a function may branch on ``x.requires_grad``).
 - the settings that choose kernels (``use_kernel_state``, ``interop.torch.kernel_state``): the key
   ends with an id of their values; the cuDNN and attention flags are read only for a function
-  whose warm-up ran such ops (``learn_kernel_groups``).
+  whose warm-up ran such ops (``growth.learn_kernel_groups``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from cgraw.trees.frameworks import CONJ_NEG
 from cgraw.trees.input_plan import SHARED, KeyMark, shared_memory
 from cgraw.errors import SkipCall
 
-__all__ = ["EAGER", "GRAD", "GUARDED", "REQUIRES_GRAD", "SHARED", "STATIC", "TREE", "Call", "grad_enabled", "inspect",
-           "learn_kernel_groups", "mark_static", "shared_memory", "use_grad_mode", "use_kernel_state"]
+__all__ = ["EAGER", "GRAD", "GUARDED", "REQUIRES_GRAD", "SHARED", "STATIC", "TREE", "Call", "grad_enabled",
+           "guarded_tail", "inspect", "kernel_state", "mark_static", "shared_memory", "use_grad_mode",
+           "use_kernel_state"]
 
 _static_ids: dict[int, object] = {}  # id(array) -> weakref, filled by mark_static
 _tensor = [NoType, NoType]  # [torch.Tensor, torch.nn.Parameter] once torch is loaded: the exact-type fast path
@@ -78,21 +79,9 @@ def use_kernel_state(ks) -> None:
     _kernel[1] = () if ks is None else ks.getters(None)
 
 
-def learn_kernel_groups(fn, groups, key: tuple) -> tuple | None:
-    """A warm-up of ``fn`` ran ops depending on the setting ``groups`` (``interop.torch.kernel_state.GROUPS``
-    names; None: unknown). If that narrows or widens what ``fn``'s calls read, set it and return
-    ``key`` (the warmed call's key) ending with the id of the settings under the new reading, which
-    is what the function's next call under the same settings will have; else None."""
-    ks = _kernel[0]
-    if ks is None or groups is None:
-        return None
-    old = getattr(fn, "kernel_groups", None)
-    new = frozenset(groups) if old is None else old | frozenset(groups)
-    if new != old:
-        fn.kernel_groups = new
-        fn.kernel_getters = ks.getters(new)
-    # also when unchanged: the call may have been keyed before another thread's warm-up learned them
-    return key[:-1] + (ks.state(fn.kernel_getters),)
+def kernel_state():
+    """The ``KernelState`` whose settings id ends every call's key (``use_kernel_state``), or None."""
+    return _kernel[0]
 
 
 def grad_enabled() -> bool:
@@ -425,6 +414,17 @@ def _inspect_guarded(fn, args, tree_outputs, device: int) -> Call:
     call = Call(tuple(parts), leaves, kinds, ptrs, ops, spans, specs)
     _key_tail(fn, call, leaves, kinds, ptrs)
     return call
+
+
+def guarded_tail(fn, args) -> tuple | None:
+    """The end of the key of a call of ``inputs_guarded`` ``fn`` with tensors ``args`` made now, after
+    ``(GUARDED, n)``, where none is a tree output or shares memory with another: ``()`` or ``(settings
+    id,)``; None where it holds more or other kinds (grad mode records, one is marked static)."""
+    p = _grad_mode[0]
+    if (p is not None and p()) or (_static_ids and not _static_ids.keys().isdisjoint(map(id, args))):
+        return None
+    ks = _kernel[0]
+    return () if ks is None else (_settings_id(ks, getattr(fn, "kernel_getters", None) or _kernel[1]),)
 
 
 def _guarded_kinds(types, fixed) -> tuple:

@@ -151,7 +151,7 @@ class GraphedFunction:
     """A function whose calls are warmed up, recorded and replayed by the calling thread's graph tree
     of their device."""
 
-    kernel_groups = None  # groups of kernel-choosing settings its warm-ups showed it reads (calls.learn_kernel_groups)
+    kernel_groups = None  # groups of kernel-choosing settings its warm-ups showed it reads (growth.learn_kernel_groups)
     kernel_getters = None  # the getters of those settings read on each call; None: every group
     copies_out = False  # a graphed backward's outputs are copied out (interop.torch.autograd); never a user's
     writes_inputs = False  # a warm-up found it writing an eager input (or it declares mutates): see input_plan.shared_memory

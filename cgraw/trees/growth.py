@@ -11,7 +11,7 @@ import logging
 
 from cgraw.errors import SkipCall
 from cgraw.trees import nodes as tree_nodes
-from cgraw.trees.calls import learn_kernel_groups
+from cgraw.trees.calls import kernel_state
 from cgraw.trees.config import config
 from cgraw.trees.input_plan import InputPlan, check_shared_writes, declared_mutations, unseen_eager, warm_up
 from cgraw.trees.nodes import FunctionStats, NodeState, Rewarm, TreeNode
@@ -173,4 +173,21 @@ class TreeGrowth:
         return config.skip_dynamic_graphs and idx >= limit
 
 
-__all__ = ["TreeGrowth"]
+def learn_kernel_groups(fn, groups, key: tuple) -> tuple | None:
+    """A warm-up of ``fn`` ran ops depending on the setting ``groups`` (``interop.torch.kernel_state.GROUPS``
+    names; None: unknown). If that narrows or widens what ``fn``'s calls read, set it and return
+    ``key`` (the warmed call's key) ending with the id of the settings under the new reading, which
+    is what the function's next call under the same settings will have; else None."""
+    ks = kernel_state()
+    if ks is None or groups is None:
+        return None
+    old = getattr(fn, "kernel_groups", None)
+    new = frozenset(groups) if old is None else old | frozenset(groups)
+    if new != old:
+        fn.kernel_groups = new
+        fn.kernel_getters = ks.getters(new)
+    # also when unchanged: the call may have been keyed before another thread's warm-up learned them
+    return key[:-1] + (ks.state(fn.kernel_getters),)
+
+
+__all__ = ["TreeGrowth", "learn_kernel_groups"]

@@ -54,7 +54,7 @@ import weakref
 from cgraw.trees import nodes as tree_nodes
 from cgraw.trees.autograd import BUSY, AutogradBook, TreeAutograd, promotion_note
 from cgraw.trees.arrays import weaken_key
-from cgraw.trees.calls import TREE, grad_enabled, inspect
+from cgraw.trees.calls import TREE, grad_enabled, guarded_tail, inspect
 from cgraw.trees.growth import TreeGrowth
 from cgraw.trees.input_plan import moved, unseen_eager
 from cgraw.errors import CgrawError, SkipCall, TreeError
@@ -62,9 +62,13 @@ from cgraw.trees.outputs import PathOutputs, memory_in_use, take_reused
 from cgraw.trees.pool import UNKNOWN, TreePool
 from cgraw.trees.nodes import Backend, FunctionStats, NodeState, Replayable, Rewarm, TreeNode, Warm
 from cgraw.trees.config import config
+from cgraw.trees.prepared import call_of, prepare, shares_memory
 
 log = logging.getLogger("cgraw")
 _ref = weakref.ref
+RECORDED = NodeState.RECORDED
+MISS = object()  # a call that does not match its prepared replay (``TreeManager._replay_prepared``)
+PREPARE_LIMIT = 16  # a function's prepared replay made again this often for another node (no re-record between) stops
 
 WRITES_KEPT = "it writes, in place, an output of the ending generation it gets as an input (h = f(h))"
 SERIAL = tree_nodes.RecordingLock()  # the lock every tree grows under, unless it is given its own
@@ -92,6 +96,7 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
         self.owner_thread = threading.get_ident()
         self._keys_seen: dict[int, dict] = {}  # fn id -> {input signature: order first seen}
         self.book = AutogradBook()  # forwards whose backward may run (calls made with grad enabled)
+        self.prepared: dict = {}  # fn id -> prepared.Prepared of its root node replayed last (cleared with recordings)
 
     # ------------------------------------------------------------------ generations
 
@@ -169,10 +174,76 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
         """``call`` unchecked (each thread gets its own trees); inline in this thread's warm-ups and captures."""
         if self.busy:
             return fn.fn(*args, **kwargs)
+        p = self.prepared.get(fn.fn_id)
+        if p is not None and p.usable and not kwargs:
+            out = self._replay_prepared(p, fn, args)
+            if out is not MISS:
+                return out
         book = self.book
         if self.current is not None and fn.fn_id in self.root_fns and not (book.tickets and book.pending()):
             return self._call_in_new_step(fn, args, kwargs)  # the inference rule: a root function begins a step
-        return self._call(fn, args, kwargs)
+        out = self._call(fn, args, kwargs)
+        if fn.inputs_guarded and not kwargs:
+            self._prepare(fn, args)
+        return out
+
+    def _replay_prepared(self, p, fn, args):
+        """A call of ``fn`` that matches ``p`` (a ``prepared.Prepared`` of its root node): the generic
+        path's new step and replay, without classifying the call. ``MISS``, nothing changed, where it
+        does not match; where that shows only after the new step began (an input read in place moved), the
+        generic path runs after it."""
+        node, current = p.node, self.current
+        if fn.unsafe_reason is not None or tuple(map(type, args)) != p.types or node.state is not RECORDED \
+                or node.recording is not p.rec or node.plan is not p.plan or self.roots.get(p.slot) is not node \
+                or getattr(fn, "static_positions", ()) is not p.static_positions or fn.fn_id not in self.root_fns:
+            return MISS
+        if current is None:
+            if self.tree_outputs:
+                return MISS
+        elif self.book.tickets and self.book.pending():
+            return MISS
+        if guarded_tail(fn, args) != p.tail or args[0].get_device() != self.device_index:
+            return MISS
+        deferred = None if current is None else self._begin_step(args)  # (it may clone outputs out)
+        writes = getattr(fn, "writes_inputs", False)
+        kept = {id(t) for _, t in deferred} if deferred and writes else None
+        try:
+            try:
+                ptrs = list(map(p.data_ptr, args))
+            except RuntimeError:  # no storage: the generic path says why
+                ptrs = None
+            at = p.fixed_at
+            if ptrs is None or (at is not None and at(ptrs) != p.fixed_ptrs) or (writes and shares_memory(p, args, ptrs)) \
+                    or (kept and node.warm is not None and any(id(args[j]) in kept for j in node.warm.mutated)):
+                # an input read in place moved, inputs share memory, or it writes an output it gets:
+                # the generic path decides, as after any new step
+                return self._call(fn, args, {}, kept)
+            call = call_of(p, args, ptrs)
+            res = p.rec.replay(call)
+            if type(res) is not tuple:  # stale: launched nothing; the generic path warms up again
+                return self._call(fn, args, {}, kept)
+            return self._replayed(fn, node, res, call)
+        finally:
+            if deferred:
+                self.backend.end_generation(deferred, None)
+
+    def _prepare(self, fn, args) -> None:
+        """After a call of ``fn`` (a function whose caller guarantees its inputs) took the generic path:
+        where it replayed or recorded a root node of ``fn``, prepare that node's later calls
+        (``prepared.prepare``), once per node and recording, and no more than ``PREPARE_LIMIT`` times
+        for calls that keep switching between its nodes (a re-recording starts the count again)."""
+        node = self.current
+        if node is None or node.fn is not fn or node.parent is not None or node.state is not RECORDED:
+            return
+        old = self.prepared.get(fn.fn_id)
+        if old is None:
+            self.prepared[fn.fn_id] = prepare(fn, node, args, self.device_index)
+        elif old.node is not node or old.rec is not node.recording:
+            if old.builds >= PREPARE_LIMIT:  # its calls keep switching nodes: the generic path serves them
+                old.usable = False
+                return
+            p = self.prepared[fn.fn_id] = prepare(fn, node, args, self.device_index)
+            p.builds = old.builds + 1
 
     def _call_in_new_step(self, fn, args, kwargs):
         """Begin a generation, then the call; ``_call`` runs it eagerly where it writes in place an output
@@ -180,7 +251,10 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
         deferred = self._begin_step(args)
         try:
             kept = {id(t) for _, t in deferred} if deferred and getattr(fn, "writes_inputs", False) else None
-            return self._call(fn, args, kwargs, kept)
+            out = self._call(fn, args, kwargs, kept)
+            if fn.inputs_guarded and not kwargs:
+                self._prepare(fn, args)  # before the outputs it got are poisoned
+            return out
         finally:
             if deferred:
                 self.backend.end_generation(deferred, None)
@@ -219,20 +293,7 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
                 reason = moved(plan, call, fn)
             res = rec.replay(call) if reason is None else None
             if type(res) is tuple:
-                out, owned = res
-                node.stats.replays += 1
-                self.current = node
-                for ptr in rec.out_ptrs:
-                    self.tree_outputs[ptr] = node
-                if owned and not getattr(fn, "copies_out", False):
-                    if rec.reuse is not None:  # objects handed out again: held ones are found at the generation's end
-                        self.outs.reused.append((fn.name, rec, owned))
-                    else:
-                        name, handed = fn.name, self.outs.handed
-                        for t in owned:  # a loop, no comprehension: one output is the common case
-                            handed.append((name, _ref(t)))
-                # a recording without a backward hands out outputs that need no ticket
-                return self._with_backward(fn, node, out, call) if call.grad and rec.grad is not None else out
+                return self._replayed(fn, node, res, call)
             if res is not None:  # what the warm-up learned is out of date: nothing was launched
                 reason = res
         elif node is not None and node.state is NodeState.SKIPPED:  # eager, without the lock
@@ -246,6 +307,25 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
             return self._grow(fn, call, parent, siblings, node, reason, args, kwargs)
         finally:
             self.serial.release()
+
+    def _replayed(self, fn, node, res, call):
+        """After a replay of ``node`` for ``call`` (``res``: the recording's outputs and the owned ones):
+        the path moves on to it, its outputs are the generation's."""
+        out, owned = res
+        rec = node.recording
+        node.stats.replays += 1
+        self.current = node
+        for ptr in rec.out_ptrs:
+            self.tree_outputs[ptr] = node
+        if owned and not getattr(fn, "copies_out", False):
+            if rec.reuse is not None:  # objects handed out again: held ones are found at the generation's end
+                self.outs.reused.append((fn.name, rec, owned))
+            else:
+                name, handed = fn.name, self.outs.handed
+                for t in owned:  # a loop, no comprehension: one output is the common case
+                    handed.append((name, _ref(t)))
+        # a recording without a backward hands out outputs that need no ticket
+        return self._with_backward(fn, node, out, call) if call.grad and rec.grad is not None else out
 
     def _grow(self, fn, call, parent, siblings, node, reason, args, kwargs):
         """A call that is neither a replay nor a skipped node's: a new node, a warm-up, a recording

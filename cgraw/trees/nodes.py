@@ -213,7 +213,7 @@ class Warm:
         self.in_pool = False  # it ran inside the tree's pool and left blocks there (restore before recording)
         self.handed = ()  # its outputs in the pool: invalid once the generation ends
         self.stash = None  # why blocks it left in the pool are held beyond its outputs (lazily made state), or None
-        self.groups = None  # groups of kernel-choosing settings the ops it ran depend on (calls.learn_kernel_groups), or None
+        self.groups = None  # groups of kernel-choosing settings the ops it ran depend on (growth.learn_kernel_groups), or None
         self.kinds = None  # the kinds of the call it ran for (calls.EAGER, STATIC, TREE), set by the tree
         self.rows = None  # padding buckets: what its outputs tell of the rows (buckets.warm_rows), or None
         self.again = False  # it changed an argument's Python state for the first time: warm up once more

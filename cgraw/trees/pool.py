@@ -101,6 +101,7 @@ class TreePool:
     def _forget_recordings(self, nodes) -> None:
         """Discard the recordings of ``nodes``; recorded ones are WARMED again (recorded anew
         when a call reaches them)."""
+        self.prepared.clear()
         for n in nodes:
             if n.recording is not None:
                 self.backend.discard(n.recording)

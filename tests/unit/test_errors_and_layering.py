@@ -117,7 +117,7 @@ LAYER = {
     "cgraw.runtime.device": 2, "cgraw.runtime.stream": 3, "cgraw.rng.device": 3,
     "cgraw.runtime.memory": 4, "cgraw.rebind.ranges": 4, "cgraw.dlpack.tensor": 5,
     "cgraw.runtime.graph": 6, "cgraw.trees.frameworks": 6, "cgraw.trees.arrays": 6, "cgraw.trees.buckets": 6, "cgraw.trees.calls": 6, "cgraw.trees.input_plan": 6, "cgraw.trees.recording": 6,
-    "cgraw.trees.nodes": 6, "cgraw.trees.config": 6, "cgraw.trees.outputs": 6, "cgraw.trees.pool": 6, "cgraw.trees.manager": 6, "cgraw.trees.growth": 6, "cgraw.trees.autograd": 6,
+    "cgraw.trees.nodes": 6, "cgraw.trees.config": 6, "cgraw.trees.outputs": 6, "cgraw.trees.pool": 6, "cgraw.trees.manager": 6, "cgraw.trees.growth": 6, "cgraw.trees.prepared": 6, "cgraw.trees.autograd": 6,
     "cgraw.interop": 7, "cgraw.interop.cupy.blas": 7, "cgraw.interop.torch.partitions": 7,
     "cgraw.interop.torch.whole_graph": 7,
     "cgraw.runtime.capture": 8, "cgraw.trees.cuda_backend": 8, "cgraw.rebind.proof": 8, "cgraw.trees.warmup": 8,

@@ -28,8 +28,12 @@ whose own cost per wrapped call is printed beside), so the host's time per token
 dynamo's and the rest, cgraw's call, its classification, replay (its staleness check, the nodes
 re-pointed at moved inputs, staging copies, launch and outputs).
 
+``--prepared-ab N`` times the backend's decode as the benchmark calls it (each token fed back, no
+clone) in N rounds, with its whole graph's prepared replay (``cgraw.trees.prepared``) on and off in
+turns in one process: GPU free and host alone per token, and the median of the paired differences.
+
 From the repository root, on a GPU: ``python3 -m tools.probes.whole_graph_probe [--rounds 7]
-[--profile cgraw_backend] [--split cgraw_backend] [--split-free cgraw_backend]``. ``--split-free``
+[--profile cgraw_backend] [--split cgraw_backend] [--split-free cgraw_backend] [--prepared-ab 30]``. ``--split-free``
 times the same parts with the GPU free: a part that waits for the GPU (a driver call that blocks
 until a launch in flight ends) takes longer there than in ``--split``.
 """
@@ -179,6 +183,7 @@ def _systems(wl, cache):
         call, _ = models._make_call(name, wl.step, (cache,))
         out[name] = cloned(call) if name in ("reduce_overhead", "cgraw_backend") else call
         if name == "cgraw_backend":
+            out[name].fed_back = call  # as benchmarks.models calls it (--prepared-ab)
             out["backend_fixed_token"] = _fixed_token(call)
     compiled = torch.compile(wl.step, backend=whole_graph_backend, dynamic=False)
     out["whole_graph"] = cloned(lambda tok, pos: compiled(tok, pos, cache))
@@ -221,6 +226,8 @@ def main(argv=None) -> int:
                          "(the GPU held behind)")
     ap.add_argument("--split-free", default=None, metavar="SYSTEM",
                     help="the same split with the GPU free: a part that waits for the GPU shows its wait")
+    ap.add_argument("--prepared-ab", type=int, default=0, metavar="N",
+                    help="after the timings, N rounds of the backend's decode with its prepared replay on and off")
     args = ap.parse_args(argv)
     import torch
 
@@ -277,6 +284,8 @@ def main(argv=None) -> int:
         _split(systems[args.split], wl, cache)
     if args.split_free:
         _split(systems[args.split_free], wl, cache, hold=False)
+    if args.prepared_ab:
+        _prepared_ab(systems["cgraw_backend"].fed_back, wl, cache, args.prepared_ab)
     print(cgraw.report())
     return 0
 
@@ -335,6 +344,48 @@ def _split(call, wl, cache, hold: bool = True) -> None:
           f"({split.overhead_ns / 1e3:.2f} us per wrapped call)")
     for label in ns:
         print(f"  {label:24s} {ns[label] / tokens / 1e3:8.2f} us per token, {calls[label] / tokens:.2f} calls")
+
+def _prepared_ab(call, wl, cache, rounds: int) -> None:
+    """The backend's decode by ``call``, as ``benchmarks.models`` calls it (each token fed back), its
+    whole graph's prepared replay on and off in turns (``Prepared.usable``): per token, GPU free and
+    host alone."""
+    import torch
+
+    from benchmarks import models
+    from cgraw.trees.graphed import tree_here
+
+    for _ in range(3):
+        models._decode(call, wl.prefill(cache), wl.positions, collect=False)
+    mgr = tree_here(torch.cuda.current_device())
+    preps = [p for p in mgr.prepared.values() if p.usable and p.fn.name.startswith(models.BACKEND_NAME)]
+    if len(preps) != 1:
+        print(f"prepared-ab: {len(preps)} usable prepared replays of the backend's graph, not one; "
+              f"{[(p.fn.name, p.why) for p in mgr.prepared.values()]}")
+        return
+    (prep,) = preps
+    free: dict = {True: [], False: []}
+    held: dict = {True: [], False: []}
+    for r in range(rounds):
+        for on in (True, False) if r % 2 == 0 else (False, True):
+            prep.usable = on
+            for hold, out in ((False, free), (True, held)):
+                tok = wl.prefill(cache)
+                torch.cuda.synchronize()
+                if hold:
+                    torch.cuda._sleep(300_000_000)
+                t0 = time.perf_counter()
+                models._decode(call, tok, wl.positions, collect=False)
+                out[on].append((time.perf_counter() - t0) / len(wl.positions) * 1e6)
+                torch.cuda.synchronize()
+    prep.usable = True
+    ok = models._decode(call, wl.prefill(cache), wl.positions, collect=True) == wl.reference_tokens()
+    for on in (True, False):
+        print(f"prepared replay {'on ' if on else 'off'}: GPU free {statistics.median(free[on]):.1f} us per token "
+              f"(min {min(free[on]):.1f}); host alone {statistics.median(held[on]):.1f} (min {min(held[on]):.1f})")
+    diff = statistics.median(a - b for a, b in zip(held[True], held[False]))
+    print(f"prepared replay, host alone, on minus off (median of {rounds} pairs): {diff:+.1f} us per token; "
+          f"tokens {'equal eager' if ok else 'differ from eager'}")
+
 
 if __name__ == "__main__":
     raise SystemExit(main())
