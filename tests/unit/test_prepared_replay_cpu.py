@@ -199,3 +199,31 @@ def test_inputs_sharing_memory_with_a_written_one_take_the_generic_path_and_run_
         (s,) = tree.stats.values()
         assert s.eager_calls == 2 and any("share memory" in r for r in s.skip_reasons), s
     assert served == [2, 3, 4, 8, 9, 10, 11], served
+
+
+def test_a_call_while_a_backward_is_pending_takes_the_generic_path_and_the_next_ones_are_served(monkeypatch):
+    """A training step's forward through another graphed function leaves its backward pending (once
+    that function has run a backward): the whole graph's call then begins no step and extends the
+    path, as the generic path decides; once the backward has run, its calls are served again."""
+    served = []
+    real = manager_mod.call_of
+    monkeypatch.setattr(manager_mod, "call_of", lambda p, args, ptrs: served.append(i) or real(p, args, ptrs))
+    with cpu_tree(monkeypatch, CpuGraphBackend) as tree:
+        f = Whole(body, tree, name="whole")
+        loss = TorchFn(lambda x: (x * x).sum(), tree, name="loss")
+        m, ref = Model(11), Model(11)
+        x = torch.randn(3, requires_grad=True)
+        for i in range(14):
+            train = 5 <= i < 10
+            if train:
+                with torch.enable_grad():
+                    out = loss(x)
+                assert bool(tree.book.tickets and tree.book.pending()) == (i > 5)
+            for t, call in ((m, f), (ref, body)):
+                t.tok = call(t.tok, t.positions[i:i + 1], t.w, t.b, t.state)
+            torch.testing.assert_close(m.tok, ref.tok)
+            if train:
+                x.grad = None
+                out.backward()
+                torch.testing.assert_close(x.grad, 2 * x.detach())
+    assert served == [2, 3, 4, 5, 10, 11, 12, 13], served
