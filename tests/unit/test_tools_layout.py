@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 IMPORTABLE = ("tools.call_walk", "tools.probes.pool_probe", "tools.probes.conditional_probe", "tools.probes.rebind_probe", "tools.probes.rebind_resnet_probe",
-              "tools.probes.train_step_probe", "tools.probes.whole_graph_probe", "tools.probes.compile_probe", "tools.probes.cublas_workspace_probe", "tools.sanitize_smoke", "tools.diag.pytest_diag")  # rng_probe runs its checks on import
+              "tools.probes.train_step_probe", "tools.probes.whole_graph_probe", "tools.probes.compile_probe", "tools.probes.cublas_workspace_probe", "tools.probes.host_mode_probe", "tools.sanitize_smoke", "tools.diag.pytest_diag")  # rng_probe runs its checks on import
 
 
 def test_benchmarks_holds_no_probes_diagnostics_or_session_script():
@@ -40,7 +40,8 @@ def test_tools_import_from_the_repository_root(module):
     assert mod.__doc__ and "tools" in mod.__doc__, module
 
 
-@pytest.mark.parametrize("probe", ["pool_probe", "train_step_probe", "whole_graph_probe", "cublas_workspace_probe"])
+@pytest.mark.parametrize("probe", ["pool_probe", "train_step_probe", "whole_graph_probe", "cublas_workspace_probe",
+                                   "host_mode_probe"])
 def test_probes_parse_their_command_lines_without_a_device(probe):
     out = subprocess.run([sys.executable, "-m", f"tools.probes.{probe}", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
