@@ -16,8 +16,9 @@ settings, grad mode recording, a tensor marked static, a tree output of the gene
 inputs, a pending backward, keyword arguments, the node re-recorded, re-keyed or dropped, a static
 position demoted. What shows only once the step has begun (an input read in place moved; for a
 function that writes its inputs, inputs sharing memory or an output of the ended step it writes)
-sends the call down the generic path after the step, as a new step's call goes. ``prepare`` checks, against ``calls.inspect`` itself, that a call fitting those
-conditions would get the recording's key and kinds.
+sends the call down the generic path after the step, as a new step's call goes. ``prepare``
+checks, against ``calls.inspect`` itself, that a call fitting those conditions would get the
+recording's key and kinds.
 """
 
 from __future__ import annotations
