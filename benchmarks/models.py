@@ -80,7 +80,7 @@ COMPILED_TOL = {"rtol": 2e-3, "atol": 2e-3}
 
 # kind -> (calls per burst, repeats, warm-up calls); a decode burst is one 64-token decode and
 # its warm-up counts decodes
-LOOPS = {"forward": (200, 5, 20), "train": (50, 5, 5), "decode": (LLAMA_NEW, 5, 1)}
+LOOPS = {"forward": (200, 5, 20), "train": (50, 5, 5), "decode": (LLAMA_NEW, 15, 1)}
 QUICK_LOOPS = {"forward": (50, 3, 5), "train": (10, 3, 2), "decode": (LLAMA_NEW, 2, 1)}
 TIMING_CAP_S = {False: 180.0, True: 60.0}  # a ready child's timing, by --quick
 
@@ -91,6 +91,10 @@ METHOD = {
                "token, after an eager prefill that is not timed",
     "submit_us": "the same bursts up to the return of the last call, before the synchronise (host "
                  "submission only)",
+    "host_ref_us": "the host's speed beside each burst: a fixed pure-Python loop (no torch, no GPU) timed "
+                   "just before the burst; median over repeats, and per burst in host_ref_bursts_us beside "
+                   "host_bursts_us. This machine's CPU runs the same loop in two modes about 1.7x apart, "
+                   "for seconds at a time, and a host-bound burst slows with it",
     "device_us": "CUDA events on the current stream before the burst's first call and after its "
                  "last, divided by N: the device timeline of the burst, which includes the device's "
                  "idle gaps when the host is the bottleneck (eager)",
@@ -526,12 +530,13 @@ def _bursts(burst, n: int, repeats: int, prepare=None, turn=None) -> dict:
     between events around it; medians over ``repeats``. ``prepare()`` (untimed) gives the state
     that ``burst(state)`` starts from; ``turn()`` (untimed) runs before each burst: a child process
     waits there while the other systems of its workload take their turn."""
-    host, submit, device = [], [], []
+    host, submit, device, ref = [], [], [], []
     for _ in range(repeats):
         if turn is not None:
             turn()
         state = prepare() if prepare is not None else None
         _sync()
+        ref.append(host_ref_us())
         start, end = _event(), _event()
         t0 = time.perf_counter_ns()
         start.record()
@@ -543,10 +548,20 @@ def _bursts(burst, n: int, repeats: int, prepare=None, turn=None) -> dict:
         host.append((t2 - t0) / n / 1e3)
         submit.append((t1 - t0) / n / 1e3)
         device.append(start.elapsed_time(end) * 1e3 / n)
+    by_burst = {"host_bursts_us": [round(h, 2) for h in host], "host_ref_bursts_us": [round(r, 1) for r in ref]}
     host.sort()
     return {"host_us": statistics.median(host), "host_p90_us": host[int(0.9 * (len(host) - 1))],
             "submit_us": statistics.median(submit), "device_us": statistics.median(device),
-            "loops": n, "repeats": repeats}
+            "host_ref_us": statistics.median(ref), **by_burst, "loops": n, "repeats": repeats}
+
+
+def host_ref_us() -> float:
+    """The time of a fixed pure-Python loop (about 0.5 ms on a 2 GHz core): the host's speed now."""
+    t0 = time.perf_counter_ns()
+    s = 0
+    for i in range(20000):
+        s += i & 7
+    return (time.perf_counter_ns() - t0) / 1e3
 
 
 def _time(wl: Workload, call, loops: tuple, prefill=None, turn=None) -> dict:

@@ -609,3 +609,18 @@ def test_the_models_plot_keeps_a_training_row_apart_and_withholds_a_speedup_the_
     out = plots._speedups(rows, "host_us", "speedup_host")
     assert out["resnet18, batch 8"] == {"eager": 1.0, "cgraw_graphed": 2.0}
     assert out["resnet18, batch 8, optimizer SGD"] == {"eager": 1.0, "cgraw_graphed": 3.0}
+
+
+def test_each_burst_of_the_models_benchmark_records_the_hosts_speed_beside_its_time(monkeypatch):
+    """``benchmarks.models._bursts``: a fixed pure-Python loop is timed before every burst, so a row
+    says whether its bursts ran while the host was fast or slow; per burst, beside the burst's time."""
+    import time
+
+    from benchmarks import models
+
+    monkeypatch.setattr(models, "DEVICE", "cpu")
+    res = models._bursts(lambda _: time.sleep(0.002), n=2, repeats=3)
+    assert len(res["host_bursts_us"]) == len(res["host_ref_bursts_us"]) == 3
+    assert all(h >= 1000 for h in res["host_bursts_us"]), res  # 2 ms per burst of 2 calls
+    assert res["host_ref_us"] > 0
+    assert res["host_ref_us"] == pytest.approx(sorted(res["host_ref_bursts_us"])[1], abs=0.1)  # their median
