@@ -56,7 +56,11 @@ H200 (``tests/gpu/test_autograd.py``).
    enabled (outputs dropped without a backward) keeps the inference rule, deepening the path at
    most once; the first training step of a function, before any backward, may orphan a
    forward (5 keeps it correct). ``mark_step_begin()`` always begins a generation, pending or
-   not: call it where a step begins, not between forward and backward.
+   not: call it where a step begins, not between forward and backward. A forward whose backward
+   runs outside cgraw's autograd but reads its outputs (a ``torch.compile(backend="cgraw")``
+   training graph: AOT autograd's backward takes the forward pieces' outputs as its saved
+   activations) holds the generation open from its first call until that backward runs
+   (``TreeAutograd.hold_step``), as torch's trees do for a forward of a training graph.
    ``config.path_repeat_limit`` still bounds a path that a pending backward keeps deepening:
    past it the function begins a generation anyway, orphaning, with a warning (BPTT longer than
    the limit: raise it; sampling with grad enabled: use ``torch.no_grad()``).
@@ -206,6 +210,7 @@ class AutogradBook:
         self.seq = 0
         self.last_backward = 0  # self.seq when a backward of this generation last ran
         self.trains: dict[int, bool] = {}  # fn id -> whether its forwards' backwards run
+        self.held: set = set()  # owners holding the generation open (TreeAutograd.hold_step)
 
     def issue(self, fn_id, name, node, recording, pool_inputs: bool) -> BackwardTicket:
         self.seq += 1
@@ -237,6 +242,7 @@ class AutogradBook:
                     if not t.ran:
                         orphans.append(t)
             self.tickets = []
+        self.held.clear()
         self.generation += 1
         self.last_backward = self.seq
         return orphans
@@ -289,6 +295,19 @@ class TreeAutograd:
     from autograd's device thread (``call_backward``)."""
 
     _backward_thread: int | None = None  # the thread running call_backward now
+
+    def hold_step(self, owner) -> None:
+        """A forward ran whose backward reads what it left in the tree's memory but runs outside
+        cgraw's autograd (the AOT backward of a ``torch.compile(backend="cgraw")`` training graph,
+        whose saved activations are outputs of its forward's graphed pieces): until
+        ``release_step(owner)`` no root call begins a generation, as a pending ticket would
+        (section 4). A generation begun anyway (``mark_step_begin()``, ``path_repeat_limit``,
+        ``reset()``) drops every hold."""
+        self.book.held.add(owner)
+
+    def release_step(self, owner) -> None:
+        """``owner``'s backward ran (from autograd's thread too): its hold ends."""
+        self.book.held.discard(owner)
 
     def _orphan_pending(self) -> None:
         """Forwards whose backward may still run keep what a recompute reads (before poisoning)."""

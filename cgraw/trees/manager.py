@@ -118,6 +118,8 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
         else:
             book.generation += 1  # what AutogradBook.end_generation does with no ticket to orphan
             book.last_backward = book.seq
+        if book.held:
+            book.held.clear()  # a generation begun anyway: the holding forwards' backwards read poisoned outputs
         backend = self.backend
         if handed or backend.autograd_views:
             backend.end_generation(handed, config.generation_cloning)
@@ -180,7 +182,7 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
             if out is not MISS:
                 return out
         book = self.book
-        if self.current is not None and fn.fn_id in self.root_fns and not (book.tickets and book.pending()):
+        if self.current is not None and fn.fn_id in self.root_fns and not (book.held or book.tickets and book.pending()):
             return self._call_in_new_step(fn, args, kwargs)  # the inference rule: a root function begins a step
         out = self._call(fn, args, kwargs)
         if fn.inputs_guarded and not kwargs:
@@ -200,7 +202,7 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
         if current is None:
             if self.tree_outputs:
                 return MISS
-        elif self.book.tickets and self.book.pending():
+        elif self.book.held or self.book.tickets and self.book.pending():
             return MISS
         if guarded_tail(fn, args) != p.tail or args[0].get_device() != self.device_index:
             return MISS
@@ -379,7 +381,7 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
                     fn.name, config.path_repeat_limit)
         self.root_fns.add(fn.fn_id)
         self._stats(fn).promoted = True
-        if self.book.tickets and self.book.pending():
+        if self.book.held or self.book.tickets and self.book.pending():
             log.warning(promotion_note(fn.name, config.path_repeat_limit))
         return self._call_in_new_step(fn, args, kwargs)
 

@@ -127,8 +127,9 @@ def test_a_switched_setting_that_chooses_kernels_records_its_own_node_and_switch
 
 
 def test_calls_while_a_backward_is_pending_take_the_generic_path_and_gradients_equal_eager(served):
-    """A compiled training forward leaves its backward pending; the whole graph's calls meanwhile
-    begin no step (the inference rule waits for the backward), and after it they are served again."""
+    """A compiled training forward leaves its backward pending from its first call (its backward reads
+    the forward piece's outputs); the whole graph's calls meanwhile begin no step, so those outputs
+    stay valid and the gradients equal eager's; after the backward they are served again."""
     loop = Loop("pending", served)
     net = torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.GELU(), torch.nn.Linear(D, 1)).cuda()
     net_ref = copy.deepcopy(net)
@@ -148,25 +149,33 @@ def test_calls_while_a_backward_is_pending_take_the_generic_path_and_gradients_e
         for p, q in zip(net.parameters(), net_ref.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, **TOL)
     later = loop.run(5)
-    assert not set(pending[1:]) & set(served), (pending, served)  # once the training graph has run a backward
+    assert not set(pending) & set(served), (pending, served)
     assert set(later[1:]) <= set(served), (later, served)
     assert loop.whole().eager_calls == 0
 
 
-def test_a_call_whose_token_shares_memory_with_the_written_state_equals_eager_and_plain_calls_are_served_again(served):
-    """The step writes its state in place; a call given a view of that state as its token must read it
-    after the write, as eager does (whatever path dynamo and cgraw take for it)."""
+def test_a_call_whose_token_shares_memory_with_the_written_state_computes_what_inductor_computes(served):
+    """The step writes its state in place; a call given a view of that state as its token. The
+    backend must compute what the same model compiled by Inductor without cgraw computes (which
+    path dynamo, AOT autograd and cgraw take for such a call is theirs to choose); the plain calls
+    after it equal eager's and are served by the prepared replay again."""
     loop = Loop("shared", served)
+    plain = copy.deepcopy(loop.ref)
+    inductor = torch.compile(plain)  # the reference for compiled semantics: Inductor, no graphs
     loop.run(5)
     with torch.no_grad():
+        for i in range(5):  # compiled on plain calls first, as the backend's step was
+            inductor(trand(1, D), loop.positions[i:i + 1])
+        plain.load_state_dict(loop.ref.state_dict())  # in place: the state the others have now
         for _ in range(3):
             i = served.i
             pos = loop.positions[i:i + 1]
             got = loop.c(loop.m.state.view(1, D), pos)
-            want = loop.ref(loop.ref.state.view(1, D), pos)
-            torch.testing.assert_close(got, want, **TOL)
-            torch.testing.assert_close(loop.m.state, loop.ref.state, **TOL)
-            loop.tok, loop.tok_ref = got.clone(), want
+            want = inductor(plain.state.view(1, D), pos)
+            torch.testing.assert_close(got, want, **TOL, msg=lambda m, i=i: f"call {i}: {m}")
+            torch.testing.assert_close(loop.m.state, plain.state, **TOL)
             served.i += 1
+        loop.ref.load_state_dict(plain.state_dict())
+        loop.tok, loop.tok_ref = got.clone(), want.clone()
     later = loop.run(5)
     assert set(later[2:]) <= set(served), (later, served)

@@ -113,6 +113,13 @@ class FakeTree:
     def __init__(self, owner):
         self.owner_thread = owner
         self.calls = []
+        self.held = set()
+
+    def hold_step(self, owner):
+        self.held.add(owner)
+
+    def release_step(self, owner):
+        self.held.discard(owner)
 
     def call_here(self, fn, args, kwargs):
         self.calls.append((fn, args, kwargs))
@@ -428,6 +435,65 @@ def test_a_forward_while_an_earlier_backward_is_pending_runs_as_compiled():
     assert forward() == (4.0,) and (len(g0.calls), len(g1.calls)) == (2, 2)  # graphed again
     backward()
     assert forward() == (4.0,) and (len(g0.calls), len(g1.calls)) == (3, 3)  # one backward per forward
+
+
+def test_a_training_forward_holds_its_trees_step_open_until_its_backward_runs():
+    """The backward of a training graph reads its forward pieces' outputs (AOT autograd's saved
+    activations): from the forward's first call no other root call may begin a generation, which
+    would invalidate them, until that backward has run. An inference graph holds nothing."""
+    made, notes, seen = [], [], []
+    tree = FakeTree(owner=threading.get_ident())
+    home, other = tcomp.Home(), tcomp.Home()
+    rt = _runtime(made, notes, tree)
+
+    class Arg(float):
+        def get_device(self):
+            return 0
+
+    in_backward = [False]
+    fwd = tcomp.adapt(_partition(seen), FakeGraphed(tcomp.graph_body(_partition(seen), "f")), home, rt,
+                      lambda: in_backward[0], phase="forward")
+    bwd = tcomp.adapt(_partition(seen), FakeGraphed(tcomp.graph_body(_partition(seen), "b")), home, rt,
+                      lambda: in_backward[0], phase="backward")
+    inf = tcomp.adapt(_partition(seen), FakeGraphed(tcomp.graph_body(_partition(seen), "i")), other, rt,
+                      lambda: False, phase="inference")
+    assert inf([Arg(1.0), Arg(2.0), 1]) == (3.0,) and tree.held == set()
+    assert fwd([Arg(1.0), Arg(2.0), 1]) == (3.0,) and tree.held == {home}  # the very first forward holds
+    assert inf([Arg(1.0), Arg(2.0), 1]) == (3.0,) and tree.held == {home}
+    in_backward[0] = True
+    bwd([Arg(1.0), Arg(1.0), 2])
+    in_backward[0] = False
+    assert tree.held == set()
+
+
+def test_a_root_call_while_a_step_is_held_extends_the_path_and_begins_one_once_released(monkeypatch):
+    """``TreeManager.hold_step``: while held, a call of a root function deepens the path (its node
+    a child of the one under way) instead of beginning a generation; once released it begins one
+    again; ``mark_step_begin()`` begins one anyway and drops the hold."""
+    import torch
+    from torch_cpu_backend import TorchFn, cpu_tree
+
+    owner = object()
+    with cpu_tree(monkeypatch) as tree:
+        f = TorchFn(lambda x: x * 2, tree, name="f")
+        x = torch.randn(4)
+        f(x)
+        y = f(x)  # alive, as a forward's saved activations are
+        gen = tree.generation
+        tree.hold_step(owner)
+        z = f(x)
+        assert tree.generation == gen and tree.current.parent is not None  # a child: the path deepened
+        torch.testing.assert_close(y, x * 2)
+        torch.testing.assert_close(z, x * 2)
+        tree.release_step(owner)
+        f(x)
+        assert tree.generation == gen + 1 and tree.current.parent is None
+        tree.hold_step(owner)
+        tree.mark_step_begin()
+        assert tree.book.held == set() and tree.generation == gen + 2
+        f(x)
+        f(x)  # nothing holds the step now: a root call begins a generation again
+        assert tree.generation == gen + 3 and tree.current.parent is None
 
 
 def test_inference_graphs_never_wait_for_a_backward():

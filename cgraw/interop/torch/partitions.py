@@ -105,6 +105,8 @@ def adapt(fn, gf, home: Home, runtime: Runtime, in_backward, *, phase: str | Non
         if in_backward():
             home.forward_pending = False
             tree = home.tree
+            if tree is not None:
+                tree.release_step(home)
             xs = tuple(args)
             args.clear()  # the generated code deletes its names first: the inputs die with this call
             if tree is not None and threading.get_ident() != tree.owner_thread:
@@ -123,6 +125,8 @@ def adapt(fn, gf, home: Home, runtime: Runtime, in_backward, *, phase: str | Non
         ordinal = _device_of(xs)
         if ordinal >= 0:
             home.tree = runtime.tree_here(ordinal)
+        if training and home.tree is not None:
+            home.tree.hold_step(home)  # its backward reads these outputs: no other root call begins a step
         return out
 
     partition.cgraw_graphed = gf
