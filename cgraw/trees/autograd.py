@@ -59,7 +59,7 @@ H200 (``tests/gpu/test_autograd.py``).
    not: call it where a step begins, not between forward and backward. A forward whose backward
    runs outside cgraw's autograd but reads its outputs (a ``torch.compile(backend="cgraw")``
    training graph: AOT autograd's backward takes the forward pieces' outputs as its saved
-   activations) holds the generation open from its first call until that backward runs
+   activations) holds the generation open from its first call until a backward runs
    (``TreeAutograd.hold_step``), as torch's trees do for a forward of a training graph.
    ``config.path_repeat_limit`` still bounds a path that a pending backward keeps deepening:
    past it the function begins a generation anyway, orphaning, with a warning (BPTT longer than
@@ -179,6 +179,7 @@ class BackwardTicket:
         book.trains[self.fn_id] = True
         if self.generation == book.generation:
             book.last_backward = book.seq  # every ticket issued so far is before this backward
+            book.held.clear()  # and every hold (TreeAutograd.hold_step)
 
     def freed(self) -> None:
         if not self.released:
@@ -299,15 +300,17 @@ class TreeAutograd:
     def hold_step(self, owner) -> None:
         """A forward ran whose backward reads what it left in the tree's memory but runs outside
         cgraw's autograd (the AOT backward of a ``torch.compile(backend="cgraw")`` training graph,
-        whose saved activations are outputs of its forward's graphed pieces): until
-        ``release_step(owner)`` no root call begins a generation, as a pending ticket would
-        (section 4). A generation begun anyway (``mark_step_begin()``, ``path_repeat_limit``,
-        ``reset()``) drops every hold."""
+        whose saved activations are outputs of its forward's graphed pieces): until a backward
+        runs no root call begins a generation, as a pending ticket would (section 4). One backward
+        ends every hold (``release_step``, or a ticket's ``backward_ran``), as torch's trees wait for
+        one backward, not all: a forward whose backward never runs holds nothing after the next
+        backward. A generation begun anyway (``mark_step_begin()``, ``path_repeat_limit``,
+        ``reset()``) drops every hold too."""
         self.book.held.add(owner)
 
     def release_step(self, owner) -> None:
-        """``owner``'s backward ran (from autograd's thread too): its hold ends."""
-        self.book.held.discard(owner)
+        """A backward of ``owner``'s graph ran (from autograd's thread too): every hold ends."""
+        self.book.held.clear()
 
     def _orphan_pending(self) -> None:
         """Forwards whose backward may still run keep what a recompute reads (before poisoning)."""

@@ -119,7 +119,7 @@ class FakeTree:
         self.held.add(owner)
 
     def release_step(self, owner):
-        self.held.discard(owner)
+        self.held.clear()
 
     def call_here(self, fn, args, kwargs):
         self.calls.append((fn, args, kwargs))
@@ -468,12 +468,12 @@ def test_a_training_forward_holds_its_trees_step_open_until_its_backward_runs():
 
 def test_a_root_call_while_a_step_is_held_extends_the_path_and_begins_one_once_released(monkeypatch):
     """``TreeManager.hold_step``: while held, a call of a root function deepens the path (its node
-    a child of the one under way) instead of beginning a generation; once released it begins one
-    again; ``mark_step_begin()`` begins one anyway and drops the hold."""
+    a child of the one under way) instead of beginning a generation; one backward releases every
+    hold and the call begins one again; ``mark_step_begin()`` begins one anyway and drops the hold."""
     import torch
     from torch_cpu_backend import TorchFn, cpu_tree
 
-    owner = object()
+    owner, other = object(), object()
     with cpu_tree(monkeypatch) as tree:
         f = TorchFn(lambda x: x * 2, tree, name="f")
         x = torch.randn(4)
@@ -485,7 +485,9 @@ def test_a_root_call_while_a_step_is_held_extends_the_path_and_begins_one_once_r
         assert tree.generation == gen and tree.current.parent is not None  # a child: the path deepened
         torch.testing.assert_close(y, x * 2)
         torch.testing.assert_close(z, x * 2)
-        tree.release_step(owner)
+        tree.hold_step(other)  # a second forward whose backward never runs
+        tree.release_step(owner)  # one backward ends every hold, as torch's trees wait for one
+        assert tree.book.held == set()
         f(x)
         assert tree.generation == gen + 1 and tree.current.parent is None
         tree.hold_step(owner)
