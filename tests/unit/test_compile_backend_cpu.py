@@ -470,7 +470,7 @@ def test_a_root_call_while_a_step_is_held_extends_the_path_and_begins_one_once_r
     """``TreeManager.hold_step``: while held, a call of a root function deepens the path (its node
     a child of the one under way) instead of beginning a generation; one backward releases every
     hold and the call begins one again; ``mark_step_begin()`` begins one anyway and drops the hold."""
-    import torch
+    torch = pytest.importorskip("torch")
     from torch_cpu_backend import TorchFn, cpu_tree
 
     owner, other = object(), object()
