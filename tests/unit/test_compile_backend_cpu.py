@@ -126,6 +126,13 @@ class FakeTree:
         return fn(*args, **kwargs)
 
 
+class Arg(float):
+    """A partition's argument on device 0."""
+
+    def get_device(self):
+        return 0
+
+
 class Meta:
     def __init__(self, n, i):
         self.num_partitions, self.partition_index = n, i
@@ -194,11 +201,6 @@ def test_backward_partitions_run_in_the_tree_of_their_forward():
     tree = FakeTree(owner=-1)  # owned by another thread
     home = tcomp.Home()
     rt = _runtime(made, notes, tree)
-
-    class Arg(float):
-        def get_device(self):
-            return 0
-
     in_backward = [False]
     fwd = tcomp.adapt(_partition(seen), FakeGraphed(tcomp.graph_body(_partition(seen), "f")), home, rt,
                       lambda: in_backward[0])
@@ -445,11 +447,6 @@ def test_a_training_forward_holds_its_trees_step_open_until_its_backward_runs():
     tree = FakeTree(owner=threading.get_ident())
     home, other = tcomp.Home(), tcomp.Home()
     rt = _runtime(made, notes, tree)
-
-    class Arg(float):
-        def get_device(self):
-            return 0
-
     in_backward = [False]
     fwd = tcomp.adapt(_partition(seen), FakeGraphed(tcomp.graph_body(_partition(seen), "f")), home, rt,
                       lambda: in_backward[0], phase="forward")
