@@ -861,6 +861,39 @@ def test_cpu_training_step_graphs_forward_and_backward(inductor):
     _assert_replayed(parts, 6)
 
 
+def test_a_teacher_called_between_a_students_forward_and_backward_runs_in_the_same_step(inductor):
+    """Distillation: the student's compiled training forward, the teacher's compiled inference under
+    ``torch.no_grad()`` (evaluated alone before, so it begins steps of its own), then the student's
+    backward. The teacher's call there must not begin a step, which would invalidate the outputs of
+    the student's forward piece that AOT autograd's backward reads as saved activations (on the CPU
+    nothing is poisoned, so the step count shows it): it runs one node deeper in the path, and the
+    gradients equal eager's."""
+    import torch
+
+    student, ref, teacher = _mlp(), _mlp(), _mlp()
+    cs = inductor.compile(student, name="student")
+    ct = inductor.compile(teacher, name="teacher")
+    with torch.no_grad():
+        for _ in range(3):  # the teacher evaluated alone first: a root function of the tree
+            ct(torch.randn(3, 8))
+    began = []
+    for _ in range(5):
+        x = torch.randn(3, 8)
+        out = cs(x)
+        gen = inductor.tree.generation
+        with torch.no_grad():
+            t = ct(x)
+        began.append(inductor.tree.generation != gen)
+        torch.nn.functional.mse_loss(out, t).backward()
+        torch.nn.functional.mse_loss(ref(x), teacher(x).detach()).backward()
+        for p, q in zip(student.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+            p.grad = q.grad = None
+    assert began == [False] * 5, began
+    parts = inductor.partitions("teacher [")
+    assert parts and all(s.eager_calls == 0 and s.replays >= 1 for s in parts.values()), parts
+
+
 def _cnn():
     import torch
 
