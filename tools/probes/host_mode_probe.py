@@ -8,8 +8,11 @@ kept the GPU busy for ``--load-ms`` (``after GPU load``), and with a sleep kerne
 the burst (``host alone``: the host's own time, which no GPU clock changes). Beside each state's
 median and minimum per token it prints the GPU's SM clock during those bursts (``nvidia-smi``
 sampled every 20 ms in a child process; none where ``nvidia-smi`` is missing), so a system whose
-time moves with the clock shows it. Systems: the backend (``cgraw_backend``), reduce-overhead and
-``@cgraw.graphed`` over ``torch.compile``, as ``benchmarks.models`` makes them.
+time moves with the clock shows it, and the median time of ``benchmarks.models.host_ref_us``'s fixed
+pure-Python loop run just before each burst, so one that moves with the host's own speed shows
+that. Systems: the backend (``cgraw_backend``), reduce-overhead and ``@cgraw.graphed`` over
+``torch.compile``, as ``benchmarks.models`` makes them; one that fails to compile or to run
+in this process is left out with its error, and the others are timed.
 
 From the repository root, on a GPU: ``python3 -m tools.probes.host_mode_probe [--rounds 10]
 [--load-ms 200] [--systems cgraw_backend,reduce_overhead,cgraw_over_compile]``.
@@ -62,7 +65,7 @@ class Clocks:
 
 
 def _burst(call, wl, cache, state: str, load_cycles: int):
-    """One 64-token decode by ``call`` in ``state``: ``(µs per token, (start, end))``."""
+    """One 64-token decode by ``call`` in ``state``: ``(µs per token, (start, end), host loop µs)``."""
     import torch
 
     from benchmarks import models
@@ -76,13 +79,14 @@ def _burst(call, wl, cache, state: str, load_cycles: int):
         torch.cuda.synchronize()
     else:
         torch.cuda._sleep(load_cycles)  # queued ahead: the burst's work waits behind it
+    ref = models.host_ref_us()
     t0 = time.perf_counter()
     models._decode(call, tok, wl.positions, collect=False)
     if state != "host alone":
         torch.cuda.synchronize()
     t1 = time.perf_counter()
     torch.cuda.synchronize()
-    return (t1 - t0) / len(wl.positions) * 1e6, (t0, t1)
+    return (t1 - t0) / len(wl.positions) * 1e6, (t0, t1), ref
 
 
 def main(argv=None) -> int:
@@ -101,9 +105,13 @@ def main(argv=None) -> int:
     cache = wl.new_cache()
     systems = {}
     for name in args.systems.split(","):
-        call, _ = models._make_call(name, wl.step, (cache,))
-        for _ in range(3):  # compile, warm up, record
-            got = models._decode(call, wl.prefill(cache), wl.positions, collect=True)
+        try:
+            call, _ = models._make_call(name, wl.step, (cache,))
+            for _ in range(3):  # compile, warm up, record
+                got = models._decode(call, wl.prefill(cache), wl.positions, collect=True)
+        except Exception as exc:  # noqa: BLE001 -- reported; the other systems are still timed
+            print(f"{name}: left out ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})", flush=True)
+            continue
         print(f"{name}: tokens {'equal eager' if got == ref else 'differ from eager'}", flush=True)
         systems[name] = call
     # the sleep kernel spins for clock cycles: at the device's clock where torch tells it (kHz), else 1.5 GHz
@@ -111,13 +119,15 @@ def main(argv=None) -> int:
     load_cycles = int(args.load_ms * 1e-3 * (rate * 1e3 if rate else 1.5e9))
     times = {(s, st): [] for s in systems for st in STATES}
     windows = {key: [] for key in times}
+    loops = {key: [] for key in times}
     order = [(s, st) for s in systems for st in STATES]
     with Clocks() as clocks:
         for _ in range(args.rounds):
             for s, st in order:
-                us, window = _burst(systems[s], wl, cache, st, load_cycles)
+                us, window, loop_us = _burst(systems[s], wl, cache, st, load_cycles)
                 times[(s, st)].append(us)
                 windows[(s, st)].append(window)
+                loops[(s, st)].append(loop_us)
             order.reverse()
     print(f"µs per token over {args.rounds} bursts of {len(wl.positions)} tokens "
           f"(the load: a sleep kernel of about {args.load_ms:g} ms)")
@@ -125,7 +135,7 @@ def main(argv=None) -> int:
         mhz = clocks.during(windows[(s, st)])
         clock = "" if mhz is None else f"; SM clock {mhz:.0f} MHz"
         print(f"  {s:20s} {st:15s} median {statistics.median(ts):7.1f} min {min(ts):7.1f} "
-              f"max {max(ts):7.1f}{clock}")
+              f"max {max(ts):7.1f}; host loop {statistics.median(loops[(s, st)]):.0f} µs{clock}")
     return 0
 
 
