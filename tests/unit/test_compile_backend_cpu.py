@@ -1282,3 +1282,50 @@ def test_a_later_piece_of_a_compiled_graph_never_begins_a_step(inductor):
     seconds = [n for n in mgr.nodes() if n.fn.fn_id == second]
     assert seconds and all(n.parent is not None and n.parent.fn.fn_id == first for n in seconds)
     assert all(s.replays >= 2 and s.eager_calls == 0 for s in inductor.partitions("recompute [").values())
+
+
+def test_a_token_viewing_the_state_the_step_writes_computes_what_inductor_computes(inductor):
+    """The step writes its state buffer in place and is given a view of that buffer as its token.
+    Eager reads the token after the write; the graph Inductor compiles reads it before (torch's
+    semantics for an input aliasing a buffer the graph mutates). The backend computes what Inductor
+    computes: such a call runs as Inductor compiled it, with the shared memory named as the reason,
+    and the plain calls after it replay."""
+    import copy
+
+    import torch
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.register_buffer("state", torch.randn(1, 8))
+
+        def forward(self, tok, pos):
+            self.state.add_(pos)
+            return torch.tanh(self.lin(tok) + self.state)
+
+    torch.manual_seed(0)
+    m = Step()
+    plain, ref = copy.deepcopy(m), copy.deepcopy(m)
+    c, ind = inductor.compile(m, name="aliased"), torch.compile(plain)
+    with torch.no_grad():
+        for i in range(3):  # compiled on plain calls first
+            x, pos = torch.randn(1, 8), torch.randn(1)
+            for f in (c, ind, ref):
+                f(x, pos)
+        for i in range(4):
+            pos = torch.randn(1)
+            got, want = c(m.state.view(1, 8), pos), ind(plain.state.view(1, 8), pos)
+            eager = ref(ref.state.view(1, 8), pos)
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(m.state, plain.state)
+            torch.testing.assert_close(m.state, ref.state)
+            assert (got - eager).abs().max() > 1e-3, i  # read before the write, not after
+        (before,) = (s.replays for s in inductor.partitions("aliased [").values())
+        for i in range(3):
+            x, pos = torch.randn(1, 8), torch.randn(1)
+            torch.testing.assert_close(c(x, pos), ref(x, pos))
+    (s,) = inductor.partitions("aliased [").values()
+    (reason,) = s.skip_reasons
+    assert "share memory and the function writes input" in reason and s.skip_reasons[reason] >= 3
+    assert s.replays == before + 3
