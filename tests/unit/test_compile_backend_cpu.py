@@ -8,6 +8,7 @@ are checked on the GPU (tests/gpu/test_compile_backend.py)."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 import pathlib
 import re
@@ -1290,8 +1291,6 @@ def test_a_token_viewing_the_state_the_step_writes_computes_what_inductor_comput
     semantics for an input aliasing a buffer the graph mutates). The backend computes what Inductor
     computes: such a call runs as Inductor compiled it, with the shared memory named as the reason,
     and the plain calls after it replay."""
-    import copy
-
     import torch
 
     class Step(torch.nn.Module):
@@ -1309,7 +1308,7 @@ def test_a_token_viewing_the_state_the_step_writes_computes_what_inductor_comput
     plain, ref = copy.deepcopy(m), copy.deepcopy(m)
     c, ind = inductor.compile(m, name="aliased"), torch.compile(plain)
     with torch.no_grad():
-        for i in range(3):  # compiled on plain calls first
+        for _ in range(3):  # compiled on plain calls first
             x, pos = torch.randn(1, 8), torch.randn(1)
             for f in (c, ind, ref):
                 f(x, pos)
@@ -1322,7 +1321,7 @@ def test_a_token_viewing_the_state_the_step_writes_computes_what_inductor_comput
             torch.testing.assert_close(m.state, ref.state)
             assert (got - eager).abs().max() > 1e-3, i  # read before the write, not after
         (before,) = (s.replays for s in inductor.partitions("aliased [").values())
-        for i in range(3):
+        for _ in range(3):
             x, pos = torch.randn(1, 8), torch.randn(1)
             torch.testing.assert_close(c(x, pos), ref(x, pos))
     (s,) = inductor.partitions("aliased [").values()
