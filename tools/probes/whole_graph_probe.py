@@ -25,8 +25,10 @@ figure exceeds both, the host waits for the GPU inside a call.
 ``--split SYSTEM`` times the parts of cgraw's call in three decodes of SYSTEM, the GPU held behind:
 each part's inclusive time per token (``Split``: a ``perf_counter_ns`` wrapper around the callable,
 whose own cost per wrapped call is printed beside), so the host's time per token divides into
-dynamo's and the rest, cgraw's call, its classification, replay (its staleness check, the nodes
-re-pointed at moved inputs, staging copies, launch and outputs).
+dynamo's and the rest, cgraw's call: the prepared replay of a whole graph (its settings id, its
+check of inputs sharing memory) or the generic path's classification, then the replay (its
+staleness check, the nodes re-pointed at moved inputs, staging copies, the current stream, launch
+and outputs).
 
 ``--prepared-ab N`` times the backend's decode as the benchmark calls it (each token fed back, no
 clone) in N rounds, with its whole graph's prepared replay (``cgraw.trees.prepared``) on and off in
@@ -53,6 +55,11 @@ SPLIT_PARTS = (
     ("    ended step's outputs", "cgraw.trees.manager", "TreeManager._take_outputs"),
     ("    generation's end", "cgraw.trees.manager", "TreeManager._end_generation"),
     ("  fed-back outputs poisoned", "cgraw.trees.cuda_backend", "CudaBackend.end_generation"),
+    ("  prepared replay", "cgraw.trees.manager", "TreeManager._replay_prepared"),
+    ("    settings id", "cgraw.trees.manager", "guarded_tail"),
+    ("    inputs sharing memory", "cgraw.trees.manager", "shares_memory"),
+    ("    call made", "cgraw.trees.manager", "call_of"),
+    ("    path moves on", "cgraw.trees.manager", "TreeManager._replayed"),
     ("  manager call", "cgraw.trees.manager", "TreeManager._call"),
     ("    classify and key", "cgraw.trees.calls", "_inspect_guarded"),
     ("    replay", "cgraw.trees.recording", "Recording.replay"),
@@ -63,6 +70,7 @@ SPLIT_PARTS = (
     ("      context check", "cgraw._cuda", "ctx_get_current"),
     ("      staging copy", "cgraw._cuda", "memcpy_dtod_async"),
     ("      copies back", "cgraw.trees.cuda_backend", "_copy_on"),
+    ("      current stream", "cgraw.runtime.stream", "current_getter"),
     ("      launch", "cgraw.trees.recording", "_launch"),
     ("      outputs", "cgraw.trees.recording", "Recording._outputs"),
     ("      outputs handed out again", "cgraw.trees.outputs", "Reuse.take"),
