@@ -413,6 +413,14 @@ def builder(spec):
     return lambda outs, objects: rebuild(spec, iter(outs), objects)
 
 
+def one_leaf(spec):
+    """How output ``spec`` holds one array: None (alone), ``tuple`` or ``list`` (Inductor's code's), else False."""
+    if spec is SINGLE:
+        return None
+    seq = type(spec) is tuple and spec[0] == "seq" and spec[2] == [LEAF] and spec[1]
+    return seq if seq in (tuple, list) else False
+
+
 def _first(outs, objects):
     return outs[0]
 
@@ -438,6 +446,5 @@ class NoType:
 
 
 __all__ = ["CUPY", "EAGER", "LEAF", "SINGLE", "STATIC", "TORCH", "TREE", "Ops", "argument_objects", "builder", "flatten",
-           "is_torch",
-           "is_module", "key_deaths", "names_dead", "names_inputs", "ops_of", "out_spec", "rebuild", "register",
-           "replace_leaves", "unflatten", "weaken_key"]
+           "is_torch", "is_module", "key_deaths", "names_dead", "names_inputs", "one_leaf", "ops_of", "out_spec",
+           "rebuild", "register", "replace_leaves", "unflatten", "weaken_key"]

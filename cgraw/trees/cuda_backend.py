@@ -29,7 +29,7 @@ from cgraw import _cuda
 from cgraw.trees import buckets, warmup as pool_warmup
 from cgraw.rebind import proof as rebind_proof, ranges as rebind_ranges
 from cgraw.runtime import stream as _streams
-from cgraw.trees.arrays import EAGER, SINGLE, TORCH, argument_objects, names_inputs, ops_of, out_spec, replace_leaves
+from cgraw.trees.arrays import EAGER, TORCH, argument_objects, names_inputs, one_leaf, ops_of, out_spec, replace_leaves
 from cgraw.trees.calls import Call, use_kernel_state, use_torch
 from cgraw.runtime.capture import capture
 from cgraw.errors import CaptureError, CudaError, SkipCall, UnsafeCallError
@@ -227,9 +227,9 @@ class CudaBackend(TorchAutograd):
         rec.out_same = repeated_leaves(out_leaves)
         owned = [out_leaves[i] for i in rec.owned_idx]
         rec.out_ptrs = [p for p in (ops_of(t).ptr(t) for t in owned) if p]
-        # one owned output: its alias maker, bound once (t.detach for torch, a.view for CuPy)
-        if rec.out_spec is SINGLE and call.bucket is None and rec.out_kinds[0] is OWNED:
-            rec.alias0 = rec.out_alias[0]
+        # one owned output, alone or in a tuple or list of one (Inductor's code): its alias maker, bound once
+        if call.bucket is None and rec.out_kinds == [OWNED] and (seq := one_leaf(rec.out_spec)) is not False:
+            rec.alias0, rec.seq0 = rec.out_alias[0], seq  # (t.detach for torch, a.view for CuPy)
         rec.bucket, rec.padded = call.bucket, call.padded
         rec.out_rows = ([i for i in buckets.out_rows(out_leaves, call.bucket, warm.rows, rec.out_spec)
                          if rec.out_kinds[i] is OWNED]

@@ -153,6 +153,7 @@ class GraphedFunction:
 
     kernel_groups = None  # groups of kernel-choosing settings its warm-ups showed it reads (growth.learn_kernel_groups)
     kernel_getters = None  # the getters of those settings read on each call; None: every group
+    compiled_groups = frozenset()  # groups its code fixed when compiled (Inductor's): not read per call
     copies_out = False  # a graphed backward's outputs are copied out (interop.torch.autograd); never a user's
     writes_inputs = False  # a warm-up found it writing an eager input (or it declares mutates): see input_plan.shared_memory
     shared_memo = None  # input_plan.shared_memory's measures of its inputs read in place, by key

@@ -206,7 +206,7 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
             return MISS
         if guarded_tail(fn, args) != p.tail or args[0].get_device() != self.device_index:
             return MISS
-        deferred = None if current is None else self._begin_step(args)  # (it may clone outputs out)
+        deferred = None if current is None else self._begin_step(args, True)  # (it may clone outputs out)
         writes = getattr(fn, "writes_inputs", False)
         kept = {id(t) for _, t in deferred} if deferred and writes else None
         try:
@@ -261,14 +261,16 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
             if deferred:
                 self.backend.end_generation(deferred, None)
 
-    def _begin_step(self, args) -> list:
+    def _begin_step(self, args, flat: bool = False) -> list:
         """Start a generation for a call of a root function. Outputs of the ending generation
         that are this call's own arguments (``h = f(h)``, ``h, c = f(h, c)``) stay readable until
-        the call has copied them in (they are eager inputs now), and are poisoned after it."""
+        the call has copied them in (they are eager inputs now), and are poisoned after it.
+        ``flat``: every argument is an array (nothing inside containers to look for)."""
         keep = []
         handed = self._take_outputs()
         if config.generation_cloning is None and handed:
-            ids = tree_nodes.ids_among_args(args, {id(t) for _, t in handed})
+            wanted = {id(t) for _, t in handed}
+            ids = wanted.intersection(map(id, args)) if flat else tree_nodes.ids_among_args(args, wanted)
             if ids:
                 keep = [item for item in handed if id(item[1]) in ids]
                 handed = [item for item in handed if id(item[1]) not in ids]

@@ -245,6 +245,7 @@ class Recording:
         "out_ptrs",  # data pointers of the OWNED outputs (tree-output inputs of later calls)
         "users",  # [(users, baseline)] of the OWNED outputs' memory (frameworks.Ops.users): in use while above
         "alias0",  # one owned output, unpadded: its bound alias maker (the fastest replay)
+        "seq0",  # with alias0: None (returned alone), or tuple or list (returned in a sequence of one)
         "bucket",  # padding bucket, or None
         "padded",  # leaf indices of the padded inputs
         "out_rows",  # output indices cut back to the call's rows (padded replays)
@@ -275,7 +276,7 @@ class Recording:
         self.staged = []
         self.out_leaves, self.out_kinds, self.out_alias, self.out_same = [], [], [], ()
         self.owned_idx, self.out_ptrs, self.users, self.tree_views = [], [], [], ()
-        self._out_spec = self.out_build = self.alias0 = self.bucket = None
+        self._out_spec = self.out_build = self.alias0 = self.seq0 = self.bucket = None
         self.out_args = False
         self.padded = frozenset()
         self.out_rows = []
@@ -365,7 +366,8 @@ class Recording:
         alias0 = self.alias0
         if alias0 is not None:
             o = alias0()
-            return o, (o,)
+            seq = self.seq0
+            return (o if seq is None else (o,) if seq is tuple else [o]), (o,)
         reuse = self.reuse
         if reuse is not None:  # the owned outputs' objects of the last replay where nothing holds them
             objs = reuse.take(self)  # (trees.outputs.Reuse); the other outputs are made as below

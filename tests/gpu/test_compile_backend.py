@@ -9,6 +9,7 @@ fresh random inputs, the backend is found without ``import cgraw``, and a defaul
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
 import subprocess
@@ -557,3 +558,36 @@ def test_a_decode_loop_writing_its_cache_in_place_replays_whole_and_equals_eager
     torch.testing.assert_close(m.k_cache, ref.k_cache, **TOL)
     torch.testing.assert_close(m.v_cache, ref.v_cache, **TOL)
     _assert_replayed(_whole("decodew"), DECODE_STEPS)
+
+
+class Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(64, 3 * 64)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 16).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v).sum(1)
+
+
+def test_switching_attention_backends_keeps_replaying_what_inductor_computes():
+    """Inductor lowers attention to the op of the backend the flags chose when it compiled, so its
+    code does not read them when it runs: the backend's whole graph is not recorded again under
+    other flags, and equals Inductor's own code (compiled beside it) under each of them."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    m = Attention().cuda().half()
+    c = torch.compile(m, backend="cgraw", options={"name": "attn"})
+    ind = torch.compile(m)  # Inductor without graphs: what the backend's graph must compute
+    with torch.no_grad():
+        x = trand(2, 128, 64).half()
+        with sdpa_kernel(SDPBackend.MATH):
+            math = m(x)
+        assert not torch.equal(m(x), math), "the attention backends' results do not differ here"
+        for state in [contextlib.nullcontext, lambda: sdpa_kernel(SDPBackend.MATH)] * 3:
+            with state():
+                x = trand(2, 128, 64).half()
+                torch.testing.assert_close(c(x), ind(x), rtol=0, atol=0)
+    whole = _whole("attn")
+    _assert_replayed(whole)
+    assert [s.recordings for s in whole.values()] == [1] * len(whole), (whole, _diagnosis())

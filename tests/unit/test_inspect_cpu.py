@@ -237,6 +237,38 @@ def test_plain_replay_patches_only_moved_inputs_and_hands_out_its_owned_output(m
     assert patched == [("n0", 0xA00, 0x300, 256)] and launches == [("exec", 0x5001)] * 3
 
 
+@pytest.mark.parametrize("wrap", [lambda o: o, lambda o: (o,), lambda o: [o]], ids=["alone", "tuple", "list"])
+def test_one_owned_output_alone_or_in_a_sequence_of_one_is_handed_out_by_the_fastest_replay(monkeypatch, wrap):
+    """Inductor's code returns its one output in a tuple or list of one: the replay hands out a fresh
+    alias of it inside the same kind of sequence, as ``unflatten`` would, and owns it."""
+    torch = pytest.importorskip("torch")
+    from cgraw.trees.arrays import one_leaf, out_spec, unflatten
+    from cgraw.trees.recording import OWNED, Recording
+
+    _fake_launch(monkeypatch)
+    out_t = torch.randn(4, 16)
+    rec = Recording("g")
+    rec.exec_, rec.ordinal = "exec", 1
+    rec.out_spec = out_spec(wrap(out_t), rec.out_leaves)
+    rec.out_kinds, rec.owned_idx, rec.out_alias = [OWNED], [0], [out_t.detach]
+    seq = one_leaf(rec.out_spec)
+    assert seq is not False
+    rec.alias0, rec.seq0 = out_t.detach, seq
+    out, owned = rec.replay(types.SimpleNamespace(rows=None, ptrs=[], leaves=[]))
+    want = unflatten(rec.out_spec, iter(owned))
+    assert type(out) is type(want) and len(owned) == 1 and owned[0] is not out_t
+    assert (out if seq is None else out[0]) is owned[0] and owned[0].data_ptr() == out_t.data_ptr()
+
+
+def test_only_one_array_alone_or_in_a_tuple_or_list_of_one_has_the_fastest_replay():
+    torch = pytest.importorskip("torch")
+    from cgraw.trees.arrays import one_leaf, out_spec
+
+    a, b = torch.randn(4), torch.randn(4)
+    for out in ((a, b), [(a,)], (a, 3), {"k": a}, [a, a], ((a,),)):
+        assert one_leaf(out_spec(out, [])) is False, out
+
+
 def test_a_replay_hands_out_fresh_aliases_of_every_output_in_order_whether_or_not_all_are_owned(monkeypatch):
     """A recording whose output leaves are all its own (a compiled piece's activations) hands out
     a fresh alias of each, in order, all of them owned, one object for a leaf returned twice; with

@@ -15,7 +15,7 @@ from torch_cpu_backend import CpuTorchBackend, TorchFn, cpu_as_device0  # noqa: 
 
 from cgraw.trees import calls  # noqa: E402
 from cgraw.trees.frameworks import TORCH, layout_offset, may_overlap, span_elements  # noqa: E402
-from cgraw.interop.torch.kernel_state import KernelState, groups_of, kernel_state  # noqa: E402
+from cgraw.interop.torch.kernel_state import COMPILED, KernelState, groups_of, kernel_state  # noqa: E402
 from cgraw.trees.manager import NodeState, TreeManager  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -180,6 +180,51 @@ def test_a_warmed_node_keeps_its_place_when_its_setting_groups_are_learned(tree)
     assert f.kernel_groups == frozenset()
     be = tree.backend
     assert (be.count("warmup"), be.count("record"), be.count("replay")) == (1, 1, 2)
+
+
+class _AttentionBackend(CpuTorchBackend):
+    """Warm-ups report that the function ran an attention op (the ``sdp`` group)."""
+
+    def warmup(self, fn, call, args, kwargs):
+        w = super().warmup(fn, call, args, kwargs)
+        w.groups = frozenset({"sdp"})
+        return w
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager code", "compiled code"])
+def test_attention_flags_select_a_recording_unless_the_code_fixed_them_when_compiled(monkeypatch, compiled):
+    """Eager attention picks its backend from the flags at each call, so a switch selects a
+    recording of its own; Inductor's code runs the backend it lowered to (``compiled_groups``), so
+    its node replays under either."""
+    with cpu_as_device0(monkeypatch):
+        be = _AttentionBackend()
+        mgr = TreeManager(be)
+        be.mgr = mgr
+        calls.use_kernel_state(kernel_state())
+        try:
+            f = TorchFn(lambda x: x * 2, mgr, name="attn")
+            if compiled:
+                f.compiled_groups = COMPILED
+            get, put = SDP_FLIPS["flash sdp"]
+            x = torch.randn(16)
+            with torch.no_grad():
+                for flash in (True, False, True, False):
+                    with flipped(get, put, flash):
+                        for _ in range(2):
+                            mgr.mark_step_begin()
+                            torch.testing.assert_close(f(x), x * 2)
+        finally:
+            calls.use_kernel_state(None)
+    assert f.kernel_groups == {"sdp"}
+    counts = be.count("warmup", "attn"), be.count("record", "attn"), be.count("replay", "attn")
+    assert counts == ((1, 1, 7) if compiled else (2, 2, 6))  # a recording's first replay follows it
+
+
+def test_the_backends_graphed_functions_leave_out_the_settings_inductor_fixes_when_it_compiles():
+    from cgraw.interop.torch import backend
+
+    assert backend.runtime().graphed(lambda x: x).compiled_groups == COMPILED == {"sdp"}
+    assert backend.graphed(lambda x: x).compiled_groups == frozenset()
 
 
 # ---------------------------------------------------------------------- layouts

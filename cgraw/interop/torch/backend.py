@@ -106,7 +106,18 @@ def runtime():
     """cgraw's side of the backend for ``interop.torch.partitions``."""
     from cgraw.interop.torch.partitions import Runtime
 
-    return Runtime(graphed, tree_here, note_without_graphs)
+    return Runtime(graphed_compiled, tree_here, note_without_graphs)
+
+
+def graphed_compiled(fn):
+    """``graphed(fn)`` for code Inductor compiled: the settings it fixed when it compiled
+    (``kernel_state.COMPILED``: the attention backend, lowered to one backend's op) are not part of
+    its calls' keys, as they do not change what its code runs."""
+    from cgraw.interop.torch.kernel_state import COMPILED
+
+    gf = graphed(fn)
+    gf.compiled_groups = COMPILED
+    return gf
 
 
 def cgraw_backend(gm, example_inputs, *, options=None, mode=None):

@@ -31,6 +31,9 @@ import threading
 from cgraw.interop.torch import private_api
 
 GROUPS = ("cudnn", "sdp")  # the groups read only for functions that need them; "core" is always read
+# the groups Inductor's code does not read when it runs: it lowers attention to the op of the backend
+# the flags chose when it compiled (torch's FX graph cache keys on them for that reason)
+COMPILED = frozenset({"sdp"})
 _RECENT = 4  # guards kept for states seen recently
 
 # op-name fragments (aten overload names, lower case) that put a function in a group
@@ -156,4 +159,4 @@ def kernel_state() -> KernelState:
     return ks
 
 
-__all__ = ["GROUPS", "KernelState", "groups_of", "kernel_state"]
+__all__ = ["COMPILED", "GROUPS", "KernelState", "groups_of", "kernel_state"]
