@@ -17,7 +17,8 @@ Cost. Reading every getter costs about 1 µs a call. Most of the state is what d
 that check fails (a few recent guards are kept, so a loop alternating two states reads nothing);
 the settings outside it (inference mode, fp16 accumulation, the deterministic fill) are read on
 every call, the cuDNN and attention groups only for functions whose warm-up ran such ops
-(``groups_of``; a function not yet warmed up reads them all). A guard is used only if it is seen
+(``groups_of``; a function not yet warmed up reads them all), and the attention group not for
+code Inductor compiled (``COMPILED``: its code runs the backend the flags chose at its compile). A guard is used only if it is seen
 to notice a change of autocast (the newest of its fields); otherwise every value is read on
 every call.
 """
