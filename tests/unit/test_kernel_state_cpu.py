@@ -127,18 +127,21 @@ def test_groups_of_ops():
 
 
 class _GroupingBackend(CpuTorchBackend):
-    """Warm-ups report the setting groups of the ops they ran, as the warm-up observer does."""
+    """Warm-ups report the setting groups of the ops they ran (``groups``), as the warm-up observer does."""
+
+    groups = frozenset()
 
     def warmup(self, fn, call, args, kwargs):
         w = super().warmup(fn, call, args, kwargs)
-        w.groups = frozenset()
+        w.groups = self.groups
         return w
 
 
-@pytest.fixture
-def tree(monkeypatch):
+@contextlib.contextmanager
+def _grouping_tree(monkeypatch, groups=frozenset()):
     with cpu_as_device0(monkeypatch):
         be = _GroupingBackend()
+        be.groups = groups
         mgr = TreeManager(be)
         be.mgr = mgr
         calls.use_kernel_state(kernel_state())
@@ -146,6 +149,12 @@ def tree(monkeypatch):
             yield mgr
         finally:
             calls.use_kernel_state(None)
+
+
+@pytest.fixture
+def tree(monkeypatch):
+    with _grouping_tree(monkeypatch) as mgr:
+        yield mgr
 
 
 def test_a_call_under_other_settings_selects_a_recording_of_its_own(tree):
@@ -182,39 +191,24 @@ def test_a_warmed_node_keeps_its_place_when_its_setting_groups_are_learned(tree)
     assert (be.count("warmup"), be.count("record"), be.count("replay")) == (1, 1, 2)
 
 
-class _AttentionBackend(CpuTorchBackend):
-    """Warm-ups report that the function ran an attention op (the ``sdp`` group)."""
-
-    def warmup(self, fn, call, args, kwargs):
-        w = super().warmup(fn, call, args, kwargs)
-        w.groups = frozenset({"sdp"})
-        return w
-
-
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager code", "compiled code"])
 def test_attention_flags_select_a_recording_unless_the_code_fixed_them_when_compiled(monkeypatch, compiled):
     """Eager attention picks its backend from the flags at each call, so a switch selects a
     recording of its own; Inductor's code runs the backend it lowered to (``compiled_groups``), so
     its node replays under either."""
-    with cpu_as_device0(monkeypatch):
-        be = _AttentionBackend()
-        mgr = TreeManager(be)
-        be.mgr = mgr
-        calls.use_kernel_state(kernel_state())
-        try:
-            f = TorchFn(lambda x: x * 2, mgr, name="attn")
-            if compiled:
-                f.compiled_groups = COMPILED
-            get, put = SDP_FLIPS["flash sdp"]
-            x = torch.randn(16)
-            with torch.no_grad():
-                for flash in (True, False, True, False):
-                    with flipped(get, put, flash):
-                        for _ in range(2):
-                            mgr.mark_step_begin()
-                            torch.testing.assert_close(f(x), x * 2)
-        finally:
-            calls.use_kernel_state(None)
+    with _grouping_tree(monkeypatch, frozenset({"sdp"})) as mgr:  # its warm-up ran an attention op
+        f = TorchFn(lambda x: x * 2, mgr, name="attn")
+        if compiled:
+            f.compiled_groups = COMPILED
+        get, put = SDP_FLIPS["flash sdp"]
+        x = torch.randn(16)
+        with torch.no_grad():
+            for flash in (True, False, True, False):
+                with flipped(get, put, flash):
+                    for _ in range(2):
+                        mgr.mark_step_begin()
+                        torch.testing.assert_close(f(x), x * 2)
+    be = mgr.backend
     assert f.kernel_groups == {"sdp"}
     counts = be.count("warmup", "attn"), be.count("record", "attn"), be.count("replay", "attn")
     assert counts == ((1, 1, 7) if compiled else (2, 2, 6))  # a recording's first replay follows it
