@@ -118,6 +118,10 @@ METHOD = {
                "reduce-overhead imports Inductor there, a backend named by a string does at its "
                "first call) plus the first three calls (decode: the first 64-token decode), "
                "setup_calls_s each of those calls",
+    "decode": "each step is given the last step's token: reduce-overhead's loop clones it (torch's trees "
+              "overwrite a previous generation's outputs when a recording ends), the static-input "
+              "systems copy it into their input, @cgraw.graphed over torch.compile and the cgraw backend "
+              "take it as it is (a tree keeps it readable until the call has copied it in)",
     "interleaving": "a workload's systems are timed in turns: each child runs its warm-up "
                     "calls, then one burst per turn, the children of the workload taking turns "
                     "(the order reversed every round) while the others wait on stdin; so a change "
@@ -674,10 +678,11 @@ def _measure(wl: Workload, system: str, *, quick: bool, ready=None, turn=None) -
         if wl.kind == "decode":
             cache = wl.new_cache()
             call, g = made(_make_call, system, wl.step, (cache,))
-            if system in ("reduce_overhead", "cgraw_backend"):
+            if system == "reduce_overhead":
                 # the next step's input is this step's output, and cudagraph trees free a previous
                 # generation's outputs when a recording ends: clone it out (one copy kernel, like
-                # the static-input systems' copy_ of the token)
+                # the static-input systems' copy_ of the token). cgraw's systems take it back as it
+                # is: a tree keeps an output readable until the call it is given to has copied it in
                 inner = call
 
                 def call(tok, pos):

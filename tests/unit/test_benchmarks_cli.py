@@ -624,3 +624,28 @@ def test_each_burst_of_the_models_benchmark_records_the_hosts_speed_beside_its_t
     assert all(h >= 1000 for h in res["host_bursts_us"]), res  # 2 ms per burst of 2 calls
     assert res["host_ref_us"] > 0
     assert res["host_ref_us"] == pytest.approx(sorted(res["host_ref_bursts_us"])[1], abs=0.1)  # their median
+
+
+@pytest.mark.parametrize("system, cloned", [("reduce_overhead", True), ("cgraw_backend", False),
+                                            ("cgraw_over_compile", False)])
+def test_a_decode_step_is_given_the_last_token_cloned_only_under_reduce_overhead(monkeypatch, system, cloned):
+    """``benchmarks.models``' decode loop as each system's users write it (``METHOD["decode"]``):
+    torch's trees overwrite a previous generation's outputs, so reduce-overhead's loop clones the
+    token; cgraw's systems take the step's output back as it is."""
+    torch = pytest.importorskip("torch")
+    from benchmarks import models
+
+    out = torch.randn(1, 1)
+    monkeypatch.setattr(models, "_make_call", lambda system, fn, extra=(), **kw: ((lambda tok, pos: out), None))
+    given = []
+
+    def check(wl, call, prefill):
+        given.append(call(prefill(), None) is out)
+        raise models.CheckFailed("enough")
+
+    monkeypatch.setattr(models, "_check_decode", check)
+    wl = models.Workload("llama_decode", "decode", {}, step=None, new_cache=lambda: None,
+                         prefill=lambda cache: torch.randn(1, 1), positions=None)
+    row = models._measure(wl, system, quick=True)
+    assert given == [not cloned] and row["check"].startswith("differs")
+    assert "reduce-overhead's loop clones it" in models.METHOD["decode"]
