@@ -18,9 +18,9 @@ that check fails (a few recent guards are kept, so a loop alternating two states
 the settings outside it (inference mode, fp16 accumulation, the deterministic fill) are read on
 every call, the cuDNN and attention groups only for functions whose warm-up ran such ops
 (``groups_of``; a function not yet warmed up reads them all), and the attention group not for
-code Inductor compiled (``COMPILED``: its code runs the backend the flags chose at its compile). A guard is used only if it is seen
-to notice a change of autocast (the newest of its fields); otherwise every value is read on
-every call.
+code Inductor compiled (``COMPILED``: its code runs the backend the flags chose at its compile).
+A guard is used only if it is seen to notice a change of autocast (the newest of its fields);
+otherwise every value is read on every call.
 """
 
 from __future__ import annotations
