@@ -175,10 +175,11 @@ class TreeGrowth:
 
 def learn_kernel_groups(fn, groups, key: tuple) -> tuple | None:
     """A warm-up of ``fn`` ran ops depending on the setting ``groups`` (``interop.torch.kernel_state.GROUPS``
-    names; None: unknown), of which its calls read all but ``fn.compiled_groups`` (those its code fixed
-    when it was compiled). If that narrows or widens what ``fn``'s calls read, set it and return
-    ``key`` (the warmed call's key) ending with the id of the settings under the new reading, which
-    is what the function's next call under the same settings will have; else None."""
+    names; None: unknown), of which its calls read all but ``fn.compiled_groups`` (those its code
+    fixed when it was compiled), unless an op out of the warm-up's sight ran (``OPAQUE``). If that
+    narrows or widens what ``fn``'s calls read, set it and return ``key`` (the warmed call's key)
+    ending with the id of the settings under the new reading, which is what the function's next
+    call under the same settings will have; else None."""
     ks = kernel_state()
     if ks is None or groups is None:
         return None
@@ -186,7 +187,7 @@ def learn_kernel_groups(fn, groups, key: tuple) -> tuple | None:
     new = frozenset(groups) if old is None else old | frozenset(groups)
     if new != old:
         fn.kernel_groups = new
-        fn.kernel_getters = ks.getters(new - getattr(fn, "compiled_groups", frozenset()))
+        fn.kernel_getters = ks.getters(new, getattr(fn, "compiled_groups", frozenset()))
     # also when unchanged: the call may have been keyed before another thread's warm-up learned them
     return key[:-1] + (ks.state(fn.kernel_getters),)
 

@@ -591,3 +591,41 @@ def test_switching_attention_backends_keeps_replaying_what_inductor_computes():
     whole = _whole("attn")
     _assert_replayed(whole)
     assert [s.recordings for s in whole.values()] == [1] * len(whole), (whole, _diagnosis())
+
+
+@torch.library.custom_op("cgrawtest::attend", mutates_args=())
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v)  # runs, unseen, when the code runs
+
+
+@attend.register_fake
+def _(q, k, v):
+    return torch.empty_like(q)
+
+
+class CustomAttention(Attention):
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 16).permute(2, 0, 3, 1, 4)
+        return attend(q, k, v).sum(1)
+
+
+def test_attention_inside_a_custom_op_in_compiled_code_selects_its_own_recording():
+    """Inductor calls a custom op as it is, so the attention inside it reads the flags at each call:
+    the backend's whole graph is recorded under each of them, and equals Inductor's own code."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    m = CustomAttention().cuda().half()
+    c = torch.compile(m, backend="cgraw", options={"name": "cattn"})
+    ind = torch.compile(m)
+    with torch.no_grad():
+        x = trand(2, 128, 64).half()
+        with sdpa_kernel(SDPBackend.MATH):
+            math = ind(x)
+        assert not torch.equal(ind(x), math), "the attention backends' results do not differ here"
+        for state in [contextlib.nullcontext, lambda: sdpa_kernel(SDPBackend.MATH)] * 3:
+            with state():
+                x = trand(2, 128, 64).half()
+                torch.testing.assert_close(c(x), ind(x), rtol=0, atol=0)
+    whole = _whole("cattn")
+    _assert_replayed(whole, calls=4)
+    assert [s.recordings for s in whole.values()] == [2] * len(whole), (whole, _diagnosis())

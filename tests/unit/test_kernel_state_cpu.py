@@ -15,7 +15,7 @@ from torch_cpu_backend import CpuTorchBackend, TorchFn, cpu_as_device0  # noqa: 
 
 from cgraw.trees import calls  # noqa: E402
 from cgraw.trees.frameworks import TORCH, layout_offset, may_overlap, span_elements  # noqa: E402
-from cgraw.interop.torch.kernel_state import COMPILED, KernelState, groups_of, kernel_state  # noqa: E402
+from cgraw.interop.torch.kernel_state import COMPILED, GROUPS, OPAQUE, KernelState, groups_of, kernel_state  # noqa: E402
 from cgraw.trees.manager import NodeState, TreeManager  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -121,6 +121,20 @@ def test_groups_of_ops():
     assert groups_of(["convolution.default"]) == {"cudnn"}
     assert groups_of(["_native_batch_norm_legit_functional.default"]) == {"cudnn"}
     assert groups_of(["_scaled_dot_product_efficient_attention.default", "add.Tensor"]) == {"sdp"}
+    assert groups_of(["aten::convolution.default", "higher_order::cond", "inductor::resize_storage_bytes_.default",
+                      "prims::convert_element_type.default"]) == {"cudnn"}
+
+
+def test_an_op_outside_torchs_namespaces_puts_its_function_in_every_group():
+    """A custom op's body runs below the warm-up's dispatch mode: the settings it reads are unseen."""
+    assert groups_of(["aten::add.Tensor", "demo::attn.default"]) == {*GROUPS, OPAQUE}
+    assert groups_of(["torchvision::roi_align.default"]) == {*GROUPS, OPAQUE}
+
+
+def test_compiled_code_reads_the_groups_it_fixed_when_an_op_out_of_sight_ran():
+    ks = kernel_state()
+    assert ks.getters({"sdp"}, COMPILED) == ks.getters(frozenset()) != ks.getters({"sdp"})
+    assert ks.getters(groups_of(["demo::attn.default"]), COMPILED) == ks.getters(None) == ks.getters(GROUPS)
 
 
 # ---------------------------------------------------------------------- the tree
@@ -191,12 +205,13 @@ def test_a_warmed_node_keeps_its_place_when_its_setting_groups_are_learned(tree)
     assert (be.count("warmup"), be.count("record"), be.count("replay")) == (1, 1, 2)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager code", "compiled code"])
-def test_attention_flags_select_a_recording_unless_the_code_fixed_them_when_compiled(monkeypatch, compiled):
+@pytest.mark.parametrize("compiled, groups", [(False, {"sdp"}), (True, {"sdp"}), (True, {*GROUPS, OPAQUE})],
+                         ids=["eager code", "compiled code", "compiled code calling a custom op"])
+def test_attention_flags_select_a_recording_unless_the_code_fixed_them_when_compiled(monkeypatch, compiled, groups):
     """Eager attention picks its backend from the flags at each call, so a switch selects a
     recording of its own; Inductor's code runs the backend it lowered to (``compiled_groups``), so
-    its node replays under either."""
-    with _grouping_tree(monkeypatch, frozenset({"sdp"})) as mgr:  # its warm-up ran an attention op
+    its node replays under either, unless it calls an op whose body the warm-up did not see."""
+    with _grouping_tree(monkeypatch, frozenset(groups)) as mgr:  # its warm-up ran an attention op
         f = TorchFn(lambda x: x * 2, mgr, name="attn")
         if compiled:
             f.compiled_groups = COMPILED
@@ -209,9 +224,10 @@ def test_attention_flags_select_a_recording_unless_the_code_fixed_them_when_comp
                         mgr.mark_step_begin()
                         torch.testing.assert_close(f(x), x * 2)
     be = mgr.backend
-    assert f.kernel_groups == {"sdp"}
+    assert f.kernel_groups == groups
     counts = be.count("warmup", "attn"), be.count("record", "attn"), be.count("replay", "attn")
-    assert counts == ((1, 1, 7) if compiled else (2, 2, 6))  # a recording's first replay follows it
+    fixed = compiled and OPAQUE not in groups
+    assert counts == ((1, 1, 7) if fixed else (2, 2, 6))  # a recording's first replay follows it
 
 
 def test_the_backends_graphed_functions_leave_out_the_settings_inductor_fixes_when_it_compiles():

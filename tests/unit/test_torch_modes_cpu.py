@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from cgraw.rng import plan as rng
 from cgraw.interop.torch import observe, private_api, modes as torch_modes, rng as torch_rng
+from cgraw.interop.torch.kernel_state import GROUPS, OPAQUE, groups_of
 
 pytestmark = pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
 
@@ -57,6 +58,22 @@ def test_observer_sees_the_ops_inside_cond_branches(pred):
     assert (obs.unsafe == "cgrawtest_modes.host_side.default") is pred, obs.unsafe
     obs, _ = _observe(lambda x: torch.cond(p, _both_branches, _random_branch, (x,)), x)
     assert (obs.cpu_random is not None) is not pred, obs.cpu_random
+
+
+@torch.library.custom_op("cgrawtest_modes::attend", mutates_args=())
+def _attend(q: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+
+def test_observer_names_ops_with_their_namespace_and_a_custom_ops_settings_are_unknown():
+    """The attention inside a custom op runs below the mode: its function reads every setting group."""
+    q = torch.randn(1, 2, 8, 4)
+    obs, out = _observe(torch.nn.functional.scaled_dot_product_attention, q, q, q)
+    assert all(n.startswith("aten::") for n in obs.ops) and groups_of(obs.ops) == {"sdp"}, obs.ops
+    obs, out = _observe(_attend, q)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, q, q))
+    assert obs.ops == {"cgrawtest_modes::attend.default"}
+    assert groups_of(obs.ops) == {*GROUPS, OPAQUE}
 
 
 def test_observer_sees_the_ops_inside_while_loop_and_scan():

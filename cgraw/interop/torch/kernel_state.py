@@ -19,6 +19,9 @@ the settings outside it (inference mode, fp16 accumulation, the deterministic fi
 every call, the cuDNN and attention groups only for functions whose warm-up ran such ops
 (``groups_of``; a function not yet warmed up reads them all), and the attention group not for
 code Inductor compiled (``COMPILED``: its code runs the backend the flags chose at its compile).
+An op outside torch's namespaces (``torch.library.custom_op``, an extension's op) runs its body
+below the warm-up's dispatch mode, out of its sight: a function that ran one reads every group,
+compiled or not (``OPAQUE``).
 A guard is used only if it is seen to notice a change of autocast (the newest of its fields);
 otherwise every value is read on every call.
 """
@@ -35,6 +38,11 @@ GROUPS = ("cudnn", "sdp")  # the groups read only for functions that need them; 
 # the groups Inductor's code does not read when it runs: it lowers attention to the op of the backend
 # the flags chose when it compiled (torch's FX graph cache keys on them for that reason)
 COMPILED = frozenset({"sdp"})
+# namespaces of torch's own ops: a dispatch mode sees the ops inside them, or the op is the kernel the
+# groups name. An op of any other namespace runs its body unseen, so its function reads every group
+TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "higher_order", "inductor", "_c10d_functional",
+                              "c10d", "profiler", "debugprims", "rngprims"})
+OPAQUE = "opaque"  # in groups_of's answer: such an op ran; what compiled code fixed does not cover it
 _RECENT = 4  # guards kept for states seen recently
 
 # op-name fragments (aten overload names, lower case) that put a function in a group
@@ -45,10 +53,13 @@ _GROUP_OPS = {
 
 
 def groups_of(op_names) -> frozenset:
-    """The groups of settings that ops named ``op_names`` (aten overload names) depend on."""
+    """The groups of settings that ops named ``op_names`` (``namespace::overload`` names; aten's
+    without a namespace) depend on: every group and ``OPAQUE`` if one is outside torch's namespaces."""
     found = set()
     for n in op_names:
-        n = n.lower()
+        ns, sep, n = n.lower().rpartition("::")
+        if sep and ns not in TORCH_NAMESPACES:
+            return frozenset((*GROUPS, OPAQUE))
         for g, frags in _GROUP_OPS.items():
             if g not in found and any(f in n for f in frags):
                 found.add(g)
@@ -77,9 +88,12 @@ class KernelState:
 
     # ------------------------------------------------------------------ per call
 
-    def getters(self, groups) -> tuple:
-        """The getters read on every call of a function in ``groups`` (None: every group)."""
+    def getters(self, groups, fixed=frozenset()) -> tuple:
+        """The getters read on every call of a function in ``groups`` (None: every group), less the
+        groups ``fixed`` by its compiled code unless an op outside its sight ran (``OPAQUE``)."""
         key = None if groups is None else frozenset(groups)
+        if key is not None and OPAQUE not in key:
+            key -= fixed
         got = self._by_groups.get(key)
         if got is None:
             names = GROUPS if key is None else [g for g in GROUPS if g in key]
@@ -160,4 +174,4 @@ def kernel_state() -> KernelState:
     return ks
 
 
-__all__ = ["COMPILED", "GROUPS", "KernelState", "groups_of", "kernel_state"]
+__all__ = ["COMPILED", "GROUPS", "OPAQUE", "TORCH_NAMESPACES", "KernelState", "groups_of", "kernel_state"]

@@ -183,7 +183,7 @@ def _make_observer_class():
             self.seen: dict[int, weakref.ref] = {}
             self.unsafe: str | None = None
             self.cpu_random: str | None = None
-            self.ops: set = set()  # overload names of the ops that ran (interop.torch.kernel_state.groups_of)
+            self.ops: set = set()  # namespace::overload names of the ops that ran (kernel_state.groups_of)
             self.backward = False  # an op ran inside a backward pass (torch.func.grad's too)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -198,7 +198,7 @@ def _make_observer_class():
             return out
 
         def _note(self, func, args, kwargs, out) -> None:
-            self.ops.add(getattr(func, "__name__", ""))
+            self.ops.add(f'{getattr(func, "namespace", "aten")}::{getattr(func, "__name__", "")}')
             if not self.backward and graph_task is not None and graph_task() != -1:
                 self.backward = True
             tags = getattr(func, "tags", ())
