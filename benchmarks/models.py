@@ -94,7 +94,9 @@ METHOD = {
     "host_ref_us": "the host's speed beside each burst: a fixed pure-Python loop (no torch, no GPU) timed "
                    "just before the burst; median over repeats, and per burst in host_ref_bursts_us beside "
                    "host_bursts_us. This machine's CPU runs the same loop in two modes about 1.7x apart, "
-                   "for seconds at a time, and a host-bound burst slows with it",
+                   "for seconds at a time, and a host-bound burst slows with it. host_ref_cpu_bursts_us: "
+                   "the loop's CPU time in its thread (below its time when the thread waited: for the "
+                   "GIL or the core); threads: the child's Python threads after its bursts",
     "device_us": "CUDA events on the current stream before the burst's first call and after its "
                  "last, divided by N: the device timeline of the burst, which includes the device's "
                  "idle gaps when the host is the bottleneck (eager)",
@@ -534,13 +536,13 @@ def _bursts(burst, n: int, repeats: int, prepare=None, turn=None) -> dict:
     between events around it; medians over ``repeats``. ``prepare()`` (untimed) gives the state
     that ``burst(state)`` starts from; ``turn()`` (untimed) runs before each burst: a child process
     waits there while the other systems of its workload take their turn."""
-    host, submit, device, ref = [], [], [], []
+    host, submit, device, ref, ref_cpu = [], [], [], [], []
     for _ in range(repeats):
         if turn is not None:
             turn()
         state = prepare() if prepare is not None else None
         _sync()
-        ref.append(host_ref_us())
+        ref.append(host_ref_us(ref_cpu))
         start, end = _event(), _event()
         t0 = time.perf_counter_ns()
         start.record()
@@ -552,20 +554,25 @@ def _bursts(burst, n: int, repeats: int, prepare=None, turn=None) -> dict:
         host.append((t2 - t0) / n / 1e3)
         submit.append((t1 - t0) / n / 1e3)
         device.append(start.elapsed_time(end) * 1e3 / n)
-    by_burst = {"host_bursts_us": [round(h, 2) for h in host], "host_ref_bursts_us": [round(r, 1) for r in ref]}
+    by_burst = {"host_bursts_us": [round(h, 2) for h in host], "host_ref_bursts_us": [round(r, 1) for r in ref],
+                "host_ref_cpu_bursts_us": [round(r, 1) for r in ref_cpu], "threads": threading.active_count()}
     host.sort()
     return {"host_us": statistics.median(host), "host_p90_us": host[int(0.9 * (len(host) - 1))],
             "submit_us": statistics.median(submit), "device_us": statistics.median(device),
             "host_ref_us": statistics.median(ref), **by_burst, "loops": n, "repeats": repeats}
 
 
-def host_ref_us() -> float:
-    """The time of a fixed pure-Python loop (about 0.5 ms on a 2 GHz core): the host's speed now."""
-    t0 = time.perf_counter_ns()
+def host_ref_us(cpu: list | None = None) -> float:
+    """The time of a fixed pure-Python loop (about 0.5 ms on a 2 GHz core): the host's speed now;
+    its CPU time in this thread is appended to ``cpu``."""
+    t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
     s = 0
     for i in range(20000):
         s += i & 7
-    return (time.perf_counter_ns() - t0) / 1e3
+    t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+    if cpu is not None:
+        cpu.append((c1 - c0) / 1e3)
+    return (t1 - t0) / 1e3
 
 
 def _time(wl: Workload, call, loops: tuple, prefill=None, turn=None) -> dict:

@@ -620,7 +620,9 @@ def test_each_burst_of_the_models_benchmark_records_the_hosts_speed_beside_its_t
 
     monkeypatch.setattr(models, "DEVICE", "cpu")
     res = models._bursts(lambda _: time.sleep(0.002), n=2, repeats=3)
-    assert len(res["host_bursts_us"]) == len(res["host_ref_bursts_us"]) == 3
+    assert len(res["host_bursts_us"]) == len(res["host_ref_bursts_us"]) == len(res["host_ref_cpu_bursts_us"]) == 3
+    assert all(0 < c <= r * 1.05 + 50 for c, r in zip(res["host_ref_cpu_bursts_us"], res["host_ref_bursts_us"]))
+    assert res["threads"] >= 1
     assert all(h >= 1000 for h in res["host_bursts_us"]), res  # 2 ms per burst of 2 calls
     assert res["host_ref_us"] > 0
     assert res["host_ref_us"] == pytest.approx(sorted(res["host_ref_bursts_us"])[1], abs=0.1)  # their median
