@@ -570,29 +570,6 @@ class Attention(torch.nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v).sum(1)
 
 
-def test_switching_attention_backends_keeps_replaying_what_inductor_computes():
-    """Inductor lowers attention to the op of the backend the flags chose when it compiled, so its
-    code does not read them when it runs: the backend's whole graph is not recorded again under
-    other flags, and equals Inductor's own code (compiled beside it) under each of them."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    m = Attention().cuda().half()
-    c = torch.compile(m, backend="cgraw", options={"name": "attn"})
-    ind = torch.compile(m)  # Inductor without graphs: what the backend's graph must compute
-    with torch.no_grad():
-        x = trand(2, 128, 64).half()
-        with sdpa_kernel(SDPBackend.MATH):
-            math = m(x)
-        assert not torch.equal(m(x), math), "the attention backends' results do not differ here"
-        for state in [contextlib.nullcontext, lambda: sdpa_kernel(SDPBackend.MATH)] * 3:
-            with state():
-                x = trand(2, 128, 64).half()
-                torch.testing.assert_close(c(x), ind(x), rtol=0, atol=0)
-    whole = _whole("attn")
-    _assert_replayed(whole)
-    assert [s.recordings for s in whole.values()] == [1] * len(whole), (whole, _diagnosis())
-
-
 @torch.library.custom_op("cgrawtest::attend", mutates_args=())
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.scaled_dot_product_attention(q, k, v).contiguous()  # runs unseen
@@ -609,23 +586,29 @@ class CustomAttention(Attention):
         return attend(q, k, v).sum(1)
 
 
-def test_attention_inside_a_custom_op_in_compiled_code_selects_its_own_recording():
-    """Inductor calls a custom op as it is, so the attention inside it reads the flags at each call:
-    the backend's whole graph is recorded under each of them, and equals Inductor's own code."""
+@pytest.mark.parametrize("custom", [False, True], ids=["aten op", "inside a custom op"])
+def test_switching_attention_backends_runs_what_inductor_computes(custom):
+    """Inductor lowers attention to the op of the backend the flags chose when it compiled, so its
+    code does not read them when it runs: the backend's whole graph is not recorded again under
+    other flags. A custom op it calls as it is, and the attention inside reads the flags at each
+    call: the whole graph is recorded under each. Either way it equals Inductor's own code
+    (compiled beside it) under each flag."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    m = CustomAttention().cuda().half()
-    c = torch.compile(m, backend="cgraw", options={"name": "cattn"})
-    ind = torch.compile(m)
+    m = (CustomAttention() if custom else Attention()).cuda().half()
+    name = "cattn" if custom else "attn"
+    c = torch.compile(m, backend="cgraw", options={"name": name})
+    ind = torch.compile(m)  # Inductor without graphs: what the backend's graph must compute
     with torch.no_grad():
         x = trand(2, 128, 64).half()
         with sdpa_kernel(SDPBackend.MATH):
-            math = ind(x)
-        assert not torch.equal(ind(x), math), "the attention backends' results do not differ here"
+            math = m(x)
+        assert not torch.equal(m(x), math), "the attention backends' results do not differ here"
         for state in [contextlib.nullcontext, lambda: sdpa_kernel(SDPBackend.MATH)] * 3:
             with state():
                 x = trand(2, 128, 64).half()
                 torch.testing.assert_close(c(x), ind(x), rtol=0, atol=0)
-    whole = _whole("cattn")
-    _assert_replayed(whole, calls=4)
-    assert [s.recordings for s in whole.values()] == [2] * len(whole), (whole, _diagnosis())
+    whole = _whole(name)
+    _assert_replayed(whole, calls=4 if custom else CALLS)
+    recordings = 2 if custom else 1
+    assert [s.recordings for s in whole.values()] == [recordings] * len(whole), (whole, _diagnosis())

@@ -120,11 +120,24 @@ def test_cudnn_tf32_selects_its_own_recording():
     assert _stats(f).recordings == 2
 
 
-def test_attention_backend_selects_its_own_recording():
+@torch.library.custom_op("cgrawtest::fidelity_attend", mutates_args=())
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v).contiguous()  # below the warm-up's dispatch mode: not seen
+
+
+@attend.register_fake
+def _(q, k, v):
+    return q.new_empty(q.shape)
+
+
+@pytest.mark.parametrize("op", [F.scaled_dot_product_attention, attend], ids=["aten op", "inside a custom op"])
+def test_attention_backend_selects_its_own_recording(op):
+    """The warm-up sees the attention op, or a custom op whose body it cannot see: either way the
+    function is keyed on the attention flags."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def attn(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v)
+        return op(q, k, v)
 
     def qkv():
         return tuple(trand(2, 8, 128, 64).half() for _ in range(3))
@@ -137,34 +150,6 @@ def test_attention_backend_selects_its_own_recording():
         assert not torch.equal(attn(*args), math)  # the backends' results differ
         f = cgraw.graphed(attn)
         _alternate(f, attn, qkv, states, check=_equal)
-    assert _stats(f).recordings == 2
-
-
-@torch.library.custom_op("cgrawtest::fidelity_attend", mutates_args=())
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v).contiguous()  # below the warm-up's dispatch mode: not seen
-
-
-@attend.register_fake
-def _(q, k, v):
-    return q.new_empty(q.shape)
-
-
-def test_attention_inside_a_custom_op_selects_its_own_recording():
-    """The warm-up cannot see what a custom op runs, so its function is keyed on every setting."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def qkv():
-        return tuple(trand(2, 8, 128, 64).half() for _ in range(3))
-
-    states = [contextlib.nullcontext, lambda: sdpa_kernel(SDPBackend.MATH)]
-    args = qkv()
-    with torch.no_grad():
-        with states[1]():
-            math = attend(*args)
-        assert not torch.equal(attend(*args), math)  # the backends' results differ
-        f = cgraw.graphed(attend)
-        _alternate(f, attend, qkv, states, check=_equal)
     assert _stats(f).recordings == 2
 
 
