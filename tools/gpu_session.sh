@@ -15,7 +15,7 @@
 #                "--only models,graphed", or "" for the quick run)
 #         parallel  every non-slow tier at once on one GPU (about 6 min on the H200; each tier stops
 #                at CGRAW_PARALLEL_TIMEOUT seconds, default 540): the GPU
-#                tier in six shards, the random walk, the gc-stress tier without third-party tests (in four shards),
+#                tier in seven shards, the random walk, the gc-stress tier without third-party tests (in four shards),
 #                the tier with cuda-bindings 12.9.10 (when build/cb12/*.whl was carried; CGRAW_CB12_FILES
 #                picks test files, default all) and memcheck of CGRAW_MEMCHECK_FILES (default
 #                tests/gpu/test_rebind.py), then tools.call_walk --device; the soak reads device-wide memory,
@@ -65,8 +65,11 @@ if has parallel; then
   # the backend on the benchmark's models (their compiles take most of its time)
   sixth="tests/gpu/test_third_party_backend.py"
   # the files after test_g* in a seventh shard: the rest took 340-450 s in one shard on a slow host
-  seventh=$(ls tests/gpu/test_[h-z]*.py | grep -v -x -e "${first// /\\|}" -e "${second// /\\|}" -e "${third// /\\|}" \
-    -e "${fourth// /\\|}" -e "$sixth" | tr '\n' ' ')
+  seventh=""
+  for f in tests/gpu/test_*.py; do
+    case "${f##*/test_}" in [h-z]*)
+      case " $first $second $third $fourth $sixth " in *" $f "*) ;; *) seventh="$seventh $f";; esac;; esac
+  done
   rest="$rest $(for f in $fourth $sixth $seventh; do echo "--ignore=$f"; done)"
   $P -m "gpu and not slow" $fourth "$@" > "$L/shard4.log" 2>&1 &
   $P -m "gpu and not slow" $sixth "$@" > "$L/shard6.log" 2>&1 &
