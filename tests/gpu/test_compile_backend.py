@@ -315,6 +315,47 @@ def test_backend_found_without_importing_cgraw():
         assert "fresh [0/0] inference/whole graph: 1 recording(s)" in text, text
         print("ok")
     """)
+    _runs_in_a_fresh_process(code)
+
+
+def test_a_compile_that_restarts_dynamos_analysis_in_a_fresh_process_equals_eager():
+    """The process's first compile installs the hooks a tree watches module assignments with; a
+    compile that restarts dynamo's analysis (``dynamic=True`` and a float module attribute that
+    ``layer_norm``'s ``eps`` specializes) replays a trace that slices a ``ModuleList``, which runs
+    those hooks: the replay meets the hooks the first trace met."""
+    code = textwrap.dedent("""
+        import torch
+        from torch._dynamo.utils import counters
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(3)])
+                self.eps, self.scale = 1e-5, 0.5
+
+            def forward(self, x):
+                for layer in self.layers[:2]:
+                    x = torch.nn.functional.layer_norm(torch.relu(layer(x)) * self.scale, (64,), eps=self.eps)
+                return x
+
+        m = Net().cuda()
+        c = torch.compile(m, backend="cgraw", dynamic=True, options={"name": "restarted"})
+        with torch.no_grad():
+            for rows in (3, 5, 7, 5, 3, 5, 3):
+                x = torch.randn(rows, 64, device="cuda")
+                torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-4)
+        aot = counters["aot_autograd"]
+        assert aot["total"] == aot["ok"] + 1, f"no restart of dynamo's analysis: {dict(aot)}"
+        import re, cgraw
+        text = cgraw.report()
+        assert re.search(r"restarted \\[0/0\\] inference/\\S+ \\d+ of \\d+: [1-9]\\d* recording\\(s\\), "
+                         r"0 re-record\\(s\\), [1-9]\\d* replay\\(s\\)", text), text
+        print("ok")
+    """)
+    _runs_in_a_fresh_process(code)
+
+
+def _runs_in_a_fresh_process(code: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip().endswith("ok")

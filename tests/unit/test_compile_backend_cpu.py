@@ -1114,6 +1114,42 @@ def test_the_benchmarks_transformers_graphs_hold_nothing_outside_their_partition
     assert list(_whole(inductor, f"{workload} [")) == [f"{workload} [0/0] inference/whole graph"], inductor.tree.stats
 
 
+def test_a_compile_that_restarts_dynamos_analysis_before_any_tree_exists_equals_eager(no_module_hooks, inductor):
+    """The first compile in a process installs the hooks a tree watches module assignments with
+    (``interop.torch.observe``). Inductor's compile can restart dynamo's analysis (here a float
+    module attribute that ``layer_norm``'s ``eps`` specializes, under ``dynamic=True``), and the
+    restarted trace must meet the hooks the first one met: a ``ModuleList`` sliced in the frame
+    runs them through ``add_module``. Installed before Inductor's compile returned, they made dynamo
+    raise ``SpeculationLogDivergence`` where eager and Inductor run (transformers' Qwen2 with
+    ``dynamic=True`` did)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)])
+            self.eps, self.scale = 1e-5, 0.5
+
+        def forward(self, x):
+            for layer in self.layers[:2]:
+                x = torch.nn.functional.layer_norm(torch.relu(layer(x)) * self.scale, (8,), eps=self.eps)
+            return x
+
+    m = Net()
+    counters.clear()
+    c = inductor.compile(m, name="restarted", dynamic=True)
+    with torch.no_grad():
+        for rows in (3, 5, 7, 5, 3, 5, 3):  # each size warms up, records, then replays
+            x = torch.randn(rows, 8)
+            torch.testing.assert_close(c(x), m(x))
+    aot = counters["aot_autograd"]
+    assert aot["total"] == aot["ok"] + 1, ("the compile did not restart dynamo's analysis once: the test no longer "
+                                           f"checks the restarted trace ({dict(aot)})")
+    parts = inductor.partitions("restarted [")
+    assert parts and sum(s.replays for s in parts.values()) == 2, parts
+
+
 def test_a_step_assigning_a_module_buffer_compiles_once_and_replays(no_module_hooks, inductor):
     """dynamo guards the frame on torch.nn.Module's registration hooks when its code assigns a
     module attribute (a buffer here; transformers' Llama decode step too). A tree installs its

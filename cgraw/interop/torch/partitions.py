@@ -358,18 +358,22 @@ def compile_graph(gm, example_inputs, wrapping: Wrapping, patches: dict):
     compile_fx = private_api.private("torch._inductor.compile_fx.compile_fx")
     inner = private_api.private("torch._inductor.compile_fx.compile_fx_inner")
     aot_config = private_api.private("torch._functorch.config")
-    # the hooks a tree installs when it is made (interop.torch.observe: module assignments) are
-    # installed before dynamo builds the frame's guards, which hold the registration hooks of
-    # torch.nn.Module as they are (a frame that assigns a module attribute reads them): made at
-    # the first partition's call, they would fail the guard at the second and recompile the frame
-    observe.install_module_hooks()
     # AOT autograd's cache off: a hit applies the wrapper without inner_compile, so a partition would
     # not know whether it is a training graph's forward (whose second call before a backward must
     # run as compiled, ``PENDING``), a backward or an inference graph. Inductor's own (FX graph)
     # cache still serves, inside inner_compile.
     aot_cache = {"enable_autograd_cache": False} if hasattr(aot_config, "enable_autograd_cache") else {}
     with installed(wrapping), aot_config.patch(**aot_cache):
-        return compile_fx(gm, example_inputs, inner_compile=wrapping.inner(inner), config_patches=patches)
+        compiled = compile_fx(gm, example_inputs, inner_compile=wrapping.inner(inner), config_patches=patches)
+    # the hooks a tree installs when it is made (interop.torch.observe: module assignments) are
+    # installed before dynamo builds the frame's guards, which hold the registration hooks of
+    # torch.nn.Module as they are (a frame that assigns a module attribute reads them): made at
+    # the first partition's call, they would fail the guard at the second and recompile the frame.
+    # Not before compile_fx returns: a compile that restarts dynamo's analysis (Inductor's pass that
+    # turns Python floats into tensors can) replays the trace, which must meet the hooks it met
+    # the first time (a ModuleList sliced in the frame runs them through add_module)
+    observe.install_module_hooks()
+    return compiled
 
 
 def plain_compile(gm, example_inputs, extra: dict | None):
