@@ -172,6 +172,35 @@ def test_wrapper_graphs_a_partition_and_adapts_its_list_argument():
     assert notes == []
 
 
+class CpuArg(float):
+    """A partition's 0-d argument on the CPU (a Python float dynamo passes as a tensor)."""
+
+    shape, dtype = (), "torch.float64"
+
+    def get_device(self):
+        return -1
+
+
+def test_a_partition_given_a_cpu_tensor_beside_gpu_ones_runs_as_compiled_and_names_the_argument():
+    """dynamo passes a Python float it keeps symbolic as a 0-d CPU tensor, which Inductor's kernel
+    launches read: a graph would fix its value, and a recording copies inputs on the GPU (it failed
+    with ``CUDA_ERROR_INVALID_VALUE``). The first call tells where each argument lives for every
+    later one; such a partition's graphed function runs it as Inductor compiled it, naming the
+    argument."""
+    made, notes, seen = [], [], []
+    w = tcomp.Wrapping("m [0/0]", _runtime(made, notes), cb.Options().select)
+    wrapped = w(_partition(seen), Meta(1, 0))
+    assert wrapped([Arg(2.0), Arg(5.0), 3]) == (17.0,)
+    assert getattr(made[0], "unsafe_reason", None) is None  # all on one device
+    wrapped = w(_partition(seen), Meta(1, 0))
+    assert wrapped([Arg(2.0), CpuArg(0.5), 3]) == (3.5,)
+    why = made[1].unsafe_reason
+    assert why.startswith("argument 1 (shape (), torch.float64) lives on the CPU beside GPU tensors"), why
+    assert "runs as Inductor compiled it" in why
+    assert tcomp.cpu_beside_gpu([CpuArg(1.0), CpuArg(2.0), 4]) is None  # all on the CPU: not this case
+    assert tcomp.cpu_beside_gpu([Arg(1.0), 4, None]) is None
+
+
 def test_partitions_left_out_run_as_compiled_with_the_reason():
     made, notes, seen = [], [], []
     w = tcomp.Wrapping("m [1/0]", _runtime(made, notes), cb.Options.parse({"partitions": [0]}).select)

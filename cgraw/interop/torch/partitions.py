@@ -100,8 +100,14 @@ def adapt(fn, gf, home: Home, runtime: Runtime, in_backward, *, phase: str | Non
     training, name = phase == "forward", gf.name
     if training and (home.first_forward is None or index < home.first_forward):
         home.first_forward = index
+    first = [True]
 
     def partition(args):
+        if first[0]:  # where each argument lives is fixed by dynamo's guards and the compiled code
+            first[0] = False
+            why = cpu_beside_gpu(args)
+            if why is not None:
+                gf.unsafe_reason = why  # every call runs the partition as Inductor compiled it
         if in_backward():
             home.forward_pending = False
             tree = home.tree
@@ -132,6 +138,20 @@ def adapt(fn, gf, home: Home, runtime: Runtime, in_backward, *, phase: str | Non
     partition.cgraw_graphed = gf
     partition.cgraw_partition = fn
     return partition
+
+
+def cpu_beside_gpu(xs) -> str | None:
+    """Why a partition called with ``xs`` runs as Inductor compiled it where one of its tensors lives
+    on the CPU and another on a GPU, else None. dynamo passes a Python float it keeps symbolic
+    (``dynamic=True``) as a 0-d CPU tensor, and the partition's kernel launches read its value,
+    which a graph would fix at its capture; cgraw's recording copies its inputs on the GPU."""
+    devices = [(j, x.get_device()) for j, x in enumerate(xs) if hasattr(x, "get_device")]
+    if len({d for _, d in devices}) < 2 or all(d >= 0 for _, d in devices):
+        return None
+    j, x = next((j, xs[j]) for j, d in devices if d < 0)
+    return (f"argument {j} (shape {tuple(x.shape)}, {x.dtype}) lives on the CPU beside GPU tensors (a Python float "
+            "that dynamo passes as a 0-d CPU tensor is read when the partition's kernels launch, which a "
+            "graph fixes at its capture); it runs as Inductor compiled it")
 
 
 def _device_of(xs) -> int:
@@ -382,6 +402,7 @@ def plain_compile(gm, example_inputs, extra: dict | None):
     return compile_fx(gm, example_inputs, config_patches={**(extra or {}), "triton.cudagraphs": False})
 
 
-__all__ = ["CACHE_MARKER", "PATCHES", "PENDING", "Home", "Runtime", "Wrapping", "adapt", "check", "compile_graph", "config_patches",
+__all__ = ["CACHE_MARKER", "PATCHES", "PENDING", "Home", "Runtime", "Wrapping", "adapt", "check", "compile_graph",
+           "cpu_beside_gpu", "config_patches",
            "declare_mutations", "finish_post_compile", "graph_body", "installed", "graph_positions",
            "plain_compile"]
