@@ -161,7 +161,6 @@ class GraphedFunction:
     static_positions = ()  # with inputs_guarded: positions of tensors its caller keeps at one address (read in place)
     guarded_kinds = None  # with inputs_guarded: (static_positions, {argument types: (leading tensors, their kinds)}) (calls.inspect)
     continues_step = False  # a call of it never begins a generation: it follows another piece of one compiled graph
-    compiled_frame = None  # the first piece of a torch.compile graph: its dynamo frame (manager.TreeManager.root_frames)
     is_backward = False
 
     def __init__(self, fn, *, static_argnums=(), mutates=(), pad_buckets=None):

@@ -86,7 +86,6 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
         self.serial = serial
         self.roots: dict = {}
         self.root_fns: set = set()
-        self.root_frames: set = set()  # dynamo frames a compile of which is a root function (compiled_frame)
         self.current: TreeNode | None = None  # the node executed last in this generation
         self.generation = 0
         self.pool_state: TreeNode | None = None  # whose checkpoint the pool's bookkeeping equals
@@ -351,21 +350,11 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
                 limit = config.path_repeat_limit
                 if parent is not None and limit and parent.repeats(fn) >= limit:
                     return self._promote(fn, args, kwargs)
-                frame = getattr(fn, "compiled_frame", None)
-                if parent is not None and frame in self.root_frames and not self.book.held \
-                        and not (self.book.tickets and self.book.pending()):
-                    # another compile of a frame whose calls begin steps (dynamo compiled it again:
-                    # automatic dynamic shapes, a switched requires_grad): a call of it is a call of
-                    # that frame, which begins a step as torch's trees begin a generation there
-                    self.root_fns.add(fn.fn_id)
-                    return self._call_in_new_step(fn, args, kwargs)
                 node = TreeNode(fn, call.key, parent, st)
                 node.refs = weaken_key(call.key)  # the node keeps alive nothing its key names
                 siblings[(fn.fn_id, call.key)] = node
                 if parent is None and not getattr(fn, "continues_step", False):  # (a later compiled piece)
                     self.root_fns.add(fn.fn_id)
-                    if frame is not None:
-                        self.root_frames.add(frame)
                 if self._new_variant(fn, st, call.key):
                     node.state = NodeState.SKIPPED
                     node.skip_reason = "dynamic shapes: more input signatures than config.dynamic_shape_warn_limit"
@@ -418,7 +407,6 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
             self._forget_recordings(self.nodes())
             self.roots.clear()
             self.root_fns.clear()
-            self.root_frames.clear()
             self.current = None
             self.tree_outputs = {}
             self.pool_state = UNKNOWN

@@ -525,40 +525,6 @@ def test_a_root_call_while_a_step_is_held_extends_the_path_and_begins_one_once_r
         assert tree.generation == gen + 3 and tree.current.parent is None
 
 
-def test_another_compile_of_a_frame_whose_calls_begin_steps_begins_one_mid_path_unless_held(monkeypatch):
-    """``compiled_frame``: a function first called while a path is under way is a child of its last
-    node, unless another compile of its dynamo frame began steps (dynamo compiled the frame again);
-    then it is a root function and its call begins a step, unless a training forward holds the
-    step. A function of another frame (a graph after a graph break) stays a child."""
-    torch = pytest.importorskip("torch")
-    from torch_cpu_backend import TorchFn, cpu_tree
-
-    with cpu_tree(monkeypatch) as tree:
-        x = torch.randn(4)
-        first = TorchFn(lambda v: v * 2, tree, name="frame 0, compile 0")
-        first.compiled_frame = (None, 0)
-        kept = first(x)  # a root: the path's start
-        gen = tree.generation
-        other_frame = TorchFn(lambda v: v + 1, tree, name="frame 1")
-        other_frame.compiled_frame = (None, 1)
-        torch.testing.assert_close(other_frame(x), x + 1)
-        assert tree.generation == gen and tree.current.parent is not None  # a child: the path deepened
-        again = TorchFn(lambda v: v * 3, tree, name="frame 0, compile 1")
-        again.compiled_frame = (None, 0)
-        tree.hold_step(object())
-        torch.testing.assert_close(again(x), x * 3)
-        assert tree.generation == gen and tree.current.parent is not None  # held: a child too
-        tree.mark_step_begin()
-        kept = first(x)
-        gen = tree.generation
-        fresh = TorchFn(lambda v: v - 1, tree, name="frame 0, compile 2")
-        fresh.compiled_frame = (None, 0)
-        torch.testing.assert_close(fresh(x), x - 1)
-        assert tree.generation == gen + 1 and tree.current.parent is None  # a root: a step began
-        assert fresh.fn_id in tree.root_fns
-        del kept
-
-
 def test_inference_graphs_never_wait_for_a_backward():
     made, notes, seen = [], [], []
     home = tcomp.Home()
@@ -1103,67 +1069,6 @@ def test_a_decode_loop_fed_its_own_token_replays_every_step(inductor):
     parts = inductor.partitions("decode [")
     assert len(parts) == 1, parts
     _assert_replayed(parts, steps)
-
-
-def _pieces_of(inductor, prefix: str) -> dict:
-    """``{name: (recordings, replays, warm-ups)}`` of the graphed functions named ``prefix...``."""
-    return {name: (st.recordings, st.replays, st.warmups) for name, st in inductor.partitions(prefix).items()}
-
-
-def test_a_recompiled_frame_called_while_the_last_calls_output_lives_records_and_replays(inductor):
-    """dynamo compiles a frame again when a call's batch size changes (automatic dynamic shapes).
-    The new compile's first call comes while the last call's output is alive (``out = c(x)``
-    holds it until the call returns), so the path is not dead there; it is a call of the frame
-    whose compile began every step, and begins one too, as torch's trees begin a generation at
-    each invocation. Without that it extended the path at every call and warmed up every time."""
-    import torch
-
-    m = _mlp()
-    c = inductor.compile(m, name="resized")
-    out = None
-    with torch.no_grad():
-        for rows in [2, 2, 2] + [3, 4, 5] * 4:
-            x = torch.randn(rows, 8)
-            out = c(x)
-            torch.testing.assert_close(out, m(x))
-    pieces = _pieces_of(inductor, "resized [0/1]")
-    assert pieces == {"resized [0/1] inference/partition 0 of 1": (3, 6, 3)}, pieces  # a warm-up, a recording per size
-    assert out is not None
-
-
-def test_a_training_step_compiled_again_after_a_layer_is_frozen_records_and_replays(inductor):
-    """Freezing a layer mid-run (``requires_grad_(False)``) makes dynamo compile the training step's
-    frame again; its forward comes after the last step's backward, while that step's output
-    (transformers' ``CausalLMOutput``: loss and logits) is held. It begins the step, its forward
-    and backward are recorded and replayed, and the parameters follow eager's."""
-    import copy
-
-    import torch
-
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    m = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=64, vocab_size=96))
-    ref = copy.deepcopy(m)
-    c = inductor.compile(m, name="frozen")
-    opts = [torch.optim.SGD(mm.parameters(), lr=0.1) for mm in (m, ref)]
-    out = None
-    for step in range(7):
-        ids = torch.randint(1, 96, (2, 6))
-        if step == 2:
-            for mm in (m, ref):
-                mm.model.layers[0].mlp.requires_grad_(False)
-        for f, opt in ((c, opts[0]), (ref, opts[1])):
-            opt.zero_grad(set_to_none=True)
-            out = f(input_ids=ids, labels=ids)  # held until the next step's call returns
-            out.loss.backward()
-            opt.step()
-    for p, q in zip(m.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q)
-    pieces = _pieces_of(inductor, "frozen [0/1]")
-    assert pieces == {"frozen [0/1] forward/partition 0 of 1": (1, 3, 1),
-                      "frozen [0/1] backward/partition 0 of 1": (1, 3, 1)}, pieces
 
 
 @pytest.fixture

@@ -126,22 +126,19 @@ def cgraw_backend(gm, example_inputs, *, options=None, mode=None):
     from cgraw.interop.torch import whole_graph
 
     opts = Options.parse(options)
-    cid = _compile_id()
-    name = label(opts, None if cid is None else str(cid))
-    frame = None if cid is None else (getattr(cid, "compiled_autograd_id", None), getattr(cid, "frame_id", None))
+    name = label(opts, _frame_id())
     rt = runtime()
     try:
         torch_compile.check()
         patches = torch_compile.config_patches(opts.inductor, mode)
-        wrapping = torch_compile.Wrapping(name, rt, opts.select, whole=opts.whole_graph and opts.partitions == "all",
-                                          frame=frame)
+        wrapping = torch_compile.Wrapping(name, rt, opts.select, whole=opts.whole_graph and opts.partitions == "all")
     except Exception as exc:  # noqa: BLE001 -- an unsupported torch: Inductor without graphs
         return _fall_back(opts, name, exc, gm, example_inputs)
     compiled = torch_compile.compile_graph(gm, example_inputs, wrapping, patches)
     if wrapping.whole:
         why = whole_graph.reason(wrapping, patches, example_inputs)
         if why is None:
-            return whole_graph.graphed_whole(compiled, example_inputs, rt, f"{name} inference/whole graph", frame)
+            return whole_graph.graphed_whole(compiled, example_inputs, rt, f"{name} inference/whole graph")
         log.info("cgraw: %s is graphed by partitions, not as a whole: %s", name, why)
     if wrapping.seen == 0:
         note_without_graphs(name, "Inductor made no partition that can be graphed (every op runs where graphs "
@@ -158,17 +155,17 @@ def _fall_back(opts: Options, name: str, exc: BaseException, gm, example_inputs)
     return torch_compile.plain_compile(gm, example_inputs, opts.inductor)
 
 
-def _compile_id():
-    """dynamo's ``CompileId`` of the graph being compiled (``0/0``: its frame, that frame's compile),
-    where torch tells it, else None."""
+def _frame_id() -> str | None:
+    """dynamo's id of the frame being compiled (``0/0``), where torch tells it."""
     import sys
 
     guards = sys.modules.get("torch._guards")
     ctx = getattr(guards, "CompileContext", None)
     try:
-        return ctx.current_compile_id() if ctx is not None else None
-    except Exception:  # noqa: BLE001 -- only a name and a frame
+        cid = ctx.current_compile_id() if ctx is not None else None
+    except Exception:  # noqa: BLE001 -- only a name
         return None
+    return None if cid is None else str(cid)
 
 
 __all__ = ["FALLBACKS", "OPTIONS", "Options", "cgraw_backend", "label", "runtime"]

@@ -176,10 +176,8 @@ class Wrapping:
     """The partition wrapper of one backend compile: names the partitions, graphs the selected
     ones (``select(index) -> reason or None``), counts what it wrapped."""
 
-    def __init__(self, label: str, runtime: Runtime, select, home: Home | None = None, whole: bool = False,
-                 frame=None):
+    def __init__(self, label: str, runtime: Runtime, select, home: Home | None = None, whole: bool = False):
         self.label = label
-        self.frame = frame  # dynamo's frame of the graph (its calls begin steps: GraphedFunction.compiled_frame)
         self.runtime = runtime
         self.select = select
         self.home = home or Home()
@@ -217,8 +215,6 @@ class Wrapping:
             # function, its call would end the step while the earlier pieces' outputs are alive in
             # Inductor's frame, and its recording could not reuse their memory
             gf.continues_step = self.first.setdefault(phase, index) < index
-            if not gf.continues_step and phase != "backward":  # (a backward follows its forward)
-                gf.compiled_frame = self.frame
             # Inductor's code and AOT autograd read a piece's outputs and drop them: its replays hand out
             # the same objects while nothing holds them (trees.outputs.Reuse), as torch's trees do. Not a
             # backward's: a gradient autograd's AccumulateGrad takes as .grad must be the caller's alone

@@ -89,7 +89,7 @@ def _is_op(name: str) -> bool:
     return torch is not None and (not op or hasattr(getattr(torch.ops, ns), op.split(".")[0]))
 
 
-def graphed_whole(compiled, example_inputs, runtime, name: str, frame=None):
+def graphed_whole(compiled, example_inputs, runtime, name: str):
     """``compiled`` (Inductor's code of one dynamo graph) as one graphed function named ``name``, made
     by ``runtime`` (a ``partitions.Runtime``): a call is dynamo's guards and one launch. Its
     partition runs inline in the whole graph's warm-up and recording; where that capture fails, it
@@ -110,7 +110,6 @@ def graphed_whole(compiled, example_inputs, runtime, name: str, frame=None):
     body.__qualname__ = body.__name__ = name
     gf = runtime.graphed(body)
     gf.inputs_guarded = True
-    gf.compiled_frame = frame  # dynamo's frame: its other compiles' calls begin steps too
     gf.static_positions = tuple(j for j, t in enumerate(example_inputs)
                                 if getattr(t, "_dynamo_static_input_type", None) is not None)
     grad_enabled, set_grad = sys.modules["torch"].is_grad_enabled, private_api.grad_mode_setter()
