@@ -149,7 +149,8 @@ def cpu_beside_gpu(xs) -> str | None:
     if len({d for _, d in devices}) < 2 or all(d >= 0 for _, d in devices):
         return None
     j, x = next((j, xs[j]) for j, d in devices if d < 0)
-    return (f"argument {j} (shape {tuple(x.shape)}, {x.dtype}) lives on the CPU beside GPU tensors (a Python float "
+    return (f"argument {j} (shape {tuple(getattr(x, 'shape', ()))}, {getattr(x, 'dtype', '?')}) lives on the CPU "
+            "beside GPU tensors (a Python float "
             "that dynamo passes as a 0-d CPU tensor is read when the partition's kernels launch, which a "
             "graph fixes at its capture); it runs as Inductor compiled it")
 
