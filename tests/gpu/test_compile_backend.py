@@ -74,6 +74,31 @@ def test_mlp_inference_partitions_replay_and_equal_eager_with_whole_graph_off():
         assert n in text
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["whole graph", "partitions"])
+def test_a_model_called_under_inference_mode_replays_and_equals_eager(whole):
+    """``torch.inference_mode()``, the serving default: the recording's outputs are inference
+    tensors, which have no version counter; a piece of two outputs hands out new objects over
+    them at every replay (reading the counter raised where eager runs)."""
+
+    class TwoOutputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 128), torch.nn.Linear(128, 32)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            return self.b(h), h
+
+    m = TwoOutputs().cuda()
+    c = torch.compile(m, backend="cgraw", options={"name": "served", "whole_graph": whole})
+    for _ in range(CALLS):
+        with torch.inference_mode():
+            x = trand(16, 64)
+            for got, want in zip(c(x), m(x), strict=True):
+                torch.testing.assert_close(got, want, **TOL)
+    _assert_replayed(sc.graphed_pieces("served"))
+
+
 def _kernels(names) -> list[str]:
     mgr = graphed_mod._managers[0]
     return [k.kernel for n in mgr.nodes() if n.fn.name in names and n.recording is not None

@@ -1071,6 +1071,36 @@ def test_a_decode_loop_fed_its_own_token_replays_every_step(inductor):
     _assert_replayed(parts, steps)
 
 
+def test_a_model_called_under_inference_mode_replays_its_pieces_and_equals_eager(inductor):
+    """``torch.inference_mode()`` around the compiled model's calls, the serving default: its
+    piece's two outputs are inference tensors, which the piece cannot hand out again (they have
+    no version counter; reading it raised where eager runs). Every call equals eager and the piece
+    replays."""
+    import torch
+
+    class TwoOutputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            return self.b(h), h
+
+    m = TwoOutputs()
+    c = inductor.compile(m, name="served")
+    for _ in range(6):
+        with torch.inference_mode():
+            x = torch.randn(3, 8)
+            for got, want in zip(c(x), m(x), strict=True):
+                torch.testing.assert_close(got, want)
+    assert _replays(inductor, "served [") == 4
+
+
+def _replays(inductor, prefix: str) -> int:
+    return sum(s.replays for s in inductor.partitions(prefix).values())
+
+
 @pytest.fixture
 def no_module_hooks(monkeypatch):
     """As in a process where no tree is made yet: none of cgraw's module registration hooks installed."""

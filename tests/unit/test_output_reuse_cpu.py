@@ -72,6 +72,19 @@ def test_a_piece_hands_out_its_last_output_objects_again_when_nothing_holds_them
     assert list(tree.backend.poisoned) == []
 
 
+def test_under_inference_mode_a_piece_hands_out_new_objects_at_every_replay(tree):
+    """Outputs made under ``torch.inference_mode()`` are inference tensors: they have no version
+    counter (reading one raised ``Inference tensors do not track version counter``) and may be
+    written in place unseen, so they are never handed out again; each replay equals eager."""
+    with torch.inference_mode():  # the recording's tensors, and the objects over them, are inference tensors
+        f, w = warmed(tree)
+        made = recording(tree, f).reuse.made
+        for _ in range(4):
+            outs = step(tree, f, w)
+            assert all(t.is_inference() for t in outs)
+    assert recording(tree, f).reuse.made == made + 4
+
+
 def with_input(x, w):
     return x, x * w, x + w  # the input handed back, as AOT autograd's forward returns an input it saves
 

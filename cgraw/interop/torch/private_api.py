@@ -219,8 +219,14 @@ _version, _requires_grad = operator.attrgetter("_version"), operator.attrgetter(
 
 def _marks(ts) -> tuple:
     """Version counters (every in-place write, ``squeeze_``, ``set_``, ``resize_`` moves them) and data
-    pointers (``t.data = other`` moves them) of tensors ``ts``."""
-    return list(map(_version, ts)), list(map(api()._torch.Tensor.data_ptr, ts))
+    pointers (``t.data = other`` moves them) of tensors ``ts``. An inference tensor (made under
+    ``torch.inference_mode()``) has no counter and may be written in place unseen: its marks equal
+    no others, so its objects are made anew at every replay."""
+    try:
+        versions = list(map(_version, ts))
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        versions = [object()]
+    return versions, list(map(api()._torch.Tensor.data_ptr, ts))
 
 
 def _settle(ts) -> bool:
