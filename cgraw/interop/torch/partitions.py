@@ -100,14 +100,8 @@ def adapt(fn, gf, home: Home, runtime: Runtime, in_backward, *, phase: str | Non
     training, name = phase == "forward", gf.name
     if training and (home.first_forward is None or index < home.first_forward):
         home.first_forward = index
-    first = [True]
 
     def partition(args):
-        if first[0]:  # where each argument lives is fixed by dynamo's guards and the compiled code
-            first[0] = False
-            why = cpu_beside_gpu(args)
-            if why is not None:
-                gf.unsafe_reason = why  # every call runs the partition as Inductor compiled it
         if in_backward():
             home.forward_pending = False
             tree = home.tree
@@ -163,10 +157,18 @@ def _device_of(xs) -> int:
     return -1
 
 
-def graph_body(fn, name: str):
-    """``fn`` (a partition taking one list) as a function of positional arguments named ``name``."""
+def graph_body(fn, name: str, owner: list | None = None):
+    """``fn`` (a partition taking one list) as a function of positional arguments named ``name``.
+    ``owner``: a list that holds its graphed function once made. The body runs at warm-ups, eager
+    calls and recordings, never at a replay, and a function's first call is a warm-up: there it
+    sees where each argument lives (fixed by dynamo's guards and the compiled code), and a CPU
+    tensor beside GPU ones (``cpu_beside_gpu``) makes every later call run as Inductor compiled it."""
 
     def body(*xs):
+        if owner and getattr(owner[0], "unsafe_reason", None) is None:
+            why = cpu_beside_gpu(xs)
+            if why is not None:
+                owner[0].unsafe_reason = why
         return fn(list(xs))
 
     body.__qualname__ = body.__name__ = name
@@ -209,7 +211,9 @@ class Wrapping:
             if why is not None:
                 self.runtime.note(name, why)
                 return fn
-            gf = self.runtime.graphed(graph_body(fn, name))
+            owner: list = []
+            gf = self.runtime.graphed(graph_body(fn, name, owner))
+            owner.append(gf)
             gf.inputs_guarded = True  # dynamo guards the graph inputs; Inductor allocates the rest (calls.inspect)
             phase = getattr(self.phase, "value", None)
             # the pieces after the graph's first graphed one run in its step: were one of them a root
