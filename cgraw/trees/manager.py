@@ -58,7 +58,7 @@ from cgraw.trees.calls import TREE, grad_enabled, guarded_tail, inspect
 from cgraw.trees.growth import TreeGrowth
 from cgraw.trees.input_plan import moved, unseen_eager
 from cgraw.errors import CgrawError, SkipCall, TreeError
-from cgraw.trees.outputs import PathOutputs, memory_in_use, take_reused
+from cgraw.trees.outputs import PathOutputs, memory_in_use, take_reused, versions_of, written_since
 from cgraw.trees.pool import UNKNOWN, TreePool
 from cgraw.trees.nodes import Backend, FunctionStats, NodeState, Replayable, Rewarm, TreeNode, Warm
 from cgraw.trees.config import config
@@ -66,6 +66,8 @@ from cgraw.trees.prepared import call_of, prepare, shares_memory
 
 log = logging.getLogger("cgraw")
 _ref = weakref.ref
+
+
 RECORDED = NodeState.RECORDED
 MISS = object()  # a call that does not match its prepared replay (``TreeManager._replay_prepared``)
 PREPARE_LIMIT = 16  # a function's prepared replay made again this often for another node (no re-record between) stops
@@ -209,6 +211,8 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
         deferred = None if current is None else self._begin_step(args, True)  # (it may clone outputs out)
         writes = getattr(fn, "writes_inputs", False)
         kept = {id(t) for _, t in deferred} if deferred and writes else None
+        versions = kept and versions_of(deferred)
+        out = None
         try:
             try:
                 ptrs = list(map(p.data_ptr, args))
@@ -219,15 +223,15 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
                     or (kept and node.warm is not None and any(id(args[j]) in kept for j in node.warm.mutated)):
                 # an input read in place moved, inputs share memory, or it writes an output it gets:
                 # the generic path decides, as after any new step
-                return self._call(fn, args, {}, kept)
+                out = self._call(fn, args, {}, kept)
+                return out
             call = call_of(p, args, ptrs)
             res = p.rec.replay(call)
-            if type(res) is not tuple:  # stale: launched nothing; the generic path warms up again
-                return self._call(fn, args, {}, kept)
-            return self._replayed(fn, node, res, call)
+            out = self._call(fn, args, {}, kept) if type(res) is not tuple else self._replayed(fn, node, res, call)
+            return out  # (a stale recording launched nothing: the generic path warms up again)
         finally:
             if deferred:
-                self.backend.end_generation(deferred, None)
+                self._end_kept(fn, args, deferred, versions, out)
 
     def _prepare(self, fn, args) -> None:
         """After a call of ``fn`` (a function whose caller guarantees its inputs) took the generic path:
@@ -251,6 +255,8 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
         """Begin a generation, then the call; ``_call`` runs it eagerly where it writes in place an output
         of the ending generation it gets (``kept``: their ids): its replay writes the new output there."""
         deferred = self._begin_step(args)
+        versions = deferred and versions_of(deferred)  # (a first call learns only now whether it writes them)
+        out = None
         try:
             kept = {id(t) for _, t in deferred} if deferred and getattr(fn, "writes_inputs", False) else None
             out = self._call(fn, args, kwargs, kept)
@@ -259,7 +265,23 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
             return out
         finally:
             if deferred:
-                self.backend.end_generation(deferred, None)
+                self._end_kept(fn, args, deferred, versions, out)
+
+    def _end_kept(self, fn, args, kept: list, versions, out) -> None:
+        """After the call that began a step, the ending generation's outputs that were its own
+        arguments (``_begin_step``): those it wrote in place are state the caller goes on using (a
+        static key-value cache one compiled function made and another writes at every step), so they
+        are cloned out of the pool with the views of them its output ``out`` holds, as
+        ``generation_cloning="user_visible"`` does; the others are poisoned (``outputs.written_since``)."""
+        declared = {id(args[j]) for j in getattr(fn, "mutates", ()) if j < len(args)}  # (Inductor's kernels
+        # write their inputs without moving versions)
+        written = versions and getattr(fn, "writes_inputs", False) and written_since(kept, versions, declared, out)
+        if written:
+            moving = set(map(id, (t for _, t in written)))
+            kept = [item for item in kept if id(item[1]) not in moving]
+            self.backend.end_generation(written, "user_visible")
+        if kept:
+            self.backend.end_generation(kept, None)
 
     def _begin_step(self, args, flat: bool = False) -> list:
         """Start a generation for a call of a root function. Outputs of the ending generation

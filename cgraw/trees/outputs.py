@@ -190,6 +190,31 @@ def take_reused(reused: list, live: list) -> None:
                 reuse.drop(rec)
 
 
+def versions_of(items) -> list:
+    """The version counters of the arrays of ``[(name, array)]`` (``Ops.version``; None where none is kept)."""
+    return [ops_of(t).version(t) for _, t in items]
+
+
+def written_since(items, versions, declared: set, out) -> list:
+    """Of ``[(name, array)]`` (the arguments of a call that were outputs of the ending generation,
+    ``versions_of`` them before it), those the call wrote in place (a version moved, none is kept,
+    or ``declared`` names its id), with the arrays of its output ``out`` over their memory (views
+    it made of them), so that they move to new memory together and stay views of one another."""
+    written = [item for item, v in zip(items, versions)
+               if v is None or id(item[1]) in declared or ops_of(item[1]).version(item[1]) != v]
+    if not written:
+        return written
+    leaves: list = []
+    try:
+        out_spec(out, leaves)
+    except SkipCall:  # an output no replay hands out: nothing of it is in the tree's memory
+        return written
+    bases = {ops_of(t).base_ptr(t) for _, t in written}
+    ids = {id(t) for _, t in written}
+    name = written[0][0]
+    return written + [(name, t) for t in leaves if id(t) not in ids and ops_of(t).base_ptr(t) in bases]
+
+
 def memory_in_use(users) -> bool:
     """Whether any of ``[(users, baseline)]`` counts more references than its baseline."""
     return any(count() > base for count, base in users)
@@ -210,4 +235,4 @@ def _always() -> bool:
     return True
 
 
-__all__ = ["PathOutputs", "Reuse", "memory_in_use", "reuse_for", "take_reused"]
+__all__ = ["PathOutputs", "Reuse", "memory_in_use", "reuse_for", "take_reused", "versions_of", "written_since"]

@@ -23,6 +23,7 @@ import cgraw
 graphed_mod = importlib.import_module("cgraw.trees.graphed")
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
+WRITES_KEPT = "it writes, in place, an output of the ending generation it gets as an input (h = f(h))"
 
 
 class Env:
@@ -188,6 +189,42 @@ def mark_step_begin_lets_a_later_piece_write_an_earlier_output(env: Env):
         close(g(f(x)), x + 3)
     replayed(env, "produce")
     replayed(env, "consume")
+
+
+def state_one_function_makes_and_another_writes_stays_valid(env: Env):
+    """A static key-value cache (transformers' ``generate(cache_implementation="static")``): one
+    compiled function makes the state and hands it out, the caller keeps it, and another compiled
+    function writes it in place at every call, each call beginning a step (here once
+    ``cgraw.config.path_repeat_limit`` makes it a root function, as in a long decode loop). The
+    state is an output of an ended generation the step's call writes: it moves out of the tree's
+    memory, is never invalidated, and every result equals eager's, over two rounds, each with a
+    new state. (torch's trees invalidate an output only when a later replay overwrites its memory.)"""
+
+    def prefill(x):
+        return torch.cat([x, torch.zeros(7, x.shape[1], device=x.device)]) * 0.5
+
+    def decode(state, t, pos):
+        state.index_copy_(0, pos, t)
+        return torch.tanh(state).sum(0)
+
+    p, d = env.compile(prefill, "prefill"), env.compile(decode, "decode")
+    limit = cgraw.config.path_repeat_limit
+    cgraw.config.path_repeat_limit = 3
+    try:
+        for _ in range(2):
+            x = env.rand(1, 16)
+            state, ref = p(x), prefill(x)
+            for i in range(10):
+                t, pos = env.rand(1, 16), torch.tensor([i % 8], device=x.device)
+                close(d(state, t, pos), decode(ref, t, pos))
+                assert not env.overwritten(state), i
+                close(state, ref)
+    finally:
+        cgraw.config.path_repeat_limit = limit
+    parts = env.partitions("decode")
+    assert parts
+    for name, st in parts.items():  # the call that moves a round's state runs eagerly, once a round
+        assert st.replays >= 6 and st.eager_calls <= 2 and set(st.skip_reasons) <= {WRITES_KEPT}, (name, st)
 
 
 # ---------------------------------------------------------------- mutation
@@ -463,6 +500,7 @@ SCENARIOS = [
     an_output_overwritten_by_a_later_replay_is_invalid,
     cloned_outputs_stay_valid,
     mark_step_begin_lets_a_later_piece_write_an_earlier_output,
+    state_one_function_makes_and_another_writes_stays_valid,
     an_input_written_in_place_is_graphed_and_written_back,
     an_input_write_that_changed_nothing_at_the_warm_up_is_still_written_back,
     a_module_buffer_written_in_place_is_graphed,
