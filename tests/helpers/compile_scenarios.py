@@ -221,10 +221,10 @@ def state_one_function_makes_and_another_writes_stays_valid(env: Env):
                 close(state, ref)
     finally:
         cgraw.config.path_repeat_limit = limit
-    parts = env.partitions("decode")
-    assert parts
-    for name, st in parts.items():  # the call that moves a round's state runs eagerly, once a round
-        assert st.replays >= 6 and st.eager_calls <= 2 and set(st.skip_reasons) <= {WRITES_KEPT}, (name, st)
+    parts = env.partitions("decode")  # the call that moves a round's state runs eagerly, once a round
+    assert sum(st.replays for st in parts.values()) >= 6, parts
+    for name, st in parts.items():
+        assert st.eager_calls <= 2 and set(st.skip_reasons) <= {WRITES_KEPT}, (name, st)
 
 
 # ---------------------------------------------------------------- mutation
