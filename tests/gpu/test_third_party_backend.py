@@ -1,6 +1,7 @@
 """GPU tier: ``torch.compile(model, backend="cgraw")`` on code nobody here wrote, the models of
 ``benchmarks/models.py`` built from configs with random weights: transformers GPT-2 (batch 1 and
-8) and Llama greedy decoding with a ``StaticCache``, torchvision ResNet-18 (inference and a whole
+8), Llama greedy decoding with a ``StaticCache`` and transformers' ``generate`` with a static cache
+made inside the compiled forward, torchvision ResNet-18 (inference and a whole
 training step with SGD and momentum), timm ViT-tiny. Inference runs by partitions and with
 ``options={"whole_graph": True}``. Every result is compared with eager's on fresh inputs (the
 training step's with Inductor's without graphs), and the compiled code's graphed pieces must
@@ -87,3 +88,32 @@ def test_a_resnet18_training_step_compiled_with_the_backend_equals_inductors():
                 torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5)
     pieces = _assert_replayed("resnet_train", False, CALLS - 2)
     assert any(" forward/partition" in n for n in pieces) and any(" backward/partition" in n for n in pieces), pieces
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["partitions", "whole_graph"])
+def test_generate_with_a_static_cache_made_inside_the_compiled_forward_gives_eagers_tokens(whole):
+    """transformers' ``generate(cache_implementation="static")`` with the model's forward compiled:
+    the prefill's compile makes the cache (lazily, inside the compiled forward) and hands it out; the
+    decode compile writes it in place at every token, and past ``cgraw.config.path_repeat_limit``
+    tokens its calls begin the steps. The cache is never invalidated (reading it raised), and the
+    tokens of two generations equal eager's."""
+    import copy
+
+    import cgraw
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(cfg).cuda().eval()
+    ref = copy.deepcopy(model)
+    name = f"generate_{int(whole)}"
+    model.forward = _compile(model.forward, name, whole)
+    new = cgraw.config.path_repeat_limit + 8
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+              cache_implementation="static", disable_compile=True)  # (not transformers' own compile)
+    for _ in range(2):
+        ids = torch.randint(1, cfg.vocab_size, (1, 6), device="cuda")
+        assert torch.equal(model.generate(input_ids=ids, **kw), ref.generate(input_ids=ids, **kw))
+    pieces = sc.graphed_pieces(name)
+    assert sum(s.replays for s in pieces.values()) >= new, pieces
