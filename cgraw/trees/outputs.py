@@ -197,11 +197,13 @@ def versions_of(items) -> list:
 
 def written_since(items, versions, declared: set, out) -> list:
     """Of ``[(name, array)]`` (the arguments of a call that were outputs of the ending generation,
-    ``versions_of`` them before it), those the call wrote in place (a version moved, none is kept,
-    or ``declared`` names its id), with the arrays of its output ``out`` over their memory (views
-    it made of them), so that they move to new memory together and stay views of one another."""
+    ``versions_of`` them before it), those the call wrote in place (``declared`` names its id, or
+    its version moved; an inference tensor has none: a decode loop's token fed back under
+    ``torch.inference_mode()`` is not copied at every step), with the arrays of its output ``out``
+    over their memory (views it made of them), so that they move to new memory together and stay
+    views of one another."""
     written = [item for item, v in zip(items, versions)
-               if v is None or id(item[1]) in declared or ops_of(item[1]).version(item[1]) != v]
+               if id(item[1]) in declared or (v is not None and ops_of(item[1]).version(item[1]) != v)]
     if not written:
         return written
     leaves: list = []

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from cgraw.trees.frameworks import TORCH  # noqa: E402
-from cgraw.trees.outputs import PathOutputs, memory_in_use  # noqa: E402
+from cgraw.trees.outputs import PathOutputs, memory_in_use, versions_of, written_since  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -61,3 +61,23 @@ def test_users_do_not_keep_the_memory_alive():
     del t
     gc.collect()
     assert users() == 0
+
+
+def test_the_arguments_a_call_wrote_are_found_with_the_views_its_output_made_of_them():
+    """``written_since``: of the ending generation's outputs a call got, the ones it wrote in place
+    (a version moved, or the function declares the write, as Inductor's kernels write without
+    moving it), with the output's views of them; not one it only read, nor an output over other
+    memory, nor an inference tensor it did not declare (no version to tell)."""
+    cache, token, state = torch.randn(8, 4), torch.randn(4), torch.randn(6)
+    with torch.inference_mode():
+        served = torch.randn(3)
+    items = [("prefill", cache), ("decode", token), ("init", state), ("served", served)]
+    versions = versions_of(items)
+    assert versions[3] is None
+    cache[2].copy_(token)  # written by an op: its version moves
+    out = (cache[:3], token * 2.0, state.view(2, 3), served)
+    found = written_since(items, versions, {id(state)}, out)
+    assert [id(t) for _, t in found] == [id(cache), id(state), id(out[0]), id(out[2])]
+    assert [n for n, _ in found] == ["prefill", "init", "prefill", "prefill"]
+    assert written_since(items, versions_of(items), set(), out) == []
+    assert [id(t) for _, t in written_since(items, versions, {id(served)}, None)] == [id(cache), id(served)]
