@@ -66,8 +66,6 @@ from cgraw.trees.prepared import call_of, prepare, shares_memory
 
 log = logging.getLogger("cgraw")
 _ref = weakref.ref
-
-
 RECORDED = NodeState.RECORDED
 MISS = object()  # a call that does not match its prepared replay (``TreeManager._replay_prepared``)
 PREPARE_LIMIT = 16  # a function's prepared replay made again this often for another node (no re-record between) stops
@@ -227,8 +225,11 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
                 return out
             call = call_of(p, args, ptrs)
             res = p.rec.replay(call)
-            out = self._call(fn, args, {}, kept) if type(res) is not tuple else self._replayed(fn, node, res, call)
-            return out  # (a stale recording launched nothing: the generic path warms up again)
+            if type(res) is tuple:  # a replay writes no output it got (those run on the generic path above)
+                versions = None
+                return self._replayed(fn, node, res, call)
+            out = self._call(fn, args, {}, kept)  # stale: launched nothing; the generic path warms up again
+            return out
         finally:
             if deferred:
                 self._end_kept(fn, args, deferred, versions, out)
@@ -273,9 +274,12 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
         static key-value cache one compiled function made and another writes at every step), so they
         are cloned out of the pool with the views of them its output ``out`` holds, as
         ``generation_cloning="user_visible"`` does; the others are poisoned (``outputs.written_since``)."""
-        declared = {id(args[j]) for j in getattr(fn, "mutates", ()) if j < len(args)}  # (Inductor's kernels
-        # write their inputs without moving versions)
-        written = versions and getattr(fn, "writes_inputs", False) and written_since(kept, versions, declared, out)
+        if versions and getattr(fn, "writes_inputs", False):
+            # the inputs it declares it writes (Inductor's kernels write without moving versions)
+            declared = {id(args[j]) for j in getattr(fn, "mutates", ()) if j < len(args)}
+            written = written_since(kept, versions, declared, out)
+        else:
+            written = None
         if written:
             moving = set(map(id, (t for _, t in written)))
             kept = [item for item in kept if id(item[1]) not in moving]

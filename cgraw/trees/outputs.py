@@ -211,10 +211,13 @@ def written_since(items, versions, declared: set, out) -> list:
         out_spec(out, leaves)
     except SkipCall:  # an output no replay hands out: nothing of it is in the tree's memory
         return written
-    bases = {ops_of(t).base_ptr(t) for _, t in written}
     ids = {id(t) for _, t in written}
     name = written[0][0]
-    return written + [(name, t) for t in leaves if id(t) not in ids and ops_of(t).base_ptr(t) in bases]
+    try:
+        bases = {ops_of(t).base_ptr(t) for _, t in written}
+        return written + [(name, t) for t in leaves if id(t) not in ids and ops_of(t).base_ptr(t) in bases]
+    except RuntimeError:  # an array without storage: none of its memory to move
+        return written
 
 
 def memory_in_use(users) -> bool:
