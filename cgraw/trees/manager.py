@@ -209,8 +209,7 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
         deferred = None if current is None else self._begin_step(args, True)  # (it may clone outputs out)
         writes = getattr(fn, "writes_inputs", False)
         kept = {id(t) for _, t in deferred} if deferred and writes else None
-        versions = kept and versions_of(deferred)
-        out = None
+        versions = out = None  # (read only where the generic path runs: a replay writes no output it got)
         try:
             try:
                 ptrs = list(map(p.data_ptr, args))
@@ -221,13 +220,14 @@ class TreeManager(TreeAutograd, TreeGrowth, TreePool):
                     or (kept and node.warm is not None and any(id(args[j]) in kept for j in node.warm.mutated)):
                 # an input read in place moved, inputs share memory, or it writes an output it gets:
                 # the generic path decides, as after any new step
+                versions = kept and versions_of(deferred)
                 out = self._call(fn, args, {}, kept)
                 return out
             call = call_of(p, args, ptrs)
             res = p.rec.replay(call)
-            if type(res) is tuple:  # a replay writes no output it got (those run on the generic path above)
-                versions = None
+            if type(res) is tuple:
                 return self._replayed(fn, node, res, call)
+            versions = kept and versions_of(deferred)
             out = self._call(fn, args, {}, kept)  # stale: launched nothing; the generic path warms up again
             return out
         finally:
